@@ -1,0 +1,47 @@
+// The cost model that the simulator and the cost-aware generators read: per (virtual) stage times for
+// F, B and W, the time of one hop between ranks, and activation memory per micro-batch.
+//
+// Units are the caller's: the command line uses milliseconds for measured profiles and plain "units"
+// for synthetic costs. A fused backward (BW) costs B + W. Memory follows the zero-bubble convention
+// (ALGORITHMS.md §1.5): F adds `activation[s]`; B releases `b_release_fraction` of it, W the rest; BW
+// releases all of it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "pipetrain/core/action.h"
+
+namespace pipetrain {
+
+struct StageCost {
+  double f = 1.0;           // forward time per micro-batch
+  double b = 1.0;           // input-gradient backward time per micro-batch
+  double w = 1.0;           // weight-gradient backward time per micro-batch
+  double activation = 1.0;  // activation memory one micro-batch holds from F until its backward ends
+};
+
+struct CostModel {
+  std::vector<StageCost> stage;     // one entry per virtual stage
+  double comm = 0.0;                // time of one activation or gradient transfer between two ranks
+  double step = 0.0;                // time of an optimizer step
+  double b_release_fraction = 0.5;  // share of a micro-batch's activation memory that B frees
+
+  // Every one of `stages` virtual stages costs `per_stage` split evenly over `virtual_per_rank` chunks
+  // (an interleaved chunk holds 1/v of a rank's layers, so its times and memory are 1/v).
+  static CostModel uniform(int stages, StageCost per_stage, int virtual_per_rank = 1, double comm = 0.0);
+
+  // Time of one action on its stage; communication and Step actions cost `comm` and `step`.
+  double duration(const Action& a) const;
+  // Change of the rank's activation memory when the action runs (positive for F).
+  double memory_delta(const Action& a) const;
+
+  // Throws UsageError if any value is negative or not finite, or the stage count differs from `stages`.
+  void check(int stages) const;
+};
+
+// Parses "F:B:W" (one triple for every stage) or "F:B:W,F:B:W,..." (one per stage, in stage order).
+// Throws UsageError naming the text and the expected form; negative values are rejected.
+std::vector<StageCost> parse_stage_costs(const std::string& text);
+
+}  // namespace pipetrain

@@ -1,0 +1,56 @@
+// A schedule: for every rank, the ordered list of actions it runs. This is the data that the validator,
+// the simulator and the runtime executor all consume.
+//
+// Ownership: a Schedule is a plain value. Generators return it; passes take it by const reference and
+// return a new one. No thread-safety concerns beyond those of std::vector.
+//
+// Micro-batches are numbered globally over all optimizer steps of the schedule: with
+// `microbatches_per_step = m`, micro-batch i belongs to step i / m. Asynchronous schedules such as
+// PipeDream step after every micro-batch (`microbatches_per_step = 1`).
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "pipetrain/core/action.h"
+
+namespace pipetrain {
+
+struct Schedule {
+  std::string name = "custom";   // generator name, or "custom" for hand-written schedules
+  int ranks = 1;                 // p: number of ranks (devices / processes)
+  int stages = 1;                // S: number of (virtual) stages; S = p * v for interleaved
+  int microbatches = 1;          // total micro-batches over all steps
+  int microbatches_per_step = 1; // micro-batches accumulated into one optimizer step
+  bool synchronous = true;       // true: forwards of step k+1 wait for step k's optimizer step (flush)
+  std::vector<int> stage_rank;   // stage_rank[s]: the rank that owns stage s (size = stages)
+  std::vector<std::vector<Action>> actions;  // actions[r]: rank r's actions in order (size = ranks)
+
+  int steps() const { return (microbatches + microbatches_per_step - 1) / microbatches_per_step; }
+  int virtual_stages_per_rank() const { return stages / ranks; }
+  int rank_of(int stage) const { return stage_rank.at(static_cast<std::size_t>(stage)); }
+  // The step that micro-batch i belongs to.
+  int step_of(int micro) const { return micro / microbatches_per_step; }
+
+  friend bool operator==(const Schedule& a, const Schedule& b);
+};
+
+// Rank r's actions as one line of text, separated by single spaces.
+std::string rank_line(const Schedule& s, int rank);
+
+// CSV form, one row per rank (row r is rank r), one action per cell, e.g.
+//   # pipetrain schedule name=1f1b ranks=2 stages=2 microbatches=2 microbatches_per_step=2 synchronous=1
+//   0F0,0F1,0BW0,0BW1,0S0
+//   1F0,1BW0,1F1,1BW1,1S0
+// The header comment is optional when loading: without it the sizes are inferred from the actions
+// (stages and micro-batches from the largest indices, the stage-to-rank map from where each stage
+// appears, one step over all micro-batches, synchronous). Blank lines and other lines starting with
+// '#' are ignored. Throws UsageError naming the line and cell on malformed input.
+std::string to_csv(const Schedule& s);
+Schedule from_csv(const std::string& text);
+
+// Loads a CSV schedule from a file; throws UsageError if it cannot be read.
+Schedule load_csv_file(const std::string& path);
+
+}  // namespace pipetrain

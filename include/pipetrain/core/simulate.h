@@ -1,0 +1,27 @@
+// The event simulator (ALGORITHMS.md §1.6): runs a schedule's per-rank orders against a cost model and
+// predicts when every action starts and ends, and the metrics of the run.
+//
+// Each rank executes its list in order; an action starts when the rank is free and its input tokens
+// (dependencies.h) have arrived: a token made on another rank arrives `comm` after it was made.
+// Send/receive actions in a lowered schedule are not timed separately: transfers are the `comm`
+// latency on the data edge. Steps take `costs.step`.
+// Pure function; any thread may call it.
+#pragma once
+
+#include "pipetrain/core/cost.h"
+#include "pipetrain/core/schedule.h"
+#include "pipetrain/core/timeline.h"
+
+namespace pipetrain {
+
+struct SimResult {
+  Timeline timeline;  // events in the order the simulator executed them (a topological order)
+  Metrics metrics;    // with peak_memory filled from the cost model
+};
+
+// Throws ScheduleError (with the step x rank grid) if the schedule deadlocks, and UsageError if the
+// cost model does not fit the schedule. The schedule should pass validate() first for clear messages
+// about missing or misplaced actions.
+SimResult simulate(const Schedule& schedule, const CostModel& costs);
+
+}  // namespace pipetrain

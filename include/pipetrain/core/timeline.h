@@ -1,0 +1,80 @@
+// Timelines: when each action ran on each rank, predicted by the simulator or measured by the runtime,
+// and the metrics and pictures made from them. Both sources produce the same Timeline type, so the
+// same writers draw them and predicted and measured runs can be compared side by side.
+//
+// Conventions (DESIGN.md glossary):
+//   busy_r   = sum of the durations of rank r's compute actions (F, B, W, BW)
+//   span_r   = last finish - first start on rank r
+//   bubble_r = span_r - busy_r                       (per-rank, zero-bubble convention)
+//   bubble_fraction = 1 - sum_r busy_r / (p * makespan)
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "pipetrain/core/action.h"
+
+namespace pipetrain {
+
+struct TimedAction {
+  int rank = 0;
+  Action action;
+  double start = 0.0;
+  double end = 0.0;
+};
+
+struct Timeline {
+  std::string schedule;     // schedule name, for titles
+  int ranks = 0;            // p
+  int microbatches = 0;     // m per step, for titles
+  int virtual_stages = 1;   // v
+  std::string unit = "ms";  // time unit of start/end ("ms", "s", "units")
+  std::vector<TimedAction> events;  // any order
+};
+
+struct RankMetrics {
+  int rank = 0;
+  double busy = 0.0;
+  double span = 0.0;
+  double bubble = 0.0;
+  int peak_inflight = 0;      // micro-batches (per virtual stage) with F done and backward not done
+  double peak_memory = 0.0;   // peak activation memory, in the cost model's units
+};
+
+struct Metrics {
+  double makespan = 0.0;
+  double bubble_fraction = 0.0;
+  std::vector<RankMetrics> per_rank;
+  double max_bubble() const;  // max_r bubble_r (the zero-bubble papers' number)
+};
+
+// Busy, span, bubble and makespan from the events alone. Peak in-flight counts come from the order of
+// F and backward events; peak_memory is left 0 (the simulator fills it from its cost model).
+Metrics compute_metrics(const Timeline& t);
+
+// Chrome trace JSON ("traceEvents"; opens in Perfetto and chrome://tracing): one track per rank, one
+// complete ("X") slice per action, named in the action's text form, with the kind as category.
+// Times are converted to microseconds from `t.unit` ("units" are drawn as milliseconds).
+std::string chrome_trace_json(const Timeline& t);
+
+// SVG Gantt chart: one row per rank, one colour per action kind with a legend, the micro-batch number
+// on each box, idle time left empty, a time axis, and a title with schedule, p, m, v and the bubble
+// fraction.
+std::string gantt_svg(const Timeline& t, const Metrics& m);
+
+// Writes `contents` to `path` atomically (temporary file, then rename), so a failure never leaves a
+// half-written file. Throws std::runtime_error naming the path on failure.
+void write_file_atomic(const std::string& path, const std::string& contents);
+
+}  // namespace pipetrain
+
+namespace pipetrain {
+
+// A plain-text Gantt chart, one line per rank, `chars_per_unit` characters per time unit. Each action
+// is a box starting with its kind ('f' forward, 'b' input-gradient backward, 'w' weight gradient,
+// 'B' fused backward, 'S' step) and micro-batch number, padded with '-'; idle time is '.'. Used for
+// terminal output and for the pictures in the generators' header comments.
+std::string ascii_gantt(const Timeline& t, double chars_per_unit = 2.0);
+
+}  // namespace pipetrain

@@ -1,0 +1,87 @@
+#include "pipetrain/core/action.h"
+
+#include <array>
+#include <cctype>
+#include <utility>
+
+#include "pipetrain/core/error.h"
+
+namespace pipetrain {
+namespace {
+
+// Longest mnemonics first, so "BW" is not read as "B" followed by garbage.
+constexpr std::array<std::pair<std::string_view, ActionKind>, 9> kMnemonics{{
+    {"BW", ActionKind::BW},
+    {"SF", ActionKind::SendAct},
+    {"RF", ActionKind::RecvAct},
+    {"SB", ActionKind::SendGrad},
+    {"RB", ActionKind::RecvGrad},
+    {"F", ActionKind::F},
+    {"B", ActionKind::B},
+    {"W", ActionKind::W},
+    {"S", ActionKind::Step},
+}};
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+// Reads a non-negative decimal number that fits an int; returns -1 if `s` is not one.
+int read_count(std::string_view s) {
+  if (s.empty() || s.size() > 9) return -1;
+  int v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return -1;
+    v = v * 10 + (c - '0');
+  }
+  return v;
+}
+
+}  // namespace
+
+std::string_view kind_name(ActionKind kind) {
+  for (const auto& [name, k] : kMnemonics)
+    if (k == kind) return name;
+  return "?";
+}
+
+bool is_compute(ActionKind kind) {
+  return kind == ActionKind::F || kind == ActionKind::B || kind == ActionKind::W || kind == ActionKind::BW;
+}
+
+bool is_comm(ActionKind kind) {
+  return kind == ActionKind::SendAct || kind == ActionKind::RecvAct || kind == ActionKind::SendGrad ||
+         kind == ActionKind::RecvGrad;
+}
+
+std::string to_string(const Action& a) {
+  std::string out = std::to_string(a.stage);
+  out += kind_name(a.kind);
+  out += std::to_string(a.index);
+  return out;
+}
+
+Action parse_action(std::string_view text) {
+  const std::string_view t = trim(text);
+  auto fail = [&]() -> Action {
+    throw UsageError("malformed action '" + std::string(t) +
+                     "': expected <stage><KIND><micro-batch> such as 2F0, 1B3, 1W3, 0BW5, 0SF2, 1RF2, 2SB2, "
+                     "3RB2 or 1S0 (KIND is one of F B W BW SF RF SB RB S)");
+  };
+  std::size_t i = 0;
+  while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i;
+  const int stage = read_count(t.substr(0, i));
+  if (stage < 0) return fail();
+  const std::string_view rest = t.substr(i);
+  for (const auto& [name, kind] : kMnemonics) {
+    if (rest.substr(0, name.size()) != name) continue;
+    const int index = read_count(rest.substr(name.size()));
+    if (index < 0) return fail();
+    return Action{kind, stage, index};
+  }
+  return fail();
+}
+
+}  // namespace pipetrain

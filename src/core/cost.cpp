@@ -1,0 +1,102 @@
+#include "pipetrain/core/cost.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "pipetrain/core/error.h"
+
+namespace pipetrain {
+
+CostModel CostModel::uniform(int stages, StageCost per_stage, int virtual_per_rank, double comm) {
+  const double v = virtual_per_rank > 0 ? virtual_per_rank : 1;
+  StageCost chunk{per_stage.f / v, per_stage.b / v, per_stage.w / v, per_stage.activation / v};
+  CostModel m;
+  m.stage.assign(static_cast<std::size_t>(stages), chunk);
+  m.comm = comm;
+  return m;
+}
+
+double CostModel::duration(const Action& a) const {
+  switch (a.kind) {
+    case ActionKind::F: return stage.at(static_cast<std::size_t>(a.stage)).f;
+    case ActionKind::B: return stage.at(static_cast<std::size_t>(a.stage)).b;
+    case ActionKind::W: return stage.at(static_cast<std::size_t>(a.stage)).w;
+    case ActionKind::BW: {
+      const StageCost& c = stage.at(static_cast<std::size_t>(a.stage));
+      return c.b + c.w;
+    }
+    case ActionKind::Step: return step;
+    default: return comm;
+  }
+}
+
+double CostModel::memory_delta(const Action& a) const {
+  if (!is_compute(a.kind)) return 0.0;
+  const double act = stage.at(static_cast<std::size_t>(a.stage)).activation;
+  switch (a.kind) {
+    case ActionKind::F: return act;
+    case ActionKind::B: return -act * b_release_fraction;
+    case ActionKind::W: return -act * (1.0 - b_release_fraction);
+    default: return -act;  // BW
+  }
+}
+
+void CostModel::check(int stages) const {
+  if (static_cast<int>(stage.size()) != stages)
+    throw UsageError("the cost model has " + std::to_string(stage.size()) + " stage entries but the schedule has " +
+                     std::to_string(stages) + " stages: give one F:B:W triple, or one per stage");
+  auto bad = [](double x) { return !std::isfinite(x) || x < 0; };
+  for (std::size_t s = 0; s < stage.size(); ++s) {
+    const StageCost& c = stage[s];
+    if (bad(c.f) || bad(c.b) || bad(c.w) || bad(c.activation)) {
+      std::ostringstream msg;
+      msg << "stage " << s << " has a negative or non-finite cost (F=" << c.f << ", B=" << c.b << ", W=" << c.w
+          << ", activation=" << c.activation << "): costs must be finite and >= 0";
+      throw UsageError(msg.str());
+    }
+  }
+  if (bad(comm)) throw UsageError("communication cost " + std::to_string(comm) + " must be finite and >= 0");
+  if (bad(step)) throw UsageError("step cost " + std::to_string(step) + " must be finite and >= 0");
+  if (!(b_release_fraction >= 0 && b_release_fraction <= 1))
+    throw UsageError("b_release_fraction " + std::to_string(b_release_fraction) + " must lie in [0, 1]");
+}
+
+namespace {
+
+double parse_cost_number(const std::string& item, const std::string& whole) {
+  try {
+    std::size_t used = 0;
+    const double v = std::stod(item, &used);
+    if (used != item.size()) throw std::invalid_argument(item);
+    if (!std::isfinite(v) || v < 0)
+      throw UsageError("cost '" + item + "' in '" + whole + "' must be a finite number >= 0");
+    return v;
+  } catch (const UsageError&) {
+    throw;
+  } catch (const std::exception&) {
+    throw UsageError("cost '" + item + "' in '" + whole + "' is not a number: expected F:B:W such as 1:1:1 or 1:2:0");
+  }
+}
+
+}  // namespace
+
+std::vector<StageCost> parse_stage_costs(const std::string& text) {
+  std::vector<StageCost> out;
+  std::stringstream per_stage(text);
+  std::string triple;
+  while (std::getline(per_stage, triple, ',')) {
+    std::vector<double> v;
+    std::stringstream parts(triple);
+    std::string item;
+    while (std::getline(parts, item, ':')) v.push_back(parse_cost_number(item, text));
+    if (v.size() != 3)
+      throw UsageError("cost '" + triple + "' in '" + text +
+                       "' must have three parts F:B:W (forward, input-gradient backward, weight-gradient "
+                       "backward), e.g. 1:1:1; for a fused backward of 2 write 1:2:0");
+    out.push_back(StageCost{v[0], v[1], v[2], 1.0});
+  }
+  if (out.empty()) throw UsageError("empty cost '" + text + "': expected F:B:W such as 1:1:1");
+  return out;
+}
+
+}  // namespace pipetrain

@@ -1,0 +1,171 @@
+#include "pipetrain/core/schedule.h"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "pipetrain/core/error.h"
+
+namespace pipetrain {
+
+bool operator==(const Schedule& a, const Schedule& b) {
+  return a.name == b.name && a.ranks == b.ranks && a.stages == b.stages && a.microbatches == b.microbatches &&
+         a.microbatches_per_step == b.microbatches_per_step && a.synchronous == b.synchronous &&
+         a.stage_rank == b.stage_rank && a.actions == b.actions;
+}
+
+std::string rank_line(const Schedule& s, int rank) {
+  std::string out;
+  for (const Action& a : s.actions.at(static_cast<std::size_t>(rank))) {
+    if (!out.empty()) out += ' ';
+    out += to_string(a);
+  }
+  return out;
+}
+
+std::string to_csv(const Schedule& s) {
+  std::ostringstream out;
+  out << "# pipetrain schedule name=" << s.name << " ranks=" << s.ranks << " stages=" << s.stages
+      << " microbatches=" << s.microbatches << " microbatches_per_step=" << s.microbatches_per_step
+      << " synchronous=" << (s.synchronous ? 1 : 0) << " stage_rank=";
+  for (std::size_t i = 0; i < s.stage_rank.size(); ++i) out << (i ? ":" : "") << s.stage_rank[i];
+  out << '\n';
+  for (int r = 0; r < s.ranks; ++r) {
+    const auto& row = s.actions[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < row.size(); ++i) out << (i ? "," : "") << to_string(row[i]);
+    out << '\n';
+  }
+  return out.str();
+}
+
+namespace {
+
+int header_int(const std::map<std::string, std::string>& kv, const std::string& key, int fallback,
+               int line_no) {
+  auto it = kv.find(key);
+  if (it == kv.end()) return fallback;
+  try {
+    std::size_t used = 0;
+    const int v = std::stoi(it->second, &used);
+    if (used != it->second.size()) throw std::invalid_argument(it->second);
+    return v;
+  } catch (const std::exception&) {
+    throw UsageError("CSV line " + std::to_string(line_no) + ": header value " + key + "=" + it->second +
+                     " is not an integer");
+  }
+}
+
+std::vector<int> parse_stage_rank(const std::string& text, int line_no) {
+  std::vector<int> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ':')) {
+    try {
+      out.push_back(std::stoi(item));
+    } catch (const std::exception&) {
+      throw UsageError("CSV line " + std::to_string(line_no) + ": stage_rank=" + text +
+                       " must be rank numbers separated by ':' (e.g. stage_rank=0:1:0:1)");
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Schedule from_csv(const std::string& text) {
+  Schedule s;
+  std::map<std::string, std::string> header;
+  int header_line = 0;
+  std::vector<std::vector<Action>> rows;
+  std::istringstream in(text);
+  std::string line;
+  int line_no = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const auto first = line.find_first_not_of(" \t");
+    if (first == std::string::npos) continue;
+    if (line[first] == '#') {
+      std::istringstream words(line.substr(first + 1));
+      std::string word;
+      words >> word;
+      if (word != "pipetrain") continue;
+      header_line = line_no;
+      while (words >> word) {
+        const auto eq = word.find('=');
+        if (eq != std::string::npos) header[word.substr(0, eq)] = word.substr(eq + 1);
+      }
+      continue;
+    }
+    std::vector<Action> row;
+    std::stringstream cells(line);
+    std::string cell;
+    int col = 0;
+    while (std::getline(cells, cell, ',')) {
+      ++col;
+      if (cell.find_first_not_of(" \t") == std::string::npos) continue;  // empty cell: nothing to do
+      try {
+        row.push_back(parse_action(cell));
+      } catch (const UsageError& e) {
+        throw UsageError("CSV line " + std::to_string(line_no) + ", cell " + std::to_string(col) + ": " +
+                         e.what());
+      }
+    }
+    rows.push_back(std::move(row));
+  }
+  if (rows.empty())
+    throw UsageError("CSV schedule has no rows: write one line per rank, e.g. '0F0,0BW0' for one rank");
+
+  int max_stage = -1, max_micro = -1;
+  for (const auto& row : rows)
+    for (const Action& a : row) {
+      max_stage = std::max(max_stage, a.stage);
+      if (a.kind != ActionKind::Step) max_micro = std::max(max_micro, a.index);
+    }
+  s.actions = std::move(rows);
+  s.ranks = header_int(header, "ranks", static_cast<int>(s.actions.size()), header_line);
+  if (s.ranks != static_cast<int>(s.actions.size()))
+    throw UsageError("CSV header says ranks=" + std::to_string(s.ranks) + " but the file has " +
+                     std::to_string(s.actions.size()) + " rows: write one row per rank");
+  s.name = header.count("name") ? header["name"] : "custom";
+  s.stages = header_int(header, "stages", max_stage + 1, header_line);
+  s.microbatches = header_int(header, "microbatches", max_micro + 1, header_line);
+  s.microbatches_per_step = header_int(header, "microbatches_per_step", s.microbatches, header_line);
+  s.synchronous = header_int(header, "synchronous", 1, header_line) != 0;
+  if (s.stages < 1 || s.microbatches < 1 || s.microbatches_per_step < 1)
+    throw UsageError("CSV schedule needs at least one stage and one micro-batch (got stages=" +
+                     std::to_string(s.stages) + ", microbatches=" + std::to_string(s.microbatches) +
+                     ", microbatches_per_step=" + std::to_string(s.microbatches_per_step) + ")");
+  if (header.count("stage_rank")) {
+    s.stage_rank = parse_stage_rank(header["stage_rank"], header_line);
+  } else {
+    // Infer the owner of each stage from the first rank whose row mentions it; a stage that never
+    // appears goes to rank stage % ranks (the validator then reports its missing actions).
+    s.stage_rank.assign(static_cast<std::size_t>(s.stages), -1);
+    for (int r = 0; r < s.ranks; ++r)
+      for (const Action& a : s.actions[static_cast<std::size_t>(r)])
+        if (a.stage < s.stages && s.stage_rank[static_cast<std::size_t>(a.stage)] < 0)
+          s.stage_rank[static_cast<std::size_t>(a.stage)] = r;
+    for (int st = 0; st < s.stages; ++st)
+      if (s.stage_rank[static_cast<std::size_t>(st)] < 0) s.stage_rank[static_cast<std::size_t>(st)] = st % s.ranks;
+  }
+  if (static_cast<int>(s.stage_rank.size()) != s.stages)
+    throw UsageError("CSV header stage_rank lists " + std::to_string(s.stage_rank.size()) +
+                     " owners but stages=" + std::to_string(s.stages) + ": give one rank per stage");
+  for (int r : s.stage_rank)
+    if (r < 0 || r >= s.ranks)
+      throw UsageError("CSV header stage_rank names rank " + std::to_string(r) + " but there are " +
+                       std::to_string(s.ranks) + " ranks (0.." + std::to_string(s.ranks - 1) + ")");
+  return s;
+}
+
+Schedule load_csv_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw UsageError("cannot read schedule file '" + path + "': check the path");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return from_csv(text.str());
+}
+
+}  // namespace pipetrain

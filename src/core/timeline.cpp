@@ -1,0 +1,375 @@
+// Timeline metrics and writers (Chrome trace JSON, SVG Gantt chart, atomic file write).
+// See pipetrain/core/timeline.h for the contracts and DESIGN.md's glossary for the bubble conventions.
+#include "pipetrain/core/timeline.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <stdexcept>
+#include <utility>
+
+#include "pipetrain/core/error.h"
+
+namespace pipetrain {
+namespace {
+
+// Every writer and the metrics index per-rank arrays by `rank` and draw [start, end]: reject what would
+// index out of range or draw nonsense, naming the event and the fix.
+void check_events(const Timeline& t) {
+  if (t.ranks < 0) throw UsageError(fmt::format("timeline has {} ranks: the rank count must be >= 0", t.ranks));
+  for (const TimedAction& e : t.events) {
+    if (e.rank < 0 || e.rank >= t.ranks)
+      throw UsageError(fmt::format("timeline event {} is on rank {} but the timeline has {} ranks: use ranks 0..{}",
+                                   to_string(e.action), e.rank, t.ranks, t.ranks - 1));
+    if (!std::isfinite(e.start) || !std::isfinite(e.end) || e.end < e.start)
+      throw UsageError(fmt::format("timeline event {} on rank {} has start {} and end {}: times must be finite "
+                                   "with end >= start",
+                                   to_string(e.action), e.rank, e.start, e.end));
+  }
+}
+
+// Microseconds per one unit of `unit` (Chrome trace times are in microseconds).
+double micros_per_unit(const std::string& unit) {
+  if (unit == "ms" || unit == "units") return 1e3;  // "units" (abstract cost-model time) drawn as ms
+  if (unit == "s") return 1e6;
+  if (unit == "us") return 1.0;
+  throw UsageError(fmt::format("timeline unit '{}' is not known: use one of ms, s, us, units", unit));
+}
+
+// Indices of `events` sorted by start, ties by end, then by input position (stable).
+std::vector<std::size_t> start_order(const std::vector<TimedAction>& events) {
+  std::vector<std::size_t> idx(events.size());
+  for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) {
+    if (events[a].start != events[b].start) return events[a].start < events[b].start;
+    return events[a].end < events[b].end;
+  });
+  return idx;
+}
+
+std::string xml_escape(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&apos;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+struct KindStyle {
+  const char* fill;
+  const char* text;    // colour of the micro-batch number on the box
+  const char* legend;  // legend label
+};
+
+KindStyle style_of(ActionKind k) {
+  switch (k) {
+    case ActionKind::F: return {"#6fa8dc", "#10243a", "F forward"};
+    case ActionKind::B: return {"#f6a04d", "#3a2208", "B input grad"};
+    case ActionKind::W: return {"#8cc084", "#13300f", "W weight grad"};
+    case ActionKind::BW: return {"#c58fd1", "#2e0f36", "BW backward (B+W)"};
+    case ActionKind::SendAct: return {"#8a8a8a", "#000000", "SF send activation"};
+    case ActionKind::RecvAct: return {"#b0b0b0", "#000000", "RF recv activation"};
+    case ActionKind::SendGrad: return {"#6e6e6e", "#000000", "SB send gradient"};
+    case ActionKind::RecvGrad: return {"#c4c4c4", "#000000", "RB recv gradient"};
+    case ActionKind::Step: return {"#333333", "#ffffff", "S optimizer step"};
+  }
+  return {"#000000", "#ffffff", "?"};
+}
+
+// A "round" tick step (1, 2 or 5 times a power of ten) giving about 6 intervals over `range`.
+double tick_step(double range) {
+  const double raw = range / 6.0;
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  const double norm = raw / mag;
+  const double mult = norm < 1.5 ? 1.0 : norm < 3.5 ? 2.0 : norm < 7.5 ? 5.0 : 10.0;
+  return mult * mag;
+}
+
+}  // namespace
+
+double Metrics::max_bubble() const {
+  double best = 0.0;
+  for (const RankMetrics& r : per_rank) best = std::max(best, r.bubble);
+  return best;
+}
+
+Metrics compute_metrics(const Timeline& t) {
+  check_events(t);
+  Metrics m;
+  m.per_rank.resize(static_cast<std::size_t>(t.ranks));
+  for (int r = 0; r < t.ranks; ++r) m.per_rank[static_cast<std::size_t>(r)].rank = r;
+  if (t.events.empty()) return m;
+
+  double t0 = std::numeric_limits<double>::infinity();
+  double t1 = -std::numeric_limits<double>::infinity();
+  std::vector<double> first(m.per_rank.size(), std::numeric_limits<double>::infinity());
+  std::vector<double> last(m.per_rank.size(), -std::numeric_limits<double>::infinity());
+  for (const TimedAction& e : t.events) {
+    t0 = std::min(t0, e.start);
+    t1 = std::max(t1, e.end);
+    if (!is_compute(e.action.kind)) continue;
+    const auto r = static_cast<std::size_t>(e.rank);
+    m.per_rank[r].busy += e.end - e.start;
+    first[r] = std::min(first[r], e.start);
+    last[r] = std::max(last[r], e.end);
+  }
+  m.makespan = t1 - t0;
+  double busy = 0.0;
+  for (std::size_t r = 0; r < m.per_rank.size(); ++r) {
+    RankMetrics& rm = m.per_rank[r];
+    if (last[r] >= first[r]) rm.span = last[r] - first[r];
+    rm.bubble = rm.span - rm.busy;
+    busy += rm.busy;
+  }
+  if (m.makespan > 0.0 && t.ranks > 0) m.bubble_fraction = 1.0 - busy / (t.ranks * m.makespan);
+
+  // In flight: a (stage, micro) pair enters on F and leaves on its last backward — BW, or W for split
+  // schedules. A pair whose B never gets a W on this rank leaves on B.
+  //
+  //   rank 0:  F0 F1 B0 F2 W0 B1 W1 ...     in flight: 1 2 2 3 2 2 1   (B0 keeps 0 in flight until W0)
+  using Pair = std::pair<int, int>;
+  std::vector<std::set<Pair>> has_w(m.per_rank.size());
+  for (const TimedAction& e : t.events)
+    if (e.action.kind == ActionKind::W) has_w[static_cast<std::size_t>(e.rank)].insert({e.action.stage, e.action.index});
+  std::vector<std::set<Pair>> live(m.per_rank.size());
+  for (std::size_t i : start_order(t.events)) {
+    const TimedAction& e = t.events[i];
+    const auto r = static_cast<std::size_t>(e.rank);
+    const Pair key{e.action.stage, e.action.index};
+    switch (e.action.kind) {
+      case ActionKind::F:
+        live[r].insert(key);
+        m.per_rank[r].peak_inflight = std::max(m.per_rank[r].peak_inflight, static_cast<int>(live[r].size()));
+        break;
+      case ActionKind::BW:
+      case ActionKind::W: live[r].erase(key); break;
+      case ActionKind::B:
+        if (has_w[r].count(key) == 0) live[r].erase(key);
+        break;
+      default: break;
+    }
+  }
+  return m;
+}
+
+std::string chrome_trace_json(const Timeline& t) {
+  check_events(t);
+  const double scale = micros_per_unit(t.unit);
+  using nlohmann::json;
+  json events = json::array();
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 0}, {"args", {{"name", "pipetrain: " + t.schedule}}}});
+  for (int r = 0; r < t.ranks; ++r) {
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
+                      {"args", {{"name", fmt::format("rank {}", r)}}}});
+    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
+                      {"args", {{"sort_index", r}}}});
+  }
+  // Deterministic output: by rank, then in start order.
+  std::vector<std::size_t> order = start_order(t.events);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return t.events[a].rank < t.events[b].rank; });
+  for (std::size_t i : order) {
+    const TimedAction& e = t.events[i];
+    const std::string kind(kind_name(e.action.kind));
+    json args = {{"stage", e.action.stage}, {"kind", kind}};
+    args[e.action.kind == ActionKind::Step ? "step" : "micro"] = e.action.index;
+    events.push_back({{"name", to_string(e.action)},
+                      {"cat", kind},
+                      {"ph", "X"},
+                      {"pid", 0},
+                      {"tid", e.rank},
+                      {"ts", e.start * scale},
+                      {"dur", (e.end - e.start) * scale},
+                      {"args", std::move(args)}});
+  }
+  json doc = {{"traceEvents", std::move(events)},
+              {"displayTimeUnit", "ms"},
+              {"otherData",
+               {{"schedule", t.schedule},
+                {"ranks", t.ranks},
+                {"microbatches", t.microbatches},
+                {"virtual_stages", t.virtual_stages},
+                {"unit", t.unit}}}};
+  return doc.dump() + "\n";
+}
+
+// Layout (pixels):
+//
+//   title line
+//   rank 0 | [recv strip] [compute/step boxes] [send strip] |  bubble b0
+//   rank 1 | ...                                             |  bubble b1
+//          +----+----+----+----+  time axis, round ticks in t.unit
+//   legend: one swatch per kind present
+std::string gantt_svg(const Timeline& t, const Metrics& m) {
+  check_events(t);
+  constexpr double kWidth = 1400, kLeft = 80, kRight = 110, kTop = 46;
+  constexpr double kRowH = 30, kRowGap = 4;
+  constexpr double kStrip = 4;                              // height of the thin comm boxes
+  constexpr double kBoxY = kStrip + 2, kBoxH = kRowH - 2 * kBoxY;  // compute box inside the row
+  const double plot_w = kWidth - kLeft - kRight;
+
+  double t0 = 0.0, t1 = 0.0;
+  if (!t.events.empty()) {
+    t0 = std::numeric_limits<double>::infinity();
+    t1 = -std::numeric_limits<double>::infinity();
+    for (const TimedAction& e : t.events) {
+      t0 = std::min(t0, e.start);
+      t1 = std::max(t1, e.end);
+    }
+  }
+  const double range = t1 > t0 ? t1 - t0 : 1.0;
+  auto x_of = [&](double time) { return kLeft + (time - t0) / range * plot_w; };
+
+  const double rows_bottom = kTop + t.ranks * (kRowH + kRowGap);
+  const double axis_y = rows_bottom + 2;
+  const double legend_y = axis_y + 50;
+
+  std::set<ActionKind> kinds;
+  for (const TimedAction& e : t.events) kinds.insert(e.action.kind);
+
+  // Legend entries laid out left to right, wrapping at the plot width.
+  struct Entry { ActionKind kind; double x, y; };
+  std::vector<Entry> legend;
+  {
+    double x = kLeft, y = legend_y;
+    for (ActionKind k : kinds) {
+      const double w = 26 + 7.0 * static_cast<double>(std::strlen(style_of(k).legend)) + 22;
+      if (x + w > kWidth - 10 && x > kLeft) { x = kLeft; y += 22; }
+      legend.push_back({k, x, y});
+      x += w;
+    }
+  }
+  const double height = (legend.empty() ? legend_y : legend.back().y) + 24;
+
+  std::string out;
+  out += fmt::format(
+      "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0:.0f}\" height=\"{1:.0f}\" viewBox=\"0 0 {0:.0f} {1:.0f}\" "
+      "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n",
+      kWidth, height);
+  out += fmt::format("<rect class=\"background\" x=\"0\" y=\"0\" width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#ffffff\"/>\n",
+                     kWidth, height);
+  out += fmt::format(
+      "<text class=\"title\" x=\"{:.0f}\" y=\"26\" font-size=\"16\" font-weight=\"bold\" xml:space=\"preserve\">"
+      "{}  p={}  m={}  v={}  bubble fraction={:.3f}  makespan={:g} {}</text>\n",
+      kLeft, xml_escape(t.schedule), t.ranks, t.microbatches, t.virtual_stages, m.bubble_fraction, m.makespan,
+      xml_escape(t.unit));
+
+  // Rows: light background, label on the left, per-rank bubble on the right.
+  for (int r = 0; r < t.ranks; ++r) {
+    const double y = kTop + r * (kRowH + kRowGap);
+    out += fmt::format("<rect class=\"row\" x=\"{:.0f}\" y=\"{:.1f}\" width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#f3f4f6\"/>\n",
+                       kLeft, y, plot_w, kRowH);
+    out += fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"13\" text-anchor=\"end\">rank {}</text>\n", kLeft - 8,
+                       y + kRowH / 2 + 4.5, r);
+    if (static_cast<std::size_t>(r) < m.per_rank.size())
+      out += fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"11\" fill=\"#555555\">bubble {:.4g}</text>\n",
+                         kLeft + plot_w + 8, y + kRowH / 2 + 4, m.per_rank[static_cast<std::size_t>(r)].bubble);
+  }
+
+  // Time axis with round ticks and light grid lines behind the boxes.
+  const double step = tick_step(range);
+  const int decimals = step >= 1.0 ? 0 : static_cast<int>(std::ceil(-std::log10(step) - 1e-9));
+  out += fmt::format("<line x1=\"{0:.0f}\" y1=\"{1:.1f}\" x2=\"{2:.0f}\" y2=\"{1:.1f}\" stroke=\"#333333\" stroke-width=\"1\"/>\n",
+                     kLeft, axis_y, kLeft + plot_w);
+  for (double n = std::ceil(t0 / step - 1e-9);; n += 1.0) {
+    double tick = n * step;
+    if (tick > t0 + range + 1e-9 * range) break;
+    if (std::fabs(tick) < 1e-9 * step) tick = 0.0;  // no "-0"
+    const double x = x_of(tick);
+    if (t.ranks > 0)
+      out += fmt::format("<line x1=\"{0:.2f}\" y1=\"{1:.0f}\" x2=\"{0:.2f}\" y2=\"{2:.1f}\" stroke=\"#dddddd\" stroke-width=\"1\"/>\n",
+                         x, kTop, rows_bottom);
+    out += fmt::format("<line x1=\"{0:.2f}\" y1=\"{1:.1f}\" x2=\"{0:.2f}\" y2=\"{2:.1f}\" stroke=\"#333333\" stroke-width=\"1\"/>\n",
+                       x, axis_y, axis_y + 5);
+    out += fmt::format("<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"11\" text-anchor=\"middle\">{:.{}f}</text>\n", x,
+                       axis_y + 18, tick, decimals);
+  }
+  out += fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"12\" text-anchor=\"middle\">time ({})</text>\n",
+                     kLeft + plot_w / 2, axis_y + 34, xml_escape(t.unit));
+
+  // Boxes: compute and Step fill the middle of the row; receives are a thin strip at its top, sends at
+  // its bottom, so communication that overlaps compute stays visible.
+  for (std::size_t i : start_order(t.events)) {
+    const TimedAction& e = t.events[i];
+    const KindStyle st = style_of(e.action.kind);
+    const double row_y = kTop + e.rank * (kRowH + kRowGap);
+    double y = row_y + kBoxY, h = kBoxH;
+    if (e.action.kind == ActionKind::RecvAct || e.action.kind == ActionKind::RecvGrad) {
+      y = row_y + 1;
+      h = kStrip;
+    } else if (is_comm(e.action.kind)) {
+      y = row_y + kRowH - 1 - kStrip;
+      h = kStrip;
+    }
+    const double x = x_of(e.start);
+    const double w = std::max(1.0, x_of(e.end) - x);
+    const std::string text = to_string(e.action);
+    out += fmt::format(
+        "<rect class=\"box\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\" fill=\"{}\" stroke=\"#ffffff\" "
+        "stroke-width=\"0.5\"><title>{} rank {} [{:g}, {:g}] {}</title></rect>\n",
+        x, y, w, h, st.fill, xml_escape(text), e.rank, e.start, e.end, xml_escape(t.unit));
+    if (is_comm(e.action.kind)) continue;
+    // Micro-batch number (step number for Step), as large as fits, omitted when the box is too narrow.
+    const std::string label = std::to_string(e.action.index);
+    const double fit = (w - 3) / (0.62 * static_cast<double>(label.size()));
+    const double fs = std::floor(std::min(11.0, fit) * 2) / 2;
+    if (fs < 6.0) continue;
+    out += fmt::format(
+        "<text class=\"micro\" x=\"{:.2f}\" y=\"{:.2f}\" font-size=\"{:g}\" text-anchor=\"middle\" fill=\"{}\" "
+        "pointer-events=\"none\">{}</text>\n",
+        x + w / 2, y + h / 2 + fs * 0.35, fs, st.text, label);
+  }
+
+  for (const Entry& en : legend) {
+    const KindStyle st = style_of(en.kind);
+    out += fmt::format(
+        "<rect class=\"legend\" x=\"{:.0f}\" y=\"{:.0f}\" width=\"18\" height=\"14\" fill=\"{}\"/>"
+        "<text x=\"{:.0f}\" y=\"{:.0f}\" font-size=\"12\">{}</text>\n",
+        en.x, en.y - 11, st.fill, en.x + 24, en.y, xml_escape(st.legend));
+  }
+  out += "</svg>\n";
+  return out;
+}
+
+void write_file_atomic(const std::string& path, const std::string& contents) {
+  const std::string tmp = path + ".tmp." + std::to_string(static_cast<long>(::getpid()));
+  auto fail = [&](const std::string& what, int err) {
+    std::remove(tmp.c_str());
+    throw std::runtime_error(fmt::format("cannot write '{}': {}: {}", path, what, std::strerror(err)));
+  };
+  {
+    errno = 0;
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) fail("cannot create temporary file '" + tmp + "'", errno ? errno : EIO);
+    f.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+    f.flush();
+    if (!f) fail("write to '" + tmp + "' failed", errno ? errno : EIO);
+    f.close();
+    if (!f) fail("closing '" + tmp + "' failed", errno ? errno : EIO);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    fail("renaming '" + tmp + "' over it failed", err);
+  }
+}
+
+}  // namespace pipetrain

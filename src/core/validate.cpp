@@ -1,0 +1,323 @@
+#include "pipetrain/core/validate.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "pipetrain/core/dependencies.h"
+#include "pipetrain/core/error.h"
+
+namespace pipetrain {
+
+std::string render_grid(const Schedule& s, const std::vector<GridCell>& marked) {
+  std::size_t ncols = 0, width = 3;
+  for (const auto& row : s.actions) {
+    ncols = std::max(ncols, row.size());
+    for (const Action& a : row) width = std::max(width, to_string(a).size());
+  }
+  width += 2;
+  constexpr std::size_t kMaxCols = 24;
+  std::size_t first = 0, last = ncols;
+  if (ncols > kMaxCols) {
+    std::size_t focus = marked.empty() ? 0 : static_cast<std::size_t>(marked.front().pos);
+    first = focus > kMaxCols / 2 ? focus - kMaxCols / 2 : 0;
+    last = std::min(ncols, first + kMaxCols);
+    first = last - kMaxCols;
+  }
+  auto is_marked = [&](int r, std::size_t c) {
+    return std::any_of(marked.begin(), marked.end(),
+                       [&](const GridCell& g) { return g.rank == r && static_cast<std::size_t>(g.pos) == c; });
+  };
+  std::ostringstream out;
+  out << "step x rank grid" << (marked.empty() ? "" : " ([..] marks the offending action)")
+      << (first > 0 || last < ncols ? ", steps " + std::to_string(first) + ".." + std::to_string(last - 1) +
+                                           " of " + std::to_string(ncols)
+                                     : std::string())
+      << ":\n";
+  const std::string label = "rank " + std::to_string(s.ranks - 1) + " ";
+  out << std::string(label.size(), ' ') << (first > 0 ? "... " : "");
+  for (std::size_t c = first; c < last; ++c) {
+    std::string num = std::to_string(c);
+    out << num << std::string(width > num.size() ? width - num.size() : 1, ' ');
+  }
+  out << '\n';
+  for (int r = 0; r < s.ranks; ++r) {
+    std::string name = "rank " + std::to_string(r);
+    out << name << std::string(label.size() - name.size(), ' ') << (first > 0 ? "... " : "");
+    const auto& row = s.actions[static_cast<std::size_t>(r)];
+    for (std::size_t c = first; c < last && c < row.size(); ++c) {
+      const std::string text = to_string(row[c]);
+      const std::string cell = is_marked(r, c) ? "[" + text + "]" : " " + text + " ";
+      out << cell << std::string(width > cell.size() ? width - cell.size() : 1, ' ');
+    }
+    if (row.size() > last) out << "...";
+    out << '\n';
+  }
+  return out.str();
+}
+
+namespace {
+
+[[noreturn]] void fail(const Schedule& s, const std::string& what, const std::vector<GridCell>& cells = {}) {
+  throw ScheduleError("invalid schedule '" + s.name + "': " + what + "\n" + render_grid(s, cells));
+}
+
+std::string token_text(const Token& t) {
+  return std::string(t.kind == Token::Act ? "the activation of stage " : "the input gradient of stage ") +
+         std::to_string(t.stage) + " micro-batch " + std::to_string(t.micro);
+}
+
+void check_structure(const Schedule& s) {
+  auto bad = [&](const std::string& what) { throw ScheduleError("invalid schedule '" + s.name + "': " + what); };
+  if (s.ranks < 1) bad("ranks must be >= 1, got " + std::to_string(s.ranks));
+  if (s.stages < 1) bad("stages must be >= 1, got " + std::to_string(s.stages));
+  if (s.microbatches < 1) bad("micro-batches must be >= 1, got " + std::to_string(s.microbatches));
+  if (s.microbatches_per_step < 1)
+    bad("micro-batches per step must be >= 1, got " + std::to_string(s.microbatches_per_step));
+  if (static_cast<int>(s.actions.size()) != s.ranks)
+    bad("has " + std::to_string(s.actions.size()) + " action rows for " + std::to_string(s.ranks) +
+        " ranks: give one row per rank");
+  if (static_cast<int>(s.stage_rank.size()) != s.stages)
+    bad("stage_rank has " + std::to_string(s.stage_rank.size()) + " entries for " + std::to_string(s.stages) +
+        " stages");
+  for (int st = 0; st < s.stages; ++st) {
+    const int r = s.stage_rank[static_cast<std::size_t>(st)];
+    if (r < 0 || r >= s.ranks)
+      bad("stage " + std::to_string(st) + " is owned by rank " + std::to_string(r) + " but ranks are 0.." +
+          std::to_string(s.ranks - 1));
+  }
+}
+
+// Where each action sits; fails on out-of-range actions, wrong owners and duplicates.
+std::map<Action, GridCell> locate(const Schedule& s) {
+  std::map<Action, GridCell> where;
+  for (int r = 0; r < s.ranks; ++r) {
+    const auto& row = s.actions[static_cast<std::size_t>(r)];
+    for (int pos = 0; pos < static_cast<int>(row.size()); ++pos) {
+      const Action& a = row[static_cast<std::size_t>(pos)];
+      const std::string text = to_string(a);
+      if (a.stage < 0 || a.stage >= s.stages)
+        fail(s, text + " names stage " + std::to_string(a.stage) + " but the schedule has " +
+                    std::to_string(s.stages) + " stages (0.." + std::to_string(s.stages - 1) + ")",
+             {{r, pos}});
+      const int limit = a.kind == ActionKind::Step ? s.steps() : s.microbatches;
+      if (a.index < 0 || a.index >= limit)
+        fail(s, text + " names " + (a.kind == ActionKind::Step ? "step " : "micro-batch ") + std::to_string(a.index) +
+                    " but the schedule has " + std::to_string(limit) +
+                    (a.kind == ActionKind::Step ? " steps" : " micro-batches") + " (0.." + std::to_string(limit - 1) +
+                    ")",
+             {{r, pos}});
+      const bool needs_next = a.kind == ActionKind::SendAct || a.kind == ActionKind::RecvGrad;
+      const bool needs_prev = a.kind == ActionKind::RecvAct || a.kind == ActionKind::SendGrad;
+      if ((needs_next && a.stage + 1 >= s.stages) || (needs_prev && a.stage == 0))
+        fail(s, text + " transfers to or from a stage that does not exist", {{r, pos}});
+      if (is_comm(a.kind) && s.rank_of(matching_comm(a).stage) == r)
+        fail(s, text + " is a transfer between stages " + std::to_string(a.stage) + " and " +
+                    std::to_string(matching_comm(a).stage) + ", which are both on rank " + std::to_string(r) +
+                    ": remove it",
+             {{r, pos}});
+      const int owner = s.rank_of(a.stage);
+      if (owner != r)
+        fail(s, text + " belongs to stage " + std::to_string(a.stage) + ", which rank " + std::to_string(owner) +
+                    " owns, but it is on rank " + std::to_string(r) + ": move it to rank " + std::to_string(owner) +
+                    "'s row",
+             {{r, pos}});
+      auto [it, inserted] = where.emplace(a, GridCell{r, pos});
+      if (!inserted) fail(s, text + " appears twice: every action runs exactly once", {it->second, {r, pos}});
+    }
+  }
+  return where;
+}
+
+void check_complete(const Schedule& s, const std::map<Action, GridCell>& where) {
+  auto has = [&](ActionKind k, int st, int i) { return where.count(Action{k, st, i}) > 0; };
+  auto at = [&](ActionKind k, int st, int i) { return where.at(Action{k, st, i}); };
+  bool has_steps = false, lowered = false;
+  for (const auto& [a, cell] : where) {
+    has_steps |= a.kind == ActionKind::Step;
+    lowered |= is_comm(a.kind);
+  }
+  for (int st = 0; st < s.stages; ++st) {
+    const std::string owner = " (rank " + std::to_string(s.rank_of(st)) + ")";
+    for (int i = 0; i < s.microbatches; ++i) {
+      auto text = [&](ActionKind k) { return to_string(Action{k, st, i}); };
+      if (!has(ActionKind::F, st, i))
+        fail(s, "missing " + text(ActionKind::F) + ": stage " + std::to_string(st) + owner +
+                    " must forward micro-batch " + std::to_string(i) + " once");
+      const bool bw = has(ActionKind::BW, st, i), b = has(ActionKind::B, st, i), w = has(ActionKind::W, st, i);
+      if (bw && (b || w))
+        fail(s, "stage " + std::to_string(st) + " micro-batch " + std::to_string(i) +
+                    " has both a fused backward " + text(ActionKind::BW) + " and a split one: use BW, or B and W",
+             {at(ActionKind::BW, st, i), b ? at(ActionKind::B, st, i) : at(ActionKind::W, st, i)});
+      if (!bw && !b)
+        fail(s, "missing the backward of stage " + std::to_string(st) + " micro-batch " + std::to_string(i) + owner +
+                    ": add " + text(ActionKind::BW) + ", or " + text(ActionKind::B) + " and " + text(ActionKind::W));
+      if (b && !w)
+        fail(s, text(ActionKind::B) + " has no matching " + text(ActionKind::W) + ": add the weight-gradient pass",
+             {at(ActionKind::B, st, i)});
+      if (w && !b)
+        fail(s, text(ActionKind::W) + " has no matching " + text(ActionKind::B) + ": add the input-gradient pass",
+             {at(ActionKind::W, st, i)});
+      if (lowered && st + 1 < s.stages && s.rank_of(st) != s.rank_of(st + 1)) {
+        for (ActionKind k : {ActionKind::SendAct, ActionKind::SendGrad}) {
+          const Action send = k == ActionKind::SendAct ? Action{k, st, i} : Action{k, st + 1, i};
+          const Action recv = matching_comm(send);
+          for (const Action& c : {send, recv})
+            if (!where.count(c))
+              fail(s, "this lowered schedule misses " + to_string(c) + " on rank " +
+                          std::to_string(s.rank_of(c.stage)) + " (every transfer between ranks needs a send and a "
+                          "receive)");
+        }
+      }
+    }
+    if (has_steps)
+      for (int k = 0; k < s.steps(); ++k)
+        if (!has(ActionKind::Step, st, k))
+          fail(s, "missing optimizer step " + to_string(Action{ActionKind::Step, st, k}) + owner +
+                      ": a schedule with steps needs one per stage and step");
+  }
+}
+
+void check_local_order(const Schedule& s, const std::map<Action, GridCell>& where) {
+  auto before = [&](const Action& x, const Action& y, const std::string& why) {
+    auto ix = where.find(x), iy = where.find(y);
+    if (ix == where.end() || iy == where.end()) return;
+    if (ix->second.pos > iy->second.pos)
+      fail(s, to_string(y) + " runs before " + to_string(x) + " on rank " + std::to_string(iy->second.rank) + ": " +
+                  why,
+           {iy->second, ix->second});
+  };
+  for (int st = 0; st < s.stages; ++st)
+    for (int i = 0; i < s.microbatches; ++i) {
+      before({ActionKind::F, st, i}, {ActionKind::BW, st, i}, "a backward needs its forward's activations");
+      before({ActionKind::F, st, i}, {ActionKind::B, st, i}, "a backward needs its forward's activations");
+      before({ActionKind::B, st, i}, {ActionKind::W, st, i}, "W needs what B saves for it");
+      const int k = s.step_of(i);
+      for (ActionKind kind : {ActionKind::BW, ActionKind::B, ActionKind::W})
+        before({kind, st, i}, {ActionKind::Step, st, k},
+               "the optimizer step must follow every backward of its micro-batches");
+      if (s.synchronous && k > 0)
+        before({ActionKind::Step, st, k - 1}, {ActionKind::F, st, i},
+               "in a synchronous schedule a step's forwards wait for the previous optimizer step (flush)");
+    }
+}
+
+void dry_run(const Schedule& s) {
+  bool lowered = false;
+  for (const auto& row : s.actions)
+    for (const Action& a : row) lowered |= is_comm(a.kind);
+  const std::size_t ntok = 2 * static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches);
+  std::vector<int> maker(ntok, -1), receiver(ntok, -1);
+  std::vector<std::size_t> ptr(static_cast<std::size_t>(s.ranks), 0);
+  auto usable = [&](const Token& t, int r) {
+    const std::size_t ti = token_index(t, s.stages, s.microbatches);
+    if (maker[ti] < 0) return false;
+    return !lowered || maker[ti] == r || receiver[ti] == r;
+  };
+  auto head = [&](int r) -> const Action* {
+    const auto& row = s.actions[static_cast<std::size_t>(r)];
+    return ptr[static_cast<std::size_t>(r)] < row.size() ? &row[ptr[static_cast<std::size_t>(r)]] : nullptr;
+  };
+  std::size_t remaining = 0;
+  for (const auto& row : s.actions) remaining += row.size();
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int r = 0; r < s.ranks; ++r) {
+      while (const Action* a = head(r)) {
+        if (is_comm(a->kind)) {
+          const Action peer_action = matching_comm(*a);
+          const int q = s.rank_of(peer_action.stage);
+          const Action* peer = head(q);
+          if (!peer || *peer != peer_action) break;
+          const bool sending = a->kind == ActionKind::SendAct || a->kind == ActionKind::SendGrad;
+          const Token t = *carried_token(*a);
+          const int sender = sending ? r : q;
+          if (!usable(t, sender))
+            fail(s, to_string(sending ? *a : peer_action) + " sends " + token_text(t) + " before rank " +
+                        std::to_string(sender) + " has made it: move the send after the action that makes it",
+                 {{sender, static_cast<int>(ptr[static_cast<std::size_t>(sender)])}});
+          receiver[token_index(t, s.stages, s.microbatches)] = sending ? q : r;
+          ++ptr[static_cast<std::size_t>(r)];
+          ++ptr[static_cast<std::size_t>(q)];
+          remaining -= 2;
+          progressed = true;
+          continue;
+        }
+        bool ready = true;
+        for (const Token& t : required_tokens(*a, s.stages)) ready = ready && usable(t, r);
+        if (!ready) break;
+        if (auto t = produced_token(*a)) maker[token_index(*t, s.stages, s.microbatches)] = r;
+        ++ptr[static_cast<std::size_t>(r)];
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (progressed) continue;
+    std::ostringstream why;
+    why << "deadlock: no rank can proceed" << (lowered ? " (sends and receives are blocking)" : "") << ".\n";
+    std::vector<GridCell> heads;
+    for (int r = 0; r < s.ranks; ++r) {
+      const Action* a = head(r);
+      if (!a) continue;
+      heads.push_back({r, static_cast<int>(ptr[static_cast<std::size_t>(r)])});
+      why << "  rank " << r << " is stuck at " << to_string(*a) << ": ";
+      if (is_comm(a->kind)) {
+        const Action peer_action = matching_comm(*a);
+        const int q = s.rank_of(peer_action.stage);
+        const Action* peer = head(q);
+        why << "waits for rank " << q << " to reach " << to_string(peer_action) << ", but rank " << q << " is at "
+            << (peer ? to_string(*peer) : std::string("its end")) << "\n";
+        continue;
+      }
+      for (const Token& t : required_tokens(*a, s.stages)) {
+        if (usable(t, r)) continue;
+        const std::size_t ti = token_index(t, s.stages, s.microbatches);
+        why << "needs " << token_text(t);
+        if (maker[ti] < 0)
+          why << ", which has not been made yet";
+        else
+          why << ", made on rank " << maker[ti] << " but not received here (no receive before this action)";
+        break;
+      }
+      why << "\n";
+    }
+    fail(s, why.str(), heads);
+  }
+}
+
+void check_memory(const Schedule& s, const ValidateOptions& o) {
+  if (!(o.memory_limit < std::numeric_limits<double>::infinity())) return;
+  if (o.memory_limit <= 0)
+    throw UsageError("memory limit " + std::to_string(o.memory_limit) + " must be > 0 micro-batches");
+  const CostModel costs =
+      o.costs.stage.empty() ? CostModel::uniform(s.stages, StageCost{}, s.virtual_stages_per_rank()) : o.costs;
+  costs.check(s.stages);
+  for (int r = 0; r < s.ranks; ++r) {
+    double mem = 0;
+    const auto& row = s.actions[static_cast<std::size_t>(r)];
+    for (int pos = 0; pos < static_cast<int>(row.size()); ++pos) {
+      mem += costs.memory_delta(row[static_cast<std::size_t>(pos)]);
+      if (mem > o.memory_limit + 1e-9) {
+        std::ostringstream why;
+        why << "rank " << r << " holds " << mem << " micro-batches of activations after "
+            << to_string(row[static_cast<std::size_t>(pos)]) << ", above the memory limit " << o.memory_limit
+            << ": raise the limit or use a schedule with fewer micro-batches in flight (1f1b, zb-h1)";
+        fail(s, why.str(), {{r, pos}});
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void validate(const Schedule& s, const ValidateOptions& o) {
+  check_structure(s);
+  const auto where = locate(s);
+  check_complete(s, where);
+  check_local_order(s, where);
+  dry_run(s);
+  check_memory(s, o);
+}
+
+}  // namespace pipetrain

@@ -1,0 +1,243 @@
+// Checks every schedule generator: over a table of sizes each one validates and simulates without
+// deadlock, and with uniform costs its simulated timeline meets the closed forms of ALGORITHMS.md
+// (§1.5, §1.7, §4.1-§4.4, §5). Each test names the formula it checks; the expected numbers come from
+// the formulas, never from a previous run.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/core/generators.h"
+#include "pipetrain/core/simulate.h"
+#include "pipetrain/core/validate.h"
+
+using namespace pipetrain;
+
+namespace {
+
+SimResult run(const Schedule& s, StageCost c = {}) {
+  validate(s);
+  return simulate(s, CostModel::uniform(s.stages, c, s.virtual_stages_per_rank()));
+}
+
+int max_inflight(const Metrics& m) {
+  int out = 0;
+  for (const RankMetrics& r : m.per_rank) out = std::max(out, r.peak_inflight);
+  return out;
+}
+
+const StageCost kCosts[] = {{1, 1, 1, 1}, {1, 2, 1, 1}, {2, 1, 1, 1}, {1, 1, 0.5, 1}, {0.5, 1.5, 1, 1}};
+
+}  // namespace
+
+// Every generator, p up to 16, m up to 64, v in {1, 2, 4}, including m < p, m = 1 and p = 1.
+TEST(Generators, TableOfSizesValidatesAndSimulates) {
+  int checked = 0;
+  for (const std::string& name : schedule_names())
+    for (int p : {1, 2, 3, 4, 7, 8, 16})
+      for (int m : {1, 2, 3, 4, 7, 8, 16, 64})
+        for (int v : {1, 2, 4}) {
+          if (v > 1 && name != "interleaved") continue;
+          if (name == "interleaved" && m % p != 0) continue;  // rejected by design, tested below
+          if (name == "2bw" && m < p) continue;               // rejected by design, tested below
+          GeneratorOptions o;
+          o.ranks = p;
+          o.microbatches = m;
+          o.virtual_stages = v;
+          const Schedule s = generate(name, o);
+          ASSERT_NO_THROW(validate(s)) << name << " p=" << p << " m=" << m << " v=" << v;
+          const SimResult r = simulate(s, CostModel::uniform(s.stages, StageCost{}, v));
+          // Every compute action ran exactly once; the makespan is at least the busiest rank.
+          double busiest = 0;
+          for (const RankMetrics& rm : r.metrics.per_rank) busiest = std::max(busiest, rm.busy);
+          EXPECT_GE(r.metrics.makespan + 1e-9, busiest);
+          EXPECT_NEAR(busiest, 3.0 * m, 1e-9)
+              << name << " p=" << p << " m=" << m;
+          ++checked;
+        }
+  EXPECT_GT(checked, 300);
+}
+
+// GPipe and 1F1B: makespan (m+p-1)(F+B+W), bubble fraction (p-1)/(m+p-1) (ALGORITHMS.md §1.7, §4.2).
+TEST(Generators, GpipeAnd1F1BMakespanAndBubbleFraction) {
+  for (const StageCost& c : kCosts)
+    for (int p : {1, 2, 4, 8})
+      for (int m : {1, 3, 8, 32})
+        for (const Schedule& s : {gpipe(p, m), one_f_one_b(p, m)}) {
+          const SimResult r = run(s, c);
+          EXPECT_NEAR(r.metrics.makespan, (m + p - 1) * (c.f + c.b + c.w), 1e-9) << s.name << " p=" << p;
+          EXPECT_NEAR(r.metrics.bubble_fraction, double(p - 1) / (m + p - 1), 1e-12) << s.name;
+        }
+}
+
+// With K flushed steps the makespan repeats: K (m+p-1)(F+B+W).
+TEST(Generators, SynchronousStepsRepeatTheFlush) {
+  for (int k : {2, 3}) {
+    const SimResult r = run(one_f_one_b(4, 8, k));
+    EXPECT_NEAR(r.metrics.makespan, k * (8 + 4 - 1) * 3.0, 1e-9);
+  }
+}
+
+// Peak in-flight micro-batches: GPipe m on every stage; 1F1B min(p-s, m) on stage s (§1.5).
+TEST(Generators, PeakInFlightGpipeAnd1F1B) {
+  for (int p : {1, 2, 4, 8})
+    for (int m : {1, 2, 4, 9, 16}) {
+      const SimResult g = run(gpipe(p, m));
+      const SimResult f = run(one_f_one_b(p, m));
+      for (int s = 0; s < p; ++s) {
+        EXPECT_EQ(g.metrics.per_rank[s].peak_inflight, m);
+        EXPECT_EQ(f.metrics.per_rank[s].peak_inflight, std::min(p - s, m)) << "p=" << p << " m=" << m << " s=" << s;
+      }
+    }
+}
+
+// Interleaved 1F1B: Megatron bubble ratio t_bubble / t_ideal = (p-1)/(v m) with t_ideal = m (F+B+W),
+// for m % p == 0 (§1.7, §4.3).
+TEST(Generators, InterleavedBubbleRatio) {
+  for (int p : {2, 3, 4, 8})
+    for (int v : {1, 2, 4})
+      for (int k : {1, 2, 4}) {
+        const int m = k * p;
+        const SimResult r = run(interleaved(p, m, v));
+        const double ideal = m * 3.0;
+        EXPECT_NEAR((r.metrics.makespan - ideal) / ideal, double(p - 1) / (v * m), 1e-9)
+            << "p=" << p << " v=" << v << " m=" << m;
+      }
+}
+
+// Interleaved peak memory on rank r: 2(p-1-r) + (v-1)p + 1 chunk micro-batches when m % p == 0, m > p
+// (§1.5), i.e. in full-stage units (2(p-1-r) + (v-1)p + 1)/v.
+TEST(Generators, InterleavedPeakMemory) {
+  for (int p : {2, 4})
+    for (int v : {2, 4}) {
+      const int m = 2 * p;
+      const SimResult r = run(interleaved(p, m, v));
+      for (int rank = 0; rank < p; ++rank) {
+        const int chunks = std::min(2 * (p - 1 - rank) + (v - 1) * p + 1, m * v);
+        EXPECT_EQ(r.metrics.per_rank[rank].peak_inflight, chunks) << "p=" << p << " v=" << v << " r=" << rank;
+        EXPECT_NEAR(r.metrics.per_rank[rank].peak_memory, double(chunks) / v, 1e-9);
+      }
+    }
+}
+
+// ZB-H1: per-stage idle (span - busy) is at most (p-1)(F+B-W), against 1F1B's (p-1)(F+B+W), for
+// m >= p and W <= F (§4.4.2; the paper assumes similar F, B and W: when W > F the postponed W passes no
+// longer fit the gaps and the idle is larger, though still below 1F1B's); at most p in flight.
+TEST(Generators, ZeroBubbleH1IdleAgainst1F1B) {
+  for (const StageCost& c : kCosts)
+    for (int p : {2, 4, 8})
+      for (int m : {p, 2 * p, 3 * p + 1}) {
+        const SimResult zb = run(zb_h1(p, m), c);
+        const SimResult ref = run(one_f_one_b(p, m), c);
+        if (c.w <= c.f) {
+          EXPECT_NEAR(zb.metrics.max_bubble(), (p - 1) * (c.f + c.b - c.w), 1e-9) << "p=" << p << " m=" << m;
+        }
+        EXPECT_LT(zb.metrics.max_bubble(), ref.metrics.max_bubble());
+        EXPECT_NEAR(ref.metrics.max_bubble(), (p - 1) * (c.f + c.b + c.w), 1e-9);
+        EXPECT_LE(max_inflight(zb.metrics), p);
+      }
+}
+
+// ZB-H2: no bubble (span = busy on every stage) when F = B = W and m >= 2p-1, with at most 2p-1
+// micro-batches in flight; stage s warms up with 2(p-s)-1 forwards (§4.4.3).
+TEST(Generators, ZeroBubbleH2HasNoBubble) {
+  for (int p : {1, 2, 3, 4, 8, 16})
+    for (int m : {2 * p - 1, 2 * p, 3 * p + 1, 64}) {
+      const Schedule s = zb_h2(p, m, {});
+      const SimResult r = run(s);
+      EXPECT_NEAR(r.metrics.max_bubble(), 0.0, 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_LE(max_inflight(r.metrics), 2 * p - 1);
+      for (int st = 0; st < p; ++st) {
+        const auto& row = s.actions[st];
+        const auto first_b = std::find_if(row.begin(), row.end(), [](const Action& a) { return a.kind == ActionKind::B; });
+        EXPECT_EQ(first_b - row.begin(), std::min(2 * (p - st) - 1, m)) << "p=" << p << " m=" << m << " s=" << st;
+      }
+    }
+}
+
+// zb-auto keeps the memory limit it is given and never has a larger max-span bubble than 1F1B under the
+// same limit of p micro-batches.
+TEST(Generators, ZeroBubbleAutoRespectsMemoryLimit) {
+  const CostModel costs = [] {
+    CostModel c;
+    c.stage = {{1, 1.5, 1, 1}, {1, 1, 1, 1}, {1.2, 1, 0.8, 1}, {2, 2, 1, 1}};
+    return c;
+  }();
+  for (double limit : {1.0, 2.0, 4.0, 7.0}) {
+    const Schedule s = zb_auto(4, 12, costs, limit);
+    ValidateOptions vo;
+    vo.memory_limit = limit;
+    vo.costs = costs;
+    EXPECT_NO_THROW(validate(s, vo)) << "limit " << limit;
+  }
+  const SimResult zb = simulate(zb_auto(4, 12, costs, 4), costs);
+  const SimResult ref = simulate(one_f_one_b(4, 12), costs);
+  EXPECT_LT(zb.metrics.max_bubble(), ref.metrics.max_bubble());
+  EXPECT_THROW(zb_auto(4, 12, costs, 0.4), UsageError);  // below one micro-batch
+}
+
+// PipeDream and 2BW have no flush: after the warm-up no rank idles until its cool-down, and K steps take
+// (K m + p - 1)(F+B+W) against 1F1B's K (m + p - 1)(F+B+W) (§5.1, §5.2).
+TEST(Generators, AsynchronousSchedulesHaveNoSteadyStateBubble) {
+  for (const StageCost& c : kCosts)
+    for (int p : {2, 4})
+      for (int k : {1, 3}) {
+        const int m = 2 * p;
+        for (const Schedule& s : {pipedream(p, m, k), two_bw(p, m, k)}) {
+          const SimResult r = run(s, c);
+          EXPECT_NEAR(r.metrics.makespan, (k * m + p - 1) * (c.f + c.b + c.w), 1e-9) << s.name;
+          // Steady state: between rank r's first backward and its last forward, no gaps.
+          for (int rank = 0; rank < p; ++rank) {
+            double first_bw = 1e300, last_f_end = 0, busy = 0;
+            std::vector<TimedAction> ev;
+            for (const TimedAction& e : r.timeline.events)
+              if (e.rank == rank && is_compute(e.action.kind)) ev.push_back(e);
+            for (const TimedAction& e : ev) {
+              if (e.action.kind == ActionKind::BW) first_bw = std::min(first_bw, e.start);
+              if (e.action.kind == ActionKind::F) last_f_end = std::max(last_f_end, e.end);
+            }
+            for (const TimedAction& e : ev)
+              if (e.start >= first_bw - 1e-9 && e.end <= last_f_end + 1e-9) busy += e.end - e.start;
+            EXPECT_NEAR(busy, last_f_end - first_bw, 1e-9) << s.name << " rank " << rank;
+          }
+        }
+      }
+}
+
+TEST(Generators, AsynchronousStepPlacement) {
+  const Schedule pd = pipedream(2, 3);
+  EXPECT_EQ(pd.microbatches_per_step, 1);
+  EXPECT_FALSE(pd.synchronous);
+  EXPECT_EQ(rank_line(pd, 0), "0F0 0F1 0BW0 0S0 0F2 0BW1 0S1 0BW2 0S2");
+  const Schedule tb = two_bw(2, 2, 2);
+  EXPECT_EQ(rank_line(tb, 0), "0F0 0F1 0BW0 0F2 0BW1 0S0 0F3 0BW2 0BW3 0S1");
+}
+
+TEST(Generators, GpipeRunsBackwardInReverse) {
+  EXPECT_EQ(rank_line(gpipe(2, 3), 1), "1F0 1F1 1F2 1BW2 1BW1 1BW0 1S0");
+}
+
+TEST(Generators, BadSizesAreUsageErrors) {
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { one_f_one_b(0, 4); }).find("stages must be >= 1, got 0"), std::string::npos);
+  EXPECT_NE(message([] { gpipe(2, -1); }).find("micro-batches must be >= 1, got -1"), std::string::npos);
+  EXPECT_NE(message([] { interleaved(2, 4, 0); }).find("virtual stages must be >= 1"), std::string::npos);
+  EXPECT_NE(message([] { interleaved(4, 6, 2); }).find("use --microbatches 4 or 8"), std::string::npos);
+  EXPECT_NE(message([] { two_bw(4, 2); }).find("use --microbatches 4 or more"), std::string::npos);
+  EXPECT_NE(message([] { one_f_one_b(100000, 100000); }).find("use fewer"), std::string::npos);
+  GeneratorOptions o;
+  o.ranks = 2;
+  o.microbatches = 2;
+  const std::string unknown = message([&] { generate("fifo", o); });
+  for (const std::string& n : schedule_names()) EXPECT_NE(unknown.find(n), std::string::npos) << unknown;
+  o.virtual_stages = 2;
+  EXPECT_NE(message([&] { generate("1f1b", o); }).find("only to --schedule interleaved"), std::string::npos);
+}
