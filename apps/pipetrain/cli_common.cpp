@@ -1,0 +1,102 @@
+#include "cli_common.h"
+
+#include <iostream>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/core/validate.h"
+
+namespace pipetrain::cli {
+
+void ScheduleFlags::add_to(CLI::App& app) {
+  std::string names;
+  for (const auto& n : schedule_names()) names += (names.empty() ? "" : ", ") + n;
+  app.add_option("--schedule,-s", schedule, "schedule to generate: " + names);
+  app.add_option("--load", load, "read the schedule from a CSV file (one row per rank) instead");
+  stages_option = app.add_option("--stages,-p", stages, "number of pipeline stages (ranks), >= 1");
+  microbatches_option = app.add_option("--microbatches,-m", microbatches, "micro-batches per optimizer step, >= 1");
+  app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved only), default 1");
+  app.add_option("--steps", steps, "optimizer steps to lay out back to back, default 1");
+  app.add_option("--cost", cost,
+                 "per-micro-batch times F:B:W (forward, input-gradient backward, weight-gradient backward) for "
+                 "every stage, or a comma-separated list with one triple per stage; default 1:1:1");
+  app.add_option("--comm", comm, "time of one transfer between ranks, default 0");
+  app.add_option("--memory-limit", memory_limit,
+                 "activation memory limit per rank, in micro-batches: checked for every schedule, and the "
+                 "target of zb-auto (default for zb-auto: p)");
+}
+
+Schedule ScheduleFlags::build() const {
+  Schedule s;
+  if (!load.empty()) {
+    if (!schedule.empty())
+      throw UsageError("give either --schedule " + schedule + " or --load " + load + ", not both");
+    s = load_csv_file(load);
+  } else {
+    if (schedule.empty()) {
+      std::string names;
+      for (const auto& n : schedule_names()) names += (names.empty() ? "" : ", ") + n;
+      throw UsageError("missing --schedule: choose one of " + names + ", or --load FILE.csv");
+    }
+    if (stages_option && stages_option->count() == 0)
+      throw UsageError("missing --stages P (the number of pipeline stages, >= 1)");
+    if (microbatches_option && microbatches_option->count() == 0)
+      throw UsageError("missing --microbatches M (micro-batches per step, >= 1)");
+    GeneratorOptions o;
+    o.ranks = stages;
+    o.microbatches = microbatches;
+    o.virtual_stages = virtual_stages;
+    o.steps = steps;
+    o.memory_limit = memory_limit;
+    if (schedule == "zb-h2" || schedule == "zb-auto") {
+      if (stages < 1) throw UsageError("--stages must be >= 1, got " + std::to_string(stages));
+      o.costs.stage = parse_stage_costs(cost);
+      o.costs.comm = comm;
+      if (o.costs.stage.size() != 1 && static_cast<int>(o.costs.stage.size()) != stages)
+        throw UsageError("--cost lists " + std::to_string(o.costs.stage.size()) + " stages but --stages is " +
+                         std::to_string(stages) + ": give one F:B:W triple, or one per stage");
+    }
+    s = generate(schedule, o);
+  }
+  ValidateOptions vo;
+  if (memory_limit > 0) vo.memory_limit = memory_limit;
+  validate(s, vo);
+  return s;
+}
+
+CostModel ScheduleFlags::costs(const Schedule& s) const {
+  const std::vector<StageCost> given = parse_stage_costs(cost);
+  if (comm < 0) throw UsageError("--comm " + std::to_string(comm) + " must be >= 0");
+  const int v = s.virtual_stages_per_rank();
+  CostModel c;
+  c.comm = comm;
+  if (given.size() == 1) return CostModel::uniform(s.stages, given[0], v, comm);
+  if (static_cast<int>(given.size()) == s.stages) {
+    c.stage = given;
+  } else if (static_cast<int>(given.size()) == s.ranks) {
+    // One triple per rank: each of its v chunks costs 1/v of it.
+    for (int st = 0; st < s.stages; ++st) {
+      StageCost r = given[static_cast<std::size_t>(s.rank_of(st))];
+      c.stage.push_back(StageCost{r.f / v, r.b / v, r.w / v, r.activation / v});
+    }
+  } else {
+    throw UsageError("--cost lists " + std::to_string(given.size()) + " triples but the schedule has " +
+                     std::to_string(s.ranks) + " ranks and " + std::to_string(s.stages) +
+                     " stages: give one triple, one per rank or one per stage");
+  }
+  c.check(s.stages);
+  return c;
+}
+
+int guarded(const std::string& command, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const UsageError& e) {
+    std::cerr << "pipetrain " << command << ": error: " << e.what() << "\n";
+    return kExitUsage;
+  } catch (const std::exception& e) {
+    std::cerr << "pipetrain " << command << ": error: " << e.what() << "\n";
+    return kExitFailure;
+  }
+}
+
+}  // namespace pipetrain::cli

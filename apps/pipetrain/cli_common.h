@@ -1,0 +1,49 @@
+// Shared pieces of the `pipetrain` subcommands: exit codes, schedule and cost options, output helpers.
+// Every subcommand registers itself on the CLI11 app and returns its exit code through the callback.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "pipetrain/core/cost.h"
+#include "pipetrain/core/generators.h"
+#include "pipetrain/core/schedule.h"
+
+namespace pipetrain::cli {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;  // runtime failure
+constexpr int kExitUsage = 2;    // bad flag or value
+
+// Flags shared by `schedule` and `simulate`.
+struct ScheduleFlags {
+  std::string schedule;          // generator name (or empty with --load)
+  std::string load;              // CSV schedule file instead of a generator
+  int stages = 0;                // p
+  int microbatches = 0;          // m
+  int virtual_stages = 1;        // v
+  int steps = 1;                 // optimizer steps
+  std::string cost = "1:1:1";    // F:B:W, or one triple per stage
+  double comm = 0.0;             // per-hop transfer time
+  double memory_limit = 0.0;     // activation memory limit per rank (micro-batches); 0 = none
+  CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
+  CLI::Option* microbatches_option = nullptr;
+
+  void add_to(CLI::App& app);
+  // Builds (or loads) and validates the schedule. Throws UsageError / ScheduleError on bad input.
+  Schedule build() const;
+  // The cost model for `s`, from --cost and --comm.
+  CostModel costs(const Schedule& s) const;
+};
+
+// Registers the subcommands; each sets `exit_code` when it runs.
+void add_schedule_command(CLI::App& app, int& exit_code);
+void add_simulate_command(CLI::App& app, int& exit_code);
+void add_demo_command(CLI::App& app, int& exit_code);
+void add_info_command(CLI::App& app, int& exit_code);
+
+// Runs `body`, mapping UsageError to exit 2 and any other exception to exit 1, with the message on
+// stderr prefixed by "pipetrain <command>: error: ".
+int guarded(const std::string& command, const std::function<int()>& body);
+
+}  // namespace pipetrain::cli

@@ -1,0 +1,33 @@
+// pipetrain: plan, simulate and (later) train pipeline-parallel models. One file per subcommand.
+#include <iostream>
+
+#include "cli_common.h"
+
+int main(int argc, char** argv) {
+  using namespace pipetrain::cli;
+  CLI::App app{"pipetrain: pipeline-parallel training, planning and simulation on LibTorch"};
+  app.require_subcommand(1);
+  app.footer(
+      "Examples:\n"
+      "  pipetrain schedule --schedule 1f1b --stages 4 --microbatches 8\n"
+      "  pipetrain simulate --schedule zb-h1 --stages 4 --microbatches 8 --cost 1:1:1 --svg zb.svg\n"
+      "  pipetrain demo\n"
+      "Run 'pipetrain COMMAND --help' for a command's flags.");
+  int exit_code = kExitOk;
+  add_schedule_command(app, exit_code);
+  add_simulate_command(app, exit_code);
+  add_demo_command(app, exit_code);
+  add_info_command(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);  // prints CLI11's message
+    std::cerr << "Commands are schedule, simulate, demo and info; run 'pipetrain --help' for usage.\n";
+    return kExitUsage;
+  }
+  return exit_code;
+}
