@@ -16,7 +16,7 @@ std::string render_grid(const Schedule& s, const std::vector<GridCell>& marked) 
     ncols = std::max(ncols, row.size());
     for (const Action& a : row) width = std::max(width, to_string(a).size());
   }
-  width += 2;
+  width += 3;  // room for the [..] marks and one space
   constexpr std::size_t kMaxCols = 24;
   std::size_t first = 0, last = ncols;
   if (ncols > kMaxCols) {
@@ -36,10 +36,10 @@ std::string render_grid(const Schedule& s, const std::vector<GridCell>& marked) 
                                      : std::string())
       << ":\n";
   const std::string label = "rank " + std::to_string(s.ranks - 1) + " ";
-  out << std::string(label.size(), ' ') << (first > 0 ? "... " : "");
+  out << std::string(label.size() + 1, ' ') << (first > 0 ? "... " : "");
   for (std::size_t c = first; c < last; ++c) {
     std::string num = std::to_string(c);
-    out << num << std::string(width > num.size() ? width - num.size() : 1, ' ');
+    out << num << std::string(width - num.size(), ' ');
   }
   out << '\n';
   for (int r = 0; r < s.ranks; ++r) {
@@ -49,7 +49,7 @@ std::string render_grid(const Schedule& s, const std::vector<GridCell>& marked) 
     for (std::size_t c = first; c < last && c < row.size(); ++c) {
       const std::string text = to_string(row[c]);
       const std::string cell = is_marked(r, c) ? "[" + text + "]" : " " + text + " ";
-      out << cell << std::string(width > cell.size() ? width - cell.size() : 1, ' ');
+      out << cell << std::string(width - cell.size(), ' ');
     }
     if (row.size() > last) out << "...";
     out << '\n';

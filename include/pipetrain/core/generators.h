@@ -1,8 +1,9 @@
 // Schedule generators: pure functions from sizes (and, for cost-aware schedules, per-stage costs) to a
 // Schedule. Every schedule the runtime can run is made here; a new schedule is a new generator, never a
 // new executor. Each generator below is drawn for p = 4 ranks and m = 8 micro-batches with F = B = W = 1
-// (one character per time unit; `f` forward, `b` fused or input-gradient backward, `w` weight gradient,
-// digits are micro-batches, `.` is idle). The figures were produced by this code's simulator.
+// (two characters per time unit; `f` forward, `b` input-gradient backward, `w` weight gradient, `B` fused
+// backward (B+W, so twice as long), `S` optimizer step, digits are micro-batches, `.` is idle). The
+// figures are `pipetrain simulate --ascii` output.
 //
 // All generators lay out `steps` optimizer steps back to back; micro-batch numbers continue across steps.
 // They throw UsageError naming the bad value and the valid range on bad sizes.
@@ -26,18 +27,20 @@ struct GeneratorOptions {
 };
 
 // GPipe fill-drain (torchgpipe order): all forwards, then backwards in reverse micro-batch order.
-//   rank 0  F0 F1 ... F7 ........... BW7 BW6 ... BW0 S
-//   rank 3  ... F0 ... F7 BW7 ... BW0 ...
+//   rank 0  f0f1f2f3f4f5f6f7..................B7--B6--B5--B4--B3--B2--B1--B0--S
+//   rank 1  ..f0f1f2f3f4f5f6f7............B7--B6--B5--B4--B3--B2--B1--B0--S...
+//   rank 2  ....f0f1f2f3f4f5f6f7......B7--B6--B5--B4--B3--B2--B1--B0--S.......
+//   rank 3  ......f0f1f2f3f4f5f6f7B7--B6--B5--B4--B3--B2--B1--B0--S...........
 // makespan (m+p-1)(F+B+W); every rank holds m micro-batches at its peak.
 Schedule gpipe(int p, int m, int steps = 1);
 
 // 1F1B with flush (PipeDream-Flush, DAPPLE, Megatron, DeepSpeed TrainSchedule). Stage s runs
 // w = min(p-1-s, m) warm-up forwards, then alternates one forward and one backward, then drains.
-//   rank 0  f0f1f2f3bb0.f4bb1.f5bb2.f6bb3.f7bb4...bb5...bb6...bb7
-//   rank 1  .f0f1f2..bb0f3bb1f4bb2f5bb3f6bb4f7bb5..bb6..bb7..
-//   rank 2  ..f0f1....bb0f2bb1f3bb2f4bb3f5bb4f6bb5f7bb6....bb7
-//   rank 3  ...f0bb0f1bb1f2bb2f3bb3f4bb4f5bb5f6bb6f7bb7......
-// (bb = one fused backward of length B+W = 2.) makespan (m+p-1)(F+B+W) as GPipe, but stage s holds
+//   rank 0  f0f1f2f3............B0--f4B1--f5B2--f6B3--f7B4--..B5--..B6--..B7--S
+//   rank 1  ..f0f1f2........B0--f3B1--f4B2--f5B3--f6B4--f7B5--..B6--..B7--S...
+//   rank 2  ....f0f1....B0--f2B1--f3B2--f4B3--f5B4--f6B5--f7B6--..B7--S.......
+//   rank 3  ......f0B0--f1B1--f2B2--f3B3--f4B4--f5B5--f6B6--f7B7--S...........
+// makespan (m+p-1)(F+B+W) as GPipe, but stage s holds
 // at most min(p-s, m) micro-batches.
 Schedule one_f_one_b(int p, int m, int steps = 1);
 
@@ -45,21 +48,31 @@ Schedule one_f_one_b(int p, int m, int steps = 1);
 // model slice; forwards go round the ranks v times. Needs m % p == 0. Warm-up on rank r is
 // min(2(p-1-r) + (v-1)p, m v) chunk forwards (all of them when m == p). Bubble ratio
 // (Megatron's t_bubble / t_ideal) is (p-1)/(v m) instead of (p-1)/m.
-//   p=4 m=8 v=2, chunk F=0.5 (f = chunk 0, g = chunk 1):
-//   rank 0  f0f1f2f3g0g1g2g3f4f5 ... (v times more, shorter pieces; see `pipetrain schedule`)
+//   p=4, m=8, v=2, a chunk costs 1/2 of a stage (F=B=W=1 per stage; the figure uses 2:2:2, so one
+//   chunk forward is one unit; chunk 0 and chunk 1 both print as f/B, first pass is chunk 0):
+//   rank 0  f0f1f2f3f0f1f2f3f4f5f6......B0--f7B1--..f4B2--f5B3--f6B0--f7B1--B2--..B3--..B4--..B5--..B6--..B7--B4--B5--B6--B7--S
+//   rank 1  ..f0f1f2f3f0f1f2f3f4....B0--f5B1--f6B2--f7B3--f4B0--f5B1--f6B2--f7B3--..B4--..B5--..B6--..B7--B4--B5--B6--B7--S...
+//   rank 2  ....f0f1f2f3f0f1f2..B0--f3B1--f4B2--f5B3--f6B0--f7B1--f4B2--f5B3--f6B4--f7B5--..B6--..B7--B4--B5--B6--B7--S.......
+//   rank 3  ......f0f1f2f3f0B0--f1B1--f2B2--f3B3--f4B0--f5B1--f6B2--f7B3--f4B4--f5B5--f6B6--f7B7--B4--B5--B6--B7--S...........
 Schedule interleaved(int p, int m, int v, int steps = 1);
 
 // ZB-H1 (zero bubble, same memory as 1F1B): the backward is split into B (input gradient, on the
 // critical path) and W (weight gradient, off it). Stage s postpones its first s W passes into the
 // cool-down, filling the drain bubble. Idle per rank (span - busy): (p-1)(F+B-W), against
 // 1F1B's (p-1)(F+B+W), i.e. one third when F = B = W.
-//   rank 0  f0f1f2f3b0w0f4b1w1f5b2w2f6b3w3f7b4w4..b5w5..b6w6..b7w7
-//   rank 3  ...f0b0f1b1f2b2f3b3w3f4b4w4f5b5w5f6b6w6f7b7w7w2w1w0
+//   rank 0  f0f1f2f3......b0w0f4b1w1f5b2w2f6b3w3f7b4w4b5w5b6w6b7w7S
+//   rank 1  ..f0f1f2....b0f3b1w1f4b2w2f5b3w3f6b4w4f7b5w5b6w6b7w7w0S
+//   rank 2  ....f0f1..b0f2b1f3b2w2f4b3w3f5b4w4f6b5w5f7b6w6b7w7w1w0S
+//   rank 3  ......f0b0f1b1f2b2f3b3w3f4b4w4f5b5w5f6b6w6f7b7w7w2w1w0S
 Schedule zb_h1(int p, int m, int steps = 1);
 
 // ZB-H2 (zero bubble, more memory): a greedy list schedule (B first, then F while memory allows, then
 // W to fill gaps) under a limit of 2p-1 micro-batches of activations. Stage s warms up with
-// 2(p-s)-1 forwards; with F = B = W no rank idles between its first and last action.
+// 2(p-s)-1 forwards; with F = B = W and m >= 2p-1 no rank idles between its first and last action.
+//   rank 0  f0f1f2f3f4f5f6b0w0b1f7b2w1b3w2b4w3b5w4b6w5w6b7w7S.....
+//   rank 1  ..f0f1f2f3f4b0f5b1f6b2w0b3f7b4w1b5w2b6w3w4b7w5w6w7S...
+//   rank 2  ....f0f1f2b0f3b1f4b2f5b3f6b4w0b5f7b6w1w2b7w3w4w5w6w7S.
+//   rank 3  ......f0b0f1b1f2b2f3b3f4b4f5b5f6b6w0f7b7w1w2w3w4w5w6w7S
 Schedule zb_h2(int p, int m, const CostModel& costs, int steps = 1);
 
 // Automatic zero-bubble heuristic: the greedy list schedule under `memory_limit` micro-batches of
@@ -70,13 +83,21 @@ Schedule zb_auto(int p, int m, const CostModel& costs, double memory_limit, int 
 // PipeDream asynchronous 1F1B: no flush; every micro-batch is its own mini-batch and each stage
 // applies an optimizer step after every backward. `m * steps` mini-batches stream through; after the
 // warm-up no rank idles.
-//   rank 0  f0f1f2f3bb0S f4bb1S f5 ...
+//   rank 0  f0f1f2f3............B0--f4B1--f5B2--f6B3--f7B4--S.B5--S.B6--S.B7--S
+//   rank 1  ..f0f1f2........B0--f3B1--f4B2--f5B3--f6B4--f7B5--S.B6--S.B7--S...
+//   rank 2  ....f0f1....B0--f2B1--f3B2--f4B3--f5B4--f6B5--f7B6--S.B7--S.......
+//   rank 3  ......f0B0--f1B1--f2B2--f3B3--f4B4--f5B5--f6B6--f7B7--S...........
 Schedule pipedream(int p, int m, int steps = 1);
 
 // PipeDream-2BW: 1F1B without flush over m micro-batches per step; each stage steps after the last
 // backward of each step's micro-batches while the next step's forwards are already running (two
 // weight versions). Needs m >= p. Makespan over K steps: (K m + p - 1)(F+B+W) instead of
-// K (m + p - 1)(F+B+W) for 1F1B with flushes.
+// K (m + p - 1)(F+B+W) for 1F1B with flushes. p=4, m=4, 2 steps (step 0 lands after B3, hidden
+// under the next forward because it takes no time):
+//   rank 0  f0f1f2f3............B0--f4B1--f5B2--f6B3--f7B4--..B5--..B6--..B7--S
+//   rank 1  ..f0f1f2........B0--f3B1--f4B2--f5B3--f6B4--f7B5--..B6--..B7--S...
+//   rank 2  ....f0f1....B0--f2B1--f3B2--f4B3--f5B4--f6B5--f7B6--..B7--S.......
+//   rank 3  ......f0B0--f1B1--f2B2--f3B3--f4B4--f5B5--f6B6--f7B7--S...........
 Schedule two_bw(int p, int m, int steps = 1);
 
 // Names accepted by generate(), in the order shown to users.
