@@ -1,0 +1,128 @@
+// The executor: runs a lowered schedule (core/lower.h) on real tensors, one PipelineRank per rank.
+// Every schedule goes through the same interpreter; no schedule has a loop of its own.
+//
+//   PipelineRank  one rank's share of a pipeline: its stages of the model, its optimizers, its transport.
+//                 train_step() runs the rank's action list for one optimizer step. Each rank calls it
+//                 once per step, in its own process (gloo, mpi) or thread (local).
+//   LocalPipeline all ranks as threads of this process over the local transport, for tests and
+//                 single-process use: one call trains one step on every rank.
+//
+// Semantics (ALGORITHMS.md §1.8): micro-batch k is the sample range [begin_k, end_k) of the mini-batch
+// (sizes differ by at most one, the first N mod m larger); its loss is the loss function's mean over
+// the micro-batch times b_k / N, so the accumulated gradient is the full-batch gradient for any split.
+// The step's loss (sum of those terms) and the global gradient norm are all-reduced, so every rank
+// knows them; clipping by the global norm happens before any stage steps.
+//
+// Two execution paths share the interpreter: the reference path (`reference = true`) does every send
+// and receive blocking, exactly where the lowered schedule puts it; the default fast path sends without
+// waiting and posts up to `prefetch` receives ahead. Tests check they give identical numbers.
+//
+// Shapes: the first transfer over a stage boundary (per direction and micro-batch size) carries a small
+// header with dtype and shape; later transfers are checked against it, so a drifting shape is an error
+// naming the stage, micro-batch and both shapes, never a hang.
+//
+// Failure: an exception on a rank aborts the transport with a message naming the rank, the action and
+// the error; the other ranks stop with RemoteFailure (or exit, for process transports).
+//
+// Thread use: a PipelineRank is driven by one thread at a time.
+#pragma once
+
+#include <torch/nn/modules/container/sequential.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pipetrain/core/cost.h"
+#include "pipetrain/core/schedule.h"
+#include "pipetrain/core/timeline.h"
+#include "pipetrain/runtime/stage.h"
+#include "pipetrain/runtime/transport.h"
+
+namespace pipetrain {
+
+struct OptimizerOptions {
+  std::string name = "sgd";     // sgd | adam | adamw
+  double lr = 0.01;             // learning rate
+  double momentum = 0.0;        // SGD momentum
+  double weight_decay = 0.0;    // L2 (sgd, adam) or decoupled (adamw) weight decay
+  double beta1 = 0.9;           // Adam/AdamW
+  double beta2 = 0.999;         // Adam/AdamW
+  double eps = 1e-8;            // Adam/AdamW
+  double clip_grad_norm = 0.0;  // clip by the global norm over all stages; 0 = off
+};
+
+struct PipelineOptions {
+  std::string schedule = "1f1b";          // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-auto
+  int microbatches = 4;                   // m per step
+  int virtual_stages = 1;                 // v (interleaved)
+  std::string balance = "uniform";        // uniform | parameters | "3,2,2" (one count per (virtual) stage)
+  Checkpoint checkpoint = Checkpoint::Never;  // re-materialisation mode (torchgpipe's default is except_last)
+  OptimizerOptions optimizer;
+  uint64_t seed = 0;                      // forward RNG of (step, stage, micro-batch) derives from it
+  bool deterministic_rng = true;          // seed every forward; in-process ranks then take turns in forwards
+  bool reference = false;                 // blocking reference path instead of the fast path
+  int prefetch = 4;                       // fast path: receives posted ahead of need
+  CostModel costs;                        // per-stage costs for zb-h2/zb-auto and lowering; empty = unit
+  double memory_limit = 0;                // zb-auto's limit in micro-batches (0 = p)
+  // Called on each rank once per step, after the loss and gradient norm are reduced and the gradients
+  // clipped, before any optimizer step: the gradients of the rank's stages are final here (for
+  // inspection, logging, tests). Arguments: the rank and the parameters of its stages. Runs on the
+  // rank's thread; in-process ranks run it concurrently, so touch only the parameters given.
+  std::function<void(int rank, const std::vector<torch::Tensor>& parameters)> on_gradients;
+};
+
+// Loss of one micro-batch: the mean over its samples (pipetrain scales it by b_k / N).
+using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+
+struct StepStats {
+  int step = 0;            // index of the step just taken (0-based)
+  double loss = 0.0;       // full-batch loss of the step, on every rank
+  double grad_norm = 0.0;  // global gradient norm before clipping
+  Timeline timeline;       // what this rank (LocalPipeline: every rank) did, in ms
+};
+
+// Sample ranges of m micro-batches over N samples: sizes differ by at most one, the first N mod m
+// larger. Throws UsageError if m > N or either is < 1.
+std::vector<std::pair<int64_t, int64_t>> split_equal(int64_t batch_size, int microbatches);
+
+class PipelineRank {
+ public:
+  // `model` is the whole model (every rank builds it the same way, e.g. from the same seed); this rank
+  // keeps the stages the schedule gives it. Throws UsageError on bad options (names the value and fix).
+  PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
+               PipelineOptions options);
+  ~PipelineRank();
+  PipelineRank(PipelineRank&&) noexcept;
+
+  // One optimizer step. `input` is needed on the rank of stage 0 and `target` on the rank of the last
+  // stage (others may pass undefined tensors); every rank passes the same `batch_size`.
+  StepStats train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size);
+
+  const Schedule& schedule() const;            // lowered: with sends and receives
+  const std::vector<int>& balance() const;     // layers per (virtual) stage
+  std::vector<int> local_stages() const;       // stages held by this rank
+  std::vector<torch::Tensor> parameters() const;  // parameters of this rank's stages
+  int rank() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+class LocalPipeline {
+ public:
+  LocalPipeline(torch::nn::Sequential model, LossFn loss, int stages, PipelineOptions options);
+  ~LocalPipeline();
+  // Runs one step on all ranks (one thread each). If any rank fails, rethrows the first failure that is
+  // not merely another rank's report of it.
+  StepStats train_step(const torch::Tensor& input, const torch::Tensor& target);
+  const Schedule& schedule() const;
+  const std::vector<int>& balance() const;
+
+ private:
+  std::vector<std::unique_ptr<PipelineRank>> ranks_;
+};
+
+}  // namespace pipetrain

@@ -1,0 +1,49 @@
+// Stages: contiguous slices of a torch::nn::Sequential. The model is cut by a balance (layers per
+// stage, plan/balance.h); stage s holds layers [offset_s, offset_s + n_s). A stage shares its modules
+// (and so its parameters) with the model it was cut from.
+#pragma once
+
+#include <torch/nn/modules/container/sequential.h>
+
+#include <string>
+#include <vector>
+
+namespace pipetrain {
+
+// How each micro-batch's activations are kept between its forward and backward (torchgpipe's modes):
+// Always recomputes every micro-batch's forward before its backward, ExceptLast all but the last one
+// of each step (its backward follows at once, so recomputing it saves no memory), Never keeps them.
+enum class Checkpoint { Always, ExceptLast, Never };
+Checkpoint parse_checkpoint(const std::string& text);  // "always" | "except_last" | "never"
+std::string to_string(Checkpoint c);
+
+// Number of layers (top-level children) of a Sequential.
+int layer_count(const torch::nn::Sequential& model);
+
+// Trainable parameter count of each layer.
+std::vector<double> layer_parameter_counts(const torch::nn::Sequential& model);
+
+// The balance for `stages` stages: "uniform" (layer counts), "parameters" (optimal min-max split of
+// parameter counts), or a manual list "3,2,2". Throws UsageError with the numbers and the fix when the
+// kind is unknown or the balance does not fit the model.
+std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind);
+
+class Stage {
+ public:
+  Stage(const torch::nn::Sequential& model, int first_layer, int num_layers);
+  torch::Tensor forward(const torch::Tensor& input);
+  std::vector<torch::Tensor> parameters() const;
+  int first_layer() const { return first_; }
+  int num_layers() const { return count_; }
+  const torch::nn::Sequential& module() const { return slice_; }
+
+ private:
+  torch::nn::Sequential slice_;
+  int first_;
+  int count_;
+};
+
+// Cuts `model` into stages by `balance` (checked first: no layer is ever dropped or repeated).
+std::vector<Stage> cut(const torch::nn::Sequential& model, const std::vector<int>& balance);
+
+}  // namespace pipetrain

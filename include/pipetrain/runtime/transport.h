@@ -1,0 +1,101 @@
+// Transports move tensors between the ranks of a pipeline. One small interface, three implementations:
+//   local  (transport_local.cpp): ranks are threads of one process; for tests and single-process use.
+//   gloo   (transport_gloo.cpp):  ranks are processes; c10d's ProcessGroupGloo over a TCPStore rendezvous.
+//   mpi    (transport_mpi.cpp):   ranks are processes started by mpirun; Open MPI point-to-point (CPU).
+//
+// Contract shared by all of them (tested once for each in tests/runtime/test_transport.cpp):
+// - isend/irecv return at once; the tensors must stay alive (and, for isend, unchanged) until wait()
+//   returns. A receive's tensor is preallocated with the agreed shape and dtype; a message whose size
+//   differs is an error, never a hang or a silent truncation.
+// - Messages between one pair of ranks with the same tag arrive in the order they were sent.
+// - Collectives (all_reduce_sum, barrier) must be called by every rank in the same order.
+// - Failure: abort(message) tells every other rank that this rank failed. From then on, a blocked or new
+//   operation on any rank fails with RemoteFailure naming the failed rank and its message (the process
+//   transports may instead print that message and exit the process with code 1). A rank that dies
+//   without calling abort (killed) is detected too. Either way every rank stops within 30 s.
+// - A transport object belongs to its rank; only that rank's thread calls it (abort may be called from
+//   any thread).
+#pragma once
+
+#include <torch/types.h>
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace pipetrain {
+
+// Another rank failed; `what()` names it and carries its message.
+class RemoteFailure : public std::runtime_error {
+ public:
+  RemoteFailure(int failed_rank, const std::string& message)
+      : std::runtime_error("rank " + std::to_string(failed_rank) + " failed: " + message), rank_(failed_rank) {}
+  int failed_rank() const { return rank_; }
+
+ private:
+  int rank_;
+};
+
+// A pending send or receive.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the operation completed; throws RemoteFailure if a rank failed meanwhile, or
+  // std::runtime_error on a transport error (message size mismatch, closed connection, timeout).
+  virtual void wait() = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string name() const = 0;  // "local", "gloo" or "mpi"
+  // True when all ranks share one process (and so the global RNG): the executor then serialises
+  // forwards that consume random numbers, to keep dropout masks deterministic.
+  virtual bool shares_process() const { return false; }
+
+  virtual std::unique_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag) = 0;
+  virtual std::unique_ptr<Work> irecv(torch::Tensor& tensor, int src, int tag) = 0;
+
+  // Element-wise sum over all ranks, in place (CPU or the transport's device).
+  virtual void all_reduce_sum(torch::Tensor& tensor) = 0;
+  virtual void barrier() = 0;
+
+  // Marks this rank as failed and tells the others. Never throws; safe from any thread.
+  virtual void abort(const std::string& message) noexcept = 0;
+
+  // Blocking conveniences.
+  void send(const torch::Tensor& tensor, int dst, int tag) { isend(tensor, dst, tag)->wait(); }
+  void recv(torch::Tensor& tensor, int src, int tag) { irecv(tensor, src, tag)->wait(); }
+};
+
+// In-process group: `world_size` transports sharing mailboxes; transport r is rank r's (thread's).
+// `timeout` bounds any single wait, so a bug can never hang a test forever.
+std::vector<std::shared_ptr<Transport>> make_local_transports(
+    int world_size, std::chrono::milliseconds timeout = std::chrono::minutes(5));
+
+// Where a multi-process rank finds its peers: the usual rendezvous variables.
+struct Rendezvous {
+  int rank = 0;
+  int world_size = 1;
+  std::string master_addr = "127.0.0.1";  // MASTER_ADDR; loopback unless told otherwise
+  int master_port = 29500;                // MASTER_PORT
+  // Reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, or Open MPI's OMPI_COMM_WORLD_RANK/SIZE.
+  // Throws UsageError naming the variable and the value it expected when one is missing or bad.
+  static Rendezvous from_environment();
+};
+
+// Gloo over TCP (c10d::ProcessGroupGloo with a TCPStore hosted by rank 0). Starts a watchdog thread
+// that turns another rank's failure or death into RemoteFailure / a clean exit within 30 s.
+std::shared_ptr<Transport> make_gloo_transport(const Rendezvous& rv);
+
+// Open MPI point-to-point (CPU tensors). Requires a process started by mpirun; initialises MPI.
+std::shared_ptr<Transport> make_mpi_transport();
+
+// Picks by name: "local" is not valid here (it needs make_local_transports); "gloo", "mpi", or "auto"
+// (mpi when launched by mpirun, else gloo). Throws UsageError listing the valid names otherwise.
+std::shared_ptr<Transport> make_process_transport(const std::string& name);
+
+}  // namespace pipetrain

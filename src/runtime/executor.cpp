@@ -1,0 +1,538 @@
+#include "pipetrain/runtime/executor.h"
+
+#include <torch/autograd.h>
+#include <torch/optim.h>
+
+#include <ATen/core/Generator.h>
+
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/core/generators.h"
+#include "pipetrain/core/lower.h"
+#include "pipetrain/core/validate.h"
+#include "pipetrain/runtime/split_linear.h"
+
+namespace pipetrain {
+
+std::vector<std::pair<int64_t, int64_t>> split_equal(int64_t batch_size, int microbatches) {
+  if (microbatches < 1)
+    throw UsageError("micro-batches must be >= 1, got " + std::to_string(microbatches));
+  if (batch_size < 1) throw UsageError("batch size must be >= 1, got " + std::to_string(batch_size));
+  if (microbatches > batch_size)
+    throw UsageError(std::to_string(microbatches) + " micro-batches but the batch has only " +
+                     std::to_string(batch_size) + " samples: use --microbatches <= " + std::to_string(batch_size) +
+                     " or a larger --batch-size");
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t begin = 0;
+  for (int k = 0; k < microbatches; ++k) {
+    const int64_t size = batch_size / microbatches + (k < batch_size % microbatches ? 1 : 0);
+    out.emplace_back(begin, begin + size);
+    begin += size;
+  }
+  return out;
+}
+
+namespace {
+
+// Serialises seeded forwards of ranks that share one process (and so one default generator).
+std::mutex& shared_rng_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+uint64_t mix(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+double now_ms() {
+  using namespace std::chrono;
+  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+std::string shape_text(const std::vector<int64_t>& shape, c10::ScalarType dtype) {
+  std::ostringstream out;
+  out << "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "] " << c10::toString(dtype);
+  return out.str();
+}
+
+bool is_sync_schedule(const std::string& name) {
+  return name == "gpipe" || name == "1f1b" || name == "interleaved" || name == "zb-h1" || name == "zb-h2" ||
+         name == "zb-auto";
+}
+
+constexpr int kHeaderLen = 10;  // dtype, ndim, up to 8 dims
+
+}  // namespace
+
+struct PipelineRank::Impl {
+  torch::nn::Sequential model;
+  LossFn loss_fn;
+  std::shared_ptr<Transport> transport;
+  PipelineOptions options;
+  Schedule schedule;          // lowered
+  std::vector<int> balance;   // per virtual stage
+  std::map<int, Stage> stages;  // stage id -> stage, for this rank's stages
+  std::map<int, std::unique_ptr<torch::optim::Optimizer>> optimizers;
+  int step = 0;
+
+  // Shapes agreed at first use, per (boundary stage, direction, micro-batch size).
+  struct Agreed {
+    std::vector<int64_t> shape;
+    c10::ScalarType dtype;
+  };
+  std::map<std::tuple<int, int, int64_t>, Agreed> agreed;
+
+  // Per-step state of one (stage, micro-batch).
+  struct Slot {
+    torch::Tensor input;      // the stage input (a leaf that requires grad when it is floating point)
+    torch::Tensor output;     // forward output (with graph unless checkpointed); last stage: scaled loss
+    torch::Tensor input_grad; // dL/d input, made by B or BW
+    torch::Tensor recv_grad;  // dL/d output, received from the next stage
+    bool checkpointed = false;
+    uint64_t seed = 0;
+    WeightGradStore deferred;
+  };
+  std::map<std::pair<int, int>, Slot> slots;
+
+  struct PendingRecv {
+    torch::Tensor buffer;
+    std::unique_ptr<Work> work;
+  };
+  std::map<std::pair<int, int>, PendingRecv> posted;  // (action position) keyed by (kind, stage*M+micro)
+  std::vector<std::pair<torch::Tensor, std::unique_ptr<Work>>> pending_sends;
+
+  // Step inputs.
+  torch::Tensor input, target;
+  int64_t batch_size = 0;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  double loss_sum = 0;
+  bool reduced = false;
+  StepStats stats;
+
+  int rank() const { return transport->rank(); }
+  int last_stage() const { return schedule.stages - 1; }
+  int64_t micro_size(int i) const { return ranges[static_cast<std::size_t>(i)].second - ranges[static_cast<std::size_t>(i)].first; }
+  Slot& slot(int stage, int micro) { return slots[{stage, micro}]; }
+  Stage& stage_of(int s) { return stages.at(s); }
+
+  int tag(int stage, int micro, int dir, int header) const {
+    return ((micro * schedule.stages + stage) * 2 + dir) * 2 + header;
+  }
+
+  bool checkpointed(int micro) const {
+    const int m = options.microbatches;
+    const int stop = options.checkpoint == Checkpoint::Always ? m : options.checkpoint == Checkpoint::ExceptLast ? m - 1 : 0;
+    return micro < stop;
+  }
+
+  torch::Tensor run_forward(int s, int i, const torch::Tensor& x) {
+    Slot& sl = slot(s, i);
+    std::unique_lock<std::mutex> lock(shared_rng_mutex(), std::defer_lock);
+    if (options.deterministic_rng) {
+      if (transport->shares_process()) lock.lock();
+      auto gen = at::globalContext().defaultGenerator(x.device());
+      std::lock_guard<std::mutex> g(gen.mutex());
+      gen.set_current_seed(sl.seed);
+    }
+    return stage_of(s).forward(x);
+  }
+
+  // ---- actions -----------------------------------------------------------------------------------
+  void forward(int s, int i) {
+    Slot& sl = slot(s, i);
+    torch::Tensor x;
+    if (s == 0) {
+      if (!input.defined())
+        throw UsageError("rank " + std::to_string(rank()) + " holds stage 0 but train_step got no input batch");
+      x = input.slice(0, ranges[static_cast<std::size_t>(i)].first, ranges[static_cast<std::size_t>(i)].second);
+    } else if (schedule.rank_of(s - 1) == rank()) {
+      x = slot(s - 1, i).output.detach();
+    } else {
+      x = sl.input;  // received by RF
+      if (!x.defined()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
+    }
+    x = x.detach();
+    if (s > 0 && x.is_floating_point()) x.requires_grad_(true);
+    sl.input = x;
+    sl.seed = mix(options.seed ^ mix(static_cast<uint64_t>(step) * 1000003ULL + static_cast<uint64_t>(s) * 7919ULL +
+                                     static_cast<uint64_t>(i)));
+    sl.checkpointed = checkpointed(i) && s != last_stage();
+    torch::Tensor out;
+    if (sl.checkpointed) {
+      torch::NoGradGuard no_grad;
+      out = run_forward(s, i, x);
+    } else {
+      out = run_forward(s, i, x);
+    }
+    if (s == last_stage()) out = scaled_loss(out, i);
+    sl.output = out;
+  }
+
+  torch::Tensor scaled_loss(const torch::Tensor& out, int i) {
+    if (!target.defined())
+      throw UsageError("rank " + std::to_string(rank()) + " holds the last stage but train_step got no target batch");
+    const auto [b, e] = ranges[static_cast<std::size_t>(i)];
+    torch::Tensor l = loss_fn(out, target.slice(0, b, e));
+    if (l.numel() != 1)
+      throw UsageError("the loss function returned " + std::to_string(l.numel()) +
+                       " values for micro-batch " + std::to_string(i) + ": it must return one (the mean over the micro-batch)");
+    l = l * (static_cast<double>(e - b) / static_cast<double>(batch_size));
+    loss_sum += l.item<double>();
+    return l;
+  }
+
+  void backward(int s, int i, bool split) {
+    Slot& sl = slot(s, i);
+    torch::Tensor out = sl.output;
+    if (sl.checkpointed) {  // re-materialise with the forward's RNG seed, so dropout masks match
+      out = run_forward(s, i, sl.input);
+    }
+    torch::Tensor grad;
+    if (s != last_stage()) {
+      grad = schedule.rank_of(s + 1) == rank() ? slot(s + 1, i).input_grad : sl.recv_grad;
+      if (!grad.defined()) throw std::logic_error("backward of stage " + std::to_string(s) + " has no output gradient");
+    }
+    if (out.requires_grad()) {
+      std::unique_ptr<WeightGradStore::Scope> scope;
+      if (split) scope = std::make_unique<WeightGradStore::Scope>(&sl.deferred);
+      if (grad.defined())
+        torch::autograd::backward({out}, {grad});
+      else
+        torch::autograd::backward({out});
+    }
+    if (s > 0) {
+      sl.input_grad = sl.input.grad().defined() ? sl.input.grad() : torch::zeros_like(sl.input);
+    }
+    sl.output = torch::Tensor();  // frees the graph and the activations
+    sl.recv_grad = torch::Tensor();
+    if (s + 1 <= last_stage() && schedule.rank_of(s + 1) == rank()) slot(s + 1, i).input_grad = torch::Tensor();
+  }
+
+  void weight(int s, int i) {
+    Slot& sl = slot(s, i);
+    sl.deferred.run();
+    sl.input = torch::Tensor();
+  }
+
+  // ---- communication --------------------------------------------------------------------------------
+  // dir 0: activation of stage `boundary` going to boundary+1; dir 1: input gradient of stage
+  // `boundary` going to boundary-1.
+  void send(int boundary, int dir, int i, torch::Tensor t, int dst) {
+    t = t.detach().contiguous();
+    const auto key = std::make_tuple(boundary, dir, micro_size(i));
+    auto it = agreed.find(key);
+    if (it == agreed.end()) {
+      if (t.dim() > kHeaderLen - 2)
+        throw UsageError("stage " + std::to_string(boundary) + " sends a tensor with " + std::to_string(t.dim()) +
+                         " dimensions; at most " + std::to_string(kHeaderLen - 2) + " are supported");
+      torch::Tensor header = torch::zeros({kHeaderLen}, torch::kLong);
+      header[0] = static_cast<int64_t>(t.scalar_type());
+      header[1] = t.dim();
+      for (int d = 0; d < t.dim(); ++d) header[d + 2] = t.size(d);
+      transport->send(header, dst, tag(boundary, i, dir, 1));
+      agreed[key] = Agreed{t.sizes().vec(), t.scalar_type()};
+    } else if (t.sizes().vec() != it->second.shape || t.scalar_type() != it->second.dtype) {
+      throw std::runtime_error(std::string(dir == 0 ? "activation" : "gradient") + " of stage " + std::to_string(boundary) +
+                               " for micro-batch " + std::to_string(i) + " has shape " +
+                               shape_text(t.sizes().vec(), t.scalar_type()) + " but the shape agreed at first use is " +
+                               shape_text(it->second.shape, it->second.dtype) +
+                               ": a stage's output shape must not change between micro-batches of the same size");
+    }
+    if (t.device() != torch::kCPU && transport->name() != "nccl") t = t.cpu();
+    if (options.reference) {
+      transport->send(t, dst, tag(boundary, i, dir, 0));
+    } else {
+      auto work = transport->isend(t, dst, tag(boundary, i, dir, 0));
+      pending_sends.emplace_back(t, std::move(work));
+    }
+  }
+
+  // Returns the agreed buffer for a receive, receiving the header first if the shape is not agreed yet.
+  torch::Tensor recv_buffer(int boundary, int dir, int i, int src, bool may_block) {
+    const auto key = std::make_tuple(boundary, dir, micro_size(i));
+    auto it = agreed.find(key);
+    if (it == agreed.end()) {
+      if (!may_block) return torch::Tensor();
+      torch::Tensor header = torch::zeros({kHeaderLen}, torch::kLong);
+      transport->recv(header, src, tag(boundary, i, dir, 1));
+      const auto* h = header.data_ptr<int64_t>();
+      std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
+      it = agreed.emplace(key, Agreed{shape, static_cast<c10::ScalarType>(h[0])}).first;
+    }
+    return torch::empty(it->second.shape, torch::TensorOptions().dtype(it->second.dtype));
+  }
+
+  torch::Tensor receive(const Action& a, int pos) {
+    const bool act = a.kind == ActionKind::RecvAct;
+    const int boundary = act ? a.stage - 1 : a.stage + 1;
+    const int dir = act ? 0 : 1;
+    const int src = schedule.rank_of(boundary);
+    auto it = posted.find({pos, 0});
+    if (it != posted.end()) {
+      it->second.work->wait();
+      torch::Tensor t = it->second.buffer;
+      posted.erase(it);
+      return t;
+    }
+    torch::Tensor buf = recv_buffer(boundary, dir, a.index, src, true);
+    transport->recv(buf, src, tag(boundary, a.index, dir, 0));
+    return buf;
+  }
+
+  // Fast path: post receives for the next `prefetch` receive actions whose shapes are agreed.
+  void prefetch_from(const std::vector<Action>& actions, std::size_t pos) {
+    int ahead = 0;
+    for (std::size_t k = pos; k < actions.size() && ahead < options.prefetch; ++k) {
+      const Action& a = actions[k];
+      if (a.kind != ActionKind::RecvAct && a.kind != ActionKind::RecvGrad) continue;
+      ++ahead;
+      if (posted.count({static_cast<int>(k), 0})) continue;
+      const bool act = a.kind == ActionKind::RecvAct;
+      const int boundary = act ? a.stage - 1 : a.stage + 1;
+      const int dir = act ? 0 : 1;
+      torch::Tensor buf = recv_buffer(boundary, dir, a.index, schedule.rank_of(boundary), false);
+      if (!buf.defined()) break;  // shape not agreed yet: receive the header in order first
+      auto& p = posted[{static_cast<int>(k), 0}];
+      p.buffer = buf;
+      p.work = transport->irecv(p.buffer, schedule.rank_of(boundary), tag(boundary, a.index, dir, 0));
+    }
+  }
+
+  // ---- optimizer --------------------------------------------------------------------------------------
+  void reduce_and_clip() {
+    double sq = 0;
+    for (auto& [s, st] : stages)
+      for (const auto& p : st.parameters())
+        if (p.grad().defined()) sq += p.grad().detach().to(torch::kDouble).pow(2).sum().item<double>();
+    torch::Tensor t = torch::tensor({loss_sum, sq}, torch::kDouble);
+    transport->all_reduce_sum(t);
+    stats.loss = t[0].item<double>();
+    stats.grad_norm = std::sqrt(t[1].item<double>());
+    const double clip = options.optimizer.clip_grad_norm;
+    if (clip > 0 && stats.grad_norm > clip) {
+      const double coef = clip / (stats.grad_norm + 1e-6);
+      torch::NoGradGuard no_grad;
+      for (auto& [s, st] : stages)
+        for (auto& p : st.parameters())
+          if (p.grad().defined()) p.mutable_grad().mul_(coef);
+    }
+    reduced = true;
+    if (options.on_gradients) {
+      std::vector<torch::Tensor> params;
+      for (auto& [s, st] : stages)
+        for (const auto& p : st.parameters()) params.push_back(p);
+      options.on_gradients(rank(), params);
+    }
+  }
+
+  void optimizer_step(int s) {
+    if (!reduced) reduce_and_clip();
+    auto it = optimizers.find(s);
+    if (it != optimizers.end()) it->second->step();
+    for (auto& p : stage_of(s).parameters()) p.mutable_grad() = torch::Tensor();
+  }
+
+  void run_action(const Action& a, int pos) {
+    switch (a.kind) {
+      case ActionKind::F: forward(a.stage, a.index); break;
+      case ActionKind::B: backward(a.stage, a.index, true); break;
+      case ActionKind::BW: backward(a.stage, a.index, false); break;
+      case ActionKind::W: weight(a.stage, a.index); break;
+      case ActionKind::SendAct:
+        send(a.stage, 0, a.index, slot(a.stage, a.index).output, schedule.rank_of(a.stage + 1));
+        break;
+      case ActionKind::SendGrad:
+        send(a.stage, 1, a.index, slot(a.stage, a.index).input_grad, schedule.rank_of(a.stage - 1));
+        slot(a.stage, a.index).input_grad = torch::Tensor();
+        break;
+      case ActionKind::RecvAct: slot(a.stage, a.index).input = receive(a, pos); break;
+      case ActionKind::RecvGrad: slot(a.stage, a.index).recv_grad = receive(a, pos); break;
+      case ActionKind::Step: optimizer_step(a.stage); break;
+    }
+  }
+};
+
+PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
+                           PipelineOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& d = *impl_;
+  d.model = model;
+  d.loss_fn = std::move(loss);
+  d.transport = std::move(transport);
+  d.options = std::move(options);
+  const int p = d.transport->world_size();
+  if (!is_sync_schedule(d.options.schedule)) {
+    if (d.options.schedule == "pipedream" || d.options.schedule == "2bw")
+      throw UsageError("schedule '" + d.options.schedule +
+                       "' is asynchronous and not run by this executor yet: use gpipe, 1f1b, interleaved, zb-h1, "
+                       "zb-h2 or zb-auto");
+    GeneratorOptions probe;
+    generate(d.options.schedule, probe);  // throws the list of valid names
+  }
+  if (d.options.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(d.options.prefetch));
+  const int total_stages = p * d.options.virtual_stages;
+  if (d.options.virtual_stages < 1)
+    throw UsageError("virtual stages must be >= 1, got " + std::to_string(d.options.virtual_stages));
+  if (total_stages > layer_count(model))
+    throw UsageError(std::to_string(p) + " ranks x " + std::to_string(d.options.virtual_stages) +
+                     " virtual stages = " + std::to_string(total_stages) + " stages but the model has " +
+                     std::to_string(layer_count(model)) + " layers: use fewer stages (ranks) or virtual stages");
+  d.balance = choose_balance(model, total_stages, d.options.balance);
+  GeneratorOptions g;
+  g.ranks = p;
+  g.microbatches = d.options.microbatches;
+  g.virtual_stages = d.options.virtual_stages;
+  g.costs = d.options.costs;
+  g.memory_limit = d.options.memory_limit;
+  Schedule plain = generate(d.options.schedule, g);
+  validate(plain);
+  d.schedule = insert_communication(plain, d.options.costs);
+  validate(d.schedule);
+
+  const auto all = cut(model, d.balance);
+  for (int s = 0; s < total_stages; ++s)
+    if (d.schedule.rank_of(s) == d.transport->rank()) d.stages.emplace(s, all[static_cast<std::size_t>(s)]);
+  const OptimizerOptions& o = d.options.optimizer;
+  if (o.name != "sgd" && o.name != "adam" && o.name != "adamw")
+    throw UsageError("unknown optimizer '" + o.name + "': use sgd, adam or adamw");
+  if (!(o.lr > 0)) throw UsageError("learning rate must be > 0, got " + std::to_string(o.lr));
+  if (o.clip_grad_norm < 0) throw UsageError("gradient clipping norm must be >= 0, got " + std::to_string(o.clip_grad_norm));
+  for (auto& [s, st] : d.stages) {
+    std::vector<torch::Tensor> params;
+    for (auto& t : st.parameters())
+      if (t.requires_grad()) {
+        params.push_back(t);
+        t.mutable_grad() = torch::Tensor();
+      }
+    if (params.empty()) continue;
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (o.name == "sgd")
+      opt = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+    else if (o.name == "adam")
+      opt = std::make_unique<torch::optim::Adam>(
+          params, torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+    else
+      opt = std::make_unique<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+    d.optimizers.emplace(s, std::move(opt));
+  }
+}
+
+PipelineRank::~PipelineRank() = default;
+PipelineRank::PipelineRank(PipelineRank&&) noexcept = default;
+
+StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size) {
+  Impl& d = *impl_;
+  d.ranges = split_equal(batch_size, d.options.microbatches);
+  d.input = input;
+  d.target = target;
+  d.batch_size = batch_size;
+  d.loss_sum = 0;
+  d.reduced = false;
+  d.slots.clear();
+  d.posted.clear();
+  d.pending_sends.clear();
+  d.stats = StepStats{};
+  d.stats.step = d.step;
+  d.stats.timeline.schedule = d.schedule.name;
+  d.stats.timeline.ranks = d.schedule.ranks;
+  d.stats.timeline.microbatches = d.options.microbatches;
+  d.stats.timeline.virtual_stages = d.options.virtual_stages;
+  d.stats.timeline.unit = "ms";
+  const auto& actions = d.schedule.actions[static_cast<std::size_t>(d.rank())];
+  std::size_t pos = 0;
+  try {
+    for (; pos < actions.size(); ++pos) {
+      if (!d.options.reference) d.prefetch_from(actions, pos);
+      const double t0 = now_ms();
+      d.run_action(actions[pos], static_cast<int>(pos));
+      d.stats.timeline.events.push_back(TimedAction{d.rank(), actions[pos], t0, now_ms()});
+    }
+    for (auto& [t, work] : d.pending_sends) work->wait();
+    d.pending_sends.clear();
+    if (!d.reduced) d.reduce_and_clip();  // a rank without Step actions still joins the reduction
+  } catch (const RemoteFailure&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string where = pos < actions.size() ? " at " + to_string(actions[pos]) : std::string();
+    const std::string msg = "rank " + std::to_string(d.rank()) + where + ": " + e.what();
+    d.transport->abort(msg);
+    if (dynamic_cast<const UsageError*>(&e)) throw UsageError(msg);
+    throw std::runtime_error(msg);
+  }
+  d.slots.clear();
+  ++d.step;
+  return d.stats;
+}
+
+const Schedule& PipelineRank::schedule() const { return impl_->schedule; }
+const std::vector<int>& PipelineRank::balance() const { return impl_->balance; }
+int PipelineRank::rank() const { return impl_->rank(); }
+std::vector<int> PipelineRank::local_stages() const {
+  std::vector<int> out;
+  for (const auto& [s, st] : impl_->stages) out.push_back(s);
+  return out;
+}
+std::vector<torch::Tensor> PipelineRank::parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& [s, st] : impl_->stages)
+    for (const auto& p : st.parameters()) out.push_back(p);
+  return out;
+}
+
+LocalPipeline::LocalPipeline(torch::nn::Sequential model, LossFn loss, int stages, PipelineOptions options) {
+  if (stages < 1) throw UsageError("stages must be >= 1, got " + std::to_string(stages));
+  auto transports = make_local_transports(stages);
+  for (int r = 0; r < stages; ++r)
+    ranks_.push_back(std::make_unique<PipelineRank>(model, loss, transports[static_cast<std::size_t>(r)], options));
+}
+
+LocalPipeline::~LocalPipeline() = default;
+
+StepStats LocalPipeline::train_step(const torch::Tensor& input, const torch::Tensor& target) {
+  const int p = static_cast<int>(ranks_.size());
+  std::vector<StepStats> stats(static_cast<std::size_t>(p));
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(p));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        stats[static_cast<std::size_t>(r)] = ranks_[static_cast<std::size_t>(r)]->train_step(input, target, input.size(0));
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  std::exception_ptr remote;
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const RemoteFailure&) {
+      if (!remote) remote = e;
+    } catch (...) {
+      throw;  // the failing rank's own error
+    }
+  }
+  if (remote) std::rethrow_exception(remote);
+  StepStats out = stats[0];
+  for (int r = 1; r < p; ++r)
+    for (const auto& e : stats[static_cast<std::size_t>(r)].timeline.events) out.timeline.events.push_back(e);
+  return out;
+}
+
+const Schedule& LocalPipeline::schedule() const { return ranks_.front()->schedule(); }
+const std::vector<int>& LocalPipeline::balance() const { return ranks_.front()->balance(); }
+
+}  // namespace pipetrain

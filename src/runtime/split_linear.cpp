@@ -1,0 +1,109 @@
+#include "pipetrain/runtime/split_linear.h"
+
+#include <torch/autograd.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+namespace pipetrain {
+namespace {
+
+thread_local WeightGradStore* active_store = nullptr;
+
+void accumulate_grad(torch::Tensor& param, const torch::Tensor& grad) {
+  torch::NoGradGuard no_grad;
+  if (!param.grad().defined())
+    param.mutable_grad() = grad.clone();
+  else
+    param.mutable_grad().add_(grad);
+}
+
+struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+                               const torch::Tensor& weight, const torch::Tensor& bias) {
+    ctx->save_for_backward({input, weight});
+    ctx->saved_data["bias"] = bias;  // kept by reference: the parameter whose .grad W accumulates into
+    ctx->saved_data["weight"] = weight;
+    return torch::linear(input, weight, bias.defined() ? bias : torch::Tensor());
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& input = saved[0];
+    const torch::Tensor& w = saved[1];
+    const torch::Tensor grad = grad_outputs[0];
+    torch::Tensor bias = ctx->saved_data["bias"].toTensor();
+    torch::Tensor weight = ctx->saved_data["weight"].toTensor();
+    const bool need_input = ctx->needs_input_grad(0);
+    const bool need_weight = ctx->needs_input_grad(1);
+    const bool need_bias = bias.defined() && ctx->needs_input_grad(2);
+    torch::Tensor grad_input = need_input ? grad.matmul(w) : torch::Tensor();
+    auto weight_grads = [input, grad, need_weight, need_bias]() {
+      const int64_t out = grad.size(-1), in = input.size(-1);
+      const torch::Tensor g2 = grad.reshape({-1, out});
+      return std::make_pair(need_weight ? g2.t().mm(input.reshape({-1, in})) : torch::Tensor(),
+                            need_bias ? g2.sum(0) : torch::Tensor());
+    };
+    if (WeightGradStore* store = WeightGradStore::current()) {
+      store->push([weight, bias, weight_grads]() mutable {
+        auto [gw, gb] = weight_grads();
+        if (gw.defined()) accumulate_grad(weight, gw);
+        if (gb.defined()) accumulate_grad(bias, gb);
+      });
+      return {grad_input, torch::Tensor(), torch::Tensor()};
+    }
+    auto [gw, gb] = weight_grads();
+    return {grad_input, gw, gb};
+  }
+};
+
+}  // namespace
+
+WeightGradStore::Scope::Scope(WeightGradStore* store) : previous_(active_store) { active_store = store; }
+WeightGradStore::Scope::~Scope() { active_store = previous_; }
+WeightGradStore* WeightGradStore::current() { return active_store; }
+
+void WeightGradStore::run() {
+  auto work = std::move(work_);
+  work_.clear();
+  for (auto& w : work) w();
+}
+
+torch::Tensor split_linear(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias) {
+  return SplitLinearFunction::apply(input, weight, bias);
+}
+
+namespace nn {
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features, bool with_bias)
+    : LinearImpl(torch::nn::LinearOptions(in_features, out_features).bias(with_bias)) {}
+
+LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_) : options(options_) { reset(); }
+
+void LinearImpl::reset() {
+  // Same parameters, registration order and initialisation as torch::nn::Linear, so a model built with
+  // either from the same seed has the same weights.
+  weight = register_parameter("weight", torch::empty({options.out_features(), options.in_features()}));
+  if (options.bias())
+    bias = register_parameter("bias", torch::empty(options.out_features()));
+  else
+    bias = register_parameter("bias", {}, /*requires_grad=*/false);
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (bias.defined()) {
+    int64_t fan_in, fan_out;
+    std::tie(fan_in, fan_out) = torch::nn::init::_calculate_fan_in_and_fan_out(weight);
+    const double bound = 1 / std::sqrt(static_cast<double>(fan_in));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+void LinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "pipetrain::nn::Linear(in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << options.bias() << ", split backward)";
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& input) { return split_linear(input, weight, bias); }
+
+}  // namespace nn
+}  // namespace pipetrain

@@ -1,0 +1,83 @@
+#include "pipetrain/runtime/stage.h"
+
+#include <cctype>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/plan/balance.h"
+
+namespace pipetrain {
+
+Checkpoint parse_checkpoint(const std::string& text) {
+  if (text == "always") return Checkpoint::Always;
+  if (text == "except_last") return Checkpoint::ExceptLast;
+  if (text == "never") return Checkpoint::Never;
+  throw UsageError("unknown checkpoint mode '" + text + "': use always, except_last or never");
+}
+
+std::string to_string(Checkpoint c) {
+  switch (c) {
+    case Checkpoint::Always: return "always";
+    case Checkpoint::ExceptLast: return "except_last";
+    default: return "never";
+  }
+}
+
+int layer_count(const torch::nn::Sequential& model) { return static_cast<int>(model->size()); }
+
+std::vector<double> layer_parameter_counts(const torch::nn::Sequential& model) {
+  std::vector<double> out;
+  for (std::size_t i = 0; i < model->size(); ++i) {
+    double n = 0;
+    for (const auto& p : model->ptr(i)->parameters())
+      if (p.requires_grad()) n += static_cast<double>(p.numel());
+    out.push_back(n);
+  }
+  return out;
+}
+
+std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind) {
+  const int layers = layer_count(model);
+  if (stages < 1) throw UsageError("stages must be >= 1, got " + std::to_string(stages));
+  if (stages > layers)
+    throw UsageError(std::to_string(stages) + " stages but the model has " + std::to_string(layers) +
+                     " layers: use --stages <= " + std::to_string(layers));
+  std::vector<int> balance;
+  if (kind == "uniform") {
+    balance = balance_uniform(layers, stages);
+  } else if (kind == "parameters") {
+    balance = balance_min_max(layer_parameter_counts(model), stages);
+  } else if (!kind.empty() && std::isdigit(static_cast<unsigned char>(kind[0]))) {
+    balance = parse_balance(kind);
+    if (static_cast<int>(balance.size()) != stages)
+      throw UsageError("balance " + kind + " lists " + std::to_string(balance.size()) + " stages but " +
+                       std::to_string(stages) + " are needed: give one layer count per stage");
+  } else {
+    throw UsageError("unknown balance '" + kind + "': use uniform, parameters, or layer counts such as 3,2,2");
+  }
+  check_balance(balance, layers);
+  return balance;
+}
+
+Stage::Stage(const torch::nn::Sequential& model, int first_layer, int num_layers)
+    : first_(first_layer), count_(num_layers) {
+  // AnyModule copies share the underlying module, so the stage trains the model's own parameters.
+  auto it = model->begin() + first_layer;
+  for (int i = first_layer; i < first_layer + num_layers; ++i, ++it) slice_->push_back(std::to_string(i), *it);
+}
+
+torch::Tensor Stage::forward(const torch::Tensor& input) { return slice_->forward(input); }
+
+std::vector<torch::Tensor> Stage::parameters() const { return slice_->parameters(); }
+
+std::vector<Stage> cut(const torch::nn::Sequential& model, const std::vector<int>& balance) {
+  check_balance(balance, layer_count(model));
+  std::vector<Stage> out;
+  int at = 0;
+  for (int n : balance) {
+    out.emplace_back(model, at, n);
+    at += n;
+  }
+  return out;
+}
+
+}  // namespace pipetrain

@@ -1,0 +1,372 @@
+// Checks the executor on the in-process transport. The main test is transparency (ALGORITHMS.md §1.8,
+// P-SYNC-1): for every synchronous schedule, p in {1, 2, 4} and m in {1, 3, 8}, one pipelined step gives
+// the loss and every parameter gradient of plain LibTorch gradient accumulation over the same
+// micro-batches (same model, same seed), within fp32 relative 1e-5. Also: the fast and reference paths
+// agree bitwise; every re-materialisation mode gives the same numbers, with dropout too; optimizers and
+// global-norm clipping match LibTorch's; a failing rank or a drifting shape stops every rank with a
+// message; bad options are UsageErrors.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/core/timeline.h"
+#include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/split_linear.h"
+
+using namespace pipetrain;
+
+namespace {
+
+constexpr int64_t kIn = 6, kHidden = 10, kOut = 3, kBatch = 12;
+
+// Eight layers mixing split linears, a plain torch linear (no B/W split) and parameter-free layers.
+torch::nn::Sequential make_model(uint64_t seed, double dropout = 0.0) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential m;
+  m->push_back(nn::Linear(kIn, kHidden));
+  m->push_back(torch::nn::Tanh());
+  m->push_back(nn::Linear(kHidden, kHidden));
+  m->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+  m->push_back(torch::nn::Linear(kHidden, kHidden));
+  m->push_back(torch::nn::Dropout(dropout));
+  m->push_back(nn::Linear(kHidden, kHidden));
+  m->push_back(nn::Linear(kHidden, kOut));
+  return m;
+}
+
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::mse_loss(out, target);
+}
+
+struct Data {
+  torch::Tensor x, y;
+};
+Data make_data(uint64_t seed = 123) {
+  torch::manual_seed(seed);
+  return {torch::randn({kBatch, kIn}), torch::randn({kBatch, kOut})};
+}
+
+// Plain LibTorch gradient accumulation over the same micro-batches; returns the loss.
+double reference_grads(torch::nn::Sequential model, const Data& d, int m) {
+  model->train();
+  model->zero_grad();
+  double loss = 0;
+  for (const auto& [b, e] : split_equal(kBatch, m)) {
+    torch::Tensor l = mse(model->forward(d.x.slice(0, b, e)), d.y.slice(0, b, e)) * (double(e - b) / kBatch);
+    l.backward();
+    loss += l.item<double>();
+  }
+  return loss;
+}
+
+// Runs one pipelined step and returns (loss, gradients in model parameter order).
+std::pair<double, std::vector<torch::Tensor>> pipeline_grads(torch::nn::Sequential model, const Data& d, int p,
+                                                             PipelineOptions o) {
+  const auto params = model->parameters();
+  std::vector<torch::Tensor> grads(params.size());
+  o.on_gradients = [&](int, const std::vector<torch::Tensor>& mine) {
+    // Runs on every rank's thread; each copies the gradients of the parameters it owns.
+    for (const auto& p : mine)
+      for (std::size_t k = 0; k < params.size(); ++k)
+        if (params[k].unsafeGetTensorImpl() == p.unsafeGetTensorImpl() && p.grad().defined())
+          grads[k] = p.grad().clone();
+  };
+  LocalPipeline pipe(model, mse, p, o);
+  const StepStats s = pipe.train_step(d.x, d.y);
+  return {s.loss, grads};
+}
+
+void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want,
+                  const std::string& what, double rtol = 1e-5) {
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t k = 0; k < want.size(); ++k) {
+    ASSERT_TRUE(got[k].defined()) << what << ": parameter " << k << " has no gradient";
+    const double scale = want[k].abs().max().item<double>() + 1e-12;
+    const double err = (got[k] - want[k]).abs().max().item<double>();
+    EXPECT_LE(err, rtol * scale) << what << ": parameter " << k << " max error " << err << " (scale " << scale << ")";
+  }
+}
+
+std::vector<torch::Tensor> grads_of(torch::nn::Sequential model) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model->parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+}  // namespace
+
+TEST(Executor, TransparencyEverySynchronousSchedule) {
+  const Data d = make_data();
+  int runs = 0;
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-auto"})
+    for (int p : {1, 2, 4})
+      for (int m : {1, 3, 8}) {
+        PipelineOptions o;
+        o.schedule = schedule;
+        o.microbatches = m;
+        if (schedule == "interleaved") {
+          if (m % p != 0) continue;
+          o.virtual_stages = 2;
+        }
+        auto ref_model = make_model(7);
+        const double ref_loss = reference_grads(ref_model, d, m);
+        const auto [loss, grads] = pipeline_grads(make_model(7), d, p, o);
+        const std::string what = schedule + " p=" + std::to_string(p) + " m=" + std::to_string(m);
+        EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << what;
+        expect_close(grads, grads_of(ref_model), what);
+        ++runs;
+      }
+  EXPECT_GE(runs, 45);
+}
+
+TEST(Executor, FastAndReferencePathsAgreeBitwise) {
+  const Data d = make_data();
+  for (const std::string schedule : {"1f1b", "zb-h1", "interleaved"}) {
+    PipelineOptions o;
+    o.schedule = schedule;
+    o.microbatches = 4;
+    o.virtual_stages = schedule == "interleaved" ? 2 : 1;
+    o.reference = true;
+    const auto ref = pipeline_grads(make_model(3), d, 2, o);
+    o.reference = false;
+    o.prefetch = 3;
+    const auto fast = pipeline_grads(make_model(3), d, 2, o);
+    EXPECT_EQ(ref.first, fast.first) << schedule;
+    for (std::size_t k = 0; k < ref.second.size(); ++k) EXPECT_TRUE(torch::equal(ref.second[k], fast.second[k])) << schedule;
+  }
+}
+
+TEST(Executor, CheckpointModesGiveTheSameNumbersWithDropout) {
+  // Within one schedule every checkpoint mode gives bitwise the same loss and gradients: the recompute
+  // reseeds the forward's RNG, so dropout masks match. Across schedules the masks are the same too
+  // (seeded per step, stage and micro-batch), but gradients are summed in another order (GPipe runs
+  // backwards in reverse), so they agree to rounding.
+  const Data d = make_data();
+  for (double dropout : {0.0, 0.3}) {
+    std::vector<std::pair<double, std::vector<torch::Tensor>>> first_of_schedule;
+    for (const std::string schedule : {"gpipe", "1f1b", "zb-h1"}) {
+      std::vector<std::pair<double, std::vector<torch::Tensor>>> runs;
+      for (Checkpoint c : {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always}) {
+        PipelineOptions o;
+        o.schedule = schedule;
+        o.microbatches = 4;
+        o.checkpoint = c;
+        o.seed = 99;
+        runs.push_back(pipeline_grads(make_model(5, dropout), d, 2, o));
+      }
+      for (std::size_t r = 1; r < runs.size(); ++r) {
+        EXPECT_EQ(runs[r].first, runs[0].first) << schedule << " dropout " << dropout << " mode " << r;
+        for (std::size_t k = 0; k < runs[0].second.size(); ++k)
+          EXPECT_TRUE(torch::equal(runs[r].second[k], runs[0].second[k])) << schedule << " dropout " << dropout;
+      }
+      first_of_schedule.push_back(runs[0]);
+    }
+    for (std::size_t r = 1; r < first_of_schedule.size(); ++r) {
+      EXPECT_NEAR(first_of_schedule[r].first, first_of_schedule[0].first, 1e-6);
+      expect_close(first_of_schedule[r].second, first_of_schedule[0].second, "across schedules");
+    }
+  }
+  // Dropout really is active: another seed gives another loss.
+  PipelineOptions o;
+  o.seed = 100;
+  const auto other = pipeline_grads(make_model(5, 0.3), d, 2, o);
+  o.seed = 99;
+  EXPECT_NE(other.first, pipeline_grads(make_model(5, 0.3), d, 2, o).first);
+}
+
+TEST(Executor, SplitLinearBackwardEqualsFused) {
+  torch::manual_seed(1);
+  nn::Linear split(5, 4);
+  torch::manual_seed(1);
+  torch::nn::Linear plain(5, 4);
+  ASSERT_TRUE(torch::equal(split->weight, plain->weight));  // same initialisation as torch::nn::Linear
+  ASSERT_TRUE(torch::equal(split->bias, plain->bias));
+  const torch::Tensor x0 = torch::randn({3, 2, 5});
+  const torch::Tensor g = torch::randn({3, 2, 4});
+  // Fused, through torch::nn::Linear.
+  torch::Tensor xa = x0.clone().requires_grad_(true);
+  plain->forward(xa).backward(g);
+  // B then W, through the store.
+  torch::Tensor xb = x0.clone().requires_grad_(true);
+  WeightGradStore store;
+  {
+    WeightGradStore::Scope scope(&store);
+    split->forward(xb).backward(g);
+  }
+  EXPECT_TRUE(torch::allclose(xb.grad(), xa.grad(), 1e-6, 1e-7));
+  EXPECT_FALSE(split->weight.grad().defined());  // deferred to W
+  EXPECT_EQ(store.size(), 1u);
+  store.run();
+  EXPECT_TRUE(store.empty());
+  EXPECT_TRUE(torch::allclose(split->weight.grad(), plain->weight.grad(), 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(split->bias.grad(), plain->bias.grad(), 1e-6, 1e-7));
+  // Without a store the backward is fused.
+  split->zero_grad();
+  split->forward(x0).backward(g);
+  EXPECT_TRUE(torch::allclose(split->weight.grad(), plain->weight.grad(), 1e-6, 1e-7));
+}
+
+TEST(Executor, OptimizersAndClippingMatchLibTorch) {
+  const Data d = make_data();
+  for (const std::string name : {"sgd", "adam", "adamw"})
+    for (double clip : {0.0, 0.05}) {
+      OptimizerOptions oo;
+      oo.name = name;
+      oo.lr = 0.05;
+      oo.momentum = 0.9;
+      oo.weight_decay = 0.01;
+      oo.clip_grad_norm = clip;
+      // Reference: full-batch gradient, LibTorch optimizer, LibTorch clipping.
+      auto ref = make_model(11);
+      std::unique_ptr<torch::optim::Optimizer> opt;
+      if (name == "sgd")
+        opt = std::make_unique<torch::optim::SGD>(ref->parameters(), torch::optim::SGDOptions(oo.lr).momentum(0.9).weight_decay(0.01));
+      else if (name == "adam")
+        opt = std::make_unique<torch::optim::Adam>(ref->parameters(), torch::optim::AdamOptions(oo.lr).weight_decay(0.01));
+      else
+        opt = std::make_unique<torch::optim::AdamW>(ref->parameters(), torch::optim::AdamWOptions(oo.lr).weight_decay(0.01));
+      PipelineOptions o;
+      o.schedule = "1f1b";
+      o.microbatches = 3;
+      o.optimizer = oo;
+      auto model = make_model(11);
+      LocalPipeline pipe(model, mse, 2, o);
+      for (int step = 0; step < 3; ++step) {
+        const double ref_loss = reference_grads(ref, d, 3);
+        const double norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), clip > 0 ? clip : 1e30);
+        opt->step();
+        const StepStats s = pipe.train_step(d.x, d.y);
+        EXPECT_NEAR(s.loss, ref_loss, 1e-5 * ref_loss) << name << " step " << step;
+        EXPECT_NEAR(s.grad_norm, norm, 1e-5 * norm) << name << " step " << step;
+      }
+      const auto a = model->parameters(), b = ref->parameters();
+      for (std::size_t k = 0; k < a.size(); ++k)
+        EXPECT_TRUE(torch::allclose(a[k], b[k], 1e-4, 1e-6)) << name << " clip " << clip << " parameter " << k;
+    }
+}
+
+TEST(Executor, LossIsKnownOnEveryRankAndTimelineIsRecorded) {
+  auto transports = make_local_transports(2);
+  const Data d = make_data();
+  PipelineOptions o;
+  o.schedule = "zb-h1";
+  o.microbatches = 4;
+  auto model = make_model(2);
+  PipelineRank r0(model, mse, transports[0], o), r1(model, mse, transports[1], o);
+  StepStats s0, s1;
+  std::thread t([&] { s1 = r1.train_step(torch::Tensor(), d.y, kBatch); });  // rank 1 never sees inputs
+  s0 = r0.train_step(d.x, torch::Tensor(), kBatch);                           // rank 0 never sees targets
+  t.join();
+  EXPECT_GT(s0.loss, 0);
+  EXPECT_EQ(s0.loss, s1.loss);
+  EXPECT_EQ(s0.grad_norm, s1.grad_norm);
+  EXPECT_EQ(s0.timeline.events.size(), r0.schedule().actions[0].size());
+  for (const TimedAction& e : s0.timeline.events) EXPECT_LE(e.start, e.end);
+  const Metrics m = compute_metrics(s1.timeline);
+  EXPECT_GT(m.per_rank[1].busy, 0);
+}
+
+namespace {
+// Returns its input, but throws on its `fail_call`-th call or widens its output from then on.
+struct FaultyImpl : torch::nn::Module {
+  FaultyImpl(int fail_call, bool widen) : fail_call(fail_call), widen(widen) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (calls++ == fail_call) {
+      if (widen) return torch::cat({x, x}, 1);
+      throw std::runtime_error("injected failure");
+    }
+    return x;
+  }
+  int fail_call, calls = 0;
+  bool widen;
+};
+TORCH_MODULE(Faulty);
+}  // namespace
+
+TEST(Executor, FailingRankStopsEveryRankWithItsMessage) {
+  const Data d = make_data();
+  auto model = make_model(1);
+  model->push_back(Faulty(2, false));  // layer 8: on rank 1 with a 2-stage uniform balance
+  model->push_back(nn::Linear(kOut, kOut));
+  PipelineOptions o;
+  o.microbatches = 4;
+  LocalPipeline pipe(model, mse, 2, o);
+  try {
+    pipe.train_step(d.x, d.y);
+    FAIL() << "no error";
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("rank 1 at 1F2: injected failure"), std::string::npos) << msg;
+  }
+}
+
+TEST(Executor, DriftingShapeIsAnErrorNamingStageAndShapes) {
+  const Data d = make_data();
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  model->push_back(nn::Linear(kIn, 4));
+  model->push_back(Faulty(1, true));  // second micro-batch comes out twice as wide
+  model->push_back(nn::Linear(4, kOut));
+  PipelineOptions o;
+  o.microbatches = 4;  // 12 samples: every micro-batch has 3
+  o.balance = "2,1";
+  LocalPipeline pipe(model, mse, 2, o);
+  try {
+    pipe.train_step(d.x, d.y);
+    FAIL() << "no error";
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("activation of stage 0 for micro-batch 1 has shape [3, 8] Float but the shape agreed at "
+                       "first use is [3, 4] Float"),
+              std::string::npos)
+        << msg;
+  }
+}
+
+TEST(Executor, BadOptionsAreUsageErrors) {
+  auto model = make_model(1);
+  auto expect_usage = [&](PipelineOptions o, int p, const std::string& part) {
+    try {
+      LocalPipeline pipe(model, mse, p, o);
+      const Data d = make_data();
+      pipe.train_step(d.x, d.y);
+      ADD_FAILURE() << "accepted: " << part;
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  PipelineOptions o;
+  o.microbatches = 13;
+  expect_usage(o, 2, "13 micro-batches but the batch has only 12 samples");
+  o = {};
+  o.microbatches = 0;
+  expect_usage(o, 2, "micro-batches must be >= 1");
+  o = {};
+  o.balance = "4,3";
+  expect_usage(o, 2, "sums to 7 but the model has 8 layers");
+  o.balance = "8,0";
+  expect_usage(o, 2, "gives stage 1 0 layers");
+  o = {};
+  expect_usage(o, 9, "9 stages but the model has 8 layers");
+  o.schedule = "fifo";
+  expect_usage(o, 2, "valid schedules are");
+  o.schedule = "pipedream";
+  expect_usage(o, 2, "asynchronous");
+  o = {};
+  o.optimizer.name = "lion";
+  expect_usage(o, 2, "unknown optimizer 'lion'");
+  o = {};
+  o.optimizer.lr = -1;
+  expect_usage(o, 2, "learning rate must be > 0");
+  EXPECT_THROW(parse_checkpoint("sometimes"), UsageError);
+}
+
+TEST(Executor, ParameterBalanceSplitsByParameterCount) {
+  auto model = make_model(1);
+  PipelineOptions o;
+  o.balance = "parameters";
+  LocalPipeline pipe(model, mse, 2, o);
+  // Parameter counts per layer: 70, 0, 110, 20, 110, 0, 110, 33 (total 453); the optimal 2-way split
+  // has bottleneck 253 = 70+0+110+20+110... no: [70,0,110,20] = 200 | [110,0,110,33] = 253.
+  EXPECT_EQ(pipe.balance(), (std::vector<int>{4, 4}));
+}
