@@ -87,6 +87,18 @@ CostModel ScheduleFlags::costs(const Schedule& s) const {
   return c;
 }
 
+namespace {
+int g_argc = 0;
+char** g_argv = nullptr;
+}  // namespace
+
+void set_command_line(int argc, char** argv) {
+  g_argc = argc;
+  g_argv = argv;
+}
+int cli_argc() { return g_argc; }
+char** cli_argv() { return g_argv; }
+
 int guarded(const std::string& command, const std::function<int()>& body) {
   try {
     return body();

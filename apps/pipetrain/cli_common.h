@@ -41,6 +41,14 @@ void add_schedule_command(CLI::App& app, int& exit_code);
 void add_simulate_command(CLI::App& app, int& exit_code);
 void add_demo_command(CLI::App& app, int& exit_code);
 void add_info_command(CLI::App& app, int& exit_code);
+void add_launch_command(CLI::App& app, int& exit_code);
+void add_train_command(CLI::App& app, int& exit_code);
+void add_selftest_command(CLI::App& app, int& exit_code);
+
+// The process's command line, kept by main() so a command can relaunch itself as ranks.
+void set_command_line(int argc, char** argv);
+int cli_argc();
+char** cli_argv();
 
 // Runs `body`, mapping UsageError to exit 2 and any other exception to exit 1, with the message on
 // stderr prefixed by "pipetrain <command>: error: ".

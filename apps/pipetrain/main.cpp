@@ -7,17 +7,24 @@ int main(int argc, char** argv) {
   using namespace pipetrain::cli;
   CLI::App app{"pipetrain: pipeline-parallel training, planning and simulation on LibTorch"};
   app.require_subcommand(1);
+  // A flag given twice takes its last value, so a command line can be extended with overrides.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.footer(
       "Examples:\n"
       "  pipetrain schedule --schedule 1f1b --stages 4 --microbatches 8\n"
       "  pipetrain simulate --schedule zb-h1 --stages 4 --microbatches 8 --cost 1:1:1 --svg zb.svg\n"
       "  pipetrain demo\n"
+      "  pipetrain train --stages 2 --schedule zb-h1 --steps 20 --svg run.svg\n"
       "Run 'pipetrain COMMAND --help' for a command's flags.");
   int exit_code = kExitOk;
   add_schedule_command(app, exit_code);
   add_simulate_command(app, exit_code);
   add_demo_command(app, exit_code);
   add_info_command(app, exit_code);
+  add_launch_command(app, exit_code);
+  add_train_command(app, exit_code);
+  add_selftest_command(app, exit_code);
+  set_command_line(argc, argv);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -26,7 +33,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);  // prints CLI11's message
-    std::cerr << "Commands are schedule, simulate, demo and info; run 'pipetrain --help' for usage.\n";
+    std::cerr << "Commands are schedule, simulate, demo, info, launch, train and selftest; run 'pipetrain --help' for usage.\n";
     return kExitUsage;
   }
   return exit_code;

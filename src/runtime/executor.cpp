@@ -5,6 +5,8 @@
 
 #include <ATen/core/Generator.h>
 
+#include <malloc.h>
+
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -38,6 +40,41 @@ std::vector<std::pair<int64_t, int64_t>> split_equal(int64_t batch_size, int mic
   return out;
 }
 
+Timeline gather_timeline(const Timeline& mine, Transport& transport) {
+  const int p = transport.world_size();
+  torch::Tensor counts = torch::zeros({p}, torch::kDouble);
+  counts[transport.rank()] = static_cast<double>(mine.events.size());
+  transport.all_reduce_sum(counts);
+  int64_t offset = 0, total = 0;
+  for (int r = 0; r < p; ++r) {
+    const auto c = static_cast<int64_t>(counts[r].item<double>());
+    if (r < transport.rank()) offset += c;
+    total += c;
+  }
+  torch::Tensor rows = torch::zeros({std::max<int64_t>(total, 1), 6}, torch::kDouble);
+  auto acc = rows.accessor<double, 2>();
+  for (std::size_t k = 0; k < mine.events.size(); ++k) {
+    const TimedAction& e = mine.events[k];
+    const int64_t row = offset + static_cast<int64_t>(k);
+    acc[row][0] = e.rank;
+    acc[row][1] = static_cast<double>(e.action.kind);
+    acc[row][2] = e.action.stage;
+    acc[row][3] = e.action.index;
+    acc[row][4] = e.start;
+    acc[row][5] = e.end;
+  }
+  transport.all_reduce_sum(rows);
+  Timeline out = mine;
+  out.events.clear();
+  auto all = rows.accessor<double, 2>();
+  for (int64_t row = 0; row < total; ++row)
+    out.events.push_back(TimedAction{static_cast<int>(all[row][0]),
+                                     Action{static_cast<ActionKind>(static_cast<int>(all[row][1])),
+                                            static_cast<int>(all[row][2]), static_cast<int>(all[row][3])},
+                                     all[row][4], all[row][5]});
+  return out;
+}
+
 namespace {
 
 // Serialises seeded forwards of ranks that share one process (and so one default generator).
@@ -51,6 +88,11 @@ uint64_t mix(uint64_t x) {  // splitmix64 finaliser
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
   return x ^ (x >> 31);
+}
+
+double heap_in_use() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<double>(m.uordblks + m.hblkhd);
 }
 
 double now_ms() {
@@ -101,6 +143,8 @@ struct PipelineRank::Impl {
     torch::Tensor recv_grad;  // dL/d output, received from the next stage
     bool checkpointed = false;
     uint64_t seed = 0;
+    int pending_input = -1;  // fast path: key in `posted` of the input's receive, waited for by F
+    int pending_grad = -1;   // fast path: key in `posted` of the output gradient's receive, waited for by B/BW
     WeightGradStore deferred;
   };
   std::map<std::pair<int, int>, Slot> slots;
@@ -273,21 +317,40 @@ struct PipelineRank::Impl {
     return torch::empty(it->second.shape, torch::TensorOptions().dtype(it->second.dtype));
   }
 
-  torch::Tensor receive(const Action& a, int pos) {
+  // Runs a receive action. On the fast path a receive that was posted ahead is not waited for here:
+  // the action that consumes the data waits (await_inputs), so a receive placed early by the lowering
+  // never holds up unrelated work. Returns false when the wait was deferred that way.
+  bool receive(const Action& a, int pos) {
     const bool act = a.kind == ActionKind::RecvAct;
+    Slot& sl = slot(a.stage, a.index);
+    if (posted.count({pos, 0})) {
+      (act ? sl.pending_input : sl.pending_grad) = pos;
+      return false;
+    }
     const int boundary = act ? a.stage - 1 : a.stage + 1;
     const int dir = act ? 0 : 1;
     const int src = schedule.rank_of(boundary);
-    auto it = posted.find({pos, 0});
-    if (it != posted.end()) {
-      it->second.work->wait();
-      torch::Tensor t = it->second.buffer;
-      posted.erase(it);
-      return t;
-    }
     torch::Tensor buf = recv_buffer(boundary, dir, a.index, src, true);
     transport->recv(buf, src, tag(boundary, a.index, dir, 0));
-    return buf;
+    (act ? sl.input : sl.recv_grad) = buf;
+    return true;
+  }
+
+  // Before a compute action: waits for its deferred receive, if any, and records the wait as the
+  // receive action in the timeline.
+  void await_inputs(const Action& a, Timeline& timeline) {
+    if (a.kind != ActionKind::F && a.kind != ActionKind::B && a.kind != ActionKind::BW) return;
+    Slot& sl = slot(a.stage, a.index);
+    int& pending = a.kind == ActionKind::F ? sl.pending_input : sl.pending_grad;
+    if (pending < 0) return;
+    const double t0 = now_ms();
+    auto it = posted.find({pending, 0});
+    it->second.work->wait();
+    (a.kind == ActionKind::F ? sl.input : sl.recv_grad) = it->second.buffer;
+    posted.erase(it);
+    pending = -1;
+    const Action recv{a.kind == ActionKind::F ? ActionKind::RecvAct : ActionKind::RecvGrad, a.stage, a.index};
+    timeline.events.push_back(TimedAction{rank(), recv, t0, now_ms()});
   }
 
   // Fast path: post receives for the next `prefetch` receive actions whose shapes are agreed.
@@ -343,7 +406,8 @@ struct PipelineRank::Impl {
     for (auto& p : stage_of(s).parameters()) p.mutable_grad() = torch::Tensor();
   }
 
-  void run_action(const Action& a, int pos) {
+  // Returns false when the action's work was deferred (a posted receive) and so should not be timed.
+  bool run_action(const Action& a, int pos) {
     switch (a.kind) {
       case ActionKind::F: forward(a.stage, a.index); break;
       case ActionKind::B: backward(a.stage, a.index, true); break;
@@ -356,10 +420,11 @@ struct PipelineRank::Impl {
         send(a.stage, 1, a.index, slot(a.stage, a.index).input_grad, schedule.rank_of(a.stage - 1));
         slot(a.stage, a.index).input_grad = torch::Tensor();
         break;
-      case ActionKind::RecvAct: slot(a.stage, a.index).input = receive(a, pos); break;
-      case ActionKind::RecvGrad: slot(a.stage, a.index).recv_grad = receive(a, pos); break;
+      case ActionKind::RecvAct:
+      case ActionKind::RecvGrad: return receive(a, pos);
       case ActionKind::Step: optimizer_step(a.stage); break;
     }
+    return true;
   }
 };
 
@@ -434,6 +499,7 @@ PipelineRank::PipelineRank(PipelineRank&&) noexcept = default;
 
 StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size) {
   Impl& d = *impl_;
+  if (d.options.threads > 0) at::set_num_threads(d.options.threads);
   d.ranges = split_equal(batch_size, d.options.microbatches);
   d.input = input;
   d.target = target;
@@ -451,13 +517,17 @@ StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tens
   d.stats.timeline.virtual_stages = d.options.virtual_stages;
   d.stats.timeline.unit = "ms";
   const auto& actions = d.schedule.actions[static_cast<std::size_t>(d.rank())];
+  const double heap0 = d.options.measure_memory ? heap_in_use() : 0.0;
   std::size_t pos = 0;
   try {
     for (; pos < actions.size(); ++pos) {
       if (!d.options.reference) d.prefetch_from(actions, pos);
+      if (d.options.before_action) d.options.before_action(d.rank(), d.step, actions[pos]);
+      d.await_inputs(actions[pos], d.stats.timeline);
       const double t0 = now_ms();
-      d.run_action(actions[pos], static_cast<int>(pos));
-      d.stats.timeline.events.push_back(TimedAction{d.rank(), actions[pos], t0, now_ms()});
+      if (d.run_action(actions[pos], static_cast<int>(pos)))
+        d.stats.timeline.events.push_back(TimedAction{d.rank(), actions[pos], t0, now_ms()});
+      if (d.options.measure_memory) d.stats.peak_heap_growth = std::max(d.stats.peak_heap_growth, heap_in_use() - heap0);
     }
     for (auto& [t, work] : d.pending_sends) work->wait();
     d.pending_sends.clear();
@@ -466,7 +536,10 @@ StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tens
     throw;
   } catch (const std::exception& e) {
     const std::string where = pos < actions.size() ? " at " + to_string(actions[pos]) : std::string();
-    const std::string msg = "rank " + std::to_string(d.rank()) + where + ": " + e.what();
+    // LibTorch's errors carry a C++ backtrace in what(); the user needs the message only.
+    const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+    const std::string what = torch_error ? torch_error->what_without_backtrace() : e.what();
+    const std::string msg = "rank " + std::to_string(d.rank()) + where + ": " + what;
     d.transport->abort(msg);
     if (dynamic_cast<const UsageError*>(&e)) throw UsageError(msg);
     throw std::runtime_error(msg);
@@ -508,6 +581,7 @@ StepStats LocalPipeline::train_step(const torch::Tensor& input, const torch::Ten
   for (int r = 0; r < p; ++r)
     threads.emplace_back([&, r] {
       try {
+        at::init_num_threads();
         stats[static_cast<std::size_t>(r)] = ranks_[static_cast<std::size_t>(r)]->train_step(input, target, input.size(0));
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();

@@ -18,27 +18,31 @@ void accumulate_grad(torch::Tensor& param, const torch::Tensor& grad) {
     param.mutable_grad().add_(grad);
 }
 
-struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunction> {
+// y = x A^T (+ b). `bias` is passed only when defined: autograd functions take no undefined inputs.
+template <bool kBias>
+struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunction<kBias>> {
+  template <class... Bias>
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
-                               const torch::Tensor& weight, const torch::Tensor& bias) {
+                               const torch::Tensor& weight, const Bias&... bias) {
     ctx->save_for_backward({input, weight});
-    ctx->saved_data["bias"] = bias;  // kept by reference: the parameter whose .grad W accumulates into
-    ctx->saved_data["weight"] = weight;
-    return torch::linear(input, weight, bias.defined() ? bias : torch::Tensor());
+    ctx->saved_data["weight"] = weight;  // kept by reference: the parameter whose .grad W accumulates into
+    torch::Tensor b;
+    ((b = bias), ...);
+    if (kBias) ctx->saved_data["bias"] = b;
+    return torch::linear(input, weight, b);
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    const torch::Tensor& input = saved[0];
-    const torch::Tensor& w = saved[1];
+    const torch::Tensor input = saved[0];
+    const torch::Tensor w = saved[1];
     const torch::Tensor grad = grad_outputs[0];
-    torch::Tensor bias = ctx->saved_data["bias"].toTensor();
     torch::Tensor weight = ctx->saved_data["weight"].toTensor();
-    const bool need_input = ctx->needs_input_grad(0);
+    torch::Tensor bias = kBias ? ctx->saved_data["bias"].toTensor() : torch::Tensor();
     const bool need_weight = ctx->needs_input_grad(1);
-    const bool need_bias = bias.defined() && ctx->needs_input_grad(2);
-    torch::Tensor grad_input = need_input ? grad.matmul(w) : torch::Tensor();
+    const bool need_bias = kBias && ctx->needs_input_grad(2);
+    torch::Tensor grad_input = ctx->needs_input_grad(0) ? grad.matmul(w) : torch::Tensor();
     auto weight_grads = [input, grad, need_weight, need_bias]() {
       const int64_t out = grad.size(-1), in = input.size(-1);
       const torch::Tensor g2 = grad.reshape({-1, out});
@@ -51,10 +55,12 @@ struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunctio
         if (gw.defined()) accumulate_grad(weight, gw);
         if (gb.defined()) accumulate_grad(bias, gb);
       });
-      return {grad_input, torch::Tensor(), torch::Tensor()};
+      if (kBias) return {grad_input, torch::Tensor(), torch::Tensor()};
+      return {grad_input, torch::Tensor()};
     }
     auto [gw, gb] = weight_grads();
-    return {grad_input, gw, gb};
+    if (kBias) return {grad_input, gw, gb};
+    return {grad_input, gw};
   }
 };
 
@@ -71,7 +77,8 @@ void WeightGradStore::run() {
 }
 
 torch::Tensor split_linear(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias) {
-  return SplitLinearFunction::apply(input, weight, bias);
+  if (bias.defined()) return SplitLinearFunction<true>::apply(input, weight, bias);
+  return SplitLinearFunction<false>::apply(input, weight);
 }
 
 namespace nn {

@@ -204,6 +204,19 @@ TEST(Executor, SplitLinearBackwardEqualsFused) {
   split->zero_grad();
   split->forward(x0).backward(g);
   EXPECT_TRUE(torch::allclose(split->weight.grad(), plain->weight.grad(), 1e-6, 1e-7));
+  // Without a bias, too.
+  torch::manual_seed(2);
+  nn::Linear nobias(torch::nn::LinearOptions(5, 4).bias(false));
+  torch::manual_seed(2);
+  torch::nn::Linear plain_nobias(torch::nn::LinearOptions(5, 4).bias(false));
+  ASSERT_FALSE(nobias->bias.defined());
+  plain_nobias->forward(x0).backward(g);
+  {
+    WeightGradStore::Scope scope(&store);
+    nobias->forward(x0).backward(g);
+  }
+  store.run();
+  EXPECT_TRUE(torch::allclose(nobias->weight.grad(), plain_nobias->weight.grad(), 1e-6, 1e-7));
 }
 
 TEST(Executor, OptimizersAndClippingMatchLibTorch) {

@@ -64,6 +64,8 @@ struct PipelineOptions {
   bool deterministic_rng = true;          // seed every forward; in-process ranks then take turns in forwards
   bool reference = false;                 // blocking reference path instead of the fast path
   int prefetch = 4;                       // fast path: receives posted ahead of need
+  int threads = 0;                        // intra-op threads of this rank (at::set_num_threads); 0 = as is
+  bool measure_memory = false;            // sample the heap after every action (StepStats::peak_heap_growth)
   CostModel costs;                        // per-stage costs for zb-h2/zb-auto and lowering; empty = unit
   double memory_limit = 0;                // zb-auto's limit in micro-batches (0 = p)
   // Called on each rank once per step, after the loss and gradient norm are reduced and the gradients
@@ -71,6 +73,10 @@ struct PipelineOptions {
   // inspection, logging, tests). Arguments: the rank and the parameters of its stages. Runs on the
   // rank's thread; in-process ranks run it concurrently, so touch only the parameters given.
   std::function<void(int rank, const std::vector<torch::Tensor>& parameters)> on_gradients;
+  // Called on each rank before each action of its list (a debugging and fault-injection aid; the
+  // `train` command sets it from PIPETRAIN_FAULT). An exception it throws fails the rank as the action
+  // would. Empty by default.
+  std::function<void(int rank, int step, const Action& action)> before_action;
 };
 
 // Loss of one micro-batch: the mean over its samples (pipetrain scales it by b_k / N).
@@ -80,8 +86,16 @@ struct StepStats {
   int step = 0;            // index of the step just taken (0-based)
   double loss = 0.0;       // full-batch loss of the step, on every rank
   double grad_norm = 0.0;  // global gradient norm before clipping
+  // With measure_memory: the largest growth of this process's heap in use (malloc's count, which holds
+  // every CPU tensor) over its level when the step started, in bytes. It covers the activations kept
+  // for backward, received buffers and new gradients; a per-process (per-rank) figure.
+  double peak_heap_growth = 0.0;
   Timeline timeline;       // what this rank (LocalPipeline: every rank) did, in ms
 };
+
+// Merges every rank's timeline on every rank (a collective over `transport`); events keep their
+// clock (a monotonic clock shared by processes on one host).
+Timeline gather_timeline(const Timeline& mine, Transport& transport);
 
 // Sample ranges of m micro-batches over N samples: sizes differ by at most one, the first N mod m
 // larger. Throws UsageError if m > N or either is < 1.

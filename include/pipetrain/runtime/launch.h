@@ -1,0 +1,53 @@
+// Starts the ranks of a multi-process run on this machine, as `pipetrain launch -n P -- COMMAND...`
+// and torchrun do: P children of COMMAND with the rendezvous environment (MASTER_ADDR=127.0.0.1, a free
+// MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) that Rendezvous::from_environment() reads.
+//
+// The launcher owns its children: it forwards their output line by line ("[rank R] ..."), reaps every
+// one (no zombies), and when one fails (non-zero exit or a signal) it says so, gives the others
+// `grace` to stop by themselves (the process transports' watchdogs make them exit within 30 s), then
+// kills what is left. SIGINT, SIGTERM or SIGHUP sent to the launcher are passed on to the children, which
+// are then killed after `grace` too. Each child runs in its own process group with stdin from
+// /dev/null; when a rank exits, whatever it started and left running in its group is killed, and a
+// child is killed if the launcher itself dies (PR_SET_PDEATHSIG). So no process outlives the launch.
+//
+// Torch-free. Call from one thread at a time; it installs signal handlers for the duration of the call
+// and restores the previous ones before returning.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace pipetrain {
+
+struct LaunchOptions {
+  // Prefix each line the children print with "[rank R] " (stdout lines to stdout, stderr lines to
+  // stderr). Off: the children write straight to the launcher's stdout/stderr, unbuffered by us.
+  bool prefix_output = true;
+  // After the first rank fails (or a signal arrives), how long the other ranks get to exit by
+  // themselves before they are killed with SIGKILL. Default 30 s: the transports' failure bound.
+  std::chrono::milliseconds grace = std::chrono::seconds(30);
+  // Kill every rank once the whole run has taken this long; 0 (default) means no limit. For tests.
+  std::chrono::milliseconds timeout{0};
+  // MASTER_PORT for the ranks; 0 (default) picks a free port on 127.0.0.1.
+  int master_port = 0;
+  // Extra environment variables for every child, set after the rendezvous ones (so they may override).
+  std::vector<std::pair<std::string, std::string>> env;
+  // When set, receives every output line instead of stdout/stderr: the rank (-1 for the launcher's own
+  // messages such as "rank 1 exited with code 3"), the stream (1 stdout, 2 stderr) and the line
+  // without its newline. Called on the launching thread. Implies piping the children's output.
+  std::function<void(int rank, int stream, const std::string& line)> on_line;
+};
+
+// Runs `argv` (argv[0] is looked up on PATH unless it contains '/') as `nprocs` ranks and waits for all
+// of them. Returns 0 when every rank exited with code 0, else 1 (after reporting each failure on stderr
+// or to on_line). Throws UsageError when nprocs < 1, argv is empty or argv[0] is not an executable, and
+// std::runtime_error when the children cannot be started (then none is left running).
+int launch_local(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options = {});
+
+// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
+int pick_free_port();
+
+}  // namespace pipetrain

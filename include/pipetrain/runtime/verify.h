@@ -1,0 +1,28 @@
+// Transparency check (ALGORITHMS.md §1.8, P-SYNC-1) on live ranks: one pipelined step against plain
+// LibTorch gradient accumulation over the same micro-batches, on any transport. Each rank builds the
+// model twice from `factory` (which must be deterministic, e.g. seeded), runs one pipelined step on one
+// copy and the plain accumulation on the other, and compares the gradients of the parameters it holds.
+// Collective: every rank calls it with the same arguments; every rank gets the same result.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "pipetrain/runtime/executor.h"
+#include "pipetrain/zoo/data.h"
+
+namespace pipetrain {
+
+struct VerifyResult {
+  double pipeline_loss = 0;
+  double reference_loss = 0;
+  double max_grad_error = 0;  // max over all parameters of max|g_pipe - g_ref| / (max|g_ref| + 1e-12)
+  double loss_error = 0;      // |loss_pipe - loss_ref| / |loss_ref|
+  bool ok(double tolerance) const { return max_grad_error <= tolerance && loss_error <= tolerance; }
+};
+
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
+                                 const std::shared_ptr<Transport>& transport, PipelineOptions options,
+                                 const zoo::Batch& batch);
+
+}  // namespace pipetrain

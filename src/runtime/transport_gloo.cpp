@@ -1,0 +1,961 @@
+// The gloo transport: ranks are processes; c10d::ProcessGroupGloo moves the tensors, a c10d::TCPStore
+// hosted by rank 0 (at MASTER_ADDR:MASTER_PORT) is the rendezvous and the failure board.
+//
+// Messages. Gloo cannot be trusted with a size mismatch: a message larger than the posted receive
+// throws inside Gloo's network thread (the process dies in std::terminate), a smaller one completes the
+// receive silently with stale bytes at the end. So every isend first sends a 72-byte header (tag,
+// dtype, shape, byte count) on one control slot, and the payload on the user's tag. Each rank runs one
+// *header thread per peer* that keeps a receive posted on the control slot from that peer; when a header
+// arrives it is matched (FIFO per source and tag) with the receive the rank posted, and only then is the
+// payload receive posted, with the right size. A mismatch fails that receive's wait() with both
+// descriptions, and the payload is drained into scratch memory so later messages stay in step. The
+// threads keep sends non-blocking in effect (a peer's send completes while this rank is busy elsewhere),
+// and since a receive posted on a peer's connection fails as soon as Gloo sees that connection close,
+// they also notice at once when a peer dies (see Failure).
+//
+//   sender  isend: [header -> control slot][payload -> slot tag]        (both posted at once)
+//   receiver header thread for src: header arrives -> match irecv(src, tag) -> sizes equal? post payload
+//                                                       recv : record the error, drain the payload
+//   receiver wait(): waits for the match, then for the payload
+//
+// Failure. A *watchdog thread* per rank polls the store: every 150 ms for the abort key
+// ("pipetrain/abort" = "<rank>\n<message>"; the first writer wins), every 1 s it bumps this rank's
+// heartbeat counter and reads the others'. A rank whose counter has not moved for
+// PIPETRAIN_HEARTBEAT_TIMEOUT seconds (default 10) was killed or is hung (a stopped process; the
+// heartbeat runs on its own thread, so a rank busy computing still beats). A store call that fails means
+// rank 0, which hosts the store, is gone; a store call that blocks is caught by a second thread that
+// checks the watchdog's progress. On any of these the watchdog prints
+//   pipetrain rank R: stopping: rank K failed: <message>
+// and ends the process with std::_Exit(1): Gloo calls blocked in other threads cannot be interrupted.
+// The header threads and the rank's own thread do the same when a connection to a peer fails: if a
+// failure was reported already the rank stops with that one; else the peer is gone (a rank closes its
+// connections only after the final barrier, which the store's finished count tells apart), so it
+// reports "rank K failed: it went away (killed or crashed?) while rank R was ..." and stops. As every
+// rank keeps a header receive posted to every peer, a killed rank is noticed by all within milliseconds;
+// the heartbeat is for ranks that hang (SIGSTOP, a frozen host) or a network that drops silently. Other errors (a collective's, a size mismatch)
+// are std::runtime_error from wait(): the caller is expected to abort() with them. Whoever finds a
+// failure first writes it as the abort key, so every rank reports the same root cause (rank 0, which
+// keeps the store, waits up to 2 s for the others to read it before it exits). Worst case, every rank
+// stops within the heartbeat timeout + 1 s.
+//
+// Shutdown. The destructor is a store barrier: each rank counts itself finished and waits until all
+// are (its watchdog still running, so a peer failing meanwhile still stops it), then stops its threads;
+// ranks 1.. then say they have detached and rank 0 keeps the store up until all have (at most 10 s).
+// So a rank must destroy its transport (or let it go out of scope) before exiting, and after the last
+// operation every rank has waited for; exiting with a live transport looks like a failure to the others.
+// If the transport is destroyed while an exception propagates, or after abort(), there is no barrier: it
+// calls abort() (when not done yet, with a message pointing at the rank's own output), and rank 0 keeps
+// the store up for up to 5 s until every other rank still connected has seen the failure.
+//
+// Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (or OMPI_COMM_WORLD_RANK/SIZE), GLOO_SOCKET_IFNAME
+// (the network interface for Gloo; default: the one that routes to MASTER_ADDR, loopback for 127.0.0.1),
+// PIPETRAIN_HEARTBEAT_TIMEOUT (seconds, default 10), PIPETRAIN_RENDEZVOUS_TIMEOUT (seconds all ranks get
+// to join, default 300). Gloo operations time out after 30 min.
+//
+// Note: LibTorch 1.13's TCPStore listens on every interface (it has no bind-address option); Gloo
+// itself listens only on the address chosen above.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <charconv>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/runtime/transport.h"
+
+namespace pipetrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr milliseconds kAbortPollPeriod{150};
+constexpr milliseconds kHeartbeatPeriod{1000};
+constexpr milliseconds kOpTimeout = std::chrono::minutes(30);
+constexpr milliseconds kForever = std::chrono::hours(24 * 365);  // a year: no overflow inside wait_for
+constexpr milliseconds kDetachWait{10000};
+constexpr milliseconds kAbortLinger{5000};
+constexpr int kControlTag = 1 << 30;  // Gloo slot of the headers; user tags are 0 .. kControlTag-1
+
+const std::string kAbortKey = "pipetrain/abort";
+const std::string kAbortSeenKey = "pipetrain/abort_seen";
+const std::string kFinishedKey = "pipetrain/finished";
+const std::string kDetachedKey = "pipetrain/detached";
+std::string heartbeat_key(int rank) { return "pipetrain/heartbeat/" + std::to_string(rank); }
+
+// --- environment -------------------------------------------------------------------------------
+
+std::optional<std::string> getenv_string(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) return std::nullopt;
+  return std::string(v);
+}
+
+std::optional<long long> parse_integer(const std::string& text) {
+  long long value = 0;
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr != end || text.empty()) return std::nullopt;
+  return value;
+}
+
+// Seconds from an environment variable, or `fallback` when unset.
+milliseconds env_seconds(const char* name, milliseconds fallback) {
+  const auto text = getenv_string(name);
+  if (!text) return fallback;
+  char* end = nullptr;
+  const double s = std::strtod(text->c_str(), &end);
+  if (text->empty() || *end != '\0' || !(s > 0) || s > 1e7)
+    throw UsageError(std::string(name) + "=" + *text + " is not a number of seconds: set it to a number > 0 (default " +
+                     std::to_string(fallback.count() / 1000) + ")");
+  return milliseconds(static_cast<long long>(s * 1000));
+}
+
+// The text of an exception without c10's backtrace or Gloo's "[file.cc:line] " prefix.
+std::string short_what(const std::exception& e) {
+  std::string text = e.what();
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) text = c10e->what_without_backtrace();
+  if (text.rfind("[", 0) == 0) {
+    const auto end = text.find("] ");
+    if (end != std::string::npos && text.find(".cc:") < end) text.erase(0, end + 2);
+  }
+  return text;
+}
+
+std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+// The local address of the route towards `host`: the interface this rank should give Gloo ("" if
+// unknown). A UDP connect sends nothing; it only makes the kernel pick the route.
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0) return "";
+  std::string found;
+  for (addrinfo* ai = res; ai && found.empty(); ai = ai->ai_next) {
+    const int fd = ::socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      char text[INET6_ADDRSTRLEN] = {};
+      const void* a = local.ss_family == AF_INET
+                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (::inet_ntop(local.ss_family, a, text, sizeof text)) found = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  return found;
+}
+
+// --- messages ----------------------------------------------------------------------------------
+
+constexpr int kMaxDims = 6;
+struct Header {
+  uint32_t magic;
+  int32_t tag;
+  int32_t dtype;  // c10::ScalarType
+  int32_t ndim;
+  int64_t nbytes;
+  int64_t sizes[kMaxDims];  // the first kMaxDims sizes, for error messages
+};
+static_assert(sizeof(Header) == 72, "the header is part of the wire format");
+constexpr uint32_t kMagic = 0x50504c54;  // "PPLT"
+
+int64_t byte_size(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+std::string describe(c10::ScalarType dtype, const int64_t* sizes, int ndim, int64_t nbytes) {
+  std::string s = std::string(c10::toString(dtype)) + " [";
+  for (int i = 0; i < ndim; ++i) {
+    if (i == kMaxDims) {
+      s += ", ...";
+      break;
+    }
+    s += (i ? ", " : "") + std::to_string(sizes[i]);
+  }
+  return s + "] (" + std::to_string(nbytes) + " bytes)";
+}
+
+std::string describe(const at::Tensor& t) {
+  return describe(t.scalar_type(), t.sizes().data(), static_cast<int>(t.dim()), byte_size(t));
+}
+
+std::string describe(const Header& h) {
+  return describe(static_cast<c10::ScalarType>(h.dtype), h.sizes, h.ndim, h.nbytes);
+}
+
+Header header_for(const at::Tensor& t, int tag) {
+  Header h{};
+  h.magic = kMagic;
+  h.tag = tag;
+  h.dtype = static_cast<int32_t>(t.scalar_type());
+  h.ndim = static_cast<int32_t>(t.dim());
+  h.nbytes = byte_size(t);
+  for (int i = 0; i < std::min<int>(h.ndim, kMaxDims); ++i) h.sizes[i] = t.size(i);
+  return h;
+}
+
+// A CPU, contiguous view of `t` (itself when it already is one; else a copy).
+at::Tensor cpu_contiguous(const at::Tensor& t) {
+  at::Tensor c = t.device().is_cpu() ? t : t.to(at::kCPU);
+  return c.is_contiguous() ? c : c.contiguous();
+}
+
+std::atomic<bool> g_exiting{false};  // one thread ends the process; the others wait for it
+
+[[noreturn]] void wait_for_exit() {
+  for (;;) ::pause();
+}
+
+// One receive: posted by the owner thread, matched with its header by the progress thread (or by
+// irecv itself when the header came first).
+struct PendingRecv {
+  enum State { Waiting, Matched, Failed };
+  int src = 0;
+  int tag = 0;
+  at::Tensor buffer;  // CPU contiguous; after a mismatch, the scratch bytes the payload drains into
+  State state = Waiting;
+  c10::intrusive_ptr<c10d::Work> work;  // the payload receive, once posted
+  std::string error;                    // for Failed
+};
+
+class GlooTransport;
+
+class GlooSendWork final : public Work {
+ public:
+  GlooSendWork(GlooTransport& t, int dst, c10::intrusive_ptr<c10d::Work> header,
+               c10::intrusive_ptr<c10d::Work> payload, at::Tensor keep, std::string what)
+      : t_(t),
+        dst_(dst),
+        header_(std::move(header)),
+        payload_(std::move(payload)),
+        keep_(std::move(keep)),
+        what_(std::move(what)) {}
+  void wait() override;
+
+ private:
+  GlooTransport& t_;
+  int dst_;
+  c10::intrusive_ptr<c10d::Work> header_, payload_;
+  at::Tensor keep_;
+  std::string what_;
+};
+
+class GlooRecvWork final : public Work {
+ public:
+  GlooRecvWork(GlooTransport& t, std::shared_ptr<PendingRecv> rec, at::Tensor target)
+      : t_(t), rec_(std::move(rec)), target_(std::move(target)) {}
+  void wait() override;
+
+ private:
+  GlooTransport& t_;
+  std::shared_ptr<PendingRecv> rec_;
+  at::Tensor target_;  // the caller's tensor; differs from rec_->buffer when it is not CPU-contiguous
+  bool done_ = false;
+};
+
+class GlooTransport final : public Transport {
+ public:
+  explicit GlooTransport(const Rendezvous& rv);
+  ~GlooTransport() override;
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  std::string name() const override { return "gloo"; }
+
+  std::unique_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag) override;
+  std::unique_ptr<Work> irecv(torch::Tensor& tensor, int src, int tag) override;
+  void all_reduce_sum(torch::Tensor& tensor) override;
+  void barrier() override;
+  void abort(const std::string& message) noexcept override;
+
+ private:
+  friend class GlooRecvWork;
+  friend class GlooSendWork;
+
+  // Handles an error of a Gloo operation (`operation` like "receiving Float [4] from rank 1 (tag 2)",
+  // `error` Gloo's text). Another rank's failure is the likely cause: if one was reported, this rank
+  // stops with it, like the watchdog does. Else, if the operation was with `peer` (>= 0), that peer
+  // died: this rank reports it and stops. Else throws std::runtime_error.
+  [[noreturn]] void fail(const std::string& operation, const std::string& error, int peer);
+
+  void check_peer(int peer, int tag, const char* what) const;
+  void match(PendingRecv& rec, const Header& h);  // mu_ held
+  void header_loop(int peer);
+  // The connection to `peer` failed (on its header thread): unless that is the end of a normal run,
+  // `peer` died; stop this rank now rather than when it next needs that peer.
+  void peer_lost(int peer, const std::string& error);
+  void watchdog_loop();
+  void monitor_loop();
+  void watchdog_poll(std::vector<int64_t>& beats, std::vector<Clock::time_point>& changed,
+                     Clock::time_point& next_beat, Clock::time_point& next_check);
+  [[noreturn]] void lost_store(const std::string& why);
+  // What stop_process does with the store first: kPublish writes the diagnosis as the abort key (or
+  // reports the one already there), kAcknowledge only counts this rank in abort_seen (rank 0 instead
+  // keeps the store up for the others for up to 2 s), kLeave does not touch it (it is gone or hung).
+  enum class Store { kPublish, kAcknowledge, kLeave };
+  // Ends the process after rank `failed_rank`'s failure (see the file comment).
+  [[noreturn]] void stop_process(int failed_rank, std::string message, Store store);
+  void finish_barrier();
+  void stop_threads();
+  // Polls `key` (an add() counter) on the main store client until it reaches `target` or `limit` passes.
+  bool wait_for_count(const std::string& key, int64_t target, milliseconds limit);
+
+  int rank_;
+  int world_size_;
+  std::string store_address_;  // "addr:port", for messages
+  milliseconds dead_after_;
+
+  c10::intrusive_ptr<c10d::TCPStore> store_;        // main client (the server too, on rank 0)
+  c10::intrusive_ptr<c10d::TCPStore> watch_store_;  // the watchdog's own connection
+  std::mutex store_mu_;                             // guards store_ (abort may come from any thread)
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+
+  // Matching of headers and receives (owner thread and progress thread).
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<int, int>, std::deque<std::shared_ptr<PendingRecv>>> posted_;  // (src, tag)
+  std::map<std::pair<int, int>, std::deque<Header>> arrived_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> header_work_;  // per peer: the posted header receive
+  std::vector<std::string> peer_error_;  // per peer: why its receives fail from now on
+  std::vector<bool> peer_gone_;          // per peer: ... because its connection failed
+  bool stopping_ = false;
+
+  // Watchdog.
+  std::mutex wd_mu_;
+  std::condition_variable wd_cv_;
+  bool wd_stop_ = false;
+  std::atomic<int64_t> wd_progress_ns_{0};
+  std::atomic<bool> aborted_{false};  // this rank called abort()
+
+  std::vector<std::thread> header_threads_;
+  std::thread watchdog_, monitor_;
+};
+
+GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_(rv.world_size) {
+  if (rv.world_size < 1)
+    throw UsageError("WORLD_SIZE=" + std::to_string(rv.world_size) + " is not a process count: use >= 1");
+  if (rv.rank < 0 || rv.rank >= rv.world_size)
+    throw UsageError("RANK=" + std::to_string(rv.rank) + " is out of range for WORLD_SIZE=" +
+                     std::to_string(rv.world_size) + ": use 0.." + std::to_string(rv.world_size - 1));
+  if (rv.master_port < 1 || rv.master_port > 65535)
+    throw UsageError("MASTER_PORT=" + std::to_string(rv.master_port) + " is not a port number: use 1..65535");
+  if (rv.master_addr.empty()) throw UsageError("MASTER_ADDR is empty: set it to rank 0's host, e.g. 127.0.0.1");
+  store_address_ = rv.master_addr + ":" + std::to_string(rv.master_port);
+  dead_after_ = env_seconds("PIPETRAIN_HEARTBEAT_TIMEOUT", seconds(10));
+  const milliseconds join_timeout = env_seconds("PIPETRAIN_RENDEZVOUS_TIMEOUT", seconds(300));
+
+  // A peer that dies mid-write must give an error, not SIGPIPE.
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<std::uint16_t>(rv.master_port);
+  so.isServer = rank_ == 0;
+  so.numWorkers = static_cast<std::size_t>(world_size_);
+  so.waitWorkers = true;
+  so.timeout = join_timeout;
+  const std::string join_hint = "start all WORLD_SIZE=" + std::to_string(world_size_) +
+                                " ranks with the same MASTER_ADDR and MASTER_PORT (pipetrain launch does), or "
+                                "raise PIPETRAIN_RENDEZVOUS_TIMEOUT (now " +
+                                std::to_string(join_timeout.count() / 1000) + " s)";
+  try {
+    store_ = c10::make_intrusive<c10d::TCPStore>(rv.master_addr, so);
+    c10d::TCPStoreOptions wo = so;
+    wo.isServer = false;
+    wo.numWorkers.reset();
+    wo.waitWorkers = false;
+    watch_store_ = c10::make_intrusive<c10d::TCPStore>(rv.master_addr, wo);
+  } catch (const std::exception& e) {
+    if (rank_ == 0)
+      throw std::runtime_error("rank 0 could not host the rendezvous store on port " + std::to_string(rv.master_port) +
+                               " (MASTER_PORT) or not every rank joined it: " + short_what(e) +
+                               ". If the port is taken pick another MASTER_PORT; else " + join_hint);
+    throw std::runtime_error("rank " + std::to_string(rank_) + " could not join the rendezvous store at " +
+                             store_address_ + " (MASTER_ADDR:MASTER_PORT): " + short_what(e) +
+                             ". Is rank 0 running? " + join_hint);
+  }
+
+  auto options = c10d::ProcessGroupGloo::Options::create(kOpTimeout);
+  std::string device_address;
+  try {
+    if (const auto ifname = getenv_string("GLOO_SOCKET_IFNAME"); ifname && !ifname->empty()) {
+      device_address = "interface " + *ifname + " (GLOO_SOCKET_IFNAME)";
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(*ifname));
+    } else {
+      const std::string local = local_address_towards(rv.master_addr, rv.master_port);
+      if (local.empty()) {
+        device_address = "this host's default address";
+        options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      } else {
+        device_address = local;
+        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(local));
+      }
+    }
+    options->threads = 1;  // collectives only; point-to-point runs on Gloo's network thread
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("pipetrain/gloo", store_);
+    pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank_, world_size_, options);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("rank " + std::to_string(rank_) + " could not connect to the other ranks over Gloo on " +
+                             device_address + ": " + short_what(e) +
+                             ". Set GLOO_SOCKET_IFNAME to the network interface that reaches the other ranks");
+  }
+  wd_progress_ns_ = Clock::now().time_since_epoch().count();
+  header_work_.resize(world_size_);
+  peer_error_.resize(world_size_);
+  peer_gone_.resize(world_size_);
+  for (int peer = 0; peer < world_size_; ++peer)
+    if (peer != rank_) header_threads_.emplace_back([this, peer] { header_loop(peer); });
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+  monitor_ = std::thread([this] { monitor_loop(); });
+}
+
+GlooTransport::~GlooTransport() {
+  if (std::uncaught_exceptions() > 0 && !aborted_)
+    abort("its transport was destroyed while an error was propagating (see rank " + std::to_string(rank_) +
+          "'s own output for it)");
+  const bool failed = aborted_;
+  if (!failed) finish_barrier();
+  stop_threads();
+  try {
+    if (!failed) {
+      if (rank_ != 0) {
+        std::lock_guard<std::mutex> lk(store_mu_);
+        store_->add(kDetachedKey, 1);
+      } else {
+        wait_for_count(kDetachedKey, world_size_ - 1, kDetachWait);
+      }
+    } else {
+      if (rank_ == 0) {  // keep the store up until the ranks still connected have seen the failure
+        int gone = 0;
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          for (int k = 0; k < world_size_; ++k) gone += k != rank_ && peer_gone_[k];
+        }
+        wait_for_count(kAbortSeenKey, world_size_ - 1 - gone, kAbortLinger);
+      }
+    }
+  } catch (const std::exception&) {
+    // The store is gone: nothing left to coordinate.
+  }
+  pg_.reset();
+  watch_store_.reset();
+  store_.reset();
+}
+
+bool GlooTransport::wait_for_count(const std::string& key, int64_t target, milliseconds limit) {
+  const auto until = Clock::now() + limit;
+  milliseconds pause{5};
+  for (;;) {
+    int64_t v;
+    {
+      std::lock_guard<std::mutex> lk(store_mu_);
+      v = store_->add(key, 0);
+    }
+    if (v >= target) return true;
+    if (Clock::now() >= until) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, milliseconds(50));
+  }
+}
+
+void GlooTransport::finish_barrier() {
+  try {
+    {
+      std::lock_guard<std::mutex> lk(store_mu_);
+      store_->add(kFinishedKey, 1);
+    }
+    // No time limit: a slower rank is still working. A rank that fails meanwhile is caught by the
+    // watchdog, which ends this process.
+    wait_for_count(kFinishedKey, world_size_, kForever);
+  } catch (const std::exception& e) {
+    lost_store(short_what(e));
+  }
+}
+
+void GlooTransport::stop_threads() {
+  {
+    std::lock_guard<std::mutex> lk(wd_mu_);
+    wd_stop_ = true;
+  }
+  wd_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  if (monitor_.joinable()) monitor_.join();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stopping_ = true;
+    for (auto& w : header_work_)
+      if (w) w->abort();
+  }
+  cv_.notify_all();
+  for (auto& t : header_threads_) t.join();
+}
+
+void GlooTransport::lost_store(const std::string& why) {
+  stop_process(0, "lost the rendezvous store it hosts at " + store_address_ + " (rank 0 died?): " + why,
+               Store::kLeave);
+}
+
+void GlooTransport::stop_process(int failed_rank, std::string message, Store store) {
+  if (g_exiting.exchange(true)) wait_for_exit();
+  if (store != Store::kLeave) {
+    try {
+      // The watchdog thread owns watch_store_; any other thread uses the main client.
+      const bool on_watchdog = std::this_thread::get_id() == watchdog_.get_id();
+      std::unique_lock<std::mutex> lk(store_mu_, std::defer_lock);
+      if (!on_watchdog) lk.lock();
+      c10d::TCPStore& st = on_watchdog ? *watch_store_ : *store_;
+      if (store == Store::kPublish) {
+        const std::string value = std::to_string(failed_rank) + "\n" + message;
+        const std::vector<uint8_t> raw = st.compareSet(kAbortKey, {}, bytes_of(value));
+        const std::string stored(raw.begin(), raw.end());
+        if (stored != value) {  // someone reported a failure first: that is the root cause
+          const auto nl = stored.find('\n');
+          failed_rank = static_cast<int>(parse_integer(stored.substr(0, nl)).value_or(failed_rank));
+          message = nl == std::string::npos ? stored : stored.substr(nl + 1);
+        }
+      }
+      if (rank_ != 0) {
+        st.add(kAbortSeenKey, 1);
+      } else {  // the store dies with this process: give the others time to read the report
+        const auto until = Clock::now() + milliseconds(2000);
+        while (Clock::now() < until && st.add(kAbortSeenKey, 0) < world_size_ - 2)
+          std::this_thread::sleep_for(milliseconds(20));
+      }
+    } catch (...) {
+    }
+  }
+  std::fprintf(stderr, "pipetrain rank %d: stopping: rank %d failed: %s\n", rank_, failed_rank, message.c_str());
+  std::fflush(nullptr);
+  std::_Exit(1);
+}
+
+void GlooTransport::abort(const std::string& message) noexcept {
+  aborted_ = true;
+  try {
+    const std::string value = std::to_string(rank_) + "\n" + message;
+    std::lock_guard<std::mutex> lk(store_mu_);
+    store_->compareSet(kAbortKey, {}, bytes_of(value));  // the first failure is the one reported
+  } catch (const std::exception& e) {
+    std::fprintf(stderr,
+                 "pipetrain rank %d: could not tell the other ranks that it failed (%s); they will notice "
+                 "when it exits\n",
+                 rank_, short_what(e).c_str());
+  } catch (...) {
+  }
+}
+
+// --- watchdog ----------------------------------------------------------------------------------
+
+void GlooTransport::watchdog_loop() {
+  const auto start = Clock::now();
+  std::vector<int64_t> beats(world_size_, -1);
+  std::vector<Clock::time_point> changed(world_size_, start);
+  Clock::time_point next_beat = start, next_check = start + kHeartbeatPeriod;
+  std::unique_lock<std::mutex> lk(wd_mu_);
+  while (!wd_stop_) {
+    lk.unlock();
+    watchdog_poll(beats, changed, next_beat, next_check);
+    wd_progress_ns_ = Clock::now().time_since_epoch().count();
+    lk.lock();
+    wd_cv_.wait_for(lk, kAbortPollPeriod, [&] { return wd_stop_; });
+  }
+}
+
+void GlooTransport::watchdog_poll(std::vector<int64_t>& beats, std::vector<Clock::time_point>& changed,
+                                  Clock::time_point& next_beat, Clock::time_point& next_check) {
+  try {
+    const auto now = Clock::now();
+    if (now >= next_beat) {
+      watch_store_->add(heartbeat_key(rank_), 1);
+      next_beat = now + kHeartbeatPeriod;
+    }
+    if (aborted_) return;  // this rank is already failing: nothing to add
+    if (watch_store_->check({kAbortKey})) {
+      const std::vector<uint8_t> raw = watch_store_->get(kAbortKey);
+      const std::string value(raw.begin(), raw.end());
+      const auto nl = value.find('\n');
+      const int failed = static_cast<int>(parse_integer(value.substr(0, nl)).value_or(-1));
+      const std::string message = nl == std::string::npos ? value : value.substr(nl + 1);
+      if (failed != rank_ && !aborted_) stop_process(failed, message, Store::kAcknowledge);
+    }
+    if (now >= next_check) {
+      next_check = now + kHeartbeatPeriod;
+      for (int k = 0; k < world_size_; ++k) {
+        if (k == rank_) continue;
+        const int64_t v = watch_store_->add(heartbeat_key(k), 0);
+        if (v != beats[k]) {
+          beats[k] = v;
+          changed[k] = now;
+        } else if (now - changed[k] > dead_after_) {
+          stop_process(k,
+                       "it stopped responding: no heartbeat for " + std::to_string(dead_after_.count() / 1000) +
+                           " s (killed, crashed or hung)",
+                       Store::kPublish);
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lk(wd_mu_);
+      if (wd_stop_) return;
+    }
+    if (aborted_) return;
+    lost_store(short_what(e));
+  }
+}
+
+void GlooTransport::monitor_loop() {
+  // The watchdog's store calls have no timeout of their own: one that hangs (rank 0 stopped, network
+  // gone) shows here as a watchdog that stopped making progress.
+  const auto limit = dead_after_ + seconds(5);
+  std::unique_lock<std::mutex> lk(wd_mu_);
+  while (!wd_stop_) {
+    wd_cv_.wait_for(lk, seconds(1), [&] { return wd_stop_; });
+    if (wd_stop_ || aborted_) break;
+    const auto last = Clock::time_point(Clock::duration(wd_progress_ns_.load()));
+    if (Clock::now() - last > limit)
+      stop_process(0,
+                   "the rendezvous store it hosts at " + store_address_ + " has not answered for " +
+                       std::to_string(std::chrono::duration_cast<seconds>(limit).count()) +
+                       " s (rank 0 hung, or its host is unreachable)",
+                   Store::kLeave);
+  }
+}
+
+// --- messages ----------------------------------------------------------------------------------
+
+void GlooTransport::check_peer(int peer, int tag, const char* what) const {
+  if (peer < 0 || peer >= world_size_ || peer == rank_)
+    throw std::invalid_argument(std::string("gloo ") + what + ": rank " + std::to_string(peer) +
+                                " is not a peer of rank " + std::to_string(rank_) + ": use 0.." +
+                                std::to_string(world_size_ - 1) + " except " + std::to_string(rank_));
+  if (tag < 0 || tag >= kControlTag)
+    throw std::invalid_argument(std::string("gloo ") + what + ": tag " + std::to_string(tag) +
+                                " is out of range: use 0.." + std::to_string(kControlTag - 1));
+}
+
+std::unique_ptr<Work> GlooTransport::isend(const torch::Tensor& tensor, int dst, int tag) {
+  check_peer(dst, tag, "isend");
+  at::Tensor payload = cpu_contiguous(tensor);
+  const Header h = header_for(payload, tag);
+  at::Tensor header = at::empty({static_cast<int64_t>(sizeof(Header))}, at::kByte);
+  std::memcpy(header.data_ptr(), &h, sizeof h);
+  const std::string what =
+      "sending " + describe(payload) + " to rank " + std::to_string(dst) + " (tag " + std::to_string(tag) + ")";
+  c10::intrusive_ptr<c10d::Work> hw, pw;
+  try {
+    std::vector<at::Tensor> hv{header};
+    hw = pg_->send(hv, dst, kControlTag);
+    if (h.nbytes > 0) {
+      std::vector<at::Tensor> pv{payload};
+      pw = pg_->send(pv, dst, tag);
+    }
+  } catch (const std::exception& e) {
+    fail(what, short_what(e), dst);
+  }
+  return std::make_unique<GlooSendWork>(*this, dst, std::move(hw), std::move(pw), payload, what);
+}
+
+std::unique_ptr<Work> GlooTransport::irecv(torch::Tensor& tensor, int src, int tag) {
+  check_peer(src, tag, "irecv");
+  auto rec = std::make_shared<PendingRecv>();
+  rec->src = src;
+  rec->tag = tag;
+  rec->buffer = tensor.device().is_cpu() && tensor.is_contiguous()
+                    ? tensor
+                    : at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& arrived = arrived_[{src, tag}];
+    if (!arrived.empty()) {
+      const Header h = arrived.front();
+      arrived.pop_front();
+      match(*rec, h);
+    } else {
+      posted_[{src, tag}].push_back(rec);
+    }
+  }
+  return std::make_unique<GlooRecvWork>(*this, rec, tensor);
+}
+
+void GlooTransport::match(PendingRecv& rec, const Header& h) {
+  const int64_t expected = byte_size(rec.buffer);
+  const bool same = h.nbytes == expected && h.dtype == static_cast<int32_t>(rec.buffer.scalar_type());
+  try {
+    if (same) {
+      rec.state = PendingRecv::Matched;
+      if (expected > 0) {
+        std::vector<at::Tensor> v{rec.buffer};
+        rec.work = pg_->recv(v, rec.src, rec.tag);
+      }
+    } else {
+      rec.state = PendingRecv::Failed;
+      rec.error = "gloo: message mismatch from rank " + std::to_string(rec.src) + " (tag " + std::to_string(rec.tag) +
+                  "): it sent " + describe(h) + " but rank " + std::to_string(rank_) + " expected " +
+                  describe(rec.buffer) + ": sender and receiver must agree on the tensor's size and dtype";
+      rec.buffer = at::empty({h.nbytes}, at::kByte);  // drain the payload, so later messages stay in step
+      if (h.nbytes > 0) {
+        std::vector<at::Tensor> v{rec.buffer};
+        rec.work = pg_->recv(v, rec.src, rec.tag);
+      }
+    }
+  } catch (const std::exception& e) {
+    rec.state = PendingRecv::Failed;
+    rec.error = "gloo: receiving from rank " + std::to_string(rec.src) + " (tag " + std::to_string(rec.tag) +
+                ") failed: " + short_what(e);
+  }
+  cv_.notify_all();
+}
+
+void GlooTransport::fail(const std::string& operation, const std::string& error, int peer) {
+  if (!aborted_) {
+    std::optional<std::string> reported;
+    try {
+      std::lock_guard<std::mutex> lk(store_mu_);
+      if (store_->check({kAbortKey})) {
+        const std::vector<uint8_t> raw = store_->get(kAbortKey);
+        reported = std::string(raw.begin(), raw.end());
+      }
+    } catch (const std::exception&) {
+      // No store: rank 0 is gone too; the peer's error below says enough.
+    }
+    if (reported) {
+      const auto nl = reported->find('\n');
+      const int failed = static_cast<int>(parse_integer(reported->substr(0, nl)).value_or(-1));
+      if (failed >= 0 && failed != rank_)
+        stop_process(failed, nl == std::string::npos ? *reported : reported->substr(nl + 1), Store::kAcknowledge);
+    }
+    if (peer >= 0)
+      stop_process(peer,
+                   "it went away (killed or crashed?) while rank " + std::to_string(rank_) + " was " + operation +
+                       ": " + error,
+                   Store::kPublish);
+  }
+  throw std::runtime_error("gloo: " + operation + " failed: " + error +
+                           (peer >= 0 ? "" : " (a peer has probably stopped; see its output)"));
+}
+
+void GlooSendWork::wait() {
+  try {
+    if (header_) header_->wait();
+    if (payload_) payload_->wait();
+  } catch (const std::exception& e) {
+    header_.reset();
+    payload_.reset();
+    t_.fail(what_, short_what(e), dst_);
+  }
+  header_.reset();
+  payload_.reset();
+}
+
+void GlooRecvWork::wait() {
+  if (done_) return;
+  done_ = true;
+  PendingRecv& rec = *rec_;
+  const std::string from = "rank " + std::to_string(rec.src) + " (tag " + std::to_string(rec.tag) + ")";
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    std::unique_lock<std::mutex> lk(t_.mu_);
+    const std::string& peer_error = t_.peer_error_[rec.src];
+    const bool matched = t_.cv_.wait_for(lk, kOpTimeout, [&] {
+      return rec.state != PendingRecv::Waiting || !peer_error.empty() || t_.stopping_;
+    });
+    if (rec.state == PendingRecv::Waiting) {
+      if (!peer_error.empty()) {
+        const std::string error = peer_error;
+        const bool gone = t_.peer_gone_[rec.src];
+        lk.unlock();
+        t_.fail("receiving " + describe(target_) + " from " + from, error, gone ? rec.src : -1);
+      }
+      if (!matched)
+        throw std::runtime_error("gloo: timed out after " + std::to_string(kOpTimeout.count() / 60000) +
+                                 " min waiting for " + describe(target_) + " from " + from +
+                                 ": does that rank send it (same tag, same order)?");
+      throw std::runtime_error("gloo: the transport was shut down while receiving from " + from);
+    }
+    work = rec.work;
+  }
+  if (work) {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      t_.fail("receiving " + describe(target_) + " from " + from, short_what(e), rec.src);
+    }
+  }
+  rec.work.reset();
+  if (rec.state == PendingRecv::Failed) throw std::runtime_error(rec.error);
+  if (!rec.buffer.is_same(target_)) target_.copy_(rec.buffer);
+}
+
+void GlooTransport::peer_lost(int peer, const std::string& error) {
+  if (aborted_) return;  // this rank is failing already
+  int64_t finished = 0;
+  try {
+    std::lock_guard<std::mutex> lk(store_mu_);
+    finished = store_->add(kFinishedKey, 0);
+  } catch (const std::exception& e) {
+    stop_process(peer,
+                 "it went away (killed or crashed?): rank " + std::to_string(rank_) + " lost its connection (" +
+                     error + ") and the rendezvous store on rank 0 (" + short_what(e) + ")",
+                 Store::kLeave);
+  }
+  // A rank closes its connections only after the final barrier, i.e. once every rank has finished.
+  if (finished >= world_size_) return;
+  try {
+    fail("waiting for its messages", error, peer);
+  } catch (const std::exception&) {
+    // This rank aborted meanwhile: its own error is the one to report.
+  }
+}
+
+void GlooTransport::header_loop(int peer) {
+  const std::string who = "rank " + std::to_string(peer);
+  for (;;) {
+    at::Tensor header = at::empty({static_cast<int64_t>(sizeof(Header))}, at::kByte);
+    c10::intrusive_ptr<c10d::Work> work;
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stopping_) return;
+      try {
+        std::vector<at::Tensor> v{header};
+        work = pg_->recv(v, peer, kControlTag);
+        header_work_[peer] = work;
+      } catch (const std::exception& e) {
+        error = short_what(e);
+      }
+    }
+    bool got = false;
+    if (work) {
+      try {
+        got = work->wait(kForever);
+      } catch (const std::exception& e) {
+        error = short_what(e);
+      }
+    }
+    std::unique_lock<std::mutex> lk(mu_);
+    header_work_[peer].reset();
+    if (stopping_) return;
+    if (!error.empty() || !got) {
+      if (error.empty()) error = "receive aborted";
+      peer_error_[peer] = "the connection to " + who + " failed: " + error;
+      peer_gone_[peer] = true;
+      cv_.notify_all();
+      lk.unlock();
+      peer_lost(peer, error);
+      return;
+    }
+    Header h;
+    std::memcpy(&h, header.data_ptr(), sizeof h);
+    if (h.magic != kMagic) {
+      peer_error_[peer] = who + " sent a message that is not a pipetrain header: is it the same pipetrain build?";
+      cv_.notify_all();
+      return;
+    }
+    auto& posted = posted_[{peer, h.tag}];
+    if (!posted.empty()) {
+      std::shared_ptr<PendingRecv> rec = posted.front();
+      posted.pop_front();
+      match(*rec, h);
+    } else {
+      arrived_[{peer, h.tag}].push_back(h);
+    }
+  }
+}
+
+// --- collectives -------------------------------------------------------------------------------
+
+void GlooTransport::all_reduce_sum(torch::Tensor& tensor) {
+  at::Tensor buffer = cpu_contiguous(tensor);
+  try {
+    std::vector<at::Tensor> v{buffer};
+    pg_->allreduce(v)->wait();
+  } catch (const std::exception& e) {
+    fail("reducing " + describe(tensor) + " (all_reduce_sum) on rank " + std::to_string(rank_), short_what(e), -1);
+  }
+  if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+}
+
+void GlooTransport::barrier() {
+  try {
+    pg_->barrier()->wait();
+  } catch (const std::exception& e) {
+    fail("in a barrier on rank " + std::to_string(rank_), short_what(e), -1);
+  }
+}
+
+}  // namespace
+
+// --- rendezvous --------------------------------------------------------------------------------
+
+Rendezvous Rendezvous::from_environment() {
+  Rendezvous rv;
+  // Open MPI's variables come first: mpirun sets them for each process, whereas RANK may be inherited
+  // from an outer launcher and then be the same in every process.
+  const bool mpi = getenv_string("OMPI_COMM_WORLD_SIZE").has_value();
+  const char* rank_var = mpi ? "OMPI_COMM_WORLD_RANK" : "RANK";
+  const char* size_var = mpi ? "OMPI_COMM_WORLD_SIZE" : "WORLD_SIZE";
+  const std::string how =
+      "start the ranks with `pipetrain launch -n P -- ...`, torchrun or mpirun, or set RANK and WORLD_SIZE";
+
+  const auto size_text = getenv_string(size_var);
+  if (!size_text) throw UsageError(std::string(size_var) + " is not set: " + how);
+  const auto size = parse_integer(*size_text);
+  if (!size || *size < 1 || *size > 1000000)
+    throw UsageError(std::string(size_var) + "=" + *size_text + " is not a process count: set " + size_var +
+                     " to the number of ranks (>= 1)");
+  rv.world_size = static_cast<int>(*size);
+
+  const auto rank_text = getenv_string(rank_var);
+  if (!rank_text) throw UsageError(std::string(rank_var) + " is not set: " + how);
+  const auto rank = parse_integer(*rank_text);
+  if (!rank)
+    throw UsageError(std::string(rank_var) + "=" + *rank_text + " is not a rank number: set " + rank_var + " to 0.." +
+                     std::to_string(rv.world_size - 1));
+  if (*rank < 0 || *rank >= rv.world_size)
+    throw UsageError(std::string(rank_var) + "=" + *rank_text + " is out of range for " + size_var + "=" +
+                     *size_text + ": set " + rank_var + " to 0.." + std::to_string(rv.world_size - 1));
+  rv.rank = static_cast<int>(*rank);
+
+  if (const auto addr = getenv_string("MASTER_ADDR")) {
+    if (addr->empty()) throw UsageError("MASTER_ADDR is set but empty: set it to rank 0's host, e.g. 127.0.0.1");
+    rv.master_addr = *addr;
+  }
+  if (const auto port_text = getenv_string("MASTER_PORT")) {
+    const auto port = parse_integer(*port_text);
+    if (!port || *port < 1 || *port > 65535)
+      throw UsageError("MASTER_PORT=" + *port_text +
+                       " is not a port number: set MASTER_PORT to 1..65535 (default 29500)");
+    rv.master_port = static_cast<int>(*port);
+  }
+  return rv;
+}
+
+std::shared_ptr<Transport> make_gloo_transport(const Rendezvous& rv) { return std::make_shared<GlooTransport>(rv); }
+
+}  // namespace pipetrain

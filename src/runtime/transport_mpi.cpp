@@ -1,0 +1,283 @@
+// The mpi transport: ranks are processes started by mpirun; Open MPI point-to-point on CPU tensors, sent
+// as raw bytes on a duplicate of MPI_COMM_WORLD whose errors come back as return codes.
+//
+// Size mismatch: a receive is posted for exactly the expected byte count; a larger message fails it
+// with MPI_ERR_TRUNCATE, a smaller one is caught by MPI_Get_count. Both are reported by wait(). (The
+// dtype is not checked: MPI carries bytes. The gloo transport checks both.)
+//
+// Failure: abort() prints "pipetrain rank R: failed: <message>" and calls MPI_Abort, which makes mpirun
+// kill every rank. A rank that dies or exits non-zero makes mpirun end the job too.
+//
+// Lifetime: MPI is initialised once per process (MPI_THREAD_MULTIPLE when the library offers it,
+// else MPI_THREAD_SERIALIZED) by the first make_mpi_transport() and finalised at exit, but only after a
+// clean run: a process that leaves with a transport still alive, or that destroyed one while an
+// exception was propagating, skips MPI_Finalize (which would wait for the other ranks) and mpirun,
+// seeing it leave, stops the job.
+#include <ATen/ATen.h>
+#include <mpi.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/runtime/transport.h"
+
+namespace pipetrain {
+namespace {
+
+std::mutex g_mpi_mu;
+bool g_mpi_initialised_here = false;
+int g_thread_level = MPI_THREAD_SINGLE;
+int g_alive = 0;           // transports not yet destroyed
+bool g_unclean = false;    // one was aborted or destroyed during an exception
+
+void finalize_at_exit() {
+  std::lock_guard<std::mutex> lk(g_mpi_mu);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized || !g_mpi_initialised_here) return;
+  if (g_alive > 0 || g_unclean) return;  // see the file comment
+  MPI_Finalize();
+}
+
+std::string mpi_error(int code) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+void init_mpi() {
+  std::lock_guard<std::mutex> lk(g_mpi_mu);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) {
+    MPI_Query_thread(&g_thread_level);
+  } else {
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &g_thread_level);
+    if (rc != MPI_SUCCESS) throw std::runtime_error("MPI_Init_thread failed: " + mpi_error(rc));
+    g_mpi_initialised_here = true;
+    std::atexit(finalize_at_exit);
+  }
+  if (g_thread_level < MPI_THREAD_SERIALIZED)
+    throw std::runtime_error("this MPI library offers thread level " + std::to_string(g_thread_level) +
+                             " but the mpi transport needs MPI_THREAD_SERIALIZED or better: use --transport gloo");
+}
+
+int64_t byte_size(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+std::string describe(const at::Tensor& t) {
+  std::string s = std::string(c10::toString(t.scalar_type())) + " [";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "] (" + std::to_string(byte_size(t)) + " bytes)";
+}
+
+at::Tensor cpu_contiguous(const at::Tensor& t) {
+  at::Tensor c = t.device().is_cpu() ? t : t.to(at::kCPU);
+  return c.is_contiguous() ? c : c.contiguous();
+}
+
+int checked_count(int64_t n, const std::string& what) {
+  if (n > INT_MAX)
+    throw std::invalid_argument("mpi: " + what + " has " + std::to_string(n) +
+                                " elements or bytes, more than MPI's int count allows (2^31-1): split the tensor "
+                                "or use --transport gloo");
+  return static_cast<int>(n);
+}
+
+class MpiSendWork final : public Work {
+ public:
+  MpiSendWork(MPI_Request req, at::Tensor keep, std::string what)
+      : req_(req), keep_(std::move(keep)), what_(std::move(what)) {}
+  ~MpiSendWork() override {
+    if (req_ != MPI_REQUEST_NULL) {  // never waited (an error path): let MPI finish it, never block here;
+      MPI_Request_free(&req_);       // the bytes it may still read are kept alive on purpose
+      (void)new at::Tensor(keep_);
+    }
+  }
+  void wait() override {
+    if (req_ == MPI_REQUEST_NULL) return;
+    MPI_Status status;
+    const int rc = MPI_Wait(&req_, &status);
+    req_ = MPI_REQUEST_NULL;
+    if (rc != MPI_SUCCESS) throw std::runtime_error("mpi: " + what_ + " failed: " + mpi_error(rc));
+  }
+
+ private:
+  MPI_Request req_;
+  at::Tensor keep_;
+  std::string what_;
+};
+
+class MpiRecvWork final : public Work {
+ public:
+  MpiRecvWork(MPI_Request req, at::Tensor buffer, at::Tensor target, int self, int src, int tag)
+      : req_(req), buffer_(std::move(buffer)), target_(std::move(target)), self_(self), src_(src), tag_(tag) {}
+  ~MpiRecvWork() override {
+    if (req_ != MPI_REQUEST_NULL) {  // never waited (an error path): cancel without blocking, and keep
+      MPI_Cancel(&req_);             // the buffer alive in case MPI still writes into it
+      MPI_Request_free(&req_);
+      (void)new at::Tensor(buffer_);
+    }
+  }
+  void wait() override {
+    if (req_ == MPI_REQUEST_NULL) return;
+    MPI_Status status;
+    const int rc = MPI_Wait(&req_, &status);
+    req_ = MPI_REQUEST_NULL;
+    const std::string from = "rank " + std::to_string(src_) + " (tag " + std::to_string(tag_) + ")";
+    const std::string agree = ": sender and receiver must agree on the tensor's size and dtype";
+    const int expected = static_cast<int>(byte_size(buffer_));
+    int error_class = MPI_SUCCESS;
+    if (rc != MPI_SUCCESS) MPI_Error_class(rc, &error_class);
+    if (error_class == MPI_ERR_TRUNCATE || (rc == MPI_ERR_IN_STATUS && status.MPI_ERROR == MPI_ERR_TRUNCATE))
+      throw std::runtime_error("mpi: message mismatch from " + from + ": it sent more than the " +
+                               std::to_string(expected) + " bytes rank " + std::to_string(self_) + " expected (" +
+                               describe(target_) + ")" + agree);
+    if (rc != MPI_SUCCESS)
+      throw std::runtime_error("mpi: receiving " + describe(target_) + " from " + from + " failed: " + mpi_error(rc));
+    int got = 0;
+    MPI_Get_count(&status, MPI_BYTE, &got);
+    if (got != expected)
+      throw std::runtime_error("mpi: message mismatch from " + from + ": it sent " + std::to_string(got) +
+                               " bytes but rank " + std::to_string(self_) + " expected " + describe(target_) + agree);
+    if (!buffer_.is_same(target_)) target_.copy_(buffer_);
+  }
+
+ private:
+  MPI_Request req_;
+  at::Tensor buffer_, target_;
+  int self_, src_, tag_;
+};
+
+class MpiTransport final : public Transport {
+ public:
+  MpiTransport() {
+    init_mpi();
+    MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    int* tag_ub = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag);
+    tag_ub_ = flag && tag_ub ? *tag_ub : 32767;
+    std::lock_guard<std::mutex> lk(g_mpi_mu);
+    ++g_alive;
+  }
+  ~MpiTransport() override {
+    std::lock_guard<std::mutex> lk(g_mpi_mu);
+    --g_alive;
+    if (std::uncaught_exceptions() > 0 || aborted_) g_unclean = true;
+    // comm_ is left to MPI_Finalize: freeing it is collective, and this may be a failing rank.
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+  std::string name() const override { return "mpi"; }
+
+  std::unique_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag) override {
+    check_peer(dst, tag, "isend");
+    at::Tensor payload = cpu_contiguous(tensor);
+    const std::string what =
+        "sending " + describe(payload) + " to rank " + std::to_string(dst) + " (tag " + std::to_string(tag) + ")";
+    const int count = checked_count(byte_size(payload), what);
+    MPI_Request req = MPI_REQUEST_NULL;
+    const int rc = MPI_Isend(payload.data_ptr(), count, MPI_BYTE, dst, tag, comm_, &req);
+    if (rc != MPI_SUCCESS) throw std::runtime_error("mpi: " + what + " failed: " + mpi_error(rc));
+    return std::make_unique<MpiSendWork>(req, payload, what);
+  }
+
+  std::unique_ptr<Work> irecv(torch::Tensor& tensor, int src, int tag) override {
+    check_peer(src, tag, "irecv");
+    at::Tensor buffer = tensor.device().is_cpu() && tensor.is_contiguous()
+                            ? tensor
+                            : at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
+    const int count = checked_count(byte_size(buffer), "receiving " + describe(tensor));
+    MPI_Request req = MPI_REQUEST_NULL;
+    const int rc = MPI_Irecv(buffer.data_ptr(), count, MPI_BYTE, src, tag, comm_, &req);
+    if (rc != MPI_SUCCESS)
+      throw std::runtime_error("mpi: receiving " + describe(tensor) + " from rank " + std::to_string(src) +
+                               " failed: " + mpi_error(rc));
+    return std::make_unique<MpiRecvWork>(req, buffer, tensor, rank_, src, tag);
+  }
+
+  void all_reduce_sum(torch::Tensor& tensor) override {
+    MPI_Datatype type;
+    switch (tensor.scalar_type()) {
+      case at::kFloat: type = MPI_FLOAT; break;
+      case at::kDouble: type = MPI_DOUBLE; break;
+      case at::kLong: type = MPI_INT64_T; break;
+      case at::kInt: type = MPI_INT32_T; break;
+      default:
+        throw std::invalid_argument("mpi: all_reduce_sum of " + describe(tensor) +
+                                    ": dtype not supported: use Float, Double, Long or Int");
+    }
+    at::Tensor buffer = cpu_contiguous(tensor);
+    const int count = checked_count(buffer.numel(), "all_reduce_sum of " + describe(tensor));
+    const int rc = MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), count, type, MPI_SUM, comm_);
+    if (rc != MPI_SUCCESS)
+      throw std::runtime_error("mpi: all_reduce_sum of " + describe(tensor) + " failed: " + mpi_error(rc));
+    if (!buffer.is_same(tensor)) tensor.copy_(buffer);
+  }
+
+  void barrier() override {
+    const int rc = MPI_Barrier(comm_);
+    if (rc != MPI_SUCCESS) throw std::runtime_error("mpi: barrier failed: " + mpi_error(rc));
+  }
+
+  void abort(const std::string& message) noexcept override {
+    aborted_ = true;
+    std::fprintf(stderr, "pipetrain rank %d: failed: %s\n", rank_, message.c_str());
+    std::fflush(nullptr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    std::_Exit(1);  // MPI_Abort does not return; in case it does
+  }
+
+ private:
+  void check_peer(int peer, int tag, const char* what) const {
+    if (peer < 0 || peer >= size_ || peer == rank_)
+      throw std::invalid_argument(std::string("mpi ") + what + ": rank " + std::to_string(peer) +
+                                  " is not a peer of rank " + std::to_string(rank_) + ": use 0.." +
+                                  std::to_string(size_ - 1) + " except " + std::to_string(rank_));
+    if (tag < 0 || tag > tag_ub_)
+      throw std::invalid_argument(std::string("mpi ") + what + ": tag " + std::to_string(tag) +
+                                  " is out of range: this MPI allows 0.." + std::to_string(tag_ub_));
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  int tag_ub_ = 32767;
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace
+
+std::shared_ptr<Transport> make_mpi_transport() {
+  if (!std::getenv("OMPI_COMM_WORLD_SIZE"))
+    throw UsageError(
+        "the mpi transport needs processes started by Open MPI's mpirun (OMPI_COMM_WORLD_SIZE is not set): run "
+        "`mpirun -n P pipetrain ...` (on this machine add --allow-run-as-root --oversubscribe --mca btl self,vader), "
+        "or use --transport gloo with `pipetrain launch -n P -- pipetrain ...`");
+  return std::make_shared<MpiTransport>();
+}
+
+std::shared_ptr<Transport> make_process_transport(const std::string& name) {
+  if (name == "gloo") return make_gloo_transport(Rendezvous::from_environment());
+  if (name == "mpi") return make_mpi_transport();
+  if (name == "auto") {
+    if (std::getenv("OMPI_COMM_WORLD_SIZE")) return make_mpi_transport();
+    return make_gloo_transport(Rendezvous::from_environment());
+  }
+  if (name == "local")
+    throw UsageError("transport 'local' runs every rank as a thread of one process and is made with "
+                     "make_local_transports; for processes use gloo, mpi or auto");
+  throw UsageError("unknown transport '" + name + "': use gloo, mpi or auto ('local' is only for in-process runs)");
+}
+
+}  // namespace pipetrain

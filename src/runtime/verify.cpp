@@ -1,0 +1,63 @@
+#include "pipetrain/runtime/verify.h"
+
+#include <torch/torch.h>
+
+#include <map>
+
+namespace pipetrain {
+
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
+                                 const std::shared_ptr<Transport>& transport, PipelineOptions options,
+                                 const zoo::Batch& batch) {
+  const int64_t n = batch.input.size(0);
+  // Pipelined step: capture this rank's gradients, by parameter name, before the optimizer touches them.
+  torch::nn::Sequential model = factory();
+  std::map<const void*, std::string> names;
+  for (const auto& item : model->named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
+  std::map<std::string, torch::Tensor> grads;
+  options.on_gradients = [&](int, const std::vector<torch::Tensor>& params) {
+    for (const auto& p : params)
+      if (p.grad().defined()) grads[names.at(p.unsafeGetTensorImpl())] = p.grad().clone();
+  };
+  options.optimizer.clip_grad_norm = 0;
+  PipelineRank rank(model, loss, transport, options);
+  const StepStats stats = rank.train_step(batch.input, batch.target, n);
+
+  // Plain accumulation over the same micro-batches, with the forward RNG left alone (use models without
+  // dropout for an exact comparison).
+  torch::nn::Sequential ref = factory();
+  double ref_loss = 0;
+  for (const auto& [b, e] : split_equal(n, options.microbatches)) {
+    torch::Tensor l = loss(ref->forward(batch.input.slice(0, b, e)), batch.target.slice(0, b, e)) *
+                      (static_cast<double>(e - b) / static_cast<double>(n));
+    l.backward();
+    ref_loss += l.item<double>();
+  }
+  double err = 0;
+  std::size_t compared = 0;
+  for (const auto& item : ref->named_parameters()) {
+    auto it = grads.find(item.key());
+    if (it == grads.end()) continue;
+    const torch::Tensor want = item.value().grad();
+    const double scale = want.abs().max().item<double>() + 1e-12;
+    err = std::max(err, (it->second - want).abs().max().item<double>() / scale);
+    ++compared;
+  }
+  // Every trainable parameter this rank holds must have been compared: a missing gradient is a failure.
+  std::size_t held = 0;
+  for (const auto& p : rank.parameters()) held += p.requires_grad();
+  if (compared != grads.size() || grads.size() != held) err = std::numeric_limits<double>::infinity();
+  // Every rank learns the worst error of all.
+  const int p = transport->world_size();
+  torch::Tensor all = torch::zeros({p}, torch::kDouble);
+  all[transport->rank()] = err;
+  transport->all_reduce_sum(all);
+  VerifyResult r;
+  r.pipeline_loss = stats.loss;
+  r.reference_loss = ref_loss;
+  r.max_grad_error = all.max().item<double>();
+  r.loss_error = std::abs(stats.loss - ref_loss) / std::max(std::abs(ref_loss), 1e-12);
+  return r;
+}
+
+}  // namespace pipetrain

@@ -1,0 +1,82 @@
+// Checks `pipetrain launch` as a user meets it: ranks get the rendezvous environment and their lines
+// are prefixed, --no-prefix passes output through, the exit code is 0 only when every rank exits 0 (1
+// otherwise, with the failed rank named), and usage errors exit 2 with the value and the fix.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+struct Result {
+  int code = -1;
+  std::string out;  // stdout and stderr together
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(PIPETRAIN_BIN) + " " + args + " 2>&1";
+  Result r;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) return r;
+  char buf[4096];
+  std::size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+bool has(const Result& r, const std::string& text) { return r.out.find(text) != std::string::npos; }
+
+TEST(CliLaunch, StartsRanksWithTheRendezvousEnvironmentAndPrefixesTheirLines) {
+  const Result r = run("launch -n 2 -- sh -c 'echo rank $RANK of $WORLD_SIZE at $MASTER_ADDR'");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(has(r, "[rank 0] rank 0 of 2 at 127.0.0.1")) << r.out;
+  EXPECT_TRUE(has(r, "[rank 1] rank 1 of 2 at 127.0.0.1")) << r.out;
+}
+
+TEST(CliLaunch, CommandArgumentsThatLookLikeFlagsBelongToTheCommand) {
+  const Result r = run("launch -n 1 ls -d /");  // -d is ls's, not launch's
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(has(r, "[rank 0] /")) << r.out;
+}
+
+TEST(CliLaunch, NoPrefixPassesOutputThrough) {
+  const Result r = run("launch -n 1 --no-prefix -- echo plain");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out, "plain\n");
+}
+
+TEST(CliLaunch, AFailingRankFailsTheRunAndIsNamed) {
+  const Result r = run("launch -n 2 --grace 1 -- sh -c 'if [ $RANK = 1 ]; then exit 4; fi; exec sleep 30'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, "pipetrain launch: rank 1 exited with code 4")) << r.out;
+  EXPECT_TRUE(has(r, "rank 0 did not stop within 1 s after rank 1 failed; killing it")) << r.out;
+}
+
+TEST(CliLaunch, UsageErrorsExit2WithTheFix) {
+  Result r = run("launch -n 0 -- true");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "-n 0 is not a number of ranks: give -n P with P >= 1")) << r.out;
+  r = run("launch -n 2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "missing the command to run: pipetrain launch -n 2 -- COMMAND")) << r.out;
+  r = run("launch -- true");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "missing -n P")) << r.out;
+  r = run("launch -n 2 -- no-such-command-pipetrain");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "command 'no-such-command-pipetrain' not found on PATH")) << r.out;
+  r = run("launch -n 2 --grace -1 -- true");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "--grace")) << r.out;
+}
+
+TEST(CliLaunch, HelpHasAnExample) {
+  const Result r = run("launch --help");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(has(r, "pipetrain launch -n 4 -- ")) << r.out;
+}
+
+}  // namespace

@@ -1,0 +1,143 @@
+// Checks `pipetrain train` and `pipetrain selftest` across real processes: the transparency check over
+// Gloo (and Open MPI when mpirun is installed) for p in {1, 2, 4}; a short training run whose loss
+// falls; and failures — a rank that throws in forward, a rank killed with SIGKILL, ranks whose models
+// disagree on shapes, a world size other than the stage count — each of which must stop every rank
+// with a message naming the failed rank within 30 s. Bad input exits 2 with the fix.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <regex>
+#include <string>
+
+namespace {
+
+struct Result {
+  int code = -1;
+  std::string out;
+  double seconds = 0;
+  bool has(const std::string& s) const { return out.find(s) != std::string::npos; }
+};
+
+Result run(const std::string& cmd_line) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r;
+  FILE* pipe = popen((cmd_line + " 2>&1").c_str(), "r");
+  if (!pipe) return r;
+  char buf[4096];
+  std::size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+const std::string bin = PIPETRAIN_BIN;
+// A small GPT keeps each run to a second or two.
+const std::string small = " --d-model 32 --heads 2 --seq-len 16 --vocab 32 --layers 2 --batch-size 8";
+
+}  // namespace
+
+TEST(TrainCli, SelftestOverGlooForOneTwoFourStages) {
+  for (int p : {1, 2, 4}) {
+    const Result r = run(bin + " selftest --stages " + std::to_string(p) + " --transport gloo");
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_TRUE(r.has("selftest over gloo:")) << r.out;
+    EXPECT_TRUE(r.has(" 0 failed")) << r.out;
+    EXPECT_FALSE(r.has("MISMATCH")) << r.out;
+  }
+  const Result gpt = run(bin + " selftest --stages 2 --model gpt");
+  EXPECT_EQ(gpt.code, 0) << gpt.out;
+}
+
+TEST(TrainCli, SelftestOverMpi) {
+  if (run("command -v mpirun").code != 0) GTEST_SKIP() << "mpirun not installed";
+  const Result r = run("mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo "
+                       "-n 2 " + bin + " selftest --stages 2 --transport mpi");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("selftest over mpi:") && r.has(" 0 failed")) << r.out;
+}
+
+TEST(TrainCli, SelftestCanFail) {
+  // A tolerance below zero cannot be met: the check must report mismatches and exit 1.
+  const Result r = run(bin + " selftest --stages 2 --transport local --schedules gpipe --microbatch-counts 3 "
+                       "--tolerance -1");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(r.has("MISMATCH")) << r.out;
+}
+
+TEST(TrainCli, TrainingOverGlooLowersTheLoss) {
+  const Result r = run(bin + " train --stages 2 --schedule zb-h1 --microbatches 4 --steps 8 --lr 3e-3" + small);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(summary: loss ([0-9.]+) -> ([0-9.]+))"))) << r.out;
+  EXPECT_LT(std::stod(m[2]), std::stod(m[1]) - 0.1) << r.out;
+  EXPECT_TRUE(r.has("simulated from measured stage costs")) << r.out;
+}
+
+TEST(TrainCli, TrainingWithThreadsWritesTraceAndSvg) {
+  const std::string dir = ::testing::TempDir();
+  const Result r = run(bin + " train --transport local --stages 2 --schedule interleaved --virtual 2 --steps 2 --trace " +
+                       dir + "/t.json --svg " + dir + "/t.svg" + small);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("measured trace written to")) << r.out;
+  EXPECT_EQ(run("grep -c '<svg' " + dir + "/t.svg").out, "1\n");
+}
+
+TEST(TrainCli, RankThatThrowsStopsEveryRank) {
+  const Result r = run("PIPETRAIN_FAULT=1:1F2:throw " + bin + " train --stages 2 --steps 2" + small);
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_LT(r.seconds, 30) << r.out;
+  EXPECT_TRUE(r.has("rank 0: stopping: rank 1 failed: rank 1 at 1F2: injected fault")) << r.out;
+}
+
+TEST(TrainCli, RankKilledWithSigkillStopsEveryRank) {
+  const Result r = run("PIPETRAIN_FAULT=1:1F2:kill " + bin + " train --stages 2 --steps 2" + small);
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_LT(r.seconds, 30) << r.out;
+  EXPECT_TRUE(r.has("rank 1 was killed by signal 9")) << r.out;
+  EXPECT_TRUE(r.has("rank 0: stopping: rank 1 failed")) << r.out;
+}
+
+TEST(TrainCli, MismatchedShapesStopEveryRank) {
+  // Rank 1 builds a wider model than rank 0, so the activations it receives do not fit it.
+  const Result r = run(bin + " launch -n 2 -- sh -c 'exec " + bin + " train --stages 2 --steps 2 --d-model $((32 + 32 * RANK))" +
+                       " --heads 2 --seq-len 16 --vocab 32 --layers 2 --batch-size 8'");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_LT(r.seconds, 30) << r.out;
+  EXPECT_TRUE(r.has("rank 1 at 1F0")) << r.out;
+  EXPECT_TRUE(r.has("rank 0: stopping: rank 1 failed")) << r.out;
+  EXPECT_FALSE(r.has("frame #")) << "backtraces leak into the message:\n" << r.out;
+}
+
+TEST(TrainCli, WorldSizeOtherThanStagesIsAUsageError) {
+  const Result r = run(bin + " launch -n 3 -- " + bin + " train --stages 2" + small);
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("the launcher started 3 ranks but --stages is 2: launch 2 ranks or pass --stages 3")) << r.out;
+  EXPECT_TRUE(r.has("rank 0 exited with code 2")) << r.out;
+}
+
+TEST(TrainCli, BadInputExitsTwo) {
+  struct Case {
+    std::string args, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"--microbatches 9 --batch-size 8", "use --microbatches <= 8"},
+           {"--microbatches 0", "micro-batches must be >= 1"},
+           {"--stages 0", "stages must be >= 1"},
+           {"--stages 9", "9 stages but the model has 4 layers"},
+           {"--balance 3,3", "sums to 6 but the model has 4 layers"},
+           {"--transport tcp", "unknown transport 'tcp': use local, gloo, mpi or auto"},
+           {"--schedule pipedream", "asynchronous"},
+           {"--optimizer lion", "unknown optimizer"},
+           {"--checkpoint sometimes", "use always, except_last or never"},
+           {"--heads 3", "not divisible by --heads 3"},
+           {"--batch-size 0", "--batch-size must be >= 1"},
+       }) {
+    const Result r = run(bin + " train --transport local" + small + " " + c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
+    EXPECT_TRUE(r.has(c.message)) << c.args << "\n" << r.out;
+  }
+}
