@@ -41,8 +41,12 @@ constexpr auto kPollInterval = std::chrono::milliseconds(100);
 constexpr auto kDrainAfterExit = std::chrono::seconds(2);
 constexpr std::size_t kMaxLine = 64 * 1024;  // longer lines are forwarded in pieces
 
-volatile sig_atomic_t g_signal = 0;
-extern "C" void on_launcher_signal(int sig) { g_signal = sig; }
+volatile sig_atomic_t g_signal = 0;        // the last SIGINT/SIGTERM/SIGHUP the launcher got
+volatile sig_atomic_t g_signal_count = 0;  // how many
+extern "C" void on_launcher_signal(int sig) {
+  g_signal = sig;
+  g_signal_count = g_signal_count + 1;
+}
 
 std::string signal_name(int sig) {
   const char* abbrev = sigabbrev_np(sig);
@@ -384,6 +388,15 @@ int Launcher::run(const std::vector<std::string>& argv) {
       deadline_ = std::min(deadline_, now + options_.grace);
       failed_ = true;
     }
+    if (g_signal_count > 1 && !deadline_passed_) {  // asked twice (Ctrl-C again): no more grace
+      deadline_passed_ = true;
+      report("got a second signal; killing the ranks");
+      for (Child& c : children_)
+        if (c.running) {
+          c.killed_by_us = true;
+          kill_group(c, SIGKILL);
+        }
+    }
     if (options_.timeout.count() > 0 && !timed_out && now - begin >= options_.timeout && any_running) {
       timed_out = true;
       failed_ = true;
@@ -435,6 +448,7 @@ class SignalScope {
  public:
   SignalScope() {
     g_signal = 0;
+    g_signal_count = 0;
     struct sigaction sa {};
     sa.sa_handler = on_launcher_signal;
     sigemptyset(&sa.sa_mask);
@@ -448,6 +462,7 @@ class SignalScope {
     for (std::size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
     ::sigaction(SIGPIPE, &old_pipe_, nullptr);
     g_signal = 0;
+    g_signal_count = 0;
   }
 
  private:

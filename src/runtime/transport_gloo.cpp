@@ -32,11 +32,11 @@
 // connections only after the final barrier, which the store's finished count tells apart), so it
 // reports "rank K failed: it went away (killed or crashed?) while rank R was ..." and stops. As every
 // rank keeps a header receive posted to every peer, a killed rank is noticed by all within milliseconds;
-// the heartbeat is for ranks that hang (SIGSTOP, a frozen host) or a network that drops silently. Other errors (a collective's, a size mismatch)
-// are std::runtime_error from wait(): the caller is expected to abort() with them. Whoever finds a
-// failure first writes it as the abort key, so every rank reports the same root cause (rank 0, which
-// keeps the store, waits up to 2 s for the others to read it before it exits). Worst case, every rank
-// stops within the heartbeat timeout + 1 s.
+// the heartbeat is for ranks that hang (SIGSTOP, a frozen host) or a network that drops silently.
+// Other errors (a collective's, a size mismatch) are std::runtime_error from wait(): the caller is
+// expected to abort() with them. Whoever finds a failure first writes it as the abort key, so every
+// rank reports the same root cause (rank 0, which keeps the store, waits up to 2 s for the others to
+// read it before it exits). Worst case, every rank stops within the heartbeat timeout + 1 s.
 //
 // Shutdown. The destructor is a store barrier: each rank counts itself finished and waits until all
 // are (its watchdog still running, so a peer failing meanwhile still stops it), then stops its threads;
@@ -231,8 +231,8 @@ std::atomic<bool> g_exiting{false};  // one thread ends the process; the others 
   for (;;) ::pause();
 }
 
-// One receive: posted by the owner thread, matched with its header by the progress thread (or by
-// irecv itself when the header came first).
+// One receive: posted by the owner thread, matched with its header by the header thread of its source
+// (or by irecv itself when the header came first).
 struct PendingRecv {
   enum State { Waiting, Matched, Failed };
   int src = 0;
@@ -335,7 +335,7 @@ class GlooTransport final : public Transport {
   std::mutex store_mu_;                             // guards store_ (abort may come from any thread)
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
 
-  // Matching of headers and receives (owner thread and progress thread).
+  // Matching of headers and receives (owner thread and header threads).
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<PendingRecv>>> posted_;  // (src, tag)
@@ -741,8 +741,9 @@ void GlooTransport::fail(const std::string& operation, const std::string& error,
         const std::vector<uint8_t> raw = store_->get(kAbortKey);
         reported = std::string(raw.begin(), raw.end());
       }
-    } catch (const std::exception&) {
-      // No store: rank 0 is gone too; the peer's error below says enough.
+    } catch (const std::exception& e) {
+      // The store lives in rank 0's process: rank 0 died, and is the likely cause of this error too.
+      lost_store(short_what(e) + "; then " + operation + " failed: " + error);
     }
     if (reported) {
       const auto nl = reported->find('\n');
@@ -819,10 +820,9 @@ void GlooTransport::peer_lost(int peer, const std::string& error) {
     std::lock_guard<std::mutex> lk(store_mu_);
     finished = store_->add(kFinishedKey, 0);
   } catch (const std::exception& e) {
-    stop_process(peer,
-                 "it went away (killed or crashed?): rank " + std::to_string(rank_) + " lost its connection (" +
-                     error + ") and the rendezvous store on rank 0 (" + short_what(e) + ")",
-                 Store::kLeave);
+    // The store lives in rank 0's process: rank 0 is the one that died (the peer may just have
+    // stopped because of it).
+    lost_store(short_what(e) + "; the connection to rank " + std::to_string(peer) + " closed too (" + error + ")");
   }
   // A rank closes its connections only after the final barrier, i.e. once every rank has finished.
   if (finished >= world_size_) return;

@@ -134,7 +134,7 @@ class MpiRecvWork final : public Work {
     const int expected = static_cast<int>(byte_size(buffer_));
     int error_class = MPI_SUCCESS;
     if (rc != MPI_SUCCESS) MPI_Error_class(rc, &error_class);
-    if (error_class == MPI_ERR_TRUNCATE || (rc == MPI_ERR_IN_STATUS && status.MPI_ERROR == MPI_ERR_TRUNCATE))
+    if (error_class == MPI_ERR_TRUNCATE)
       throw std::runtime_error("mpi: message mismatch from " + from + ": it sent more than the " +
                                std::to_string(expected) + " bytes rank " + std::to_string(self_) + " expected (" +
                                describe(target_) + ")" + agree);

@@ -2,7 +2,8 @@
 // gets, "[rank R]" line routing, the exit code (0 only if every rank exited 0), the report of a rank
 // that exits non-zero or is killed by a signal, the grace period after which the other ranks are killed
 // (with what they started, leaving no process behind; a rank's leftovers go when it exits), SIGTERM to
-// the launcher, the overall timeout, and the usage errors (no ranks, no command, no such command).
+// the launcher (once: passed on; twice: kill), the overall timeout, and the usage errors (no ranks, no
+// command, no such command).
 #include "pipetrain/runtime/launch.h"
 
 #include <gtest/gtest.h>
@@ -36,7 +37,8 @@ struct Result {
   double seconds = 0;
   std::string all() const {
     std::string s;
-    for (const auto& l : lines) s += "[" + std::to_string(l.rank) + "/" + std::to_string(l.stream) + "] " + l.text + "\n";
+    for (const auto& l : lines)
+      s += "[" + std::to_string(l.rank) + "/" + std::to_string(l.stream) + "] " + l.text + "\n";
     return s;
   }
   bool has(int rank, const std::string& text) const {
@@ -68,7 +70,8 @@ bool process_alive(pid_t pid) {
 TEST(Launch, EveryRankGetsTheRendezvousEnvironment) {
   LaunchOptions o;
   o.env = {{"EXTRA", "x"}};
-  const Result r = launch(3, {"sh", "-c", "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $EXTRA"}, o);
+  const std::string print = "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $EXTRA";
+  const Result r = launch(3, {"sh", "-c", print}, o);
   ASSERT_EQ(r.code, 0) << r.all();
   std::set<std::string> ports;
   for (int rank = 0; rank < 3; ++rank) {
@@ -107,7 +110,11 @@ TEST(Launch, ExitCodeOfOneRankFailsTheRunAndTheOthersAreKilledAfterTheGrace) {
   LaunchOptions o;
   o.grace = std::chrono::milliseconds(1500);
   // Rank 1 fails; ranks 0 and 2 would sleep for a minute (and start a grandchild that would too).
-  const Result r = launch(3, {"sh", "-c", "if [ $RANK = 1 ]; then exit 3; fi; sleep 60 & echo $! > /tmp/pipetrain-launch-test-$PPID-$RANK; exec sleep 60"}, o);
+  const Result r = launch(3,
+                          {"sh", "-c",
+                           "if [ $RANK = 1 ]; then exit 3; fi; "
+                           "sleep 60 & echo $! > /tmp/pipetrain-launch-test-$PPID-$RANK; exec sleep 60"},
+                          o);
   EXPECT_EQ(r.code, 1) << r.all();
   EXPECT_TRUE(r.has(-1, "rank 1 exited with code 3")) << r.all();
   EXPECT_TRUE(r.has(-1, "rank 0 did not stop within 1.5 s after rank 1 failed; killing it")) << r.all();
@@ -174,6 +181,19 @@ TEST(Launch, SigtermToTheLauncherStopsTheRanks) {
   EXPECT_TRUE(r.has(-1, "rank 0 was killed by signal 15")) << r.all();
   EXPECT_TRUE(r.has(-1, "rank 1 was killed by signal 15")) << r.all();
   EXPECT_LT(r.seconds, 5) << r.all();
+}
+
+TEST(Launch, ASecondSignalKillsTheRanksAtOnce) {
+  LaunchOptions o;
+  o.grace = std::chrono::seconds(30);
+  // Both ranks ignore SIGTERM; rank 0 sends the launcher two. Without the second the run would last 30 s.
+  const Result r = launch(2, {"sh", "-c",
+                              "trap '' TERM; if [ $RANK = 0 ]; then kill -TERM $PPID; sleep 0.5; kill -TERM $PPID; fi; "
+                              "sleep 60"},
+                          o);
+  EXPECT_EQ(r.code, 1) << r.all();
+  EXPECT_TRUE(r.has(-1, "got a second signal; killing the ranks")) << r.all();
+  EXPECT_LT(r.seconds, 10) << r.all();
 }
 
 TEST(Launch, TimeoutKillsEveryRank) {

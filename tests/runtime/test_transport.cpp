@@ -218,8 +218,9 @@ TEST(TransportChild, Run) {
   const char* scenario = std::getenv(kScenarioVar);
   if (!scenario) GTEST_SKIP() << "runs only as a rank started by the Transport.* tests";
   const char* kind = std::getenv(kKindVar);
-  std::shared_ptr<Transport> t = kind && std::string(kind) == "mpi" ? make_mpi_transport()
-                                                                    : make_gloo_transport(Rendezvous::from_environment());
+  std::shared_ptr<Transport> t = kind && std::string(kind) == "mpi"
+                                     ? make_mpi_transport()
+                                     : make_gloo_transport(Rendezvous::from_environment());
   const int code = play(scenario, *t);
   if (::testing::Test::HasFailure()) {
     // The peers may be waiting for this rank: tell them, instead of meeting them at the final barrier.
@@ -267,8 +268,9 @@ struct Outcome {
   }
 };
 
-Outcome run_ranks(const std::vector<std::string>& argv, int nprocs, std::vector<std::pair<std::string, std::string>> env,
-              std::chrono::milliseconds grace = std::chrono::seconds(40)) {
+Outcome run_ranks(const std::vector<std::string>& argv, int nprocs,
+                  std::vector<std::pair<std::string, std::string>> env,
+                  std::chrono::milliseconds grace = std::chrono::seconds(40)) {
   Outcome r;
   LaunchOptions o;
   o.grace = grace;
@@ -276,8 +278,9 @@ Outcome run_ranks(const std::vector<std::string>& argv, int nprocs, std::vector<
   o.env = std::move(env);
   const auto begin = std::chrono::steady_clock::now();
   o.on_line = [&r, begin](int rank, int stream, const std::string& line) {
-    const std::string tagged =
-        (rank < 0 ? std::string("[launch] ") : "[rank " + std::to_string(rank) + (stream == 2 ? " err] " : "] ")) + line;
+    const std::string who =
+        rank < 0 ? std::string("[launch] ") : "[rank " + std::to_string(rank) + (stream == 2 ? " err] " : "] ");
+    const std::string tagged = who + line;
     r.output += tagged + "\n";
     r.lines.emplace_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count(), tagged);
   };
@@ -367,7 +370,8 @@ TEST(GlooTransport, KilledRankStopsTheRanksReceivingFromItAtOnce) {
   const Outcome r = run_gloo("kill1-recv", 3);
   EXPECT_EQ(r.code, 1) << r.output;
   for (int rank : {0, 2})
-    EXPECT_TRUE(r.has("pipetrain rank " + std::to_string(rank) + ": stopping: rank 1 failed: it went away")) << r.output;
+    EXPECT_TRUE(r.has("pipetrain rank " + std::to_string(rank) + ": stopping: rank 1 failed: it went away"))
+        << r.output;
   EXPECT_FALSE(r.has("caught:")) << r.output;
   EXPECT_FALSE(r.has("did not stop")) << r.output;
   EXPECT_LT(r.seconds, 8) << r.output;
@@ -387,7 +391,8 @@ TEST(GlooTransport, HungRankIsDetectedByItsMissingHeartbeat) {
   // then kills it after the grace period.
   const Outcome r = run_gloo("stop1-idle", 2, "3", std::chrono::seconds(2));
   EXPECT_EQ(r.code, 1) << r.output;
-  EXPECT_TRUE(r.has("pipetrain rank 0: stopping: rank 1 failed: it stopped responding: no heartbeat for 3 s")) << r.output;
+  EXPECT_TRUE(r.has("pipetrain rank 0: stopping: rank 1 failed: it stopped responding: no heartbeat for 3 s"))
+      << r.output;
   EXPECT_TRUE(r.before("rank 0 exited with code 1", "rank 1 did not stop within 2 s after rank 0 failed")) << r.output;
   EXPECT_LT(r.seconds, 20) << r.output;
 }

@@ -6,9 +6,10 @@
 // one (no zombies), and when one fails (non-zero exit or a signal) it says so, gives the others
 // `grace` to stop by themselves (the process transports' watchdogs make them exit within 30 s), then
 // kills what is left. SIGINT, SIGTERM or SIGHUP sent to the launcher are passed on to the children, which
-// are then killed after `grace` too. Each child runs in its own process group with stdin from
-// /dev/null; when a rank exits, whatever it started and left running in its group is killed, and a
-// child is killed if the launcher itself dies (PR_SET_PDEATHSIG). So no process outlives the launch.
+// are then killed after `grace` too, or at once on a second signal (Ctrl-C twice). Each child runs in
+// its own process group with stdin from /dev/null; when a rank exits, whatever it started and left
+// running in its group is killed, and a child is killed if the launcher itself dies
+// (PR_SET_PDEATHSIG). So no process outlives the launch.
 //
 // Torch-free. Call from one thread at a time; it installs signal handlers for the duration of the call
 // and restores the previous ones before returning.
