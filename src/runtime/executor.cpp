@@ -258,15 +258,23 @@ struct PipelineRank::Impl {
     if (s > 0) {
       sl.input_grad = sl.input.grad().defined() ? sl.input.grad() : torch::zeros_like(sl.input);
     }
+    sl.input = torch::Tensor();   // W keeps what it needs in its own queue
     sl.output = torch::Tensor();  // frees the graph and the activations
     sl.recv_grad = torch::Tensor();
     if (s + 1 <= last_stage() && schedule.rank_of(s + 1) == rank()) slot(s + 1, i).input_grad = torch::Tensor();
   }
 
-  void weight(int s, int i) {
-    Slot& sl = slot(s, i);
-    sl.deferred.run();
-    sl.input = torch::Tensor();
+  void weight(int s, int i) { slot(s, i).deferred.run(); }
+
+  // Fast path: waits for the oldest sends once more than `prefetch` are in flight, so sent tensors are
+  // released during the step rather than at its end. Safe: the sends were posted in the lowered order,
+  // so the receiver reaches each of them without needing anything this rank does later.
+  void reap_sends() {
+    const std::size_t keep = static_cast<std::size_t>(std::max(1, options.prefetch));
+    while (pending_sends.size() > keep) {
+      pending_sends.front().second->wait();
+      pending_sends.erase(pending_sends.begin());
+    }
   }
 
   // ---- communication --------------------------------------------------------------------------------
@@ -527,6 +535,7 @@ StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tens
       const double t0 = now_ms();
       if (d.run_action(actions[pos], static_cast<int>(pos)))
         d.stats.timeline.events.push_back(TimedAction{d.rank(), actions[pos], t0, now_ms()});
+      if (!d.options.reference) d.reap_sends();
       if (d.options.measure_memory) d.stats.peak_heap_growth = std::max(d.stats.peak_heap_growth, heap_in_use() - heap0);
     }
     for (auto& [t, work] : d.pending_sends) work->wait();

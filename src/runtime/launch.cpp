@@ -13,6 +13,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -284,6 +285,19 @@ void Launcher::start(const std::vector<std::string>& argv) {
   argp.push_back(nullptr);
   const std::string exec_failed = "pipetrain launch: cannot run '" + argv[0] + "': ";
   const pid_t launcher_pid = ::getpid();
+  // One CPU per rank, from the CPUs this launcher may use, when there are enough of them.
+  std::vector<cpu_set_t> binding;
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (options_.bind_cores && ::sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) >= nprocs) {
+    for (int cpu = 0; cpu < CPU_SETSIZE && static_cast<int>(binding.size()) < nprocs; ++cpu)
+      if (CPU_ISSET(cpu, &allowed)) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu, &one);
+        binding.push_back(one);
+      }
+  }
 
   for (int r = 0; r < nprocs; ++r) {
     Child& c = children_[r];
@@ -321,6 +335,7 @@ void Launcher::start(const std::vector<std::string>& argv) {
       sigset_t none;
       sigemptyset(&none);
       ::sigprocmask(SIG_SETMASK, &none, nullptr);  // a signal that came meanwhile now ends it
+      if (!binding.empty()) ::sched_setaffinity(0, sizeof(cpu_set_t), &binding[static_cast<std::size_t>(r)]);
       const int devnull = ::open("/dev/null", O_RDONLY);
       if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
       if (piped_) {

@@ -1,0 +1,194 @@
+#!/usr/bin/python3
+"""PyTorch's own Pipe (torch.distributed.pipeline.sync.Pipe, the upstreamed torchgpipe) training the
+same GPT as `pipetrain train --model gpt`: the peer of the issue-3 runtime benchmark.
+
+Run with Debian's interpreter (python3-torch 1.13, the same LibTorch and BLAS as pipetrain):
+
+    /usr/bin/python3 bench/peer_pipe.py --layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128 \
+        --batch-size 32 --microbatches 4 --steps 10 --threads 2 --partitions 2
+
+The model is pipetrain's zoo GPT written in Python: [token + position embedding] [pre-norm block with
+causal self-attention and a GELU MLP 4x] * layers [LayerNorm + head without bias], built in the same
+order after torch.manual_seed(seed), so its initial weights equal LibTorch's; the data replays
+zoo::make_synthetic_tokens (seed + 1) with the same generator calls, so step 1's loss should equal
+pipetrain's to print precision (a check that both train the same thing). The layers+2 pipeline layers
+are cut like pipetrain's uniform balance (layer counts, the remainder on the first partitions), one
+nn.Sequential per partition; chunks = micro-batches, checkpoint='never', Adam lr 1e-3.
+
+PEERS.md: rpc must be initialised (one worker) with the uv transport and basic channels, or TensorPipe
+busy-polls a core; forward returns an RRef; on CPU all partitions share one worker thread, so Pipe runs
+GPipe serially: the speed a CPU user of Pipe gets, not a parallel pipeline.
+
+Prints per-step times and a final JSON line with the median step ms (first 2 steps skipped).
+"""
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipeline.sync import Pipe
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab, seq_len, d_model):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.size(1), dtype=torch.long)
+        return self.tokens(idx) + self.positions(pos).unsqueeze(0)
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc1 = nn.Linear(d_model, 4 * d_model)
+        self.fc2 = nn.Linear(4 * d_model, d_model)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        hd = c // self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(c, 2)
+        q, k, v = (y.view(b, t, self.heads, hd).transpose(1, 2) for y in (q, k, v))
+        att = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        att = torch.softmax(att.masked_fill(mask, float("-inf")), -1)
+        y = att.matmul(v).transpose(1, 2).contiguous().view(b, t, c)
+        h = x + self.proj(y)
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+class Head(nn.Module):
+    def __init__(self, d_model, vocab):
+        super().__init__()
+        self.ln = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+def make_layers(a):
+    torch.manual_seed(a.seed)
+    layers = [Embedding(a.vocab, a.seq_len, a.d_model)]
+    layers += [Block(a.d_model, a.heads) for _ in range(a.layers)]
+    layers.append(Head(a.d_model, a.vocab))
+    return layers
+
+
+def uniform(n, parts):
+    return [n // parts + (1 if s < n % parts else 0) for s in range(parts)]
+
+
+def pipetrain_parameter_count(a):
+    c, v = a.d_model, a.vocab
+    block = 2 * 2 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
+    return v * c + a.seq_len * c + a.layers * block + 2 * c + v * c
+
+
+class SyntheticTokens:
+    """zoo::make_synthetic_tokens, call for call."""
+
+    def __init__(self, vocab, seq_len, seed):
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+        g = torch.Generator().manual_seed(seed)
+        self.next = torch.randint(vocab, (vocab,), generator=g, dtype=torch.long)
+
+    def batch(self, step, n):
+        g = torch.Generator().manual_seed((self.seed * 1000003 + step + 1) % (1 << 64))
+        seq = torch.empty(n, self.seq_len + 1, dtype=torch.long)
+        cur = torch.randint(self.vocab, (n,), generator=g, dtype=torch.long)
+        seq[:, 0] = cur
+        for t in range(1, self.seq_len + 1):
+            follow = self.next.index_select(0, cur)
+            noise = torch.randint(self.vocab, (n,), generator=g, dtype=torch.long)
+            keep = torch.rand(n, generator=g) < 0.9
+            cur = torch.where(keep, follow, noise)
+            seq[:, t] = cur
+        return seq[:, : self.seq_len].contiguous(), seq[:, 1:].contiguous()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=96)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=4, help="Pipe chunks")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--partitions", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    if a.d_model % a.heads or a.microbatches > a.batch_size or a.steps < 1:
+        p.error("need d_model % heads == 0, microbatches <= batch size, steps >= 1")
+
+    torch.set_num_threads(a.threads)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}", _transports=["uv"],
+                                           _channels=["basic"])
+    rpc.init_rpc("worker", rank=0, world_size=1, rpc_backend_options=opts)
+    try:
+        layers = make_layers(a)
+        balance = uniform(len(layers), a.partitions)
+        parts, i = [], 0
+        for n in balance:
+            parts.append(nn.Sequential(*layers[i:i + n]))
+            i += n
+        model = Pipe(nn.Sequential(*parts), chunks=a.microbatches, checkpoint="never")
+        params = sum(q.numel() for q in model.parameters())
+        expected = pipetrain_parameter_count(a)
+        with open("/proc/self/maps") as maps:  # the BLAS library actually loaded
+            blas = sorted({l.split()[-1] for l in maps if "blas" in l.lower() and "/" in l}) or ["?"]
+        print(f"peer_pipe: PyTorch {torch.__version__} Pipe, {a.partitions} partitions balance {balance}, "
+              f"chunks {a.microbatches}, checkpoint never, {torch.get_num_threads()} thread(s)")
+        print(f"  parameters: Pipe model {params}, pipetrain gpt {expected} ({'equal' if params == expected else 'DIFFERENT'})")
+        print(f"  BLAS loaded: {', '.join(blas)}")
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        data = SyntheticTokens(a.vocab, a.seq_len, a.seed + 1)
+        times = []
+        for step in range(a.steps):
+            x, y = data.batch(step, a.batch_size)
+            t0 = time.perf_counter()
+            out = model(x).local_value()
+            loss = F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ms = (time.perf_counter() - t0) * 1000
+            times.append(ms)
+            print(f"step {step + 1:4d}/{a.steps}  loss {loss.item():.4f}  {ms:.1f} ms  "
+                  f"{1000 * a.batch_size / ms:.1f} samples/s", flush=True)
+        timed = times[min(2, len(times) - 1):]
+        print(json.dumps({"bench": "peer_pipe", "threads": a.threads, "partitions": a.partitions,
+                          "microbatches": a.microbatches, "batch_size": a.batch_size, "parameters": params,
+                          "pipetrain_parameters": expected, "steps": a.steps,
+                          "median_step_ms": round(statistics.median(timed), 3),
+                          "min_step_ms": round(min(timed), 3), "max_step_ms": round(max(timed), 3)}))
+    finally:
+        rpc.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+// Point-to-point ping-pong between ranks 0 and 1 of a process transport (transport.h): for each message
+// size, the median round trip of --iters exchanges after --warmup, one thread per rank. Rank 0 prints
+// one line per size: round trip, one-way time (half of it) and one-way bandwidth.
+//
+//   build/pipetrain launch -n 2 -- build/bench/bench_transport --transport gloo
+//   mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo
+//          -n 2 build/bench/bench_transport --transport mpi        (one command line)
+//   build/pipetrain launch -n 2 -- build/bench/bench_transport --transport gloo-raw
+//
+// gloo-raw is c10d::ProcessGroupGloo's send/recv without pipetrain's header and watchdog: what the
+// size check costs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "pipetrain/runtime/transport.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Pair {
+  int rank = 0;
+  std::function<void(at::Tensor&, int, int)> send, recv;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+int usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s --transport gloo|mpi|gloo-raw [--iters N (50)] [--warmup N (5)] [--sizes BYTES,...]\n"
+               "run as two ranks, e.g. pipetrain launch -n 2 -- %s --transport gloo\n",
+               argv0, argv0);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string transport;
+  int iters = 50, warmup = 5;
+  std::vector<long long> sizes = {4 << 10, 256 << 10, 4 << 20, 16 << 20};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) return usage(argv[0]);
+    const std::string v = argv[++i];
+    if (a == "--transport") transport = v;
+    else if (a == "--iters") iters = std::atoi(v.c_str());
+    else if (a == "--warmup") warmup = std::atoi(v.c_str());
+    else if (a == "--sizes") {
+      sizes.clear();
+      for (size_t b = 0; b <= v.size();) {
+        size_t e = v.find(',', b);
+        if (e == std::string::npos) e = v.size();
+        sizes.push_back(std::atoll(v.substr(b, e - b).c_str()));
+        b = e + 1;
+      }
+    } else return usage(argv[0]);
+  }
+  if (transport.empty() || iters < 1) return usage(argv[0]);
+  at::set_num_threads(1);
+
+  std::shared_ptr<pipetrain::Transport> t;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  Pair p;
+  if (transport == "gloo-raw") {
+    const pipetrain::Rendezvous rv = pipetrain::Rendezvous::from_environment();
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(rv.master_port);
+    so.isServer = rv.rank == 0;
+    so.numWorkers = rv.world_size;
+    store = c10::make_intrusive<c10d::TCPStore>(rv.master_addr, so);
+    auto options = c10d::ProcessGroupGloo::Options::create();
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(rv.master_addr));
+    options->threads = 1;
+    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rv.rank, rv.world_size, options);
+    p.rank = rv.rank;
+    p.send = [&](at::Tensor& x, int dst, int tag) {
+      std::vector<at::Tensor> v{x};
+      pg->send(v, dst, tag)->wait();
+    };
+    p.recv = [&](at::Tensor& x, int src, int tag) {
+      std::vector<at::Tensor> v{x};
+      pg->recv(v, src, tag)->wait();
+    };
+  } else {
+    t = pipetrain::make_process_transport(transport);
+    p.rank = t->rank();
+    p.send = [&](at::Tensor& x, int dst, int tag) { t->send(x, dst, tag); };
+    p.recv = [&](at::Tensor& x, int src, int tag) { t->recv(x, src, tag); };
+  }
+  if (p.rank == 0) std::printf("%-9s %10s %12s %12s %10s\n", "transport", "bytes", "rtt_us", "one_way_us", "GB/s");
+  for (long long bytes : sizes) {
+    at::Tensor x = at::ones({bytes / 4}, at::kFloat);
+    std::vector<double> rtt;
+    for (int i = 0; i < warmup + iters; ++i) {
+      if (p.rank == 0) {
+        const auto t0 = Clock::now();
+        p.send(x, 1, 7);
+        p.recv(x, 1, 7);
+        const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+        if (i >= warmup) rtt.push_back(us);
+      } else if (p.rank == 1) {
+        p.recv(x, 0, 7);
+        p.send(x, 0, 7);
+      }
+    }
+    if (p.rank == 0) {
+      const double m = median(rtt);
+      std::printf("%-9s %10lld %12.1f %12.1f %10.2f\n", transport.c_str(), bytes, m, m / 2,
+                  static_cast<double>(bytes) / (m / 2) / 1e3);
+      std::fflush(stdout);
+    }
+  }
+  if (pg) {  // a last exchange so neither rank tears the store down under the other
+    pg->barrier()->wait();
+  }
+  return 0;
+}
