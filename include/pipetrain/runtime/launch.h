@@ -25,8 +25,9 @@ namespace pipetrain {
 
 struct LaunchOptions {
   // Pin rank r to the r-th CPU this launcher may run on (sched_getaffinity), when there are at least as
-  // many CPUs as ranks; as mpirun binds ranks to cores. Measured on the 2-core benchmark machine: 1f1b
-  // steps 7-8% faster than with unpinned ranks (docs/BENCHMARKS.md). Off: the kernel places the ranks.
+  // many CPUs as ranks, as mpirun binds ranks to cores: a rank's memory and caches stay on its core.
+  // (On the 2-core benchmark machine the gain was within run-to-run noise, docs/BENCHMARKS.md.)
+  // Off: the kernel places the ranks.
   bool bind_cores = true;
   // Prefix each line the children print with "[rank R] " (stdout lines to stdout, stderr lines to
   // stderr). Off: the children write straight to the launcher's stdout/stderr, unbuffered by us.
