@@ -103,28 +103,9 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
   if (t == "local") {
     auto transports = make_local_transports(flags.stages);
     std::vector<int> codes(static_cast<std::size_t>(flags.stages), 0);
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(flags.stages));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < flags.stages; ++r)
-      threads.emplace_back([&, r] {
-        try {
-          codes[static_cast<std::size_t>(r)] = body(transports[static_cast<std::size_t>(r)]);
-        } catch (...) {
-          errors[static_cast<std::size_t>(r)] = std::current_exception();
-          transports[static_cast<std::size_t>(r)]->abort("rank " + std::to_string(r) + " failed");
-        }
-      });
-    for (auto& th : threads) th.join();
-    std::exception_ptr remote;
-    for (auto& e : errors) {
-      if (!e) continue;
-      try {
-        std::rethrow_exception(e);
-      } catch (const RemoteFailure&) {
-        if (!remote) remote = e;
-      }
-    }
-    if (remote) std::rethrow_exception(remote);
+    run_on_threads(
+        flags.stages, [&](int r) { codes[static_cast<std::size_t>(r)] = body(transports[static_cast<std::size_t>(r)]); },
+        [&](int r) { transports[static_cast<std::size_t>(r)]->abort("rank " + std::to_string(r) + " failed"); });
     for (int c : codes)
       if (c != 0) return c;
     return 0;

@@ -585,30 +585,10 @@ LocalPipeline::~LocalPipeline() = default;
 StepStats LocalPipeline::train_step(const torch::Tensor& input, const torch::Tensor& target) {
   const int p = static_cast<int>(ranks_.size());
   std::vector<StepStats> stats(static_cast<std::size_t>(p));
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(p));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < p; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        at::init_num_threads();
-        stats[static_cast<std::size_t>(r)] = ranks_[static_cast<std::size_t>(r)]->train_step(input, target, input.size(0));
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  std::exception_ptr remote;
-  for (auto& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const RemoteFailure&) {
-      if (!remote) remote = e;
-    } catch (...) {
-      throw;  // the failing rank's own error
-    }
-  }
-  if (remote) std::rethrow_exception(remote);
+  run_on_threads(p, [&](int r) {
+    at::init_num_threads();
+    stats[static_cast<std::size_t>(r)] = ranks_[static_cast<std::size_t>(r)]->train_step(input, target, input.size(0));
+  });
   StepStats out = stats[0];
   for (int r = 1; r < p; ++r)
     for (const auto& e : stats[static_cast<std::size_t>(r)].timeline.events) out.timeline.events.push_back(e);

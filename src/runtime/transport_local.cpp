@@ -6,6 +6,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <tuple>
 
 #include "pipetrain/runtime/transport.h"
@@ -151,6 +152,31 @@ class LocalTransport : public Transport {
 };
 
 }  // namespace
+
+void run_on_threads(int n, const std::function<void(int)>& body, const std::function<void(int)>& on_error) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        if (on_error) on_error(r);
+      }
+    });
+  for (auto& t : threads) t.join();
+  std::exception_ptr remote;
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const RemoteFailure&) {
+      if (!remote) remote = e;
+    }
+  }
+  if (remote) std::rethrow_exception(remote);
+}
 
 std::vector<std::shared_ptr<Transport>> make_local_transports(int world_size, std::chrono::milliseconds timeout) {
   if (world_size < 1) throw std::invalid_argument("world size must be >= 1, got " + std::to_string(world_size));

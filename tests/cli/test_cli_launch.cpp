@@ -7,25 +7,13 @@
 #include <cstdio>
 #include <string>
 
+#include "run_command.h"
+
 namespace {
 
-struct Result {
-  int code = -1;
-  std::string out;  // stdout and stderr together
-};
+using Result = pipetrain::testing::CommandResult;
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(PIPETRAIN_BIN) + " " + args + " 2>&1";
-  Result r;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) return r;
-  char buf[4096];
-  std::size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
-  const int status = pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+Result run(const std::string& args) { return pipetrain::testing::run_pipetrain(args); }
 
 bool has(const Result& r, const std::string& text) { return r.out.find(text) != std::string::npos; }
 

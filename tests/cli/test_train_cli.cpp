@@ -11,28 +11,13 @@
 #include <regex>
 #include <string>
 
+#include "run_command.h"
+
 namespace {
 
-struct Result {
-  int code = -1;
-  std::string out;
-  double seconds = 0;
-  bool has(const std::string& s) const { return out.find(s) != std::string::npos; }
-};
+using Result = pipetrain::testing::CommandResult;
 
-Result run(const std::string& cmd_line) {
-  const auto t0 = std::chrono::steady_clock::now();
-  Result r;
-  FILE* pipe = popen((cmd_line + " 2>&1").c_str(), "r");
-  if (!pipe) return r;
-  char buf[4096];
-  std::size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
-  const int status = pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
-}
+Result run(const std::string& cmd_line) { return pipetrain::testing::run_command(cmd_line); }
 
 const std::string bin = PIPETRAIN_BIN;
 // A small GPT keeps each run to a second or two.

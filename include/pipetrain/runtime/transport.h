@@ -20,6 +20,7 @@
 #include <torch/types.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -70,6 +71,13 @@ class Transport {
   void send(const torch::Tensor& tensor, int dst, int tag) { isend(tensor, dst, tag)->wait(); }
   void recv(torch::Tensor& tensor, int src, int tag) { irecv(tensor, src, tag)->wait(); }
 };
+
+// Runs body(r) for r = 0..n-1, each on its own thread, and joins them. If any threw, rethrows the
+// failing rank's own error: the first that is not a RemoteFailure (another rank's report of it), else
+// the first RemoteFailure. `on_error(r)` runs on rank r's thread right after it threw (e.g. to abort
+// its transport so the others stop waiting).
+void run_on_threads(int n, const std::function<void(int)>& body,
+                    const std::function<void(int)>& on_error = {});
 
 // In-process group: `world_size` transports sharing mailboxes; transport r is rank r's (thread's).
 // `timeout` bounds any single wait, so a bug can never hang a test forever.

@@ -1,0 +1,39 @@
+// Runs a shell command line for the command-line tests and collects what a user would see.
+#pragma once
+
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+namespace pipetrain::testing {
+
+struct CommandResult {
+  int code = -1;        // exit code, or 128 + signal
+  std::string out;      // stdout and stderr together
+  double seconds = 0;   // wall time
+  bool has(const std::string& text) const { return out.find(text) != std::string::npos; }
+};
+
+// `shell` runs under /bin/sh with stderr joined to stdout (or discarded when `with_stderr` is false).
+inline CommandResult run_command(const std::string& shell, bool with_stderr = true) {
+  const auto t0 = std::chrono::steady_clock::now();
+  CommandResult r;
+  FILE* pipe = popen((shell + (with_stderr ? " 2>&1" : " 2>/dev/null")).c_str(), "r");
+  if (!pipe) return r;
+  char buf[4096];
+  std::size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+// The pipetrain binary with `args`.
+inline CommandResult run_pipetrain(const std::string& args, bool with_stderr = true) {
+  return run_command(std::string(PIPETRAIN_BIN) + " " + args, with_stderr);
+}
+
+}  // namespace pipetrain::testing
