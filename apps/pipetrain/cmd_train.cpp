@@ -88,7 +88,7 @@ std::function<void(int, int, const Action&)> fault_injector(const std::string& s
 
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   const bool leader = transport->rank() == 0;
-  PipelineOptions o = f.pipe.options(f.model.seed);
+  PipelineOptions o = f.pipe.options(f.model.seed, transport->rank());
   o.optimizer.name = f.optimizer;
   o.optimizer.lr = f.lr;
   o.optimizer.momentum = f.optimizer == "sgd" ? f.momentum : 0.0;

@@ -7,6 +7,8 @@
 #include <mutex>
 #include <thread>
 
+#include <torch/cuda.h>
+
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/launch.h"
 
@@ -73,10 +75,31 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "otherwise; default auto");
   app.add_option("--threads", threads, "intra-op threads per rank; default: cores / ranks");
   app.add_flag("--reference", reference, "use the blocking reference executor instead of the fast path");
+  app.add_option("--device", device,
+                 "cpu (default), cuda (rank r on GPU r mod the GPU count) or cuda:N; cuda needs a CUDA LibTorch");
 }
 
-PipelineOptions PipelineFlags::options(uint64_t seed) const {
+PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
   PipelineOptions o;
+  if (device == "cpu") {
+    o.device = torch::kCPU;
+  } else if (device.rfind("cuda", 0) == 0) {
+    if (!torch::cuda::is_available())
+      throw UsageError("--device " + device + ": this LibTorch has no CUDA device; build against a CUDA LibTorch "
+                       "(make build TORCH_DIR=...) on a machine with a GPU, or use --device cpu");
+    const int gpus = static_cast<int>(torch::cuda::device_count());
+    try {
+      o.device = device == "cuda" ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus))
+                                  : torch::Device(device);
+    } catch (const std::exception&) {
+      throw UsageError("--device " + device + " is not a device: use cpu, cuda or cuda:N");
+    }
+    if (o.device.index() >= gpus)
+      throw UsageError("--device " + device + ": there are only " + std::to_string(gpus) + " GPUs (0.." +
+                       std::to_string(gpus - 1) + ")");
+  } else {
+    throw UsageError("--device " + device + " is not a device: use cpu, cuda or cuda:N");
+  }
   o.schedule = schedule;
   o.microbatches = microbatches;
   o.virtual_stages = virtual_stages;

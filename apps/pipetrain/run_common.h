@@ -37,9 +37,11 @@ struct PipelineFlags {
   std::string transport = "auto";  // local | gloo | mpi | auto
   int threads = 0;
   bool reference = false;
+  std::string device = "cpu";  // cpu | cuda | cuda:N
   CLI::Option* stages_option = nullptr;
   void add_to(CLI::App& app);
-  PipelineOptions options(uint64_t seed) const;
+  // `local_rank` picks the GPU for --device cuda (rank r uses GPU r mod the GPU count).
+  PipelineOptions options(uint64_t seed, int local_rank = 0) const;
 };
 
 // Runs `body` on every rank. transport "local": one thread per rank in this process, body called once

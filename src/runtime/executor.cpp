@@ -1,6 +1,7 @@
 #include "pipetrain/runtime/executor.h"
 
 #include <torch/autograd.h>
+#include <torch/cuda.h>
 #include <torch/optim.h>
 
 #include <ATen/core/Generator.h>
@@ -199,11 +200,12 @@ struct PipelineRank::Impl {
     if (s == 0) {
       if (!input.defined())
         throw UsageError("rank " + std::to_string(rank()) + " holds stage 0 but train_step got no input batch");
-      x = input.slice(0, ranges[static_cast<std::size_t>(i)].first, ranges[static_cast<std::size_t>(i)].second);
+      x = input.slice(0, ranges[static_cast<std::size_t>(i)].first, ranges[static_cast<std::size_t>(i)].second)
+              .to(options.device);
     } else if (schedule.rank_of(s - 1) == rank()) {
       x = slot(s - 1, i).output.detach();
     } else {
-      x = sl.input;  // received by RF
+      x = sl.input.to(options.device);  // received by RF (transports deliver host tensors)
       if (!x.defined()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
     }
     x = x.detach();
@@ -227,7 +229,7 @@ struct PipelineRank::Impl {
     if (!target.defined())
       throw UsageError("rank " + std::to_string(rank()) + " holds the last stage but train_step got no target batch");
     const auto [b, e] = ranges[static_cast<std::size_t>(i)];
-    torch::Tensor l = loss_fn(out, target.slice(0, b, e));
+    torch::Tensor l = loss_fn(out, target.slice(0, b, e).to(options.device));
     if (l.numel() != 1)
       throw UsageError("the loss function returned " + std::to_string(l.numel()) +
                        " values for micro-batch " + std::to_string(i) + ": it must return one (the mean over the micro-batch)");
@@ -244,7 +246,7 @@ struct PipelineRank::Impl {
     }
     torch::Tensor grad;
     if (s != last_stage()) {
-      grad = schedule.rank_of(s + 1) == rank() ? slot(s + 1, i).input_grad : sl.recv_grad;
+      grad = schedule.rank_of(s + 1) == rank() ? slot(s + 1, i).input_grad : sl.recv_grad.to(options.device);
       if (!grad.defined()) throw std::logic_error("backward of stage " + std::to_string(s) + " has no output gradient");
     }
     if (out.requires_grad()) {
@@ -473,9 +475,19 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   d.schedule = insert_communication(plain, d.options.costs);
   validate(d.schedule);
 
+  if (d.options.device.is_cuda() && !torch::cuda::is_available())
+    throw UsageError("device " + d.options.device.str() +
+                     " requested but this LibTorch has no CUDA device: build against a CUDA LibTorch (make build "
+                     "TORCH_DIR=...) on a machine with a GPU, or use the cpu device");
+  if (!d.options.device.is_cpu() && !d.options.device.is_cuda())
+    throw UsageError("device " + d.options.device.str() + " is not supported: use cpu or cuda[:N]");
   const auto all = cut(model, d.balance);
   for (int s = 0; s < total_stages; ++s)
-    if (d.schedule.rank_of(s) == d.transport->rank()) d.stages.emplace(s, all[static_cast<std::size_t>(s)]);
+    if (d.schedule.rank_of(s) == d.transport->rank()) {
+      Stage st = all[static_cast<std::size_t>(s)];
+      st.to(d.options.device);  // before the optimizers see the parameters
+      d.stages.emplace(s, st);
+    }
   const OptimizerOptions& o = d.options.optimizer;
   if (o.name != "sgd" && o.name != "adam" && o.name != "adamw")
     throw UsageError("unknown optimizer '" + o.name + "': use sgd, adam or adamw");

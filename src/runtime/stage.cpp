@@ -69,6 +69,8 @@ torch::Tensor Stage::forward(const torch::Tensor& input) { return slice_->forwar
 
 std::vector<torch::Tensor> Stage::parameters() const { return slice_->parameters(); }
 
+void Stage::to(const torch::Device& device) { slice_->to(device); }
+
 std::vector<Stage> cut(const torch::nn::Sequential& model, const std::vector<int>& balance) {
   check_balance(balance, layer_count(model));
   std::vector<Stage> out;

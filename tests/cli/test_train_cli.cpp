@@ -120,9 +120,15 @@ TEST(TrainCli, BadInputExitsTwo) {
            {"--checkpoint sometimes", "use always, except_last or never"},
            {"--heads 3", "not divisible by --heads 3"},
            {"--batch-size 0", "--batch-size must be >= 1"},
+           {"--device tpu", "--device tpu is not a device: use cpu, cuda or cuda:N"},
        }) {
     const Result r = run(bin + " train --transport local" + small + " " + c.args);
     EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
     EXPECT_TRUE(r.has(c.message)) << c.args << "\n" << r.out;
+  }
+  if (run(bin + " info").has("CUDA: none")) {  // without CUDA, asking for it is a usage error with the fix
+    const Result r = run(bin + " train --transport local --device cuda" + small);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_TRUE(r.has("this LibTorch has no CUDA device")) << r.out;
   }
 }

@@ -372,6 +372,11 @@ TEST(Executor, BadOptionsAreUsageErrors) {
   o.optimizer.lr = -1;
   expect_usage(o, 2, "learning rate must be > 0");
   EXPECT_THROW(parse_checkpoint("sometimes"), UsageError);
+  if (!torch::cuda::is_available()) {
+    o = {};
+    o.device = torch::Device(torch::kCUDA, 0);
+    expect_usage(o, 2, "this LibTorch has no CUDA device");
+  }
 }
 
 TEST(Executor, ParameterBalanceSplitsByParameterCount) {

@@ -65,6 +65,9 @@ struct PipelineOptions {
   bool reference = false;                 // blocking reference path instead of the fast path
   int prefetch = 4;                       // fast path: receives posted ahead of need
   int threads = 0;                        // intra-op threads of this rank (at::set_num_threads); 0 = as is
+  // Device of this rank's stages: cpu, or cuda[:N] with a CUDA LibTorch. Inputs, targets and received
+  // tensors are moved there; transfers go through host memory (gloo, mpi, local).
+  torch::Device device = torch::kCPU;
   bool measure_memory = false;            // sample the heap after every action (StepStats::peak_heap_growth)
   CostModel costs;                        // per-stage costs for zb-h2/zb-auto and lowering; empty = unit
   double memory_limit = 0;                // zb-auto's limit in micro-batches (0 = p)

@@ -33,6 +33,8 @@ class Stage {
   Stage(const torch::nn::Sequential& model, int first_layer, int num_layers);
   torch::Tensor forward(const torch::Tensor& input);
   std::vector<torch::Tensor> parameters() const;
+  // Moves the stage's modules (and so the model's parameters they share) to `device`.
+  void to(const torch::Device& device);
   int first_layer() const { return first_; }
   int num_layers() const { return count_; }
   const torch::nn::Sequential& module() const { return slice_; }
