@@ -206,7 +206,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
       "  pipetrain train --transport local -p 4 -s zb-h1 -m 8 --svg run.svg --trace run.json\n"
       "  pipetrain launch -n 2 -- pipetrain train --stages 2 --transport gloo\n"
       "  mpirun -n 2 pipetrain train --stages 2 --transport mpi");
-  cmd->callback([f, &exit_code, &app] {
+  cmd->callback([f, &exit_code] {
     exit_code = guarded("train", [&] {
       if (f->batch_size < 1) throw UsageError("--batch-size must be >= 1, got " + std::to_string(f->batch_size));
       if (f->steps < 1) throw UsageError("--steps must be >= 1, got " + std::to_string(f->steps));
@@ -226,7 +226,6 @@ void add_train_command(CLI::App& app, int& exit_code) {
       if (f->optimizer != "sgd" && f->optimizer != "adam" && f->optimizer != "adamw")
         throw UsageError("unknown optimizer '" + f->optimizer + "': use sgd, adam or adamw");
       if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
-      (void)app;
       return run_ranks(f->pipe, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) { return train_rank(*f, t); });
     });
   });

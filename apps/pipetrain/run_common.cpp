@@ -139,11 +139,9 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
                        " pipetrain ...; or use --transport gloo");
     std::vector<std::string> args{"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    LaunchOptions lo;
-    lo.env.emplace_back("PIPETRAIN_TRANSPORT", "gloo");
-    return launch_local(flags.stages, args, lo);
+    return launch_local(flags.stages, args);  // the ranks see no mpirun variables, so "auto" means gloo
   }
-  auto transport = make_process_transport(t == "auto" && std::getenv("PIPETRAIN_TRANSPORT") ? "gloo" : t);
+  auto transport = make_process_transport(t);
   if (transport->world_size() != flags.stages) {
     const std::string msg = "the launcher started " + std::to_string(transport->world_size()) + " ranks but --stages is " +
                             std::to_string(flags.stages) + ": launch " + std::to_string(flags.stages) +

@@ -119,7 +119,6 @@ constexpr int kHeaderLen = 10;  // dtype, ndim, up to 8 dims
 }  // namespace
 
 struct PipelineRank::Impl {
-  torch::nn::Sequential model;
   LossFn loss_fn;
   std::shared_ptr<Transport> transport;
   PipelineOptions options;
@@ -154,7 +153,8 @@ struct PipelineRank::Impl {
     torch::Tensor buffer;
     std::unique_ptr<Work> work;
   };
-  std::map<std::pair<int, int>, PendingRecv> posted;  // (action position) keyed by (kind, stage*M+micro)
+  std::map<int, PendingRecv> posted;  // posted, unconsumed receives by action position (nodes stay put)
+  std::size_t prefetch_cursor = 0;    // next action position the fast path may post a receive for
   std::vector<std::pair<torch::Tensor, std::unique_ptr<Work>>> pending_sends;
 
   // Step inputs.
@@ -333,7 +333,7 @@ struct PipelineRank::Impl {
   bool receive(const Action& a, int pos) {
     const bool act = a.kind == ActionKind::RecvAct;
     Slot& sl = slot(a.stage, a.index);
-    if (posted.count({pos, 0})) {
+    if (posted.count(pos)) {
       (act ? sl.pending_input : sl.pending_grad) = pos;
       return false;
     }
@@ -354,7 +354,7 @@ struct PipelineRank::Impl {
     int& pending = a.kind == ActionKind::F ? sl.pending_input : sl.pending_grad;
     if (pending < 0) return;
     const double t0 = now_ms();
-    auto it = posted.find({pending, 0});
+    auto it = posted.find(pending);
     it->second.work->wait();
     (a.kind == ActionKind::F ? sl.input : sl.recv_grad) = it->second.buffer;
     posted.erase(it);
@@ -363,22 +363,24 @@ struct PipelineRank::Impl {
     timeline.events.push_back(TimedAction{rank(), recv, t0, now_ms()});
   }
 
-  // Fast path: post receives for the next `prefetch` receive actions whose shapes are agreed.
+  // Fast path: keeps up to `prefetch` receives posted and not yet consumed, walking the rank's list in
+  // order from `prefetch_cursor` (so each step costs O(actions), not O(actions x window)). A receive
+  // whose shape is not agreed yet stops the walk: its header must be received in order, at its action.
   void prefetch_from(const std::vector<Action>& actions, std::size_t pos) {
-    int ahead = 0;
-    for (std::size_t k = pos; k < actions.size() && ahead < options.prefetch; ++k) {
-      const Action& a = actions[k];
-      if (a.kind != ActionKind::RecvAct && a.kind != ActionKind::RecvGrad) continue;
-      ++ahead;
-      if (posted.count({static_cast<int>(k), 0})) continue;
-      const bool act = a.kind == ActionKind::RecvAct;
-      const int boundary = act ? a.stage - 1 : a.stage + 1;
-      const int dir = act ? 0 : 1;
-      torch::Tensor buf = recv_buffer(boundary, dir, a.index, schedule.rank_of(boundary), false);
-      if (!buf.defined()) break;  // shape not agreed yet: receive the header in order first
-      auto& p = posted[{static_cast<int>(k), 0}];
-      p.buffer = buf;
-      p.work = transport->irecv(p.buffer, schedule.rank_of(boundary), tag(boundary, a.index, dir, 0));
+    prefetch_cursor = std::max(prefetch_cursor, pos);
+    while (prefetch_cursor < actions.size() && posted.size() < static_cast<std::size_t>(options.prefetch)) {
+      const Action& a = actions[prefetch_cursor];
+      if (a.kind == ActionKind::RecvAct || a.kind == ActionKind::RecvGrad) {
+        const bool act = a.kind == ActionKind::RecvAct;
+        const int boundary = act ? a.stage - 1 : a.stage + 1;
+        const int dir = act ? 0 : 1;
+        torch::Tensor buf = recv_buffer(boundary, dir, a.index, schedule.rank_of(boundary), false);
+        if (!buf.defined()) return;
+        PendingRecv& p = posted[static_cast<int>(prefetch_cursor)];
+        p.buffer = buf;
+        p.work = transport->irecv(p.buffer, schedule.rank_of(boundary), tag(boundary, a.index, dir, 0));
+      }
+      ++prefetch_cursor;
     }
   }
 
@@ -442,7 +444,6 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
                            PipelineOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& d = *impl_;
-  d.model = model;
   d.loss_fn = std::move(loss);
   d.transport = std::move(transport);
   d.options = std::move(options);
@@ -528,6 +529,7 @@ StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tens
   d.reduced = false;
   d.slots.clear();
   d.posted.clear();
+  d.prefetch_cursor = 0;
   d.pending_sends.clear();
   d.stats = StepStats{};
   d.stats.step = d.step;

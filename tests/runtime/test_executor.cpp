@@ -294,6 +294,16 @@ struct FaultyImpl : torch::nn::Module {
   bool widen;
 };
 TORCH_MODULE(Faulty);
+
+// The message of the error one training step raises, or "no error".
+std::string step_error(LocalPipeline& pipe, const Data& d) {
+  try {
+    pipe.train_step(d.x, d.y);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
 }  // namespace
 
 TEST(Executor, FailingRankStopsEveryRankWithItsMessage) {
@@ -304,13 +314,8 @@ TEST(Executor, FailingRankStopsEveryRankWithItsMessage) {
   PipelineOptions o;
   o.microbatches = 4;
   LocalPipeline pipe(model, mse, 2, o);
-  try {
-    pipe.train_step(d.x, d.y);
-    FAIL() << "no error";
-  } catch (const std::exception& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("rank 1 at 1F2: injected failure"), std::string::npos) << msg;
-  }
+  const std::string msg = step_error(pipe, d);
+  EXPECT_NE(msg.find("rank 1 at 1F2: injected failure"), std::string::npos) << msg;
 }
 
 TEST(Executor, DriftingShapeIsAnErrorNamingStageAndShapes) {
@@ -324,16 +329,11 @@ TEST(Executor, DriftingShapeIsAnErrorNamingStageAndShapes) {
   o.microbatches = 4;  // 12 samples: every micro-batch has 3
   o.balance = "2,1";
   LocalPipeline pipe(model, mse, 2, o);
-  try {
-    pipe.train_step(d.x, d.y);
-    FAIL() << "no error";
-  } catch (const std::exception& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("activation of stage 0 for micro-batch 1 has shape [3, 8] Float but the shape agreed at "
-                       "first use is [3, 4] Float"),
-              std::string::npos)
-        << msg;
-  }
+  const std::string msg = step_error(pipe, d);
+  EXPECT_NE(msg.find("activation of stage 0 for micro-batch 1 has shape [3, 8] Float but the shape agreed at "
+                     "first use is [3, 4] Float"),
+            std::string::npos)
+      << msg;
 }
 
 TEST(Executor, BadOptionsAreUsageErrors) {
@@ -384,7 +384,18 @@ TEST(Executor, ParameterBalanceSplitsByParameterCount) {
   PipelineOptions o;
   o.balance = "parameters";
   LocalPipeline pipe(model, mse, 2, o);
-  // Parameter counts per layer: 70, 0, 110, 20, 110, 0, 110, 33 (total 453); the optimal 2-way split
-  // has bottleneck 253 = 70+0+110+20+110... no: [70,0,110,20] = 200 | [110,0,110,33] = 253.
+  // Parameter counts per layer: 70, 0, 110, 20, 110, 0, 110, 33 (prefix sums 70, 70, 180, 200, 310,
+  // 310, 420, 453). Cutting after layer 3 gives max(200, 253) = 253; after layer 2, max(180, 273) = 273;
+  // after layer 4, max(310, 143) = 310. So 4,4 is the optimal min-max split.
   EXPECT_EQ(pipe.balance(), (std::vector<int>{4, 4}));
+  // A model where parameters and uniform disagree: Linear(6,100) has 700 parameters, Linear(100,3) 303,
+  // the two Tanh none. Uniform gives 2,2 (1003 | 0); cutting after the first layer gives 700 | 303.
+  torch::nn::Sequential skewed;
+  skewed->push_back(nn::Linear(kIn, 100));
+  skewed->push_back(nn::Linear(100, kOut));
+  skewed->push_back(torch::nn::Tanh());
+  skewed->push_back(torch::nn::Tanh());
+  EXPECT_EQ(LocalPipeline(skewed, mse, 2, o).balance(), (std::vector<int>{1, 3}));
+  o.balance = "uniform";
+  EXPECT_EQ(LocalPipeline(skewed, mse, 2, o).balance(), (std::vector<int>{2, 2}));
 }

@@ -15,7 +15,7 @@
 //
 // Two execution paths share the interpreter: the reference path (`reference = true`) does every send
 // and receive blocking, exactly where the lowered schedule puts it; the default fast path sends without
-// waiting and posts up to `prefetch` receives ahead. Tests check they give identical numbers.
+// waiting and keeps up to `prefetch` receives posted ahead of need. Tests check they give identical numbers.
 //
 // Shapes: the first transfer over a stage boundary (per direction and micro-batch size) carries a small
 // header with dtype and shape; later transfers are checked against it, so a drifting shape is an error
@@ -63,7 +63,7 @@ struct PipelineOptions {
   uint64_t seed = 0;                      // forward RNG of (step, stage, micro-batch) derives from it
   bool deterministic_rng = true;          // seed every forward; in-process ranks then take turns in forwards
   bool reference = false;                 // blocking reference path instead of the fast path
-  int prefetch = 4;                       // fast path: receives posted ahead of need
+  int prefetch = 4;                       // fast path: receives posted ahead and not yet consumed, at most
   int threads = 0;                        // intra-op threads of this rank (at::set_num_threads); 0 = as is
   // Device of this rank's stages: cpu, or cuda[:N] with a CUDA LibTorch. Inputs, targets and received
   // tensors are moved there; transfers go through host memory (gloo, mpi, local).
