@@ -7,7 +7,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake make
   libtorch-dev libgloo-dev libopenmpi-dev openmpi-bin libopenblas0-openmp
-  libcli11-dev nlohmann-json3-dev libfmt-dev
+  libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist bible-kjv
   python3-torch   # the PyTorch peer the benchmarks compare against

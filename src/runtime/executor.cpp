@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -127,6 +128,8 @@ struct PipelineRank::Impl {
   std::map<int, Stage> stages;  // stage id -> stage, for this rank's stages
   std::map<int, std::unique_ptr<torch::optim::Optimizer>> optimizers;
   int step = 0;
+  bool forward_mode = false;                // forward_only(): no graph, no loss, outputs kept
+  std::map<int, Schedule> forward_schedules;  // lowered forward-only schedules by micro-batch count
 
   // Shapes agreed at first use, per (boundary stage, direction, micro-batch size).
   struct Agreed {
@@ -209,11 +212,11 @@ struct PipelineRank::Impl {
       if (!x.defined()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
     }
     x = x.detach();
-    if (s > 0 && x.is_floating_point()) x.requires_grad_(true);
+    if (s > 0 && x.is_floating_point() && !forward_mode) x.requires_grad_(true);
     sl.input = x;
     sl.seed = mix(options.seed ^ mix(static_cast<uint64_t>(step) * 1000003ULL + static_cast<uint64_t>(s) * 7919ULL +
                                      static_cast<uint64_t>(i)));
-    sl.checkpointed = checkpointed(i) && s != last_stage();
+    sl.checkpointed = !forward_mode && checkpointed(i) && s != last_stage();
     torch::Tensor out;
     if (sl.checkpointed) {
       torch::NoGradGuard no_grad;
@@ -221,7 +224,7 @@ struct PipelineRank::Impl {
     } else {
       out = run_forward(s, i, x);
     }
-    if (s == last_stage()) out = scaled_loss(out, i);
+    if (s == last_stage() && !forward_mode) out = scaled_loss(out, i);
     sl.output = out;
   }
 
@@ -438,6 +441,94 @@ struct PipelineRank::Impl {
     }
     return true;
   }
+
+  // ---- passes --------------------------------------------------------------------------------------
+  void begin_pass(const torch::Tensor& in, const torch::Tensor& tgt, int64_t n, int m) {
+    ranges = split_equal(n, m);
+    input = in;
+    target = tgt;
+    batch_size = n;
+    loss_sum = 0;
+    reduced = false;
+    slots.clear();
+    posted.clear();
+    prefetch_cursor = 0;
+    pending_sends.clear();
+    stats = StepStats{};
+    stats.step = step;
+    stats.timeline.schedule = schedule.name;
+    stats.timeline.ranks = schedule.ranks;
+    stats.timeline.microbatches = m;
+    stats.timeline.virtual_stages = options.virtual_stages;
+    stats.timeline.unit = "ms";
+  }
+
+  // The interpreter: runs one rank's action list, timing each action. On failure aborts the transport
+  // with a message naming the rank and the action, so every rank stops.
+  void run_list(const std::vector<Action>& actions) {
+    const double heap0 = options.measure_memory ? heap_in_use() : 0.0;
+    std::size_t pos = 0;
+    try {
+      for (; pos < actions.size(); ++pos) {
+        if (!options.reference) prefetch_from(actions, pos);
+        if (options.before_action && !forward_mode) options.before_action(rank(), step, actions[pos]);
+        await_inputs(actions[pos], stats.timeline);
+        const double t0 = now_ms();
+        if (run_action(actions[pos], static_cast<int>(pos)))
+          stats.timeline.events.push_back(TimedAction{rank(), actions[pos], t0, now_ms()});
+        if (!options.reference) reap_sends();
+        if (options.measure_memory) stats.peak_heap_growth = std::max(stats.peak_heap_growth, heap_in_use() - heap0);
+      }
+      for (auto& [t, work] : pending_sends) work->wait();
+      pending_sends.clear();
+      if (!forward_mode && !reduced) reduce_and_clip();  // a rank without Step actions still joins the reduction
+    } catch (const RemoteFailure&) {
+      throw;
+    } catch (const std::exception& e) {
+      const std::string where = pos < actions.size() ? " at " + to_string(actions[pos]) : std::string();
+      // LibTorch's errors carry a C++ backtrace in what(); the user needs the message only.
+      const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+      const std::string what = torch_error ? torch_error->what_without_backtrace() : e.what();
+      const std::string msg = "rank " + std::to_string(rank()) + where + ": " + what;
+      transport->abort(msg);
+      if (dynamic_cast<const UsageError*>(&e)) throw UsageError(msg);
+      throw std::runtime_error(msg);
+    }
+  }
+
+  // Forward-only schedule for m micro-batches: each rank runs the forwards of its stages, stage by stage
+  // in micro-batch order (GPipe's forward phase), lowered like a training schedule.
+  const Schedule& forward_schedule(int m) {
+    auto it = forward_schedules.find(m);
+    if (it != forward_schedules.end()) return it->second;
+    Schedule plain;
+    plain.name = "forward";
+    plain.ranks = schedule.ranks;
+    plain.stages = schedule.stages;
+    plain.microbatches = m;
+    plain.microbatches_per_step = m;
+    plain.stage_rank = schedule.stage_rank;
+    plain.actions.resize(static_cast<std::size_t>(schedule.ranks));
+    for (int s = 0; s < schedule.stages; ++s)
+      for (int i = 0; i < m; ++i)
+        plain.actions[static_cast<std::size_t>(schedule.rank_of(s))].push_back(Action{ActionKind::F, s, i});
+    return forward_schedules.emplace(m, insert_communication(plain, options.costs)).first->second;
+  }
+
+  // The optimizer state of parameter `p` of stage `s` (null when it has none yet).
+  torch::optim::OptimizerParamState* optim_state(int s, const torch::Tensor& p) {
+    auto it = optimizers.find(s);
+    if (it == optimizers.end()) return nullptr;
+    auto& state = it->second->state();
+    auto found = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    return found == state.end() ? nullptr : found->second.get();
+  }
+
+  int stage_of_layer(int layer) const {
+    for (const auto& [s, st] : stages)
+      if (layer >= st.first_layer() && layer < st.first_layer() + st.num_layers()) return s;
+    throw std::invalid_argument("layer " + std::to_string(layer) + " is not held by rank " + std::to_string(rank()));
+  }
 };
 
 PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
@@ -521,55 +612,169 @@ PipelineRank::PipelineRank(PipelineRank&&) noexcept = default;
 StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size) {
   Impl& d = *impl_;
   if (d.options.threads > 0) at::set_num_threads(d.options.threads);
-  d.ranges = split_equal(batch_size, d.options.microbatches);
-  d.input = input;
-  d.target = target;
-  d.batch_size = batch_size;
-  d.loss_sum = 0;
-  d.reduced = false;
-  d.slots.clear();
-  d.posted.clear();
-  d.prefetch_cursor = 0;
-  d.pending_sends.clear();
-  d.stats = StepStats{};
-  d.stats.step = d.step;
-  d.stats.timeline.schedule = d.schedule.name;
-  d.stats.timeline.ranks = d.schedule.ranks;
-  d.stats.timeline.microbatches = d.options.microbatches;
-  d.stats.timeline.virtual_stages = d.options.virtual_stages;
-  d.stats.timeline.unit = "ms";
-  const auto& actions = d.schedule.actions[static_cast<std::size_t>(d.rank())];
-  const double heap0 = d.options.measure_memory ? heap_in_use() : 0.0;
-  std::size_t pos = 0;
-  try {
-    for (; pos < actions.size(); ++pos) {
-      if (!d.options.reference) d.prefetch_from(actions, pos);
-      if (d.options.before_action) d.options.before_action(d.rank(), d.step, actions[pos]);
-      d.await_inputs(actions[pos], d.stats.timeline);
-      const double t0 = now_ms();
-      if (d.run_action(actions[pos], static_cast<int>(pos)))
-        d.stats.timeline.events.push_back(TimedAction{d.rank(), actions[pos], t0, now_ms()});
-      if (!d.options.reference) d.reap_sends();
-      if (d.options.measure_memory) d.stats.peak_heap_growth = std::max(d.stats.peak_heap_growth, heap_in_use() - heap0);
-    }
-    for (auto& [t, work] : d.pending_sends) work->wait();
-    d.pending_sends.clear();
-    if (!d.reduced) d.reduce_and_clip();  // a rank without Step actions still joins the reduction
-  } catch (const RemoteFailure&) {
-    throw;
-  } catch (const std::exception& e) {
-    const std::string where = pos < actions.size() ? " at " + to_string(actions[pos]) : std::string();
-    // LibTorch's errors carry a C++ backtrace in what(); the user needs the message only.
-    const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
-    const std::string what = torch_error ? torch_error->what_without_backtrace() : e.what();
-    const std::string msg = "rank " + std::to_string(d.rank()) + where + ": " + what;
-    d.transport->abort(msg);
-    if (dynamic_cast<const UsageError*>(&e)) throw UsageError(msg);
-    throw std::runtime_error(msg);
-  }
+  d.begin_pass(input, target, batch_size, d.options.microbatches);
+  d.run_list(d.schedule.actions[static_cast<std::size_t>(d.rank())]);
   d.slots.clear();
   ++d.step;
   return d.stats;
+}
+
+torch::Tensor PipelineRank::forward_only(const torch::Tensor& input, int64_t batch_size, int microbatches) {
+  Impl& d = *impl_;
+  if (d.options.threads > 0) at::set_num_threads(d.options.threads);
+  const int m = microbatches > 0 ? microbatches
+                                 : static_cast<int>(std::min<int64_t>(d.options.microbatches, std::max<int64_t>(batch_size, 1)));
+  const Schedule& plan = d.forward_schedule(m);
+  d.begin_pass(input, torch::Tensor(), batch_size, m);
+  // Back to training mode however the pass ends.
+  struct Restore {
+    Impl& d;
+    ~Restore() {
+      d.forward_mode = false;
+      for (auto& [s, st] : d.stages) st.train(true);
+      d.slots.clear();
+    }
+  } restore{d};
+  d.forward_mode = true;
+  for (auto& [s, st] : d.stages) st.train(false);
+  torch::NoGradGuard no_grad;
+  d.run_list(plan.actions[static_cast<std::size_t>(d.rank())]);
+  if (d.schedule.rank_of(d.last_stage()) != d.rank()) return torch::Tensor();
+  std::vector<torch::Tensor> outs;
+  for (int i = 0; i < m; ++i) outs.push_back(d.slot(d.last_stage(), i).output);
+  return torch::cat(outs, 0);
+}
+
+EvalStats PipelineRank::evaluate(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size,
+                                 int microbatches) {
+  Impl& d = *impl_;
+  torch::Tensor out = forward_only(input, batch_size, microbatches);
+  // loss sum, correct predictions, predictions, whether accuracy applies
+  torch::Tensor sums = torch::zeros({4}, torch::kDouble);
+  if (out.defined()) {
+    if (!target.defined())
+      throw UsageError("rank " + std::to_string(d.rank()) + " holds the last stage but evaluate got no target batch");
+    torch::NoGradGuard no_grad;
+    const torch::Tensor t = target.to(out.device());
+    sums[0] = d.loss_fn(out, t).item<double>() * static_cast<double>(batch_size);
+    if (!t.is_floating_point() && out.dim() == t.dim() + 1) {
+      sums[1] = out.argmax(-1).eq(t).sum().item<double>();
+      sums[2] = static_cast<double>(t.numel());
+      sums[3] = 1;
+    }
+  }
+  d.transport->all_reduce_sum(sums);
+  EvalStats e;
+  e.samples = batch_size;
+  e.loss = sums[0].item<double>() / static_cast<double>(batch_size);
+  e.accuracy = sums[3].item<double>() > 0 ? sums[1].item<double>() / sums[2].item<double>()
+                                          : std::numeric_limits<double>::quiet_NaN();
+  return e;
+}
+
+int PipelineRank::step() const { return impl_->step; }
+void PipelineRank::set_step(int step) {
+  if (step < 0) throw UsageError("step must be >= 0, got " + std::to_string(step));
+  impl_->step = step;
+}
+
+std::vector<int> PipelineRank::local_layers() const {
+  std::vector<int> out;
+  for (const auto& [s, st] : impl_->stages)
+    for (int k = 0; k < st.num_layers(); ++k) out.push_back(st.first_layer() + k);
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> PipelineRank::layer_state(int layer) const {
+  Impl& d = *impl_;
+  const int s = d.stage_of_layer(layer);
+  const Stage& st = d.stages.at(s);
+  auto module = st.layer(layer - st.first_layer());
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : module->named_parameters(true)) {
+    out.emplace_back("param/" + item.key(), item.value().detach().cpu().clone());
+    auto* state = d.optim_state(s, item.value());
+    if (!state) continue;
+    const std::string o = "optim/" + item.key() + "/";
+    if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(state)) {
+      out.emplace_back(o + "step", torch::tensor(a->step(), torch::kLong));
+      out.emplace_back(o + "exp_avg", a->exp_avg().cpu().clone());
+      out.emplace_back(o + "exp_avg_sq", a->exp_avg_sq().cpu().clone());
+    } else if (auto* w = dynamic_cast<torch::optim::AdamWParamState*>(state)) {
+      out.emplace_back(o + "step", torch::tensor(w->step(), torch::kLong));
+      out.emplace_back(o + "exp_avg", w->exp_avg().cpu().clone());
+      out.emplace_back(o + "exp_avg_sq", w->exp_avg_sq().cpu().clone());
+    } else if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(state)) {
+      if (g->momentum_buffer().defined()) out.emplace_back(o + "momentum_buffer", g->momentum_buffer().cpu().clone());
+    }
+  }
+  for (const auto& item : module->named_buffers(true))
+    out.emplace_back("buffer/" + item.key(), item.value().detach().cpu().clone());
+  return out;
+}
+
+void PipelineRank::load_layer_state(int layer, const std::vector<std::pair<std::string, torch::Tensor>>& state) {
+  Impl& d = *impl_;
+  const int s = d.stage_of_layer(layer);
+  const Stage& st = d.stages.at(s);
+  auto module = st.layer(layer - st.first_layer());
+  std::map<std::string, torch::Tensor> given(state.begin(), state.end());
+  auto take = [&](const std::string& name, bool required) {
+    auto it = given.find(name);
+    if (it == given.end()) {
+      if (required) throw UsageError("layer " + std::to_string(layer) + " has no tensor '" + name + "' in the checkpoint");
+      return torch::Tensor();
+    }
+    torch::Tensor t = it->second;
+    given.erase(it);
+    return t;
+  };
+  auto copy_into = [&](const std::string& name, torch::Tensor dst) {
+    torch::Tensor src = take(name, true);
+    if (src.sizes() != dst.sizes())
+      throw UsageError("layer " + std::to_string(layer) + " tensor '" + name + "' has shape " +
+                       c10::str(src.sizes()) + " in the checkpoint but " + c10::str(dst.sizes()) + " in the model");
+    torch::NoGradGuard no_grad;
+    dst.copy_(src);
+  };
+  const std::string optimizer = d.options.optimizer.name;
+  for (const auto& item : module->named_parameters(true)) {
+    copy_into("param/" + item.key(), item.value());
+    if (!d.optimizers.count(s)) continue;
+    const std::string o = "optim/" + item.key() + "/";
+    auto& map = d.optimizers.at(s)->state();
+    const std::string key = c10::guts::to_string(item.value().unsafeGetTensorImpl());
+    const auto dev = item.value().device();
+    if (optimizer == "adam" || optimizer == "adamw") {
+      torch::Tensor step = take(o + "step", false);
+      if (!step.defined()) continue;  // not stepped yet when saved
+      torch::Tensor m1 = take(o + "exp_avg", true).to(dev), m2 = take(o + "exp_avg_sq", true).to(dev);
+      if (optimizer == "adam") {
+        auto a = std::make_unique<torch::optim::AdamParamState>();
+        a->step(step.item<int64_t>());
+        a->exp_avg(m1);
+        a->exp_avg_sq(m2);
+        map[key] = std::move(a);
+      } else {
+        auto a = std::make_unique<torch::optim::AdamWParamState>();
+        a->step(step.item<int64_t>());
+        a->exp_avg(m1);
+        a->exp_avg_sq(m2);
+        map[key] = std::move(a);
+      }
+    } else {
+      torch::Tensor buf = take(o + "momentum_buffer", false);
+      if (!buf.defined()) continue;
+      auto g = std::make_unique<torch::optim::SGDParamState>();
+      g->momentum_buffer(buf.to(dev));
+      map[key] = std::move(g);
+    }
+  }
+  for (const auto& item : module->named_buffers(true)) copy_into("buffer/" + item.key(), item.value());
+  if (!given.empty())
+    throw UsageError("layer " + std::to_string(layer) + " checkpoint holds '" + given.begin()->first +
+                     "', which this model and optimizer (" + optimizer + ") do not have: was it saved with another "
+                     "model or optimizer?");
 }
 
 const Schedule& PipelineRank::schedule() const { return impl_->schedule; }

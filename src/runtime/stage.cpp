@@ -71,6 +71,10 @@ std::vector<torch::Tensor> Stage::parameters() const { return slice_->parameters
 
 void Stage::to(const torch::Device& device) { slice_->to(device); }
 
+void Stage::train(bool on) { slice_->train(on); }
+
+std::shared_ptr<torch::nn::Module> Stage::layer(int k) const { return slice_->ptr(static_cast<std::size_t>(k)); }
+
 std::vector<Stage> cut(const torch::nn::Sequential& model, const std::vector<int>& balance) {
   check_balance(balance, layer_count(model));
   std::vector<Stage> out;

@@ -96,6 +96,15 @@ struct StepStats {
   Timeline timeline;       // what this rank (LocalPipeline: every rank) did, in ms
 };
 
+struct EvalStats {
+  double loss = 0.0;      // mean loss per sample (micro-batch means weighted by their sizes)
+  // Fraction of predictions argmax(output, -1) equal to the target, when the targets are class ids
+  // (integer, one dimension fewer than the output: per sample, or per token for a language model);
+  // NaN otherwise.
+  double accuracy = 0.0;
+  int64_t samples = 0;
+};
+
 // Merges every rank's timeline on every rank (a collective over `transport`); events keep their
 // clock (a monotonic clock shared by processes on one host).
 Timeline gather_timeline(const Timeline& mine, Transport& transport);
@@ -116,6 +125,29 @@ class PipelineRank {
   // One optimizer step. `input` is needed on the rank of stage 0 and `target` on the rank of the last
   // stage (others may pass undefined tensors); every rank passes the same `batch_size`.
   StepStats train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size);
+
+  // Forward pass only, for evaluation and inference: the modules in evaluation mode (dropout off), no
+  // autograd graph, the batch cut into `microbatches` micro-batches (0: the training m, capped at the
+  // batch size) that flow through the stages as in GPipe's forward phase, over the same transport.
+  // Collective: every rank calls it with the same batch_size. Returns, on the rank holding the last
+  // stage, the outputs of the whole batch in sample order; an undefined tensor on the other ranks.
+  torch::Tensor forward_only(const torch::Tensor& input, int64_t batch_size, int microbatches = 0);
+  // forward_only, then the loss (and accuracy, see EvalStats) of the batch, known on every rank.
+  // `target` is needed on the rank of the last stage only.
+  EvalStats evaluate(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size,
+                     int microbatches = 0);
+
+  // Steps taken so far; the forward RNG of a step derives from it, so a resumed run sets it.
+  int step() const;
+  void set_step(int step);
+  // Per-layer state for checkpoints (runtime/checkpoint.h). Global layer indices held by this rank,
+  // and a layer's named tensors: "param/NAME", "buffer/NAME" and its optimizer state "optim/NAME/FIELD"
+  // (FIELD: step, exp_avg, exp_avg_sq for Adam/AdamW; momentum_buffer for SGD with momentum), on the CPU.
+  std::vector<int> local_layers() const;
+  std::vector<std::pair<std::string, torch::Tensor>> layer_state(int layer) const;
+  // Restores what layer_state returned (same names and shapes; a missing or extra name is an error
+  // naming it). The optimizer state is recreated; parameters are copied in place.
+  void load_layer_state(int layer, const std::vector<std::pair<std::string, torch::Tensor>>& state);
 
   const Schedule& schedule() const;            // lowered: with sends and receives
   const std::vector<int>& balance() const;     // layers per (virtual) stage

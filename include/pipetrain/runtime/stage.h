@@ -35,6 +35,10 @@ class Stage {
   std::vector<torch::Tensor> parameters() const;
   // Moves the stage's modules (and so the model's parameters they share) to `device`.
   void to(const torch::Device& device);
+  // Training mode on (dropout active, batch norm updates its statistics) or off (evaluation).
+  void train(bool on);
+  // The module of layer `first_layer() + k`.
+  std::shared_ptr<torch::nn::Module> layer(int k) const;
   int first_layer() const { return first_; }
   int num_layers() const { return count_; }
   const torch::nn::Sequential& module() const { return slice_; }

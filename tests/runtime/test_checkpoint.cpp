@@ -1,0 +1,264 @@
+// Checks forward-only passes (evaluation) and per-layer checkpoints (runtime/checkpoint.h) on the
+// in-process transport: the pipelined forward equals the model's own forward in evaluation mode; a run
+// resumed from a checkpoint continues with bitwise the same losses as an uninterrupted run (SGD with
+// momentum, Adam, AdamW), also when the checkpoint is loaded at another pipeline degree (then within
+// fp32 rounding); corrupted, truncated and mismatched checkpoints are refused with what is wrong, and a
+// save replaces the previous checkpoint whole.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/runtime/checkpoint.h"
+#include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/split_linear.h"
+
+using namespace pipetrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kIn = 5, kHidden = 8, kOut = 4, kBatch = 12;
+
+torch::nn::Sequential make_model(uint64_t seed, double dropout = 0.0) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential m;
+  m->push_back(nn::Linear(kIn, kHidden));
+  m->push_back(torch::nn::Tanh());
+  m->push_back(torch::nn::Dropout(dropout));
+  m->push_back(nn::Linear(kHidden, kHidden));
+  m->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+  m->push_back(nn::Linear(kHidden, kOut));
+  return m;
+}
+
+torch::Tensor ce(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(out, target);
+}
+
+struct Batch {
+  torch::Tensor x, y;
+};
+Batch batch(int step) {
+  torch::manual_seed(1000 + step);
+  return {torch::randn({kBatch, kIn}), torch::randint(kOut, {kBatch}, torch::kLong)};
+}
+
+// All ranks of one pipeline as PipelineRanks over in-process transports, driven on threads.
+struct Ranks {
+  std::vector<std::unique_ptr<PipelineRank>> ranks;
+  std::vector<std::shared_ptr<Transport>> transports;
+  Ranks(torch::nn::Sequential model, int p, const PipelineOptions& o) {
+    transports = make_local_transports(p);
+    for (int r = 0; r < p; ++r) ranks.push_back(std::make_unique<PipelineRank>(model, ce, transports[r], o));
+  }
+  int size() const { return static_cast<int>(ranks.size()); }
+  template <class F>
+  void each(F f) {
+    run_on_threads(size(), [&](int r) { f(*ranks[r], *transports[r]); });
+  }
+  std::vector<double> train(int steps) {
+    std::vector<double> losses;
+    for (int k = 0; k < steps; ++k) {
+      std::vector<double> l(size());
+      const int step = ranks[0]->step();
+      const Batch b = batch(step);
+      each([&](PipelineRank& pr, Transport& t) { l[t.rank()] = pr.train_step(b.x, b.y, kBatch).loss; });
+      losses.push_back(l[0]);
+    }
+    return losses;
+  }
+  void save(const std::string& dir) {
+    each([&](PipelineRank& pr, Transport& t) { save_checkpoint(pr, t, dir, {{"model", {{"width", kHidden}}}}); });
+  }
+  void load(const std::string& dir) {
+    each([&](PipelineRank& pr, Transport&) { load_checkpoint(pr, dir); });
+  }
+};
+
+PipelineOptions options(const std::string& optimizer, const std::string& schedule = "1f1b", int m = 3) {
+  PipelineOptions o;
+  o.schedule = schedule;
+  o.microbatches = m;
+  o.optimizer.name = optimizer;
+  o.optimizer.lr = optimizer == "sgd" ? 0.1 : 0.01;
+  o.optimizer.momentum = optimizer == "sgd" ? 0.9 : 0.0;
+  o.optimizer.weight_decay = optimizer == "adamw" ? 0.01 : 0.0;
+  return o;
+}
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("pipetrain-test-ckpt-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  return d;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "(no UsageError)";
+}
+
+}  // namespace
+
+TEST(ForwardOnly, EqualsTheModelInEvaluationMode) {
+  for (int p : {1, 2, 3})
+    for (int m : {1, 4}) {
+      auto model = make_model(7, /*dropout=*/0.5);
+      const Batch b = batch(0);
+      model->eval();
+      const torch::Tensor want = model->forward(b.x).detach();
+      model->train();
+      Ranks ranks(model, p, options("sgd", "1f1b", m));
+      std::vector<torch::Tensor> out(p);
+      std::vector<EvalStats> ev(p);
+      ranks.each([&](PipelineRank& pr, Transport& t) {
+        out[t.rank()] = pr.forward_only(b.x, kBatch, m);
+        ev[t.rank()] = pr.evaluate(b.x, b.y, kBatch, m);
+      });
+      for (int r = 0; r + 1 < p; ++r) EXPECT_FALSE(out[r].defined()) << "rank " << r << " does not hold the last stage";
+      ASSERT_TRUE(out[p - 1].defined());
+      EXPECT_TRUE(torch::allclose(out[p - 1], want, 1e-5, 1e-6)) << "p=" << p << " m=" << m;
+      const double loss = ce(want, b.y).item<double>();
+      const double acc = want.argmax(1).eq(b.y).sum().item<double>() / kBatch;
+      for (int r = 0; r < p; ++r) {  // known on every rank
+        EXPECT_NEAR(ev[r].loss, loss, 1e-5 * std::abs(loss));
+        EXPECT_DOUBLE_EQ(ev[r].accuracy, acc);
+      }
+      // Training mode is back after the pass: dropout makes two training forwards differ.
+      EXPECT_TRUE(model->is_training());
+    }
+}
+
+TEST(ForwardOnly, InterleavedStagesAndFloatTargetsHaveNoAccuracy) {
+  auto model = make_model(3);
+  const Batch b = batch(1);
+  const torch::Tensor want = model->forward(b.x).detach();
+  PipelineOptions o = options("sgd", "interleaved", 4);
+  o.virtual_stages = 2;
+  Ranks ranks(model, 2, o);
+  std::vector<torch::Tensor> out(2);
+  ranks.each([&](PipelineRank& pr, Transport& t) { out[t.rank()] = pr.forward_only(b.x, kBatch); });
+  // Stage 3 (the last) lives on rank 1 when v = 2, p = 2.
+  ASSERT_TRUE(out[1].defined());
+  EXPECT_TRUE(torch::allclose(out[1], want, 1e-5, 1e-6));
+}
+
+TEST(Checkpoint, ResumeGivesBitwiseTheSameLosses) {
+  for (const std::string opt : {"sgd", "adam", "adamw"}) {
+    SCOPED_TRACE(opt);
+    const fs::path dir = fresh_dir("resume-" + opt);
+    Ranks straight(make_model(11), 2, options(opt));
+    const std::vector<double> want = straight.train(5);
+
+    Ranks first(make_model(11), 2, options(opt));
+    const std::vector<double> head = first.train(2);
+    EXPECT_EQ(head, std::vector<double>(want.begin(), want.begin() + 2));
+    first.save(dir.string());
+    // A model built from another seed: everything that matters must come from the checkpoint.
+    Ranks resumed(make_model(99), 2, options(opt));
+    resumed.load(dir.string());
+    EXPECT_EQ(resumed.ranks[0]->step(), 2);
+    const std::vector<double> tail = resumed.train(3);
+    EXPECT_EQ(tail, std::vector<double>(want.begin() + 2, want.end())) << "resumed losses differ";
+    fs::remove_all(dir);
+  }
+}
+
+TEST(Checkpoint, LoadsAtAnotherPipelineDegree) {
+  const fs::path dir = fresh_dir("regroup");
+  Ranks straight(make_model(5), 2, options("adam"));
+  const std::vector<double> want = straight.train(4);
+  Ranks first(make_model(5), 2, options("adam"));
+  first.train(2);
+  first.save(dir.string());
+  for (int p : {1, 3}) {
+    SCOPED_TRACE(p);
+    Ranks resumed(make_model(77), p, options("adam", "gpipe", 2));
+    resumed.load(dir.string());
+    // Same math, other grouping and micro-batching: equal up to fp32 summation order.
+    const std::vector<double> tail = resumed.train(2);
+    for (int k = 0; k < 2; ++k) EXPECT_NEAR(tail[k], want[2 + k], 1e-5 * std::abs(want[2 + k]));
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, RefusesCorruptedTruncatedAndMismatched) {
+  const fs::path dir = fresh_dir("corrupt");
+  Ranks ranks(make_model(5), 2, options("sgd"));
+  ranks.train(1);
+  ranks.save(dir.string());
+  const nlohmann::json m = read_checkpoint(dir.string());
+  EXPECT_EQ(m.at("layers"), 6);
+  EXPECT_EQ(m.at("step"), 1);
+  const fs::path layer = dir / "layer-00003.pt";
+  std::string bytes;
+  {
+    std::ifstream in(layer, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto write = [&](const std::string& b) { std::ofstream(layer, std::ios::binary | std::ios::trunc) << b; };
+  std::string flipped = bytes;
+  flipped[flipped.size() / 2] ^= 0x5a;
+  write(flipped);
+  EXPECT_NE(error_of([&] { read_checkpoint(dir.string()); }).find("layer-00003.pt fails its CRC-32 check"),
+            std::string::npos);
+  write(bytes.substr(0, bytes.size() - 10));
+  EXPECT_NE(error_of([&] { read_checkpoint(dir.string()); }).find("truncated"), std::string::npos);
+  write(bytes);
+  EXPECT_NO_THROW(read_checkpoint(dir.string()));
+  // Another model (wider layers): refused naming the tensor and both shapes, before any weight changes.
+  torch::manual_seed(1);
+  torch::nn::Sequential wide;
+  wide->push_back(nn::Linear(kIn, kHidden + 1));
+  wide->push_back(torch::nn::Tanh());
+  wide->push_back(torch::nn::Dropout(0.0));
+  wide->push_back(nn::Linear(kHidden + 1, kHidden));
+  wide->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+  wide->push_back(nn::Linear(kHidden, kOut));
+  auto t = make_local_transports(1);
+  PipelineRank solo(wide, ce, t[0], options("sgd", "1f1b", 1));
+  const std::string err = error_of([&] { load_checkpoint(solo, dir.string()); });
+  EXPECT_NE(err.find("param/weight"), std::string::npos) << err;
+  EXPECT_NE(err.find("[8, 5]"), std::string::npos) << err;
+  // Another optimizer's state is refused too.
+  PipelineRank adam(make_model(5), ce, make_local_transports(1)[0], options("adam", "1f1b", 1));
+  EXPECT_NE(error_of([&] { load_checkpoint(adam, dir.string()); }).find("optimizer (adam)"), std::string::npos);
+  // Not a checkpoint at all.
+  EXPECT_NE(error_of([&] { read_checkpoint((dir / "nope").string()); }).find("does not exist"), std::string::npos);
+  fs::remove(dir / "manifest.json");
+  EXPECT_NE(error_of([&] { read_checkpoint(dir.string()); }).find("no manifest.json"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, SaveReplacesThePreviousWholeAndClearsLeftovers) {
+  const fs::path dir = fresh_dir("replace");
+  Ranks ranks(make_model(5), 2, options("sgd"));
+  ranks.train(1);
+  ranks.save(dir.string());
+  fs::create_directories(dir.string() + ".partial");  // as left by a crashed save
+  std::ofstream(dir.string() + ".partial/junk") << "x";
+  ranks.train(2);
+  ranks.save(dir.string());
+  EXPECT_EQ(read_checkpoint(dir.string()).at("step"), 3);
+  EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
+  EXPECT_FALSE(fs::exists(dir.string() + ".old"));
+  EXPECT_FALSE(fs::exists(dir / "junk"));
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, RunDifferencesNameEachKey) {
+  const nlohmann::json saved = {{"model", {{"name", "gpt"}, {"d_model", 128}}}, {"data", {{"vocabulary", "abc"}}}};
+  const nlohmann::json now = {{"model", {{"name", "gpt"}, {"d_model", 256}}}, {"data", {{"vocabulary", "abd"}}}};
+  const auto d = run_differences(saved, now, {"model", "data"});
+  ASSERT_EQ(d.size(), 2u);
+  EXPECT_EQ(d[0], "model.d_model: 128 in the checkpoint, 256 in this run");
+  EXPECT_EQ(d[1], "data.vocabulary: \"abc\" in the checkpoint, \"abd\" in this run");
+  EXPECT_TRUE(run_differences(saved, saved, {"model", "data"}).empty());
+}
