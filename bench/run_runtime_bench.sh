@@ -28,7 +28,7 @@ ROOT=$PWD
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-6}
 QUIET_WAIT=${QUIET_WAIT:-20}
-MODEL=(--layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128)
+MODEL=(--data synthetic --layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128)
 BATCH=32
 MS=(4 8)
 RES=$ROOT/bench/results/runtime
@@ -122,7 +122,9 @@ run() {
     ATTEMPT=1
   fi
 }
-PT_COMMON=(--stages 2 --threads 1 --memory "${MODEL[@]}" --batch-size "$BATCH" --steps "$STEPS")
+# Adam lr 1e-3 constant, no clipping: the optimizer bench_plain_gpt runs. One progress line per step (step times).
+PT_COMMON=(--stages 2 --threads 1 --memory "${MODEL[@]}" --batch-size "$BATCH" --steps "$STEPS" --progress lines
+           --lr 1e-3 --lr-schedule constant --clip 0)
 HAVE_MPI=0
 command -v mpirun >/dev/null && HAVE_MPI=1
 
@@ -208,7 +210,8 @@ def pt_summary(t):
                  efficiency=float(m[5]))
     d["stages"] = [dict(busy=float(a), span=float(b), bubble=float(c), heap_mib=float(h) if h else None)
                    for a, b, c, h in re.findall(r"stage \d+: busy ([0-9.]+) ms, span ([0-9.]+) ms, bubble ([0-9.]+) ms"
-                                                r"(?:, peak heap growth ([0-9.]+) MiB)?", t)]
+                                                r"(?:; peak RSS [0-9.]+ MiB(?: \(one process for all ranks\))?)?"
+                                                r"(?:, peak heap growth in a step ([0-9.]+) MiB)?", t)]
     bal = re.search(r"balance ([0-9]+(?:,[0-9]+)*)", t)
     d["balance"] = bal[1] if bal else None
     return d

@@ -1,5 +1,8 @@
 #include "cli_common.h"
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include <iostream>
 
 #include "pipetrain/core/error.h"
@@ -98,6 +101,57 @@ void set_command_line(int argc, char** argv) {
 }
 int cli_argc() { return g_argc; }
 char** cli_argv() { return g_argv; }
+
+std::vector<std::string> expand_config(const std::vector<std::string>& args) {
+  std::string file;
+  std::size_t at = 0;
+  for (std::size_t i = 2; i < args.size(); ++i) {
+    if (args[i] == "--") break;  // what follows belongs to another program (launch)
+    if (args[i] == "--config" && i + 1 < args.size()) {
+      file = args[i + 1];
+      at = i;
+    } else if (args[i].rfind("--config=", 0) == 0) {
+      file = args[i].substr(9);
+      at = i;
+    }
+  }
+  if (at == 0) return args;
+  std::ifstream in(file);
+  if (!in) throw UsageError("--config " + file + ": cannot read the file; pass an existing JSON file of flags");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw UsageError("--config " + file + " is not valid JSON: " + e.what());
+  }
+  if (!j.is_object())
+    throw UsageError("--config " + file + " must hold a JSON object of flags, e.g. {\"stages\": 4, \"schedule\": \"1f1b\"}");
+  std::vector<std::string> flags;
+  auto value = [&](const std::string& key, const nlohmann::json& v) {
+    if (v.is_string()) return v.get<std::string>();
+    if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
+    if (v.is_number()) return v.dump();
+    throw UsageError("--config " + file + ": key '" + key + "' has value " + v.dump() +
+                     "; use a string, a number, true/false or an array of those");
+  };
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string flag = "--" + it.key();
+    if (it.key() == "config") throw UsageError("--config " + file + " names another config file; nest no config files");
+    if (it.value().is_boolean()) {
+      if (it.value().get<bool>()) flags.push_back(flag);
+    } else if (it.value().is_array()) {
+      flags.push_back(flag);
+      for (const auto& v : it.value()) flags.push_back(value(it.key(), v));
+    } else {
+      flags.push_back(flag);
+      flags.push_back(value(it.key(), it.value()));
+    }
+  }
+  std::vector<std::string> out(args.begin(), args.begin() + 2);
+  out.insert(out.end(), flags.begin(), flags.end());
+  out.insert(out.end(), args.begin() + 2, args.end());
+  return out;
+}
 
 int guarded(const std::string& command, const std::function<int()>& body) {
   try {

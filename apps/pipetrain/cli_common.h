@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <string>
+#include <vector>
 
 #include "pipetrain/core/cost.h"
 #include "pipetrain/core/generators.h"
@@ -49,6 +50,14 @@ void add_selftest_command(CLI::App& app, int& exit_code);
 void set_command_line(int argc, char** argv);
 int cli_argc();
 char** cli_argv();
+
+// `--config FILE` (anywhere after the subcommand): a JSON object of flags, {"stages": 4, "schedule":
+// "zb-h1", "memory": true}, keys being flag names without the dashes. Returns the arguments with the
+// file's flags inserted right after the subcommand, so flags given on the command line come later and
+// win (options take their last value). true adds a flag, false leaves it out; strings and numbers
+// become values; arrays become one value each. Throws UsageError on a missing file, invalid JSON, or a
+// value of another type, naming the file and the key.
+std::vector<std::string> expand_config(const std::vector<std::string>& args);
 
 // Runs `body`, mapping UsageError to exit 2 and any other exception to exit 1, with the message on
 // stderr prefixed by "pipetrain <command>: error: ".

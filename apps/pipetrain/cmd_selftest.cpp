@@ -24,12 +24,13 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
   };
   auto f = std::make_shared<Flags>();
   f->model.model = "mlp";
+  f->model.data = "synthetic";
   f->model.mlp.hidden = 16;
   f->model.gpt.d_model = 16;
   f->model.gpt.heads = 2;
   f->model.gpt.seq_len = 8;
   f->model.gpt.vocab = 11;
-  f->model.gpt.layers = 0;  // 0: enough layers for 2 virtual stages per rank
+
   CLI::App* cmd = app.add_subcommand(
       "selftest", "check that pipelined steps give the gradients of plain training, on live ranks");
   f->model.add_to(*cmd);
@@ -45,7 +46,9 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
       "  mpirun -n 2 pipetrain selftest --stages 2 --transport mpi");
   cmd->callback([f, &exit_code] {
     exit_code = guarded("selftest", [&] {
-      if (f->model.gpt.layers == 0) f->model.gpt.layers = std::max(2, 2 * f->pipe.stages - (f->model.model == "gpt" ? 2 : 0));
+      // Enough layers for 2 virtual stages per rank unless --layers says otherwise.
+      if (f->model.layers == 0) f->model.layers = std::max(2, 2 * f->pipe.stages - (f->model.model == "gpt" ? 2 : 0));
+      f->model.prepare();
       return run_ranks(f->pipe, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) {
         const bool leader = t->rank() == 0;
         auto data = f->model.dataset();

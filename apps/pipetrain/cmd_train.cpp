@@ -1,17 +1,23 @@
-// `pipetrain train`: trains a model with a pipeline schedule across ranks (threads or processes),
-// prints progress and a summary with the measured bubble against the simulator's prediction, and can
-// write the measured timeline as a Chrome trace and an SVG.
+// `pipetrain train`: the main job. Trains a model on real data with a pipeline schedule across ranks
+// (threads or processes): a progress bar, evaluation on the held-out split, checkpoints that resume
+// bitwise, a text sample for language models, and a summary with the measured bubble against the
+// simulator's prediction; the measured timeline can be written as a Chrome trace and an SVG.
 #include <fmt/format.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
@@ -19,6 +25,7 @@
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/info.h"
 #include "run_common.h"
 
@@ -28,16 +35,28 @@ namespace {
 struct TrainFlags {
   ModelFlags model;
   PipelineFlags pipe;
-  int64_t batch_size = 16;
-  int steps = 10;
+  int64_t batch_size = 32;
+  int steps = 0;        // 0: from --epochs, else kDefaultSteps
+  double epochs = 0;
   std::string optimizer = "adam";
-  double lr = 1e-3;
+  double lr = 3e-3;
   double momentum = 0.9;
   double weight_decay = 0.0;
-  double clip = 0.0;
-  std::string trace, svg, log;
+  double clip = 1.0;
+  std::string lr_schedule = "cosine";  // constant | cosine | linear
+  int warmup = -1;  // -1: 5% of the steps, at most 100
+  int eval_every = 0;        // 0: ten evaluations per run
+  int64_t eval_samples = 0;  // 0: all of the held-out split (images), 256 windows (text)
+  int64_t eval_batch = 0;    // 0: 4 x batch size
+  std::string save, resume;
+  int save_every = 0;
+  int sample = 300;          // characters to generate at the end (text data)
+  double temperature = 0.8;
+  std::string trace, svg, log, config;
+  std::string progress = "auto";  // auto | bar | lines | quiet
   bool memory = false;
 };
+constexpr int kDefaultSteps = 600;  // the demo: about 1.5 minutes on 2 cores
 
 // Per-stage mean compute times of a measured timeline, as a cost model for the simulator.
 CostModel measured_costs(const Timeline& t, int stages) {
@@ -68,26 +87,200 @@ CostModel measured_costs(const Timeline& t, int stages) {
   return c;
 }
 
-// PIPETRAIN_FAULT="RANK:ACTION:KIND" makes rank RANK fail just before ACTION (text form, e.g. 1F2) of
-// the first step: KIND "throw" raises an error, "kill" sends the process SIGKILL. For failure tests.
+// PIPETRAIN_FAULT="RANK:ACTION:KIND[:STEP]" makes rank RANK fail just before ACTION (text form, e.g. 1F2)
+// of step STEP (0-based, default 0): KIND "throw" raises an error, "kill" sends the process SIGKILL. For
+// failure and crash-recovery tests.
 std::function<void(int, int, const Action&)> fault_injector(const std::string& spec) {
-  const auto a = spec.find(':'), b = spec.rfind(':');
-  if (a == std::string::npos || a == b)
-    throw UsageError("PIPETRAIN_FAULT='" + spec + "' must read RANK:ACTION:KIND, e.g. 1:1F2:throw or 1:1F2:kill");
-  const int rank = std::stoi(spec.substr(0, a));
-  const Action action = parse_action(spec.substr(a + 1, b - a - 1));
-  const std::string kind = spec.substr(b + 1);
+  std::vector<std::string> parts;
+  for (std::size_t at = 0;;) {
+    const auto colon = spec.find(':', at);
+    parts.push_back(spec.substr(at, colon == std::string::npos ? std::string::npos : colon - at));
+    if (colon == std::string::npos) break;
+    at = colon + 1;
+  }
+  if (parts.size() != 3 && parts.size() != 4)
+    throw UsageError("PIPETRAIN_FAULT='" + spec + "' must read RANK:ACTION:KIND[:STEP], e.g. 1:1F2:throw or 1:1F2:kill:3");
+  int rank = 0, at_step = 0;
+  try {
+    rank = std::stoi(parts[0]);
+    if (parts.size() == 4) at_step = std::stoi(parts[3]);
+  } catch (const std::exception&) {
+    throw UsageError("PIPETRAIN_FAULT='" + spec + "': RANK and STEP must be integers");
+  }
+  const Action action = parse_action(parts[1]);
+  const std::string kind = parts[2];
   if (kind != "throw" && kind != "kill")
     throw UsageError("PIPETRAIN_FAULT kind '" + kind + "' must be throw or kill");
   return [=](int r, int step, const Action& act) {
-    if (r != rank || step != 0 || act != action) return;
+    if (r != rank || step != at_step || act != action) return;
     if (kind == "kill") ::kill(::getpid(), SIGKILL);
     throw std::runtime_error("injected fault before " + to_string(act));
   };
 }
 
+// Learning rate of step k (0-based) of `total`: linear warm-up over `warmup` steps, then constant, or
+// a cosine or linear decay to a tenth of the peak at the last step. A pure function of k, so a resumed
+// run continues the same schedule.
+int warmup_steps(const TrainFlags& f, int total) { return f.warmup >= 0 ? f.warmup : std::min(100, total / 20); }
+
+double lr_at(const TrainFlags& f, int k, int total) {
+  const int warmup = warmup_steps(f, total);
+  if (warmup > 0 && k < warmup) return f.lr * (k + 1) / warmup;
+  if (f.lr_schedule == "constant") return f.lr;
+  const double span = std::max(1, total - warmup - 1);
+  const double progress = std::min(1.0, (k - warmup) / span);
+  if (f.lr_schedule == "linear") return f.lr * (1.0 - 0.9 * progress);
+  return f.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+std::string duration_text(double seconds) {
+  if (!(seconds >= 0) || seconds > 1e7) return "?";
+  const auto s = static_cast<long>(std::lround(seconds));
+  return s >= 3600 ? fmt::format("{}h{:02d}m", s / 3600, (s / 60) % 60) : fmt::format("{}m{:02d}s", s / 60, s % 60);
+}
+
+std::string rate_text(double per_second) {
+  return per_second >= 1e4 ? fmt::format("{:.1f}k", per_second / 1e3) : fmt::format("{:.0f}", per_second);
+}
+
+// The run as stored in checkpoints: what must match to resume (model, data, optimizer.name) and what
+// documents it.
+nlohmann::json run_json(const TrainFlags& f, int total_steps) {
+  return {{"model", f.model.model_json()},
+          {"data", f.model.data_json()},
+          {"optimizer",
+           {{"name", f.optimizer},
+            {"lr", f.lr},
+            {"momentum", f.momentum},
+            {"weight_decay", f.weight_decay},
+            {"clip", f.clip},
+            {"lr_schedule", f.lr_schedule},
+            {"warmup", warmup_steps(f, total_steps)}}},
+          {"seed", f.model.seed},
+          {"batch_size", f.batch_size},
+          {"schedule", f.pipe.schedule},
+          {"microbatches", f.pipe.microbatches},
+          {"steps", total_steps}};
+}
+
+// Progress per step. bar: one line that redraws itself (a terminal); lines: a line per step with its
+// time (logs, benchmarks); quiet: nothing per step; auto: bar on a terminal, else a bar-style line
+// every 5% of the run.
+class Progress {
+ public:
+  Progress(const std::string& mode, int total, int start, const std::string& unit)
+      : total_(total), start_(start), unit_(unit), t0_(std::chrono::steady_clock::now()) {
+    const bool tty = ::isatty(STDOUT_FILENO) != 0;
+    mode_ = mode == "auto" ? (tty ? "bar" : "every") : mode;
+    every_ = std::max(1, (total - start) / 20);
+  }
+  void step(int done, double loss, double grad_norm, double lr, double ms, double units_per_s) {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    const double eta = elapsed / std::max(1, done - start_) * (total_ - done);
+    if (mode_ == "quiet") return;
+    if (mode_ == "lines") {
+      std::cout << fmt::format("step {:>5}/{}  loss {:.4f}  grad norm {:.3f}  lr {:.2e}  {:.1f} ms  {} {}/s  ETA {}\n",
+                               done, total_, loss, grad_norm, lr, ms, rate_text(units_per_s), unit_, duration_text(eta))
+                << std::flush;
+      return;
+    }
+    const int width = 24, filled = static_cast<int>(width * static_cast<double>(done) / total_);
+    const std::string line = fmt::format("[{}{}] {:>5}/{}  loss {:.4f}  lr {:.2e}  {} {}/s  ETA {}",
+                                         std::string(filled, '#'), std::string(width - filled, '.'), done, total_, loss,
+                                         lr, rate_text(units_per_s), unit_, duration_text(eta));
+    if (mode_ == "bar") {
+      std::cout << "\r" << line << "\033[K" << std::flush;
+      bar_open_ = done != total_;
+      if (done == total_) std::cout << "\n";
+    } else if ((done - start_) % every_ == 0 || done == total_ || done == start_ + 1) {
+      std::cout << line << "\n" << std::flush;
+    }
+  }
+  // A message between progress lines (evaluation, checkpoint).
+  void note(const std::string& text) {
+    if (bar_open_) std::cout << "\r\033[K";
+    std::cout << text << "\n" << std::flush;
+  }
+
+ private:
+  int total_, start_;
+  std::string unit_, mode_;
+  int every_ = 1;
+  bool bar_open_ = false;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+struct EvalResult {
+  double loss = 0, accuracy = 0;
+  int64_t samples = 0;
+};
+
+// Evaluates on the first `count` held-out samples in chunks (collective: every rank calls it).
+EvalResult evaluate_heldout(PipelineRank& rank, zoo::Dataset* data, int64_t count, int64_t chunk) {
+  EvalResult r;
+  double loss = 0, correct = 0;
+  for (int64_t begin = 0; begin < count; begin += chunk) {
+    const int64_t n = std::min(chunk, count - begin);
+    zoo::Batch b;
+    if (data) b = data->eval_batch(begin, n);
+    const EvalStats e = rank.evaluate(b.input, b.target, n);
+    loss += e.loss * static_cast<double>(n);
+    correct += e.accuracy * static_cast<double>(n);
+    r.samples += n;
+  }
+  r.loss = loss / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  r.accuracy = correct / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  return r;
+}
+
+std::string eval_text(const TrainFlags& f, const EvalResult& e) {
+  if (f.model.is_text() || (f.model.model == "gpt"))
+    return fmt::format("loss {:.4f}, perplexity {:.2f}, next-character accuracy {:.1f}%", e.loss, std::exp(e.loss),
+                       100 * e.accuracy);
+  return fmt::format("loss {:.4f}, accuracy {:.2f}%", e.loss, 100 * e.accuracy);
+}
+
+// Generates `n` characters after a held-out prompt, sampling the last stage's output with a
+// temperature; the token goes back to stage 0 through an all-reduce. Collective. Returns the prompt
+// and the continuation on rank 0.
+std::pair<std::string, std::string> generate_text(const TrainFlags& f, PipelineRank& rank, Transport& t,
+                                                  zoo::Dataset* data) {
+  const bool first = data && t.rank() == 0;
+  torch::Tensor context;
+  std::string vocabulary;
+  if (first) {
+    context = data->eval_batch(0, 1).input;  // [1, T]: the first held-out window
+    vocabulary = data->vocabulary();
+  }
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(f.model.seed + 7);
+  std::vector<int64_t> tokens;
+  for (int k = 0; k < f.sample; ++k) {
+    torch::Tensor out = rank.forward_only(context, 1, 1);
+    torch::Tensor token = torch::zeros({1}, torch::kDouble);
+    if (out.defined()) {
+      torch::Tensor logits = out[0][-1].to(torch::kCPU, torch::kDouble) / std::max(1e-3, f.temperature);
+      torch::Tensor probs = torch::softmax(logits, -1);
+      token[0] = static_cast<double>(torch::multinomial(probs, 1, false, gen).item<int64_t>() + 1);
+    }
+    t.all_reduce_sum(token);
+    const auto id = static_cast<int64_t>(token.item<double>()) - 1;
+    tokens.push_back(id);
+    if (first) context = torch::cat({context.slice(1, 1), torch::full({1, 1}, id, torch::kLong)}, 1);
+  }
+  if (!first) return {};
+  return {zoo::decode_text(vocabulary, data->eval_batch(0, 1).input),
+          zoo::decode_text(vocabulary, torch::tensor(tokens, torch::kLong))};
+}
+
+double peak_rss_mib() {
+  struct rusage u {};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   const bool leader = transport->rank() == 0;
+  const int p = transport->world_size();
   PipelineOptions o = f.pipe.options(f.model.seed, transport->rank());
   o.optimizer.name = f.optimizer;
   o.optimizer.lr = f.lr;
@@ -97,52 +290,125 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   o.measure_memory = f.memory;
   if (const char* fault = std::getenv("PIPETRAIN_FAULT")) o.before_action = fault_injector(fault);
   auto model = f.model.factory()();
-  auto data = f.model.dataset();
   PipelineRank rank(model, f.model.loss(), transport, o);
+  const std::vector<int> mine = rank.local_stages();
+  const int last_stage = rank.schedule().stages - 1;
+  // Only the ranks of the first and the last stage touch the data.
+  std::unique_ptr<zoo::Dataset> data;
+  if (std::find(mine.begin(), mine.end(), 0) != mine.end() ||
+      std::find(mine.begin(), mine.end(), last_stage) != mine.end())
+    data = f.model.dataset();
+  // Rank 0 holds stage 0, so it has the data; it tells the others the sizes of the splits.
+  torch::Tensor sizes = torch::zeros({2}, torch::kDouble);
+  if (leader) {
+    sizes[0] = static_cast<double>(data->train_size());
+    sizes[1] = static_cast<double>(data->eval_size());
+  }
+  transport->all_reduce_sum(sizes);
+  const auto train_size = static_cast<int64_t>(sizes[0].item<double>());
+  const auto eval_size = static_cast<int64_t>(sizes[1].item<double>());
+  int total = f.steps > 0 ? f.steps : kDefaultSteps;
+  if (f.steps == 0 && f.epochs > 0) {
+    if (train_size == 0) throw UsageError("--epochs needs a finite data set; --data " + f.model.data + " is endless: use --steps");
+    total = static_cast<int>(std::ceil(f.epochs * static_cast<double>(train_size) / static_cast<double>(f.batch_size)));
+  }
+  if (!f.resume.empty()) load_checkpoint(rank, f.resume);
+  const int start = rank.step();
+  if (start >= total)
+    throw UsageError("checkpoint " + f.resume + " is at step " + std::to_string(start) + " and the run has " +
+                     std::to_string(total) + " steps: pass --steps larger than " + std::to_string(start));
+  const int64_t eval_count =
+      f.eval_samples > 0 ? std::min(f.eval_samples, eval_size) : (f.model.is_text() ? std::min<int64_t>(256, eval_size) : eval_size);
+  const int64_t eval_chunk = f.eval_batch > 0 ? f.eval_batch : 4 * f.batch_size;
+  const int eval_every = f.eval_every > 0 ? f.eval_every : std::max(1, total / 10);
+  const bool text = f.model.model == "gpt";
+  const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
+
   std::unique_ptr<std::ofstream> log;
   if (leader && !f.log.empty()) {
-    log = std::make_unique<std::ofstream>(f.log);
+    log = std::make_unique<std::ofstream>(f.log, start > 0 ? std::ios::app : std::ios::trunc);
     if (!*log) throw std::runtime_error("cannot write the log file '" + f.log + "'");
   }
   if (leader) {
     std::string balance;
     for (int n : rank.balance()) balance += (balance.empty() ? "" : ",") + std::to_string(n);
     std::cout << fmt::format("pipetrain train: {}\n  {} stages over {} ({} threads per rank), schedule {}, m={}, "
-                             "batch {}, balance {}, checkpoint {}, optimizer {} lr {}\n  {}",
+                             "batch {}, balance {}, re-materialisation {}\n  optimizer {} lr {} ({}{}), clip {}, "
+                             "{} steps{}{}\n  {}",
                              f.model.describe(), f.pipe.stages, transport->name(), o.threads, f.pipe.schedule,
                              f.pipe.microbatches, f.batch_size, balance, f.pipe.checkpoint, f.optimizer, f.lr,
+                             f.lr_schedule, warmup_steps(f, total) > 0 ? fmt::format(", warm-up {}", warmup_steps(f, total)) : "", f.clip, total,
+                             train_size > 0 ? fmt::format(" ({:.2f} epochs)", static_cast<double>(total) * f.batch_size / train_size) : "",
+                             start > 0 ? fmt::format(", resuming at step {} from {}", start, f.resume) : "",
                              describe(runtime_info()))
               << std::flush;
   }
+  Progress progress(f.progress, total, start, text ? "tokens" : "samples");
+  auto run_eval = [&](int step) -> std::optional<EvalResult> {
+    if (eval_count == 0) return std::nullopt;
+    const EvalResult e = evaluate_heldout(rank, data.get(), eval_count, eval_chunk);
+    if (leader) progress.note(fmt::format("eval at step {}: {} ({} held-out {})", step, eval_text(f, e), e.samples,
+                                          text ? "windows" : "samples"));
+    return e;
+  };
+  std::optional<EvalResult> first_eval, last_eval;
+  if (start == 0) first_eval = run_eval(0);
   std::vector<double> step_ms;
   double first_loss = 0, last_loss = 0;
   StepStats last;
-  for (int step = 0; step < f.steps; ++step) {
-    zoo::Batch b = data->batch(step, f.batch_size);
+  for (int step = start; step < total; ++step) {
+    const double lr = lr_at(f, step, total);
+    rank.set_learning_rate(lr);
+    zoo::Batch b;
+    if (data) b = data->batch(step, f.batch_size);
     transport->barrier();  // steps start together, so step times are comparable across ranks
     const auto t0 = std::chrono::steady_clock::now();
     last = rank.train_step(b.input, b.target, f.batch_size);
     transport->barrier();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     step_ms.push_back(ms);
-    if (step == 0) first_loss = last.loss;
+    if (step == start) first_loss = last.loss;
     last_loss = last.loss;
-    if (leader) {
-      std::cout << fmt::format("step {:>4}/{}  loss {:.4f}  grad norm {:.3f}  {:.1f} ms  {:.1f} samples/s\n", step + 1,
-                               f.steps, last.loss, last.grad_norm, ms, 1000.0 * f.batch_size / ms)
-                << std::flush;
-      if (log)
-        *log << nlohmann::json{{"step", step + 1}, {"loss", last.loss}, {"lr", f.lr}, {"grad_norm", last.grad_norm},
-                               {"step_ms", ms}, {"samples_per_s", 1000.0 * f.batch_size / ms}}
-                    .dump()
-             << "\n";
+    // Busy time of each stage in this step (its compute actions), for the log.
+    torch::Tensor busy = torch::zeros({rank.schedule().stages}, torch::kDouble);
+    if (!f.log.empty()) {  // the same on every rank: a collective
+      for (const TimedAction& e : last.timeline.events)
+        if (is_compute(e.action.kind)) busy[e.action.stage] += e.end - e.start;
+      transport->all_reduce_sum(busy);
+    }
+    const double per_s = 1000.0 * static_cast<double>(f.batch_size) / ms;
+    if (leader) progress.step(step + 1, last.loss, last.grad_norm, lr, ms, per_s * units_per_sample);
+    nlohmann::json entry;
+    if (leader && log) {
+      entry = {{"step", step + 1}, {"loss", last.loss}, {"lr", lr}, {"grad_norm", last.grad_norm}, {"step_ms", ms},
+               {"samples_per_s", per_s}};
+      if (text) entry["tokens_per_s"] = per_s * units_per_sample;
+      std::vector<double> b(static_cast<std::size_t>(busy.numel()));
+      for (int64_t s = 0; s < busy.numel(); ++s) b[static_cast<std::size_t>(s)] = busy[s].item<double>();
+      entry["busy_ms"] = b;
+    }
+    if ((step + 1) % eval_every == 0 || step + 1 == total) {
+      last_eval = run_eval(step + 1);
+      if (last_eval && leader && log) {
+        entry["eval_loss"] = last_eval->loss;
+        entry["eval_accuracy"] = last_eval->accuracy;
+      }
+    }
+    if (leader && log) *log << entry.dump() << "\n" << std::flush;
+    if (!f.save.empty() && ((f.save_every > 0 && (step + 1) % f.save_every == 0) || step + 1 == total)) {
+      save_checkpoint(rank, *transport, f.save, run_json(f, total));
+      if (leader) progress.note(fmt::format("checkpoint at step {} written to {}", step + 1, f.save));
     }
   }
+  std::pair<std::string, std::string> sample;
+  if (f.model.is_text() && f.sample > 0 && eval_size > 0) sample = generate_text(f, rank, *transport, data.get());
+
   // The last step's timeline from every rank, and the simulator's prediction from its measured costs.
   Timeline all = gather_timeline(last.timeline, *transport);
-  torch::Tensor heap = torch::zeros({transport->world_size()}, torch::kDouble);
-  heap[transport->rank()] = last.peak_heap_growth;
-  transport->all_reduce_sum(heap);
+  torch::Tensor memory = torch::zeros({2, p}, torch::kDouble);
+  memory[0][transport->rank()] = last.peak_heap_growth;
+  memory[1][transport->rank()] = peak_rss_mib();
+  transport->all_reduce_sum(memory);
   if (!leader) return 0;
   double t0 = 1e300;
   for (const auto& e : all.events) t0 = std::min(t0, e.start);
@@ -156,18 +422,31 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   std::vector<double> sorted = step_ms;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
+  const double per_s = 1000.0 * static_cast<double>(f.batch_size) / median;
+  std::cout << fmt::format("summary: training loss {:.4f} -> {:.4f} over steps {}..{}; median step {:.1f} ms, {} {}/s\n",
+                           first_loss, last_loss, start + 1, total, median, rate_text(per_s * units_per_sample),
+                           text ? "tokens" : "samples");
+  if (last_eval)
+    std::cout << fmt::format("  held-out: {}{}\n", eval_text(f, *last_eval),
+                             first_eval ? fmt::format(" (at step 0: loss {:.4f})", first_eval->loss) : "");
   std::cout << fmt::format(
-      "summary: loss {:.4f} -> {:.4f} over {} steps; median step {:.1f} ms, {:.1f} samples/s\n"
       "  last step: measured makespan {:.1f} ms, bubble fraction {:.3f}; simulated from measured stage costs: "
       "makespan {:.1f} ms, bubble fraction {:.3f}; efficiency (predicted/measured) {:.2f}\n",
-      first_loss, last_loss, f.steps, median, 1000.0 * f.batch_size / median, measured.makespan,
-      measured.bubble_fraction, predicted.metrics.makespan, predicted.metrics.bubble_fraction,
+      measured.makespan, measured.bubble_fraction, predicted.metrics.makespan, predicted.metrics.bubble_fraction,
       measured.makespan > 0 ? predicted.metrics.makespan / measured.makespan : 0.0);
+  const bool shared = transport->shares_process();
   for (const RankMetrics& r : measured.per_rank)
-    std::cout << fmt::format("  stage {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms{}\n", r.rank, r.busy, r.span,
-                             r.bubble,
-                             f.memory ? fmt::format(", peak heap growth {:.2f} MiB", heap[r.rank].item<double>() / 1048576.0)
+    std::cout << fmt::format("  stage {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms; peak RSS {:.0f} MiB{}{}\n",
+                             r.rank, r.busy, r.span, r.bubble, memory[1][r.rank].item<double>(),
+                             shared ? " (one process for all ranks)" : "",
+                             f.memory ? fmt::format(", peak heap growth in a step {:.2f} MiB",
+                                                    memory[0][r.rank].item<double>() / 1048576.0)
                                       : std::string());
+  if (!sample.second.empty()) {
+    std::string prompt = sample.first.substr(sample.first.size() > 80 ? sample.first.size() - 80 : 0);
+    std::cout << "sample (temperature " << f.temperature << ") after the held-out prompt \"..." << prompt << "\":\n"
+              << sample.second << "\n";
+  }
   if (!f.trace.empty()) {
     write_file_atomic(f.trace, chrome_trace_json(all));
     std::cout << "measured trace written to " << f.trace << "\n";
@@ -176,41 +455,92 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
     write_file_atomic(f.svg, gantt_svg(all, measured));
     std::cout << "measured timeline written to " << f.svg << "\n";
   }
+  if (!f.log.empty()) std::cout << "per-step log written to " << f.log << "\n";
+  if (!f.save.empty()) std::cout << "checkpoint written to " << f.save << "\n";
   return 0;
+}
+
+// Checks a folder we will write into later, so a long run does not fail at its first save.
+void check_writable_folder(const std::string& flag, const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (dir.empty()) throw UsageError(flag + " needs a folder name");
+  if (fs::exists(dir) && !fs::is_directory(dir))
+    throw UsageError(flag + " " + dir + " is a file, not a folder: name a folder (it is created)");
+  const fs::path parent = fs::absolute(dir).parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  if (ec || ::access(parent.c_str(), W_OK) != 0)
+    throw UsageError(flag + " " + dir + ": cannot write in " + parent.string() + ": pick a writable folder");
 }
 
 }  // namespace
 
 void add_train_command(CLI::App& app, int& exit_code) {
   auto f = std::make_shared<TrainFlags>();
-  CLI::App* cmd = app.add_subcommand("train", "train a model with a pipeline schedule across ranks");
+  CLI::App* cmd = app.add_subcommand("train", "train a model on real data with a pipeline schedule across ranks");
   f->model.add_to(*cmd);
   f->pipe.add_to(*cmd);
-  cmd->add_option("--batch-size", f->batch_size, "samples per step (mini-batch), default 16");
-  cmd->add_option("--steps", f->steps, "optimizer steps, default 10");
+  cmd->add_option("--config", f->config,
+                  "JSON file of flags, e.g. {\"stages\": 4, \"schedule\": \"zb-h1\", \"memory\": true}; flags on the "
+                  "command line win");
+  cmd->add_option("--batch-size", f->batch_size, "samples (text: windows) per step (mini-batch), default 32");
+  cmd->add_option("--steps", f->steps, "optimizer steps, default 600 (or from --epochs)");
+  cmd->add_option("--epochs", f->epochs, "passes over the training split (finite data sets), instead of --steps");
   cmd->add_option("--optimizer", f->optimizer, "sgd, adam or adamw; default adam");
-  cmd->add_option("--lr", f->lr, "learning rate, default 1e-3");
+  cmd->add_option("--lr", f->lr, "peak learning rate, default 3e-3");
+  cmd->add_option("--lr-schedule", f->lr_schedule, "constant, cosine or linear (decay to lr/10); default cosine");
+  cmd->add_option("--warmup", f->warmup, "linear warm-up steps; default 5% of the steps, at most 100");
   cmd->add_option("--momentum", f->momentum, "SGD momentum, default 0.9");
   cmd->add_option("--weight-decay", f->weight_decay, "weight decay, default 0");
-  cmd->add_option("--clip", f->clip, "clip gradients to this global norm; default 0 (off)");
+  cmd->add_option("--clip", f->clip, "clip gradients to this global norm; 0 = off; default 1");
+  cmd->add_option("--eval-every", f->eval_every, "evaluate on the held-out split every K steps; default: 10 times a run");
+  cmd->add_option("--eval-samples", f->eval_samples,
+                  "held-out samples per evaluation; default all (images) or 256 windows (text)");
+  cmd->add_option("--eval-batch", f->eval_batch, "samples per evaluation forward pass, default 4 x batch size");
+  cmd->add_option("--save", f->save, "write a checkpoint to this folder at the end (and every --save-every steps)");
+  cmd->add_option("--save-every", f->save_every, "also checkpoint every K steps; default 0 (only at the end)");
+  cmd->add_option("--resume", f->resume, "continue from this checkpoint folder (same model and data; any stages)");
+  cmd->add_option("--sample", f->sample, "text: characters to generate at the end, default 300; 0 = none");
+  cmd->add_option("--temperature", f->temperature, "text: sampling temperature, default 0.8");
   cmd->add_option("--trace", f->trace, "write the last step's measured timeline as a Chrome trace");
   cmd->add_option("--svg", f->svg, "write the last step's measured timeline as an SVG");
-  cmd->add_option("--log", f->log, "write one JSON object per step to this file");
+  cmd->add_option("--log", f->log, "write one JSON object per step to this file (JSON lines)");
+  cmd->add_option("--progress", f->progress,
+                  "bar (redrawn line), lines (one per step, with its time), quiet, or auto: bar on a terminal, else "
+                  "a line every 5% of the run; default auto")
+      ->check(CLI::IsMember({"auto", "bar", "lines", "quiet"}));
   cmd->add_flag("--memory", f->memory,
                 "measure each rank's peak heap growth during a step (activations, buffers, gradients); with "
                 "--transport local all ranks share one heap");
   cmd->footer(
       "Without a launcher, --stages P starts P local processes over gloo (use --transport local for threads).\n"
       "Examples:\n"
-      "  pipetrain train --stages 2 --schedule 1f1b --microbatches 4 --batch-size 16 --steps 20\n"
-      "  pipetrain train --transport local -p 4 -s zb-h1 -m 8 --svg run.svg --trace run.json\n"
+      "  pipetrain train                                   # the gpt on the King James Bible, 2 stages, 1f1b\n"
+      "  pipetrain train --model mlp --epochs 2 --stages 2 # Fashion-MNIST\n"
+      "  pipetrain train --model cnn --stages 4 --schedule zb-h1 --microbatches 8 --svg run.svg --trace run.json\n"
+      "  pipetrain train --text my.txt --layers 6 --steps 1000 --save ckpt --save-every 100\n"
+      "  pipetrain train --resume ckpt --steps 2000 --stages 4   # continue, regrouped into 4 stages\n"
+      "  pipetrain train --config run.json --lr 1e-3           # flags from a file, one overridden\n"
       "  pipetrain launch -n 2 -- pipetrain train --stages 2 --transport gloo\n"
       "  mpirun -n 2 pipetrain train --stages 2 --transport mpi");
   cmd->callback([f, &exit_code] {
     exit_code = guarded("train", [&] {
       if (f->batch_size < 1) throw UsageError("--batch-size must be >= 1, got " + std::to_string(f->batch_size));
-      if (f->steps < 1) throw UsageError("--steps must be >= 1, got " + std::to_string(f->steps));
+      if (f->steps < 0) throw UsageError("--steps must be >= 1, got " + std::to_string(f->steps));
+      if (f->epochs < 0) throw UsageError("--epochs must be > 0, got " + fmt::format("{}", f->epochs));
+      if (f->steps > 0 && f->epochs > 0) throw UsageError("give --steps or --epochs, not both");
+      if (f->eval_every < 0) throw UsageError("--eval-every must be >= 1, got " + std::to_string(f->eval_every));
+      if (f->eval_samples < 0 || f->eval_batch < 0)
+        throw UsageError("--eval-samples and --eval-batch must be >= 1 (or 0 for the default)");
+      if (f->save_every < 0) throw UsageError("--save-every must be >= 0, got " + std::to_string(f->save_every));
+      if (f->save_every > 0 && f->save.empty()) throw UsageError("--save-every needs --save DIR (where to write)");
+      if (f->sample < 0) throw UsageError("--sample must be >= 0, got " + std::to_string(f->sample));
+      if (!(f->temperature > 0)) throw UsageError("--temperature must be > 0, got " + fmt::format("{}", f->temperature));
+      if (f->warmup < -1) throw UsageError("--warmup must be >= 0, got " + std::to_string(f->warmup));
+      if (f->lr_schedule != "constant" && f->lr_schedule != "cosine" && f->lr_schedule != "linear")
+        throw UsageError("unknown --lr-schedule '" + f->lr_schedule + "': use constant, cosine or linear");
       // Check what can be checked before any rank starts, so bad input is exit 2 with one message.
+      f->model.prepare();
       const PipelineOptions o = f->pipe.options(f->model.seed);
       auto model = f->model.factory()();
       choose_balance(model, f->pipe.stages * o.virtual_stages, o.balance);
@@ -226,6 +556,21 @@ void add_train_command(CLI::App& app, int& exit_code) {
       if (f->optimizer != "sgd" && f->optimizer != "adam" && f->optimizer != "adamw")
         throw UsageError("unknown optimizer '" + f->optimizer + "': use sgd, adam or adamw");
       if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
+      if (!f->save.empty()) check_writable_folder("--save", f->save);
+      if (!f->resume.empty()) {
+        const nlohmann::json saved = read_checkpoint(f->resume).at("run");
+        const nlohmann::json now = run_json(*f, 0);
+        std::vector<std::string> diffs = run_differences(saved, now, {"model", "data"});
+        for (const auto& d : run_differences({{"optimizer", {{"name", saved.value("optimizer", nlohmann::json::object())
+                                                                              .value("name", std::string())}}}},
+                                             {{"optimizer", {{"name", f->optimizer}}}}, {"optimizer"}))
+          diffs.push_back(d);
+        if (!diffs.empty()) {
+          std::string msg = "checkpoint " + f->resume + " does not match this run:";
+          for (const auto& d : diffs) msg += "\n  " + d;
+          throw UsageError(msg + "\npass the flags it was saved with (see its manifest.json), or start without --resume");
+        }
+      }
       return run_ranks(f->pipe, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) { return train_rank(*f, t); });
     });
   });

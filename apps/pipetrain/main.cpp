@@ -1,7 +1,10 @@
 // pipetrain: plan, simulate and (later) train pipeline-parallel models. One file per subcommand.
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "cli_common.h"
+#include "pipetrain/core/error.h"
 
 int main(int argc, char** argv) {
   using namespace pipetrain::cli;
@@ -25,8 +28,18 @@ int main(int argc, char** argv) {
   add_train_command(app, exit_code);
   add_selftest_command(app, exit_code);
   set_command_line(argc, argv);
+  // Flags from a --config file go in ahead of the command line's own.
+  std::vector<std::string> args(argv, argv + argc);
   try {
-    app.parse(argc, argv);
+    args = expand_config(args);
+  } catch (const pipetrain::UsageError& e) {
+    std::cerr << "pipetrain: error: " << e.what() << "\n";
+    return kExitUsage;
+  }
+  std::vector<char*> expanded;
+  for (auto& a : args) expanded.push_back(a.data());
+  try {
+    app.parse(static_cast<int>(expanded.size()), expanded.data());
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "pipetrain/runtime/executor.h"
@@ -14,17 +15,39 @@
 
 namespace pipetrain::cli {
 
+// The model and its data. Data kinds: kjv (the King James Bible, Debian's bible-kjv), text (--text
+// FILE), fashion-mnist (Debian's dataset-fashion-mnist, or --data-dir), synthetic (generated); "auto"
+// picks kjv for the gpt and fashion-mnist for the others. Text data fixes the gpt's vocabulary.
 struct ModelFlags {
-  std::string model = "gpt";  // gpt | mlp
+  std::string model = "gpt";  // gpt | mlp | cnn | resnet
+  std::string data = "auto";  // auto | kjv | text | fashion-mnist | synthetic
+  std::string text_file;      // --text FILE
+  std::string data_dir = zoo::kFashionMnistDir;
   zoo::GptConfig gpt;
   zoo::MlpConfig mlp;
+  zoo::CnnConfig cnn;
+  zoo::ResNetConfig resnet;
+  int layers = 0;  // --layers: gpt blocks / mlp Linear layers; 0 = the model's default
   uint64_t seed = 0;
+  CLI::Option* vocab_option = nullptr;
+
   void add_to(CLI::App& app);
+  // Resolves "auto", checks the combination and, for text data, reads the text and sets the gpt's
+  // vocabulary from it. Call once before factory(), dataset() or describe(). Throws UsageError.
+  void prepare();
   // A factory that builds the same model on every call (seeded).
   std::function<torch::nn::Sequential()> factory() const;
   LossFn loss() const;
   std::unique_ptr<zoo::Dataset> dataset() const;
   std::string describe() const;
+  bool is_text() const { return data == "kjv" || data == "text"; }
+  // The model and data as JSON, for checkpoint manifests: what must match to resume.
+  nlohmann::json model_json() const;
+  nlohmann::json data_json() const;
+
+ private:
+  std::shared_ptr<const std::string> text_;  // the corpus, for text data
+  std::string vocabulary_;
 };
 
 struct PipelineFlags {

@@ -42,6 +42,11 @@ std::vector<std::pair<int64_t, int64_t>> split_equal(int64_t batch_size, int mic
   return out;
 }
 
+std::mutex& default_generator_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
 Timeline gather_timeline(const Timeline& mine, Transport& transport) {
   const int p = transport.world_size();
   torch::Tensor counts = torch::zeros({p}, torch::kDouble);
@@ -79,11 +84,6 @@ Timeline gather_timeline(const Timeline& mine, Transport& transport) {
 
 namespace {
 
-// Serialises seeded forwards of ranks that share one process (and so one default generator).
-std::mutex& shared_rng_mutex() {
-  static std::mutex mu;
-  return mu;
-}
 
 uint64_t mix(uint64_t x) {  // splitmix64 finaliser
   x += 0x9e3779b97f4a7c15ULL;
@@ -186,7 +186,7 @@ struct PipelineRank::Impl {
 
   torch::Tensor run_forward(int s, int i, const torch::Tensor& x) {
     Slot& sl = slot(s, i);
-    std::unique_lock<std::mutex> lock(shared_rng_mutex(), std::defer_lock);
+    std::unique_lock<std::mutex> lock(default_generator_mutex(), std::defer_lock);
     if (options.deterministic_rng) {
       if (transport->shares_process()) lock.lock();
       auto gen = at::globalContext().defaultGenerator(x.device());
@@ -670,6 +670,13 @@ EvalStats PipelineRank::evaluate(const torch::Tensor& input, const torch::Tensor
   e.accuracy = sums[3].item<double>() > 0 ? sums[1].item<double>() / sums[2].item<double>()
                                           : std::numeric_limits<double>::quiet_NaN();
   return e;
+}
+
+void PipelineRank::set_learning_rate(double lr) {
+  if (!(lr > 0)) throw UsageError("learning rate must be > 0, got " + std::to_string(lr));
+  for (auto& [s, opt] : impl_->optimizers)
+    for (auto& group : opt->param_groups()) group.options().set_lr(lr);
+  impl_->options.optimizer.lr = lr;
 }
 
 int PipelineRank::step() const { return impl_->step; }

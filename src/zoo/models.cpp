@@ -89,6 +89,79 @@ class LinearReluImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LinearRelu);
 
+// One VGG conv layer: Conv 3x3 (padding 1) + ReLU, then nothing, a 2x2 max pool, or a global max pool.
+enum class Pool { kNone, kMax2, kGlobalMax };
+
+class ConvReluImpl : public torch::nn::Module {
+ public:
+  ConvReluImpl(int64_t in, int64_t out, Pool pool)
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)))), pool(pool) {
+    torch::nn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
+    torch::nn::init::zeros_(conv->bias);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor y = torch::relu(conv(x));
+    if (pool == Pool::kMax2) return torch::max_pool2d(y, 2);
+    if (pool == Pool::kGlobalMax) return y.amax({2, 3}, /*keepdim=*/true);
+    return y;
+  }
+  torch::nn::Conv2d conv;
+  Pool pool;
+};
+TORCH_MODULE(ConvRelu);
+
+torch::nn::Conv2d resnet_conv(int64_t in, int64_t out, int64_t kernel, int64_t stride) {
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false));
+  torch::nn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
+  return conv;
+}
+
+class StemImpl : public torch::nn::Module {
+ public:
+  StemImpl(int64_t in, int64_t out)
+      : conv(register_module("conv", resnet_conv(in, out, 3, 1))),
+        bn(register_module("bn", torch::nn::BatchNorm2d(out))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::relu(bn(conv(x))); }
+  torch::nn::Conv2d conv;
+  torch::nn::BatchNorm2d bn;
+};
+TORCH_MODULE(Stem);
+
+// relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)); the shortcut projects (1x1 conv + BatchNorm) only
+// when the block changes the channels or the resolution.
+class ResidualBlockImpl : public torch::nn::Module {
+ public:
+  ResidualBlockImpl(int64_t in, int64_t out, int64_t stride)
+      : conv1(register_module("conv1", resnet_conv(in, out, 3, stride))),
+        bn1(register_module("bn1", torch::nn::BatchNorm2d(out))),
+        conv2(register_module("conv2", resnet_conv(out, out, 3, 1))),
+        bn2(register_module("bn2", torch::nn::BatchNorm2d(out))) {
+    if (in != out || stride != 1) {
+      shortcut_conv = register_module("shortcut_conv", resnet_conv(in, out, 1, stride));
+      shortcut_bn = register_module("shortcut_bn", torch::nn::BatchNorm2d(out));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor y = bn2(conv2(torch::relu(bn1(conv1(x)))));
+    return torch::relu(y + (shortcut_conv ? shortcut_bn(shortcut_conv(x)) : x));
+  }
+  torch::nn::Conv2d conv1;
+  torch::nn::BatchNorm2d bn1;
+  torch::nn::Conv2d conv2;
+  torch::nn::BatchNorm2d bn2;
+  torch::nn::Conv2d shortcut_conv{nullptr};
+  torch::nn::BatchNorm2d shortcut_bn{nullptr};
+};
+TORCH_MODULE(ResidualBlock);
+
+class PoolHeadImpl : public torch::nn::Module {
+ public:
+  PoolHeadImpl(int64_t in, int64_t classes) : fc(register_module("fc", nn::Linear(in, classes))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x.mean({2, 3})); }
+  nn::Linear fc;
+};
+TORCH_MODULE(PoolHead);
+
 void positive(int64_t v, const char* flag) {
   if (v < 1) throw UsageError(std::string(flag) + " must be >= 1, got " + std::to_string(v));
 }
@@ -115,6 +188,26 @@ void check(const GptConfig& c) {
     throw UsageError("--dropout " + std::to_string(c.dropout) + " must lie in [0, 1)");
 }
 
+void check(const CnnConfig& c) {
+  positive(c.channels, "cnn input channels");
+  positive(c.width, "--width");
+  positive(c.hidden, "--hidden");
+  positive(c.classes, "cnn classes");
+  if (c.image_size < 8)
+    throw UsageError("cnn image size " + std::to_string(c.image_size) +
+                     " is too small: three 2x2 max pools need images of at least 8x8 pixels");
+}
+
+void check(const ResNetConfig& c) {
+  positive(c.channels, "resnet input channels");
+  positive(c.width, "--width");
+  positive(c.blocks, "--blocks");
+  positive(c.classes, "resnet classes");
+  if (c.stages < 1 || c.stages > 8)
+    throw UsageError("--stages " + std::to_string(c.stages) +
+                     " must lie in 1..8 (each stage doubles the channels): use a value in that range");
+}
+
 torch::nn::Sequential make_mlp(const MlpConfig& c) {
   check(c);
   torch::nn::Sequential m;
@@ -132,6 +225,49 @@ torch::nn::Sequential make_gpt(const GptConfig& c) {
   m->push_back("embed", Embedding(c));
   for (int l = 0; l < c.layers; ++l) m->push_back("block" + std::to_string(l), Block(c));
   m->push_back("head", Head(c));
+  return m;
+}
+
+torch::nn::Sequential make_cnn(const CnnConfig& c) {
+  check(c);
+  // VGG-16's groups: (convs, channels as a multiple of width, pooling after the last conv).
+  struct Group {
+    int convs;
+    int64_t mult;
+    Pool pool;
+  };
+  const Group groups[] = {
+      {2, 1, Pool::kMax2}, {2, 2, Pool::kMax2}, {3, 4, Pool::kMax2}, {3, 8, Pool::kNone}, {3, 8, Pool::kGlobalMax}};
+  torch::nn::Sequential m;
+  int64_t in = c.channels;
+  for (int g = 0; g < 5; ++g) {
+    const int64_t out = groups[g].mult * c.width;
+    for (int k = 0; k < groups[g].convs; ++k) {
+      const Pool pool = k == groups[g].convs - 1 ? groups[g].pool : Pool::kNone;
+      m->push_back("conv" + std::to_string(g + 1) + "_" + std::to_string(k + 1), ConvRelu(in, out, pool));
+      in = out;
+    }
+  }
+  m->push_back("fc6", LinearRelu(in, c.hidden, /*relu=*/true, /*flatten=*/true));
+  m->push_back("fc7", LinearRelu(c.hidden, c.hidden, /*relu=*/true, /*flatten=*/false));
+  m->push_back("fc8", LinearRelu(c.hidden, c.classes, /*relu=*/false, /*flatten=*/false));
+  return m;
+}
+
+torch::nn::Sequential make_resnet(const ResNetConfig& c) {
+  check(c);
+  torch::nn::Sequential m;
+  m->push_back("stem", Stem(c.channels, c.width));
+  int64_t in = c.width;
+  for (int s = 0; s < c.stages; ++s) {
+    const int64_t out = c.width << s;
+    for (int b = 0; b < c.blocks; ++b) {
+      const int64_t stride = s > 0 && b == 0 ? 2 : 1;
+      m->push_back("block" + std::to_string(s + 1) + "_" + std::to_string(b + 1), ResidualBlock(in, out, stride));
+      in = out;
+    }
+  }
+  m->push_back("head", PoolHead(in, c.classes));
   return m;
 }
 

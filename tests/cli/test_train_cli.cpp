@@ -21,7 +21,7 @@ Result run(const std::string& cmd_line) { return pipetrain::testing::run_command
 
 const std::string bin = PIPETRAIN_BIN;
 // A small GPT keeps each run to a second or two.
-const std::string small = " --d-model 32 --heads 2 --seq-len 16 --vocab 32 --layers 2 --batch-size 8";
+const std::string small = " --data synthetic --d-model 32 --heads 2 --seq-len 16 --vocab 32 --layers 2 --batch-size 8";
 
 }  // namespace
 
@@ -57,7 +57,7 @@ TEST(TrainCli, TrainingOverGlooLowersTheLoss) {
   const Result r = run(bin + " train --stages 2 --schedule zb-h1 --microbatches 4 --steps 8 --lr 3e-3" + small);
   ASSERT_EQ(r.code, 0) << r.out;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(summary: loss ([0-9.]+) -> ([0-9.]+))"))) << r.out;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(summary: training loss ([0-9.]+) -> ([0-9.]+))"))) << r.out;
   EXPECT_LT(std::stod(m[2]), std::stod(m[1]) - 0.1) << r.out;
   EXPECT_TRUE(r.has("simulated from measured stage costs")) << r.out;
 }
@@ -89,7 +89,7 @@ TEST(TrainCli, RankKilledWithSigkillStopsEveryRank) {
 TEST(TrainCli, MismatchedShapesStopEveryRank) {
   // Rank 1 builds a wider model than rank 0, so the activations it receives do not fit it.
   const Result r = run(bin + " launch -n 2 -- sh -c 'exec " + bin + " train --stages 2 --steps 2 --d-model $((32 + 32 * RANK))" +
-                       " --heads 2 --seq-len 16 --vocab 32 --layers 2 --batch-size 8'");
+                       " --heads 2 --seq-len 16 --vocab 32 --layers 2 --batch-size 8 --data synthetic'");
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_LT(r.seconds, 30) << r.out;
   EXPECT_TRUE(r.has("rank 1 at 1F0")) << r.out;

@@ -31,6 +31,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -105,6 +106,12 @@ struct EvalStats {
   int64_t samples = 0;
 };
 
+// Guards LibTorch's default generator among ranks that share a process (threads): seeded forwards take
+// it, and so must anything that seeds the generator and then draws from it, such as building a model
+// after torch::manual_seed; otherwise one rank's forward can reseed the generator while another rank
+// is drawing its initial weights, and the ranks end up with different models.
+std::mutex& default_generator_mutex();
+
 // Merges every rank's timeline on every rank (a collective over `transport`); events keep their
 // clock (a monotonic clock shared by processes on one host).
 Timeline gather_timeline(const Timeline& mine, Transport& transport);
@@ -136,6 +143,9 @@ class PipelineRank {
   // `target` is needed on the rank of the last stage only.
   EvalStats evaluate(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size,
                      int microbatches = 0);
+
+  // Sets the learning rate of every optimizer of this rank (a schedule calls it before each step).
+  void set_learning_rate(double lr);
 
   // Steps taken so far; the forward RNG of a step derives from it, so a resumed run sets it.
   int step() const;

@@ -6,6 +6,21 @@
 //        Each block is pre-norm: x + Attention(LN(x)), x + MLP(LN(x)), causal self-attention with
 //        `heads` heads. The first and last layers carry the vocabulary (vocab x d_model parameters each)
 //        and the head's logits, so they are heavier than a middle block, as in real language models.
+//   cnn  VGG-16 for small images: 13 conv layers in 5 groups (2, 2, 3, 3, 3), then 3 fully connected
+//        layers; 16 pipeline layers. See CnnConfig for the pooling on 28x28 inputs.
+//   resnet  [stem conv] [residual block]*(stages x blocks) [global average pool + Linear]; each residual
+//        block is one pipeline layer, so a cut never separates a block from its shortcut.
+//
+// Construction draws the initial weights from LibTorch's default generator: seed it (torch::manual_seed)
+// first, and every rank builds the same model. make_* check their configuration (check(...) below).
+// The generator is one per process: ranks running as threads must not build models while another thread
+// seeds or draws from it (a pipeline forward reseeds it), or their weights differ; build under one lock
+// before any rank starts, or copy the weights of one model built up front.
+//
+// BatchNorm (resnet only): in a pipeline it normalises each micro-batch by that micro-batch's statistics,
+// as in GPipe, and its running statistics are updated by every training-mode forward, re-materialised
+// ones included. Pipelined and plain runs over the same micro-batches agree; a run with different
+// micro-batch sizes does not match a full-batch run exactly.
 #pragma once
 
 #include <torch/nn/modules/container/sequential.h>
@@ -32,11 +47,52 @@ struct GptConfig {
 };
 torch::nn::Sequential make_gpt(const GptConfig& c);
 
+// VGG-16 (Simonyan & Zisserman, configuration D) scaled for 1x28x28 images (Fashion-MNIST).
+// Pipeline layers, in order (w = width, S = image_size):
+//   conv1_1 conv1_2+pool          w channels      S      -> S/2   (28 -> 14)
+//   conv2_1 conv2_2+pool          2w              S/2    -> S/4   (14 -> 7)
+//   conv3_1 conv3_2 conv3_3+pool  4w              S/4    -> S/8   (7 -> 3, floor)
+//   conv4_1 conv4_2 conv4_3       8w              S/8             (3, no pool)
+//   conv5_1 conv5_2 conv5_3+gmax  8w              S/8    -> 1     (global max pool)
+//   fc6 (Flatten, 8w -> hidden, ReLU)  fc7 (hidden -> hidden, ReLU)  fc8 (hidden -> classes, logits)
+// Each conv layer is Conv2d 3x3 padding 1 + ReLU (no BatchNorm, as in the original), pools are 2x2 max.
+// VGG pools after all five groups; a 28x28 image would shrink to 1x1 after four pools and leave group 5
+// convolving single pixels (only the kernel's centre would ever see data), so group 4 keeps its 3x3 map
+// and group 5 ends in a global max pool instead. width 64 and hidden 4096 give VGG-16's channel counts.
+// Initialisation follows torchvision's VGG: conv weights Kaiming-normal (fan out, ReLU), biases zero;
+// without it the 13 plain conv layers shrink the signal so much that training stalls.
+struct CnnConfig {
+  int64_t channels = 1;     // input channels (1: grey images)
+  int64_t image_size = 28;  // input height and width (>= 8, so that three 2x2 pools leave >= 1 pixel)
+  int64_t width = 8;        // channels of group 1 (VGG-16: 64); small so it trains on a few CPU cores
+  int64_t hidden = 128;     // width of fc6 and fc7 (VGG-16: 4096)
+  int64_t classes = 10;     // outputs (logits)
+};
+torch::nn::Sequential make_cnn(const CnnConfig& c);
+
+// A ResNet for small images, in the style of He et al.'s CIFAR ResNets (6n + 2 layers).
+// Pipeline layers: stem (Conv 3x3 -> width, BatchNorm, ReLU), then `stages` stages of `blocks` residual
+// blocks each (stage s has width * 2^s channels; its first block has stride 2 for s > 0, halving the image:
+// 28 -> 14 -> 7), then the head (global average pool, Linear to classes). stages * blocks + 2 layers.
+// A block is relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)), convs 3x3 without bias; the shortcut is
+// the identity where shape is kept, else a 1x1 conv with the block's stride and a BatchNorm.
+// Convs are initialised Kaiming-normal (fan out, ReLU), BatchNorm to scale 1 and shift 0, as torchvision.
+struct ResNetConfig {
+  int64_t channels = 1;  // input channels (1: grey images)
+  int64_t width = 16;    // channels of the stem and the first stage; each later stage doubles them
+  int stages = 3;        // stages (1..8); each after the first halves the image
+  int blocks = 2;        // residual blocks per stage, each one pipeline layer
+  int64_t classes = 10;  // outputs (logits)
+};
+torch::nn::Sequential make_resnet(const ResNetConfig& c);
+
 // Mean cross entropy of logits [B, T, V] against targets [B, T] (or [B, V] against [B]).
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target);
 
 // Throws UsageError naming the bad value and the fix.
 void check(const MlpConfig& c);
 void check(const GptConfig& c);
+void check(const CnnConfig& c);
+void check(const ResNetConfig& c);
 
 }  // namespace pipetrain::zoo
