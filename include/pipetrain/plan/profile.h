@@ -1,0 +1,112 @@
+// Per-layer profiles: what the balancers (plan/balance.h) and the planners (plan/planner.h) read.
+// Torch-free: the runtime's profiler fills a Profile, other frameworks write the JSON form by hand or
+// by script (the format is documented in docs/PROFILE.md), and PipeDream's published profiles are read
+// from its text format.
+//
+// Units: times in milliseconds, sizes in bytes, all measured at `micro_batch_size` samples.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace pipetrain {
+
+// Forward and whole-backward time of one layer at another micro-batch size. UMPIPE (ALGORITHMS.md §7)
+// plans with unequal micro-batches and needs the time as a function of the size; the plan layer only
+// stores and validates these.
+struct SizeMeasurement {
+  int micro_batch_size = 1;
+  double forward_ms = 0;
+  double backward_ms = 0;
+};
+
+struct LayerProfile {
+  std::string name;  // unique within the model is advisable but not required
+  std::string type;  // module type name, e.g. "Linear"; what balance kind type:REGEX matches
+  double forward_ms = 0;
+  // The whole backward (input gradient and weight gradient in one pass), as used by balance kind
+  // `time` and the PipeDream planner.
+  double backward_ms = 0;
+  // Whether the layer's backward splits into an input-gradient part (B) and a weight-gradient part (W)
+  // (ALGORITHMS.md §4.4.1). With the split, the two are measured separately and need not add up to
+  // `backward_ms` exactly. Without it, input_grad_ms and weight_grad_ms are not used (b_ms() is the
+  // whole backward and w_ms() is 0), so code that fills a profile may leave them alone.
+  bool bw_split = false;
+  double input_grad_ms = 0;   // B, when bw_split
+  double weight_grad_ms = 0;  // W, when bw_split
+  double b_ms() const { return bw_split ? input_grad_ms : backward_ms; }
+  double w_ms() const { return bw_split ? weight_grad_ms : 0.0; }
+  double activation_bytes = 0;  // the layer's output for one micro-batch; what crosses a stage boundary after it
+  double parameter_bytes = 0;   // trainable weights
+  double optimizer_bytes = 0;   // optimizer state for those weights (e.g. Adam: 2 x parameter_bytes)
+  std::vector<SizeMeasurement> by_micro_batch;  // optional; strictly increasing sizes
+};
+
+struct Profile {
+  std::string model;
+  int micro_batch_size = 1;  // samples per micro-batch at which times and activations were measured
+  int threads = 1;           // intra-op threads used while measuring
+  std::string source;        // free text: who made it ("pipetrain profile", "pipedream graph.txt", ...)
+  std::vector<LayerProfile> layers;
+};
+
+inline constexpr const char* kProfileFormat = "pipetrain-profile";
+inline constexpr int kProfileVersion = 1;
+
+// Sets input_grad_ms = backward_ms and weight_grad_ms = 0 on every layer without a B/W split, so the
+// fields read the same as b_ms() and w_ms().
+void normalise_bw_split(Profile& profile);
+
+// Throws UsageError naming the field, the layer index and name, and the fix: no layers, a micro-batch
+// size or thread count below 1, an empty type, a negative or non-finite number (B and W are checked only
+// when bw_split), or by_micro_batch sizes that are not strictly increasing and >= 1.
+void validate_profile(const Profile& profile, const std::string& origin = "profile");
+
+// JSON form (docs/PROFILE.md). The reader is strict: `format` must be "pipetrain-profile", `version`
+// at most kProfileVersion, every required field present with the right type, no unknown keys (a typo
+// such as "foward_ms" is an error, not a silently missing value). Errors are UsageError and name
+// `origin` (a path, or "profile"), the JSON path of the field (e.g. layers[3].forward_ms) and the fix.
+nlohmann::json profile_to_json(const Profile& profile);
+Profile profile_from_json(const nlohmann::json& j, const std::string& origin = "profile");
+std::string profile_to_json_text(const Profile& profile);  // pretty-printed, ends with a newline
+Profile profile_from_json_text(const std::string& text, const std::string& origin = "profile");
+
+// Options for PipeDream's text format, which records neither the batch size nor the thread count.
+struct PipeDreamOptions {
+  std::string model = "pipedream";
+  int micro_batch_size = 1;  // the profiled mini-batch (PipeDream's VGG-16 profile: 128)
+  int threads = 1;
+  double optimizer_bytes_per_parameter_byte = 0;  // e.g. 2 for Adam; PipeDream does not record it
+};
+
+// Reads PipeDream's profile text format (ALGORITHMS.md §2.1): node lines
+//   nodeK -- <description> -- forward_compute_time=<ms>, backward_compute_time=<ms>,
+//            activation_size=<bytes or [b1; b2; ...]>, parameter_size=<bytes>[ -- stage_id=<s>]
+// and tab-indented edge lines `nodeA -- nodeB`. Conversion, as PipeDream's planner does it:
+//  - source nodes whose description starts with "Input" and sink nodes starting with "__getitem__" are
+//    dropped (PipeDream zeroes and removes them: the input always lives on the first stage);
+//  - the rest is sorted topologically (Kahn; among ready nodes the smallest number K of "nodeK" first,
+//    then file order); a cycle is a UsageError naming a node on it;
+//  - the order is then cut into layers only where exactly one tensor crosses: a boundary after node v
+//    is kept iff v has a consumer after it and no earlier node does. Other boundaries are merged away,
+//    so side branches fold into the layer that consumes them (VGG-16: Size fuses with View) and a
+//    residual block becomes one layer. A merged layer sums times and parameter bytes, takes the output
+//    bytes of its last node as activation_bytes, is named "nodeA+nodeB" and typed "TypeA+TypeB";
+//    activations of its inner nodes other than the last are not counted (4 bytes in VGG-16).
+// The type is the description up to its first '(' (e.g. "Conv2d"). No layer has a B/W split.
+// Errors (UsageError) name `origin`, the line number and the expected form.
+Profile parse_pipedream_graph(const std::string& text, const PipeDreamOptions& options = {},
+                              const std::string& origin = "pipedream profile");
+
+// File helpers. load_profile detects the format: text whose first non-blank character is '{' is JSON,
+// anything else PipeDream's format (with default PipeDreamOptions). save_profile writes JSON atomically.
+Profile load_profile(const std::string& path);
+Profile load_pipedream_graph(const std::string& path, const PipeDreamOptions& options = {});
+void save_profile(const std::string& path, const Profile& profile);
+
+// Convenience columns over the layers.
+std::vector<double> forward_plus_backward_ms(const Profile& profile);
+
+}  // namespace pipetrain
