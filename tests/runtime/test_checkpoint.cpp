@@ -14,6 +14,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/profiler.h"
 #include "pipetrain/runtime/split_linear.h"
 
 using namespace pipetrain;
@@ -261,4 +262,41 @@ TEST(Checkpoint, RunDifferencesNameEachKey) {
   EXPECT_EQ(d[0], "model.d_model: 128 in the checkpoint, 256 in this run");
   EXPECT_EQ(d[1], "data.vocabulary: \"abc\" in the checkpoint, \"abd\" in this run");
   EXPECT_TRUE(run_differences(saved, saved, {"model", "data"}).empty());
+}
+
+// The profiler (runtime/profiler.h) on the same small model: one entry per layer with the real output
+// sizes and parameter bytes, B/W split exactly for the layers holding pipetrain::nn::Linear, Adam's
+// state counted twice, extra micro-batch sizes in increasing order, and a JSON round trip.
+TEST(Profiler, MeasuresEveryLayer) {
+  auto model = make_model(3);
+  ProfilerOptions o;
+  o.repeats = 3;
+  o.warmup = 1;
+  o.extra_sizes = {16, 2};
+  const Profile p = profile_model(model, torch::randn({4, kIn}), o);
+  ASSERT_EQ(p.layers.size(), 6u);
+  EXPECT_EQ(p.micro_batch_size, 4);
+  const std::vector<bool> split{true, false, false, true, false, true};  // Linear, Tanh, Dropout, Linear, LayerNorm, Linear
+  const std::vector<int64_t> width{kHidden, kHidden, kHidden, kHidden, kHidden, kOut};
+  for (std::size_t i = 0; i < 6; ++i) {
+    const LayerProfile& l = p.layers[i];
+    EXPECT_EQ(l.bw_split, split[i]) << i << " " << l.type;
+    EXPECT_EQ(l.activation_bytes, 4.0 * width[i] * 4) << i;
+    double params = 0;
+    for (const auto& t : model->ptr(i)->parameters()) params += t.numel() * 4.0;
+    EXPECT_EQ(l.parameter_bytes, params) << i;
+    EXPECT_EQ(l.optimizer_bytes, 2 * params) << i;
+    EXPECT_GE(l.forward_ms, 0.0);
+    ASSERT_EQ(l.by_micro_batch.size(), 2u);
+    EXPECT_EQ(l.by_micro_batch[0].micro_batch_size, 2);
+    EXPECT_EQ(l.by_micro_batch[1].micro_batch_size, 16);
+  }
+  EXPECT_EQ(p.layers[0].type, "Linear");
+  EXPECT_EQ(p.layers[4].type, "LayerNorm");
+  EXPECT_EQ(profile_from_json_text(profile_to_json_text(p)).layers.size(), 6u);
+  // The model's gradients are left cleared.
+  for (const auto& t : model->parameters()) EXPECT_TRUE(!t.grad().defined() || t.grad().abs().sum().item<double>() == 0);
+  ProfilerOptions bad;
+  bad.optimizer = "lion";
+  EXPECT_THROW(profile_model(model, torch::randn({4, kIn}), bad), UsageError);
 }
