@@ -46,6 +46,7 @@ void add_launch_command(CLI::App& app, int& exit_code);
 void add_train_command(CLI::App& app, int& exit_code);
 void add_selftest_command(CLI::App& app, int& exit_code);
 void add_profile_command(CLI::App& app, int& exit_code);
+void add_plan_command(CLI::App& app, int& exit_code);
 
 // The process's command line, kept by main() so a command can relaunch itself as ranks.
 void set_command_line(int argc, char** argv);

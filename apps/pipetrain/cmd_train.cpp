@@ -282,6 +282,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   const bool leader = transport->rank() == 0;
   const int p = transport->world_size();
   PipelineOptions o = f.pipe.options(f.model.seed, transport->rank());
+  o.balance = resolve_balance(f.pipe, f.model, f.batch_size / std::max(1, f.pipe.microbatches), *transport);
   o.optimizer.name = f.optimizer;
   o.optimizer.lr = f.lr;
   o.optimizer.momentum = f.optimizer == "sgd" ? f.momentum : 0.0;
@@ -543,7 +544,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
       f->model.prepare();
       const PipelineOptions o = f->pipe.options(f->model.seed);
       auto model = f->model.factory()();
-      choose_balance(model, f->pipe.stages * o.virtual_stages, o.balance);
+      check_balance_flags(f->pipe, f->model);
       split_equal(f->batch_size, o.microbatches);
       GeneratorOptions g;
       g.ranks = f->pipe.stages;

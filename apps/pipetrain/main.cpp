@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   add_train_command(app, exit_code);
   add_selftest_command(app, exit_code);
   add_profile_command(app, exit_code);
+  add_plan_command(app, exit_code);
   set_command_line(argc, argv);
   // Flags from a --config file go in ahead of the command line's own.
   std::vector<std::string> args(argv, argv + argc);
@@ -47,7 +48,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);  // prints CLI11's message
-    std::cerr << "Commands are schedule, simulate, demo, info, launch, train, selftest and profile; run 'pipetrain --help' for usage.\n";
+    std::cerr << "Commands are schedule, simulate, demo, info, launch, train, selftest, profile and plan; run 'pipetrain --help' for usage.\n";
     return kExitUsage;
   }
   return exit_code;

@@ -7,13 +7,18 @@
 #include <array>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <thread>
 
 #include <torch/cuda.h>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/plan/balance.h"
+#include "pipetrain/plan/planner.h"
+#include "pipetrain/plan/profile.h"
 #include "pipetrain/runtime/launch.h"
+#include "pipetrain/runtime/profiler.h"
 
 namespace pipetrain::cli {
 
@@ -166,7 +171,16 @@ void PipelineFlags::add_to(CLI::App& app) {
   app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-auto; default 1f1b");
   app.add_option("--microbatches,-m", microbatches, "micro-batches per step, default 4");
   app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved), default 1");
-  app.add_option("--balance", balance, "uniform, parameters, or layer counts per stage such as 3,2,2; default uniform");
+  app.add_option("--balance", balance,
+                 "uniform, parameters, time, memory (measured), type:REGEX (layers whose type matches), or layer "
+                 "counts per stage such as 3,2,2; default uniform");
+  app.add_option("--balance-solver", balance_solver,
+                 "min-max (optimal contiguous partition, default) or block-partition (torchgpipe's heuristic)");
+  app.add_option_function<std::string>(
+      "--plan", [this, &app](const std::string& path) { apply_plan(path, app); },
+      "a plan from pipetrain plan: its balance, schedule and micro-batch count (flags given here win)");
+  app.add_option("--profile", profile_file,
+                 "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
   app.add_option("--transport", transport,
                  "local (threads in this process), gloo, mpi (under mpirun), or auto: mpi under mpirun, gloo "
@@ -175,6 +189,39 @@ void PipelineFlags::add_to(CLI::App& app) {
   app.add_flag("--reference", reference, "use the blocking reference executor instead of the fast path");
   app.add_option("--device", device,
                  "cpu (default), cuda (rank r on GPU r mod the GPU count) or cuda:N; cuda needs a CUDA LibTorch");
+}
+
+void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
+  plan_file = path;
+  Plan plan;
+  try {
+    plan = load_plan(path);
+  } catch (const std::exception& e) {  // parse time: report as a usage error (exit 2)
+    throw CLI::ValidationError("--plan", e.what());
+  }
+  for (int r : plan.replication)
+    if (r != 1)
+      throw CLI::ValidationError("--plan", path + " replicates stages (replication " + std::to_string(r) +
+                                                 "); hybrid data + pipeline parallelism is not run yet: plan with "
+                                                 "straight pipelines (pipetrain plan writes one)");
+  const int p = static_cast<int>(plan.balance.size());
+  auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
+  if (given("--stages") && stages != p)
+    throw CLI::ValidationError("--plan", path + " has " + std::to_string(p) + " stages but --stages is " +
+                                             std::to_string(stages) + ": drop --stages or plan for " +
+                                             std::to_string(stages) + " ranks");
+  stages = p;
+  if (!given("--balance")) {
+    balance.clear();
+    for (int n : plan.balance) balance += (balance.empty() ? "" : ",") + std::to_string(n);
+  }
+  std::ifstream in(path);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_object()) {
+    if (!given("--schedule") && j.contains("schedule") && j["schedule"].is_string()) schedule = j["schedule"];
+    if (!given("--microbatches") && j.contains("microbatches") && j["microbatches"].is_number_integer())
+      microbatches = j["microbatches"];
+  }
 }
 
 PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
@@ -209,6 +256,57 @@ PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
   if (threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(threads));
   o.threads = threads > 0 ? threads : std::max(1, cores / std::max(1, stages));
   return o;
+}
+
+namespace {
+bool measured_kind(const std::string& kind) { return kind == "time" || kind == "memory"; }
+}  // namespace
+
+void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model) {
+  parse_balance_solver(pipe.balance_solver);
+  const int stages = pipe.stages * pipe.virtual_stages;
+  if (!pipe.profile_file.empty()) {
+    const Profile p = load_profile(pipe.profile_file);
+    const int layers = layer_count(model.factory()());
+    if (static_cast<int>(p.layers.size()) != layers)
+      throw UsageError("--profile " + pipe.profile_file + " has " + std::to_string(p.layers.size()) +
+                       " layers but the model has " + std::to_string(layers) +
+                       ": profile this model (pipetrain profile with the same model flags)");
+    plan_balance(p, stages, pipe.balance, parse_balance_solver(pipe.balance_solver));
+  } else if (!measured_kind(pipe.balance)) {
+    choose_balance(model.factory()(), stages, pipe.balance, pipe.balance_solver);
+  }
+}
+
+std::string resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
+                            Transport& transport) {
+  const int stages = pipe.stages * pipe.virtual_stages;
+  const BalanceSolver solver = parse_balance_solver(pipe.balance_solver);
+  std::vector<int> balance;
+  if (!pipe.profile_file.empty()) {
+    balance = plan_balance(load_profile(pipe.profile_file), stages, pipe.balance, solver);
+  } else if (!measured_kind(pipe.balance)) {
+    if (solver == BalanceSolver::min_max) return pipe.balance;
+    balance = choose_balance(model.factory()(), stages, pipe.balance, pipe.balance_solver);
+  } else {
+    // Measured on rank 0 only, so every rank cuts the model the same way.
+    torch::Tensor counts = torch::zeros({stages}, torch::kDouble);
+    if (transport.rank() == 0) {
+      auto m = model.factory()();
+      const zoo::Batch b = model.dataset()->batch(0, std::max<int64_t>(1, micro_batch));
+      ProfilerOptions o;
+      o.repeats = 5;
+      o.warmup = 1;
+      const Profile p = profile_model(m, b.input, o);
+      const auto mine = plan_balance(p, stages, pipe.balance, solver);
+      for (int s = 0; s < stages; ++s) counts[s] = mine[static_cast<std::size_t>(s)];
+    }
+    transport.all_reduce_sum(counts);
+    for (int s = 0; s < stages; ++s) balance.push_back(static_cast<int>(counts[s].item<double>()));
+  }
+  std::string out;
+  for (int n : balance) out += (out.empty() ? "" : ",") + std::to_string(n);
+  return out;
 }
 
 namespace {

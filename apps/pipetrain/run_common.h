@@ -55,17 +55,33 @@ struct PipelineFlags {
   std::string schedule = "1f1b";
   int microbatches = 4;
   int virtual_stages = 1;
-  std::string balance = "uniform";
+  std::string balance = "uniform";          // see choose_balance; time and memory use a profile
+  std::string balance_solver = "min-max";   // min-max | block-partition
+  std::string profile_file;                 // --profile: a saved profile for time/memory balancing
+  std::string plan_file;                    // --plan: balance, schedule and micro-batches from pipetrain plan
   std::string checkpoint = "never";
   std::string transport = "auto";  // local | gloo | mpi | auto
   int threads = 0;
   bool reference = false;
   std::string device = "cpu";  // cpu | cuda | cuda:N
   CLI::Option* stages_option = nullptr;
+  // Applies --plan FILE: sets the stages, balance, schedule and micro-batches the plan chose, except
+  // those given on the command line (a mismatching --stages is an error). Called by the --plan option.
+  void apply_plan(const std::string& path, const CLI::App& app);
   void add_to(CLI::App& app);
   // `local_rank` picks the GPU for --device cuda (rank r uses GPU r mod the GPU count).
   PipelineOptions options(uint64_t seed, int local_rank = 0) const;
 };
+
+// The balance every rank uses, as a manual list ("3,2,2"), for the kinds that need a profile ("time",
+// "memory") or the block-partition solver: from --profile when given (every rank reads it), else rank 0
+// measures the model (runtime/profiler.h) on a micro-batch of its data and all ranks receive the
+// result (collective over `transport`). Other kinds come back unchanged. `micro_batch` sizes the
+// measurement.
+std::string resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
+                            Transport& transport);
+// Checks --balance, --balance-solver and --profile before any rank starts (no measuring).
+void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model);
 
 // Runs `body` on every rank. transport "local": one thread per rank in this process, body called once
 // per rank concurrently. Otherwise with the rendezvous environment set (a launcher started us): this

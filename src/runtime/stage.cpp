@@ -4,6 +4,7 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/plan/balance.h"
+#include "pipetrain/plan/profile.h"
 
 namespace pipetrain {
 
@@ -35,24 +36,54 @@ std::vector<double> layer_parameter_counts(const torch::nn::Sequential& model) {
   return out;
 }
 
-std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind) {
+std::vector<std::string> layer_type_names(const torch::nn::Sequential& model) {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < model->size(); ++i) {
+    std::string n = model->ptr(i)->name();
+    const auto colon = n.rfind("::");
+    if (colon != std::string::npos) n = n.substr(colon + 2);
+    if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n = n.substr(0, n.size() - 4);
+    out.push_back(n);
+  }
+  return out;
+}
+
+std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind,
+                                const std::string& solver) {
   const int layers = layer_count(model);
   if (stages < 1) throw UsageError("stages must be >= 1, got " + std::to_string(stages));
   if (stages > layers)
     throw UsageError(std::to_string(stages) + " stages but the model has " + std::to_string(layers) +
                      " layers: use --stages <= " + std::to_string(layers));
+  if (kind == "time" || kind == "memory")
+    throw UsageError("balance '" + kind + "' needs a measured profile: pass --profile FILE (from pipetrain profile), "
+                     "or let pipetrain train measure the model");
+  // The static kinds through the plan layer, on a profile holding what the model tells without running.
+  if (kind == "parameters" || kind.rfind("type:", 0) == 0 || (kind == "uniform" && solver != "min-max")) {
+    Profile p;
+    p.model = "model";
+    const auto types = layer_type_names(model);
+    const auto counts = layer_parameter_counts(model);
+    for (int i = 0; i < layers; ++i) {
+      LayerProfile l;
+      l.name = std::to_string(i);
+      l.type = types[static_cast<std::size_t>(i)];
+      l.parameter_bytes = counts[static_cast<std::size_t>(i)];
+      p.layers.push_back(l);
+    }
+    return plan_balance(p, stages, kind, parse_balance_solver(solver));
+  }
   std::vector<int> balance;
   if (kind == "uniform") {
     balance = balance_uniform(layers, stages);
-  } else if (kind == "parameters") {
-    balance = balance_min_max(layer_parameter_counts(model), stages);
   } else if (!kind.empty() && std::isdigit(static_cast<unsigned char>(kind[0]))) {
     balance = parse_balance(kind);
     if (static_cast<int>(balance.size()) != stages)
       throw UsageError("balance " + kind + " lists " + std::to_string(balance.size()) + " stages but " +
                        std::to_string(stages) + " are needed: give one layer count per stage");
   } else {
-    throw UsageError("unknown balance '" + kind + "': use uniform, parameters, or layer counts such as 3,2,2");
+    throw UsageError("unknown balance '" + kind +
+                     "': use uniform, parameters, time, memory, type:REGEX, or layer counts such as 3,2,2");
   }
   check_balance(balance, layers);
   return balance;

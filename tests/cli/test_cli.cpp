@@ -124,7 +124,7 @@ TEST(Cli, BadInputExitsTwoWithTheFix) {
   expect_usage_error("simulate -s 1f1b -p four -m 8", "four");
   expect_usage_error("simulate -s gpipe -p 4 -m 8 --memory-limit 3", "above the memory limit 3");
   expect_usage_error("simulate --load /nonexistent.csv", "cannot read schedule file");
-  expect_usage_error("frobnicate", "Commands are schedule, simulate, demo, info, launch, train, selftest and profile");
+  expect_usage_error("frobnicate", "Commands are schedule, simulate, demo, info, launch, train, selftest, profile and plan");
 }
 
 TEST(Cli, UnwritableOutputIsARuntimeFailure) {

@@ -23,10 +23,19 @@ int layer_count(const torch::nn::Sequential& model);
 // Trainable parameter count of each layer.
 std::vector<double> layer_parameter_counts(const torch::nn::Sequential& model);
 
-// The balance for `stages` stages: "uniform" (layer counts), "parameters" (optimal min-max split of
-// parameter counts), or a manual list "3,2,2". Throws UsageError with the numbers and the fix when the
-// kind is unknown or the balance does not fit the model.
-std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind);
+// Module type name of each layer, without namespace or "Impl" ("Linear", "Conv2d", "Block"): what
+// balance kind type:REGEX matches and what profiles record.
+std::vector<std::string> layer_type_names(const torch::nn::Sequential& model);
+
+// The balance for `stages` stages from what the model itself tells: "uniform" (layer counts),
+// "parameters" (parameter counts), "type:REGEX" (equal numbers of layers whose type matches, as
+// DeepSpeed's partition_method), or a manual list "3,2,2"; parameters and type are solved by `solver`
+// ("min-max", the optimal contiguous partition, or "block-partition", torchgpipe's heuristic). The
+// measured kinds "time" and "memory" need a profile (plan/balance.h plan_balance): they are refused here
+// with that fix. Throws UsageError with the numbers and the fix when the kind is unknown or the
+// balance does not fit the model.
+std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind,
+                                const std::string& solver = "min-max");
 
 class Stage {
  public:

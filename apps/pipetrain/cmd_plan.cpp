@@ -1,0 +1,314 @@
+// `pipetrain plan`: from a per-layer profile (pipetrain profile's JSON, or PipeDream's graph text),
+// the number of ranks, their bandwidth and memory, chooses how to run the model:
+//  - a straight pipeline for `pipetrain train`: balance kind x solver x schedule x micro-batch count,
+//    each candidate timed by the simulator with per-stage costs summed from the profile (scaled to the
+//    micro-batch size) and transfers at the bandwidth, checked against the memory per rank;
+//  - PipeDream's planner with stage replication (plan/planner.h), for comparison and for hybrid runs.
+// Prints the chosen plan next to the plain alternatives (uniform balance with 1f1b, data parallelism)
+// and writes a plan JSON that `pipetrain train --plan FILE` runs.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "cli_common.h"
+#include "pipetrain/core/error.h"
+#include "pipetrain/core/generators.h"
+#include "pipetrain/core/simulate.h"
+#include "pipetrain/core/timeline.h"
+#include "pipetrain/plan/balance.h"
+#include "pipetrain/plan/planner.h"
+#include "pipetrain/plan/profile.h"
+
+namespace pipetrain::cli {
+namespace {
+
+struct PlanFlags {
+  std::string profile;
+  int ranks = 2;
+  double bandwidth_gbps = 10;  // GB/s between ranks
+  double latency_us = 50;      // per transfer (gloo on one host: about 60 us one-way)
+  int pipedream_batch = 0;     // the batch size a PipeDream graph file was profiled at
+  std::vector<std::string> levels;
+  double memory_gib = 0;       // per rank; 0 = unlimited
+  int64_t batch_size = 0;      // 0: 8 x the profile's micro-batch size
+  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1"};
+  std::vector<int> microbatch_counts{1, 2, 4, 8, 16, 32};
+  std::vector<std::string> kinds{"uniform", "parameters", "time", "memory"};
+  std::string cost_form = "paper";
+  std::string out;
+};
+
+struct Candidate {
+  std::string kind, solver, schedule;
+  int m = 0;
+  std::vector<int> balance;
+  double makespan = 0, bubble = 0, peak_bytes = 0;
+  bool fits = true;
+};
+
+// A layer's time at micro-batch size b. With measurements at two or more sizes (the profile's own and
+// by_micro_batch, from pipetrain profile --sizes) a least-squares line t(b) = a + c b, which keeps the
+// fixed per-micro-batch cost that makes tiny micro-batches slow; with one, t scales with b.
+double scaled(double at_b0, const LayerProfile& l, int b0, double b, bool forward) {
+  std::vector<std::pair<double, double>> pts{{static_cast<double>(b0), at_b0}};
+  for (const auto& s : l.by_micro_batch)
+    if (s.micro_batch_size != b0) pts.emplace_back(s.micro_batch_size, forward ? s.forward_ms : s.backward_ms);
+  if (pts.size() < 2) return at_b0 * b / b0;
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (const auto& [x, y] : pts) {
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+  }
+  const double n = static_cast<double>(pts.size()), den = n * sxx - sx * sx;
+  if (std::abs(den) < 1e-12) return at_b0 * b / b0;
+  const double c = (n * sxy - sx * sy) / den, a = (sy - c * sx) / n;
+  return std::max(0.0, a + c * b);
+}
+
+Candidate evaluate(const Profile& prof, const std::vector<int>& balance, const std::string& schedule, int m,
+                   double micro, double bandwidth_bytes_per_ms, double latency_ms, double memory_limit) {
+  Candidate c;
+  c.schedule = schedule;
+  c.m = m;
+  c.balance = balance;
+  const int p = static_cast<int>(balance.size());
+  CostModel costs;
+  std::vector<double> static_bytes(static_cast<std::size_t>(p), 0.0);
+  double boundary_bytes = 0;
+  int layer = 0;
+  for (int s = 0; s < p; ++s) {
+    StageCost sc{0, 0, 0, 0};
+    for (int k = 0; k < balance[static_cast<std::size_t>(s)]; ++k, ++layer) {
+      const LayerProfile& l = prof.layers[static_cast<std::size_t>(layer)];
+      const double f = scaled(l.forward_ms, l, prof.micro_batch_size, micro, true);
+      const double bw = scaled(l.backward_ms, l, prof.micro_batch_size, micro, false);
+      const double share_w = l.bw_split && l.backward_ms > 0 ? l.w_ms() / (l.b_ms() + l.w_ms()) : 0.0;
+      sc.f += f;
+      sc.b += bw * (1 - share_w);
+      sc.w += bw * share_w;
+      sc.activation += l.activation_bytes * micro / prof.micro_batch_size;
+      static_bytes[static_cast<std::size_t>(s)] += 2 * l.parameter_bytes + l.optimizer_bytes;
+      if (k + 1 == balance[static_cast<std::size_t>(s)] && s + 1 < p)
+        boundary_bytes = std::max(boundary_bytes, l.activation_bytes * micro / prof.micro_batch_size);
+    }
+    costs.stage.push_back(sc);
+  }
+  costs.comm = p > 1 ? latency_ms + boundary_bytes / bandwidth_bytes_per_ms : 0.0;
+  GeneratorOptions g;
+  g.ranks = p;
+  g.microbatches = m;
+  g.costs = costs;
+  const Schedule sch = generate(schedule, g);
+  const SimResult r = simulate(sch, costs);
+  c.makespan = r.metrics.makespan;
+  c.bubble = r.metrics.bubble_fraction;
+  for (int s = 0; s < p; ++s) {
+    const double bytes = static_bytes[static_cast<std::size_t>(s)] + r.metrics.per_rank[static_cast<std::size_t>(s)].peak_memory;
+    c.peak_bytes = std::max(c.peak_bytes, bytes);
+  }
+  c.fits = memory_limit <= 0 || c.peak_bytes <= memory_limit;
+  return c;
+}
+
+std::string list(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app, int& exit_code) {
+  auto f = std::make_shared<PlanFlags>();
+  CLI::App* cmd = app.add_subcommand("plan", "choose balance, schedule and micro-batches (and PipeDream's replication) "
+                                             "from a profile");
+  cmd->add_option("--profile", f->profile, "profile: pipetrain profile's JSON, or PipeDream's graph text")->required();
+  cmd->add_option("--ranks,-p", f->ranks, "ranks (devices) to plan for, default 2");
+  cmd->add_option("--bandwidth", f->bandwidth_gbps, "GB/s between ranks, default 10");
+  cmd->add_option("--latency", f->latency_us, "microseconds per transfer between ranks, default 50");
+  cmd->add_option("--pipedream-batch", f->pipedream_batch,
+                  "the batch size a PipeDream graph file was profiled at (its format does not record it; VGG-16's: 128)");
+  cmd->add_option("--level", f->levels,
+                  "hierarchical network for PipeDream's planner, innermost first: MACHINES:GB/s, e.g. --level 4:100 "
+                  "--level 2:3.125 (the product of MACHINES is the device count)");
+  cmd->add_option("--memory", f->memory_gib, "GiB per rank (weights, gradients, optimizer state, activations); 0 = no limit");
+  cmd->add_option("--batch-size", f->batch_size, "samples per mini-batch; default 8 x the profile's micro-batch size");
+  cmd->add_option("--schedules", f->schedules, "schedules to consider, default gpipe 1f1b zb-h1");
+  cmd->add_option("--microbatch-counts", f->microbatch_counts, "micro-batch counts to consider, default 1 2 4 8 16 32");
+  cmd->add_option("--balances", f->kinds, "balance kinds to consider, default uniform parameters time memory");
+  cmd->add_option("--cost-form", f->cost_form, "PipeDream planner's cost form: paper (default) or reference");
+  cmd->add_option("--out", f->out, "write the plan JSON here (pipetrain train --plan FILE runs it)");
+  cmd->footer(
+      "Examples:\n"
+      "  pipetrain profile --model gpt --microbatch-size 8 --out gpt.json\n"
+      "  pipetrain plan --profile gpt.json --ranks 4 --batch-size 64 --out plan.json\n"
+      "  pipetrain train --plan plan.json --batch-size 64\n"
+      "  pipetrain plan --profile vgg16.txt --ranks 8 --bandwidth 1.25 --memory 16   # PipeDream's profile");
+  cmd->callback([f, &exit_code] {
+    exit_code = guarded("plan", [&] {
+      if (f->ranks < 1) throw UsageError("--ranks must be >= 1, got " + std::to_string(f->ranks));
+      if (!(f->bandwidth_gbps > 0)) throw UsageError("--bandwidth must be > 0 GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
+      if (f->memory_gib < 0) throw UsageError("--memory must be >= 0 GiB, got " + fmt::format("{}", f->memory_gib));
+      for (int m : f->microbatch_counts)
+        if (m < 1) throw UsageError("--microbatch-counts must be >= 1, got " + std::to_string(m));
+      if (f->latency_us < 0) throw UsageError("--latency must be >= 0 us, got " + fmt::format("{}", f->latency_us));
+      Profile prof = load_profile(f->profile);
+      if (f->pipedream_batch > 0) {
+        if (prof.source.rfind("pipedream graph", 0) != 0)
+          throw UsageError("--pipedream-batch is for PipeDream graph files; " + f->profile +
+                           " is a JSON profile, which records its micro-batch size: drop --pipedream-batch");
+        PipeDreamOptions po;
+        po.micro_batch_size = f->pipedream_batch;
+        prof = load_pipedream_graph(f->profile, po);
+      }
+      const int layers = static_cast<int>(prof.layers.size());
+      if (f->ranks > layers)
+        throw UsageError(std::to_string(f->ranks) + " ranks but the profile has " + std::to_string(layers) +
+                         " layers: a straight pipeline needs --ranks <= " + std::to_string(layers));
+      const int64_t batch = f->batch_size > 0 ? f->batch_size : 8LL * prof.micro_batch_size;
+      const double bw = f->bandwidth_gbps * 1e9 / 1e3;  // bytes per ms
+      const double limit = f->memory_gib * 1073741824.0;
+
+      // Straight pipelines.
+      std::vector<Candidate> all;
+      for (const std::string& kind : f->kinds)
+        for (const std::string solver : {"min-max", "block-partition"}) {
+          if (kind == "uniform" && solver != std::string("min-max")) continue;
+          std::vector<int> balance;
+          try {
+            balance = plan_balance(prof, f->ranks, kind, parse_balance_solver(solver));
+          } catch (const UsageError&) {
+            if (solver == std::string("block-partition")) continue;  // torchgpipe's heuristic may find none
+            throw;
+          }
+          for (const std::string& schedule : f->schedules)
+            for (int m : f->microbatch_counts) {
+              if (m > batch) continue;
+              Candidate c = evaluate(prof, balance, schedule, m, static_cast<double>(batch) / m, bw, f->latency_us / 1e3, limit);
+              c.kind = kind;
+              c.solver = solver;
+              all.push_back(c);
+            }
+        }
+      auto better = [](const Candidate& a, const Candidate& b) {
+        if (a.fits != b.fits) return a.fits;
+        return a.makespan < b.makespan - 1e-9 || (std::abs(a.makespan - b.makespan) <= 1e-9 && a.m < b.m);
+      };
+      if (all.empty()) throw UsageError("no candidate: check --schedules, --microbatch-counts and --batch-size");
+      const Candidate best = *std::min_element(all.begin(), all.end(), better);
+      const Candidate* uniform_1f1b = nullptr;
+      for (const Candidate& c : all)
+        if (c.kind == "uniform" && c.schedule == "1f1b" && (!uniform_1f1b || better(c, *uniform_1f1b))) uniform_1f1b = &c;
+
+      // Data parallelism on the same ranks: every rank runs the whole model on batch / ranks samples
+      // (serially in one pass), then a ring all-reduce of the gradients: 2 (R-1)/R x parameter bytes.
+      double compute = 0, params = 0, dp_static = 0, dp_act = 0;
+      for (const LayerProfile& l : prof.layers) {
+        const double share = static_cast<double>(batch) / f->ranks;
+        compute += scaled(l.forward_ms, l, prof.micro_batch_size, share, true) +
+                   scaled(l.backward_ms, l, prof.micro_batch_size, share, false);
+        params += l.parameter_bytes;
+        dp_static += 2 * l.parameter_bytes + l.optimizer_bytes;
+        dp_act += l.activation_bytes * share / prof.micro_batch_size;
+      }
+      const double dp_time = compute + (f->ranks > 1 ? 2.0 * (f->ranks - 1) / f->ranks * params / bw : 0.0);
+      const bool dp_fits = limit <= 0 || dp_static + dp_act <= limit;
+
+      // PipeDream's planner (replication), on the same devices.
+      PlannerOptions po;
+      if (f->levels.empty()) {
+        po.levels.push_back(NetworkLevel{f->ranks, f->bandwidth_gbps * 1e9});
+      } else {
+        for (const std::string& lv : f->levels) {
+          const auto colon = lv.find(':');
+          try {
+            if (colon == std::string::npos) throw std::invalid_argument(lv);
+            po.levels.push_back(NetworkLevel{std::stoi(lv.substr(0, colon)), std::stod(lv.substr(colon + 1)) * 1e9});
+          } catch (const std::exception&) {
+            throw UsageError("--level " + lv + " must read MACHINES:GB/s, e.g. 4:100");
+          }
+        }
+      }
+      po.cost_form = parse_planner_cost_form(f->cost_form);
+      if (limit > 0) po.memory_limit_bytes = limit;
+      po.allow_fewer_machines = true;
+      std::unique_ptr<Plan> pd;
+      std::string pd_error;
+      try {
+        pd = std::make_unique<Plan>(plan_pipedream(prof, po));
+      } catch (const UsageError& e) {
+        pd_error = e.what();
+      }
+
+      std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {} GB/s, {}, mini-batch {}\n",
+                               prof.model, layers, prof.micro_batch_size, f->ranks, f->bandwidth_gbps,
+                               limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
+      std::cout << fmt::format("  {:<34} {:>14} {:>8} {:>12}  {}\n", "", "ms/mini-batch", "bubble", "peak GiB", "balance");
+      auto row = [&](const std::string& name, const Candidate& c) {
+        std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {}{}\n", name, c.makespan, c.bubble,
+                                 c.peak_bytes / 1073741824.0, list(c.balance), c.fits ? "" : "  (over the memory limit)");
+      };
+      row(fmt::format("chosen: {} m={}, {} ({})", best.schedule, best.m, best.kind, best.solver), best);
+      if (uniform_1f1b) row(fmt::format("uniform balance, 1f1b m={}", uniform_1f1b->m), *uniform_1f1b);
+      std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {}\n", "data parallelism", dp_time, "-",
+                               (dp_static + dp_act) / 1073741824.0, dp_fits ? "all layers on every rank" : "over the memory limit");
+      if (pd) {
+        const double per_batch = pd->time_ms * static_cast<double>(batch) / prof.micro_batch_size;
+        std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {} x replication {} ({} cost form, {:.2f}x over its "
+                                 "data parallelism)\n",
+                                 "PipeDream planner (asynchronous)", per_batch, "-",
+                                 *std::max_element(pd->stage_memory_bytes.begin(), pd->stage_memory_bytes.end()) / 1073741824.0,
+                                 list(pd->balance), list(pd->replication), f->cost_form, pd->speedup);
+      } else {
+        std::cout << "  PipeDream planner: no feasible plan: " << pd_error << "\n";
+      }
+      if (uniform_1f1b && best.makespan > 0)
+        std::cout << fmt::format("  the chosen plan is {:.2f}x the throughput of uniform 1f1b and {:.2f}x data parallelism\n",
+                                 uniform_1f1b->makespan / best.makespan, dp_time / best.makespan);
+      if (!f->out.empty()) {
+        Plan chosen;
+        chosen.model = prof.model;
+        chosen.layers = layers;
+        chosen.options = po;
+        chosen.balance = best.balance;
+        chosen.replication.assign(best.balance.size(), 1);
+        chosen.time_ms = best.makespan;
+        chosen.data_parallel_time_ms = dp_time;
+        chosen.speedup = best.makespan > 0 ? dp_time / best.makespan : 0;
+        chosen.data_parallel_fits = dp_fits;
+        int at = 0;
+        for (int n : best.balance) {
+          double t = 0, mem = 0;
+          for (int k = 0; k < n; ++k, ++at) {
+            const LayerProfile& l = prof.layers[static_cast<std::size_t>(at)];
+            t += l.forward_ms + l.backward_ms;
+            mem += 2 * l.parameter_bytes + l.optimizer_bytes;
+          }
+          chosen.stage_time_ms.push_back(t);
+          chosen.stage_memory_bytes.push_back(mem);
+          chosen.stage_in_flight.push_back(1);
+        }
+        nlohmann::json j = plan_to_json(chosen);
+        j["schedule"] = best.schedule;
+        j["microbatches"] = best.m;
+        j["batch_size"] = batch;
+        j["balance_kind"] = best.kind;
+        j["balance_solver"] = best.solver;
+        j["predicted_bubble_fraction"] = best.bubble;
+        if (pd) j["pipedream"] = plan_to_json(*pd);
+        write_file_atomic(f->out, j.dump(2) + "\n");
+        std::cout << "plan written to " << f->out << " (run it with pipetrain train --plan " << f->out << ")\n";
+      }
+      return 0;
+    });
+  });
+}
+
+}  // namespace pipetrain::cli

@@ -1,0 +1,154 @@
+// Checks planning as a user runs it (issue 6): `pipetrain profile` writes a profile of the model it
+// measures; `pipetrain plan` reads it (or PipeDream's VGG-16 graph) and writes a plan whose balance,
+// schedule and micro-batches `pipetrain train --plan` runs; measured balance kinds (time, memory) and
+// type:REGEX in train; usage errors exit 2 with the fix.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "run_command.h"
+
+namespace fs = std::filesystem;
+using pipetrain::testing::CommandResult;
+using pipetrain::testing::run_pipetrain;
+
+namespace {
+
+const std::string kModel = " --data synthetic --d-model 32 --heads 2 --seq-len 16 --vocab 32 --layers 4";
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("pipetrain-plan-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+
+// The ms/mini-batch column of a row of plan's table.
+double row_time(const std::string& out, const std::string& row_start) {
+  std::smatch m;
+  const std::regex re(row_start + R"([^\n]*?\s([0-9]+\.[0-9]+)\s+[0-9.-]+\s+[0-9.]+\s)");
+  if (!std::regex_search(out, m, re)) return -1;
+  return std::stod(m[1]);
+}
+
+}  // namespace
+
+TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
+  const fs::path dir = temp_dir("flow");
+  CommandResult r = run_pipetrain("profile" + kModel + " --microbatch-size 4 --repeats 2 --sizes 1 8 --out " +
+                                  (dir / "profile.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const nlohmann::json prof = read_json(dir / "profile.json");
+  EXPECT_EQ(prof.at("format"), "pipetrain-profile");
+  ASSERT_EQ(prof.at("layers").size(), 6u);  // embedding, 4 blocks, head
+  EXPECT_EQ(prof.at("layers")[1].at("type"), "Block");
+  EXPECT_EQ(prof.at("layers")[1].at("by_micro_batch").size(), 2u);
+
+  r = run_pipetrain("plan --profile " + (dir / "profile.json").string() + " --ranks 3 --batch-size 16 --out " +
+                    (dir / "plan.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const double chosen = row_time(r.out, "chosen:"), uniform = row_time(r.out, "uniform balance, 1f1b");
+  ASSERT_GT(chosen, 0) << r.out;
+  ASSERT_GT(uniform, 0) << r.out;
+  EXPECT_LE(chosen, uniform) << "uniform 1f1b is among the candidates, so the choice cannot be slower\n" << r.out;
+  EXPECT_TRUE(r.has("data parallelism")) << r.out;
+  EXPECT_TRUE(r.has("PipeDream planner")) << r.out;
+  const nlohmann::json plan = read_json(dir / "plan.json");
+  ASSERT_EQ(plan.at("balance").size(), 3u);
+  int layers = 0;
+  std::string balance;
+  for (const auto& n : plan.at("balance")) {
+    layers += n.get<int>();
+    balance += (balance.empty() ? "" : ",") + std::to_string(n.get<int>());
+  }
+  EXPECT_EQ(layers, 6);
+  const std::string schedule = plan.at("schedule");
+  const int m = plan.at("microbatches");
+
+  r = run_pipetrain("train --transport local --plan " + (dir / "plan.json").string() + kModel +
+                    " --batch-size 16 --steps 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("3 stages over local")) << r.out;
+  EXPECT_TRUE(r.has("schedule " + schedule + ", m=" + std::to_string(m))) << r.out;
+  EXPECT_TRUE(r.has("balance " + balance)) << r.out;
+  // A flag on the command line beats the plan.
+  r = run_pipetrain("train --transport local --plan " + (dir / "plan.json").string() + kModel +
+                    " --batch-size 16 --steps 1 --schedule gpipe --microbatches 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("schedule gpipe, m=2")) << r.out;
+  // Replicated stages are refused until hybrid parallelism runs.
+  nlohmann::json replicated = plan;
+  replicated["replication"] = {2, 1, 1};
+  replicated["options"]["levels"][0]["machines"] = 4;
+  std::ofstream(dir / "replicated.json") << replicated.dump();
+  r = run_pipetrain("train --transport local --plan " + (dir / "replicated.json").string() + kModel);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("replicates stages")) << r.out;
+  r = run_pipetrain("train --transport local --stages 2 --plan " + (dir / "plan.json").string() + kModel);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("has 3 stages but --stages is 2")) << r.out;
+  fs::remove_all(dir);
+}
+
+TEST(PlanCli, PipeDreamVgg16Profile) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / ".." / "shared" / "data" / "pipedream-profiles" / "vgg16-graph.txt";
+  if (!fs::exists(vgg)) GTEST_SKIP() << "no PipeDream profile at " << vgg;
+  const CommandResult r = run_pipetrain("plan --profile " + vgg.string() +
+                                        " --pipedream-batch 128 --ranks 4 --bandwidth 1.25 --batch-size 128");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("(39 layers, profiled at micro-batch 128)")) << r.out;
+  EXPECT_LE(row_time(r.out, "chosen:"), row_time(r.out, "uniform balance, 1f1b")) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(PipeDream planner[^\n]* x replication ([0-9,]+))"))) << r.out;
+  int devices = 0;
+  for (char c : std::string(m[1]))
+    if (c != ',') devices += c - '0';
+  EXPECT_LE(devices, 4) << r.out;
+}
+
+TEST(PlanCli, MeasuredAndTypeBalancesInTrain) {
+  for (const std::string kind : {"time", "memory", "type:Block"}) {
+    const CommandResult r =
+        run_pipetrain("train --transport local --stages 2 --steps 1 --batch-size 8 --balance " + kind + kModel);
+    ASSERT_EQ(r.code, 0) << kind << "\n" << r.out;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(balance ([0-9]+),([0-9]+))"))) << r.out;
+    EXPECT_EQ(std::stoi(m[1]) + std::stoi(m[2]), 6) << r.out;
+    // type:Block puts two of the four blocks on each stage (the embedding and head count zero).
+    if (kind == "type:Block") EXPECT_TRUE(m[0] == "balance 3,3" || m[0] == "balance 2,4") << r.out;
+  }
+}
+
+TEST(PlanCli, UsageErrors) {
+  const fs::path dir = temp_dir("errors");
+  std::ofstream(dir / "short.json") << R"({"format": "pipetrain-profile", "version": 1, "model": "x",
+    "micro_batch_size": 1, "threads": 1, "layers": [{"name": "a", "type": "Linear", "forward_ms": 1,
+    "backward_ms": 1, "activation_bytes": 4, "parameter_bytes": 4, "optimizer_bytes": 0}]})";
+  struct Case {
+    std::string args, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"plan --profile /nonexistent.json", "/nonexistent.json"},
+           {"plan --profile " + (dir / "short.json").string() + " --ranks 2", "2 ranks but the profile has 1 layers"},
+           {"plan --profile " + (dir / "short.json").string() + " --ranks 0", "--ranks must be >= 1"},
+           {"plan --profile " + (dir / "short.json").string() + " --pipedream-batch 4", "drop --pipedream-batch"},
+           {"train --transport local --balance speed" + kModel, "unknown balance"},
+           {"train --transport local --balance time --profile " + (dir / "short.json").string() + kModel,
+            "has 1 layers but the model has 6"},
+           {"train --transport local --balance time --balance-solver greedy" + kModel, "greedy"},
+           {"train --transport local --plan /nonexistent/plan.json" + kModel, "/nonexistent/plan.json"},
+       }) {
+    const CommandResult r = run_pipetrain(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
+    EXPECT_TRUE(r.has(c.message)) << c.args << "\n" << r.out;
+  }
+  fs::remove_all(dir);
+}
