@@ -6,6 +6,9 @@
 #include <iostream>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/plan/balance.h"
+#include "pipetrain/plan/costs.h"
+#include "pipetrain/plan/profile.h"
 #include "pipetrain/core/validate.h"
 
 namespace pipetrain::cli {
@@ -23,6 +26,14 @@ void ScheduleFlags::add_to(CLI::App& app) {
                  "per-micro-batch times F:B:W (forward, input-gradient backward, weight-gradient backward) for "
                  "every stage, or a comma-separated list with one triple per stage; default 1:1:1");
   app.add_option("--comm", comm, "time of one transfer between ranks, default 0");
+  app.add_option("--profile", profile,
+                 "take stage costs from a profile (pipetrain profile JSON or PipeDream graph text) instead of --cost");
+  app.add_option("--balance", balance,
+                 "with --profile: uniform, parameters, time (default), memory, type:REGEX or layer counts 3,2,2");
+  app.add_option("--balance-solver", balance_solver, "with --profile: min-max (default) or block-partition");
+  app.add_option("--microbatch-size", microbatch_size, "with --profile: samples per micro-batch; default the profile's");
+  app.add_option("--bandwidth", bandwidth_gbps, "with --profile: GB/s between ranks; default: transfers cost the latency only");
+  app.add_option("--latency", latency_us, "with --profile: microseconds per transfer, default 0");
   app.add_option("--memory-limit", memory_limit,
                  "activation memory limit per rank, in micro-batches: checked for every schedule, and the "
                  "target of zb-auto (default for zb-auto: p)");
@@ -50,7 +61,10 @@ Schedule ScheduleFlags::build() const {
     o.virtual_stages = virtual_stages;
     o.steps = steps;
     o.memory_limit = memory_limit;
-    if (schedule == "zb-h2" || schedule == "zb-auto") {
+    if ((schedule == "zb-h2" || schedule == "zb-auto") && !profile.empty()) {
+      if (stages < 1) throw UsageError("--stages must be >= 1, got " + std::to_string(stages));
+      o.costs = profile_costs(stages * virtual_stages);
+    } else if (schedule == "zb-h2" || schedule == "zb-auto") {
       if (stages < 1) throw UsageError("--stages must be >= 1, got " + std::to_string(stages));
       o.costs.stage = parse_stage_costs(cost);
       o.costs.comm = comm;
@@ -66,7 +80,20 @@ Schedule ScheduleFlags::build() const {
   return s;
 }
 
+CostModel ScheduleFlags::profile_costs(int total_stages) const {
+  const Profile p = load_profile(profile);
+  if (microbatch_size < 0) throw UsageError("--microbatch-size must be > 0");
+  if (bandwidth_gbps < 0 || latency_us < 0) throw UsageError("--bandwidth and --latency must be >= 0");
+  const std::vector<int> b = plan_balance(p, total_stages, balance, parse_balance_solver(balance_solver));
+  StageCostOptions o;
+  o.micro_batch = microbatch_size > 0 ? microbatch_size : p.micro_batch_size;
+  o.bandwidth_bytes_per_ms = bandwidth_gbps * 1e6;
+  o.latency_ms = latency_us / 1e3;
+  return stage_costs(p, b, o);
+}
+
 CostModel ScheduleFlags::costs(const Schedule& s) const {
+  if (!profile.empty()) return profile_costs(s.stages);
   const std::vector<StageCost> given = parse_stage_costs(cost);
   if (comm < 0) throw UsageError("--comm " + std::to_string(comm) + " must be >= 0");
   const int v = s.virtual_stages_per_rank();

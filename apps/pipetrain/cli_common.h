@@ -27,14 +27,22 @@ struct ScheduleFlags {
   std::string cost = "1:1:1";    // F:B:W, or one triple per stage
   double comm = 0.0;             // per-hop transfer time
   double memory_limit = 0.0;     // activation memory limit per rank (micro-batches); 0 = none
+  // Costs from a profile instead of --cost: the balance cuts the profiled layers into stages.
+  std::string profile;
+  std::string balance = "time";
+  std::string balance_solver = "min-max";
+  double microbatch_size = 0;    // 0: the profile's
+  double bandwidth_gbps = 0;     // 0: transfers cost only the latency
+  double latency_us = 0;
   CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
   CLI::Option* microbatches_option = nullptr;
 
   void add_to(CLI::App& app);
   // Builds (or loads) and validates the schedule. Throws UsageError / ScheduleError on bad input.
   Schedule build() const;
-  // The cost model for `s`, from --cost and --comm.
+  // The cost model for `s`, from --cost and --comm, or from --profile cut by --balance.
   CostModel costs(const Schedule& s) const;
+  CostModel profile_costs(int total_stages) const;
 };
 
 // Registers the subcommands; each sets `exit_code` when it runs.

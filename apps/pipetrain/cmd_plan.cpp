@@ -21,6 +21,7 @@
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/plan/balance.h"
+#include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/planner.h"
 #include "pipetrain/plan/profile.h"
 
@@ -51,27 +52,6 @@ struct Candidate {
   bool fits = true;
 };
 
-// A layer's time at micro-batch size b. With measurements at two or more sizes (the profile's own and
-// by_micro_batch, from pipetrain profile --sizes) a least-squares line t(b) = a + c b, which keeps the
-// fixed per-micro-batch cost that makes tiny micro-batches slow; with one, t scales with b.
-double scaled(double at_b0, const LayerProfile& l, int b0, double b, bool forward) {
-  std::vector<std::pair<double, double>> pts{{static_cast<double>(b0), at_b0}};
-  for (const auto& s : l.by_micro_batch)
-    if (s.micro_batch_size != b0) pts.emplace_back(s.micro_batch_size, forward ? s.forward_ms : s.backward_ms);
-  if (pts.size() < 2) return at_b0 * b / b0;
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (const auto& [x, y] : pts) {
-    sx += x;
-    sy += y;
-    sxx += x * x;
-    sxy += x * y;
-  }
-  const double n = static_cast<double>(pts.size()), den = n * sxx - sx * sx;
-  if (std::abs(den) < 1e-12) return at_b0 * b / b0;
-  const double c = (n * sxy - sx * sy) / den, a = (sy - c * sx) / n;
-  return std::max(0.0, a + c * b);
-}
-
 Candidate evaluate(const Profile& prof, const std::vector<int>& balance, const std::string& schedule, int m,
                    double micro, double bandwidth_bytes_per_ms, double latency_ms, double memory_limit) {
   Candidate c;
@@ -79,28 +59,12 @@ Candidate evaluate(const Profile& prof, const std::vector<int>& balance, const s
   c.m = m;
   c.balance = balance;
   const int p = static_cast<int>(balance.size());
-  CostModel costs;
-  std::vector<double> static_bytes(static_cast<std::size_t>(p), 0.0);
-  double boundary_bytes = 0;
-  int layer = 0;
-  for (int s = 0; s < p; ++s) {
-    StageCost sc{0, 0, 0, 0};
-    for (int k = 0; k < balance[static_cast<std::size_t>(s)]; ++k, ++layer) {
-      const LayerProfile& l = prof.layers[static_cast<std::size_t>(layer)];
-      const double f = scaled(l.forward_ms, l, prof.micro_batch_size, micro, true);
-      const double bw = scaled(l.backward_ms, l, prof.micro_batch_size, micro, false);
-      const double share_w = l.bw_split && l.backward_ms > 0 ? l.w_ms() / (l.b_ms() + l.w_ms()) : 0.0;
-      sc.f += f;
-      sc.b += bw * (1 - share_w);
-      sc.w += bw * share_w;
-      sc.activation += l.activation_bytes * micro / prof.micro_batch_size;
-      static_bytes[static_cast<std::size_t>(s)] += 2 * l.parameter_bytes + l.optimizer_bytes;
-      if (k + 1 == balance[static_cast<std::size_t>(s)] && s + 1 < p)
-        boundary_bytes = std::max(boundary_bytes, l.activation_bytes * micro / prof.micro_batch_size);
-    }
-    costs.stage.push_back(sc);
-  }
-  costs.comm = p > 1 ? latency_ms + boundary_bytes / bandwidth_bytes_per_ms : 0.0;
+  StageCostOptions so;
+  so.micro_batch = micro;
+  so.bandwidth_bytes_per_ms = bandwidth_bytes_per_ms;
+  so.latency_ms = latency_ms;
+  const CostModel costs = stage_costs(prof, balance, so);
+  const std::vector<double> static_bytes = stage_static_bytes(prof, balance);
   GeneratorOptions g;
   g.ranks = p;
   g.microbatches = m;
@@ -212,8 +176,8 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       double compute = 0, params = 0, dp_static = 0, dp_act = 0;
       for (const LayerProfile& l : prof.layers) {
         const double share = static_cast<double>(batch) / f->ranks;
-        compute += scaled(l.forward_ms, l, prof.micro_batch_size, share, true) +
-                   scaled(l.backward_ms, l, prof.micro_batch_size, share, false);
+        compute += layer_time_at(l, prof.micro_batch_size, share, true) +
+                   layer_time_at(l, prof.micro_batch_size, share, false);
         params += l.parameter_bytes;
         dp_static += 2 * l.parameter_bytes + l.optimizer_bytes;
         dp_act += l.activation_bytes * share / prof.micro_batch_size;

@@ -152,3 +152,25 @@ TEST(PlanCli, UsageErrors) {
   }
   fs::remove_all(dir);
 }
+
+TEST(PlanCli, SimulateFromAProfile) {
+  const fs::path dir = temp_dir("simulate");
+  std::ofstream(dir / "p.json") << R"({"format": "pipetrain-profile", "version": 1, "model": "x",
+    "micro_batch_size": 2, "threads": 1, "layers": [
+    {"name": "a", "type": "Linear", "forward_ms": 1, "backward_ms": 2, "activation_bytes": 8, "parameter_bytes": 4, "optimizer_bytes": 0},
+    {"name": "b", "type": "Linear", "forward_ms": 1, "backward_ms": 2, "activation_bytes": 8, "parameter_bytes": 4, "optimizer_bytes": 0},
+    {"name": "c", "type": "Linear", "forward_ms": 2, "backward_ms": 4, "activation_bytes": 8, "parameter_bytes": 4, "optimizer_bytes": 0}]})";
+  // Time balance puts [a, b] and [c] on two stages: F = 2 each, backward 4 each (no split, so B = 4,
+  // W = 0). GPipe with m = 3 and no transfer cost: (m + p - 1)(F + B) = 4 x 6 = 24.
+  const CommandResult r = run_pipetrain("simulate --schedule gpipe --stages 2 --microbatches 3 --profile " +
+                                        (dir / "p.json").string() + " --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_DOUBLE_EQ(j.at("makespan").get<double>(), 24.0);
+  // At micro-batch 4 (twice the profiled size) every time doubles.
+  const CommandResult r4 = run_pipetrain("simulate --schedule gpipe --stages 2 --microbatches 3 --microbatch-size 4 "
+                                         "--profile " + (dir / "p.json").string() + " --json");
+  ASSERT_EQ(r4.code, 0) << r4.out;
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(r4.out).at("makespan").get<double>(), 48.0);
+  fs::remove_all(dir);
+}

@@ -1,0 +1,68 @@
+#include "pipetrain/plan/costs.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "pipetrain/plan/balance.h"
+
+namespace pipetrain {
+
+double layer_time_at(const LayerProfile& l, int b0, double b, bool forward) {
+  const double at_b0 = forward ? l.forward_ms : l.backward_ms;
+  std::vector<std::pair<double, double>> pts{{static_cast<double>(b0), at_b0}};
+  for (const auto& s : l.by_micro_batch)
+    if (s.micro_batch_size != b0) pts.emplace_back(s.micro_batch_size, forward ? s.forward_ms : s.backward_ms);
+  if (pts.size() < 2) return at_b0 * b / b0;
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (const auto& [x, y] : pts) {
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+  }
+  const double n = static_cast<double>(pts.size()), den = n * sxx - sx * sx;
+  if (std::abs(den) < 1e-12) return at_b0 * b / b0;
+  const double c = (n * sxy - sx * sy) / den, a = (sy - c * sx) / n;
+  return std::max(0.0, a + c * b);
+}
+
+CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, const StageCostOptions& o) {
+  check_balance(balance, static_cast<int>(prof.layers.size()));
+  const double scale = o.micro_batch / prof.micro_batch_size;
+  CostModel costs;
+  double boundary = 0;
+  std::size_t layer = 0;
+  for (std::size_t s = 0; s < balance.size(); ++s) {
+    StageCost sc{0, 0, 0, 0};
+    for (int k = 0; k < balance[s]; ++k, ++layer) {
+      const LayerProfile& l = prof.layers[layer];
+      const double bw = layer_time_at(l, prof.micro_batch_size, o.micro_batch, false);
+      const double share_w = l.bw_split && l.b_ms() + l.w_ms() > 0 ? l.w_ms() / (l.b_ms() + l.w_ms()) : 0.0;
+      sc.f += layer_time_at(l, prof.micro_batch_size, o.micro_batch, true);
+      sc.b += bw * (1 - share_w);
+      sc.w += bw * share_w;
+      sc.activation += l.activation_bytes * scale;
+      if (k + 1 == balance[s] && s + 1 < balance.size()) boundary = std::max(boundary, l.activation_bytes * scale);
+    }
+    costs.stage.push_back(sc);
+  }
+  costs.comm = balance.size() > 1
+                   ? o.latency_ms + (o.bandwidth_bytes_per_ms > 0 ? boundary / o.bandwidth_bytes_per_ms : 0.0)
+                   : 0.0;
+  return costs;
+}
+
+std::vector<double> stage_static_bytes(const Profile& prof, const std::vector<int>& balance) {
+  check_balance(balance, static_cast<int>(prof.layers.size()));
+  std::vector<double> out;
+  std::size_t layer = 0;
+  for (int n : balance) {
+    double bytes = 0;
+    for (int k = 0; k < n; ++k, ++layer) bytes += 2 * prof.layers[layer].parameter_bytes + prof.layers[layer].optimizer_bytes;
+    out.push_back(bytes);
+  }
+  return out;
+}
+
+}  // namespace pipetrain

@@ -1,0 +1,70 @@
+// Checks plan/costs.h: a layer's time at another micro-batch size (proportional with one measurement,
+// the least-squares line with several, exact on affine data), and per-stage cost models cut from a
+// profile by a balance (sums, the B:W proportion, activation bytes, the transfer time).
+#include <gtest/gtest.h>
+
+#include "pipetrain/core/error.h"
+#include "pipetrain/plan/costs.h"
+
+using namespace pipetrain;
+
+namespace {
+
+LayerProfile layer(double f, double b, double act, double params) {
+  LayerProfile l;
+  l.name = "l";
+  l.type = "Linear";
+  l.forward_ms = f;
+  l.backward_ms = b;
+  l.activation_bytes = act;
+  l.parameter_bytes = params;
+  return l;
+}
+
+}  // namespace
+
+TEST(Costs, LayerTimeScalesOrFitsALine) {
+  LayerProfile l = layer(4.0, 8.0, 0, 0);  // at size 8
+  EXPECT_DOUBLE_EQ(layer_time_at(l, 8, 2, true), 1.0);
+  EXPECT_DOUBLE_EQ(layer_time_at(l, 8, 16, false), 16.0);
+  // Affine data t(b) = 0.5 + 0.25 b at sizes 2, 8, 32: the fit is exact, including the fixed cost.
+  l.forward_ms = 0.5 + 0.25 * 8;
+  l.by_micro_batch = {{2, 0.5 + 0.25 * 2, 1.0 + 0.5 * 2}, {32, 0.5 + 0.25 * 32, 1.0 + 0.5 * 32}};
+  l.backward_ms = 1.0 + 0.5 * 8;
+  EXPECT_NEAR(layer_time_at(l, 8, 1, true), 0.75, 1e-12);
+  EXPECT_NEAR(layer_time_at(l, 8, 64, true), 16.5, 1e-12);
+  EXPECT_NEAR(layer_time_at(l, 8, 4, false), 3.0, 1e-12);
+  // A fit that would go negative is clamped at zero.
+  l.by_micro_batch = {{16, 0.1, 0.1}};
+  l.forward_ms = 10;
+  EXPECT_GE(layer_time_at(l, 8, 64, true), 0.0);
+}
+
+TEST(Costs, StageCostsSumTheirLayers) {
+  Profile p;
+  p.model = "m";
+  p.micro_batch_size = 4;
+  p.layers = {layer(1, 2, 100, 10), layer(2, 4, 200, 20), layer(3, 6, 300, 30)};
+  p.layers[1].bw_split = true;
+  p.layers[1].input_grad_ms = 1;
+  p.layers[1].weight_grad_ms = 3;  // 1:3, so its 4 ms backward splits 1 + 3
+  p.layers[2].optimizer_bytes = 60;
+  StageCostOptions o;
+  o.micro_batch = 8;  // twice the profiled size
+  o.bandwidth_bytes_per_ms = 100;
+  o.latency_ms = 0.5;
+  const CostModel c = stage_costs(p, {2, 1}, o);
+  ASSERT_EQ(c.stage.size(), 2u);
+  EXPECT_DOUBLE_EQ(c.stage[0].f, 2 * (1 + 2));
+  EXPECT_DOUBLE_EQ(c.stage[0].b, 2 * (2 + 1));
+  EXPECT_DOUBLE_EQ(c.stage[0].w, 2 * 3);
+  EXPECT_DOUBLE_EQ(c.stage[0].activation, 2 * (100 + 200));
+  EXPECT_DOUBLE_EQ(c.stage[1].f, 6);
+  EXPECT_DOUBLE_EQ(c.stage[1].b, 12);
+  EXPECT_DOUBLE_EQ(c.stage[1].w, 0);
+  // The one boundary carries layer 1's output at 8 samples: 400 bytes at 100 bytes/ms, plus latency.
+  EXPECT_DOUBLE_EQ(c.comm, 0.5 + 400.0 / 100);
+  EXPECT_EQ(stage_static_bytes(p, {2, 1}), (std::vector<double>{2 * 30.0, 2 * 30.0 + 60}));
+  EXPECT_DOUBLE_EQ(stage_costs(p, {3}, o).comm, 0.0);  // one stage: nothing crosses
+  EXPECT_THROW(stage_costs(p, {2, 2}, o), UsageError);
+}
