@@ -607,3 +607,43 @@ TEST(GlooTransport, Rank0ReportsAPortInUse) {
 
 }  // namespace
 }  // namespace pipetrain
+
+// Group views (make_group_transport) over four in-process ranks: two "pipelines" {0,1} and {2,3} and two
+// "stages" {0,2} and {1,3}, as a 2 x 2 data + pipeline layout uses them. Ranks are renumbered in member
+// order, point-to-point reaches the right rank, each group's all-reduce sums only its members.
+TEST(GroupTransport, RenumbersAndReducesWithinTheGroup) {
+  using namespace pipetrain;
+  auto world = make_local_transports(4);
+  std::vector<double> pipeline_sum(4), stage_sum(4);
+  std::vector<int> pipeline_rank(4), stage_rank(4);
+  std::vector<double> received(4, -1);
+  run_on_threads(4, [&](int r) {
+    auto pipeline = make_group_transport(world[r], r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
+    auto stage = make_group_transport(world[r], r % 2 == 0 ? std::vector<int>{2, 0} : std::vector<int>{1, 3});
+    pipeline_rank[r] = pipeline->rank();
+    stage_rank[r] = stage->rank();
+    torch::Tensor v = torch::full({2}, double(1 << r), torch::kDouble);
+    pipeline->all_reduce_sum(v);
+    pipeline_sum[r] = v[0].item<double>();
+    torch::Tensor w = torch::full({1}, double(10 * (r + 1)), torch::kDouble);
+    stage->all_reduce_sum(w);
+    stage_sum[r] = w[0].item<double>();
+    // Within a pipeline, group rank 0 sends its world rank to group rank 1.
+    torch::Tensor msg = torch::zeros({1}, torch::kDouble);
+    if (pipeline->rank() == 0) {
+      msg[0] = r;
+      pipeline->send(msg, 1, 5);
+    } else {
+      pipeline->recv(msg, 0, 5);
+      received[r] = msg[0].item<double>();
+    }
+    stage->barrier();
+  });
+  EXPECT_EQ(pipeline_rank, (std::vector<int>{0, 1, 0, 1}));
+  EXPECT_EQ(stage_rank, (std::vector<int>{1, 0, 0, 1}));  // members {2, 0}: world rank 2 is group rank 0
+  EXPECT_EQ(pipeline_sum, (std::vector<double>{1 + 2, 1 + 2, 4 + 8, 4 + 8}));
+  EXPECT_EQ(stage_sum, (std::vector<double>{10 + 30, 20 + 40, 10 + 30, 20 + 40}));
+  EXPECT_EQ(received, (std::vector<double>{-1, 0, -1, 2}));
+  EXPECT_THROW(make_group_transport(world[0], {1, 2}), UsageError);  // rank 0 is not a member
+  EXPECT_THROW(make_group_transport(world[0], {0, 0}), UsageError);
+}

@@ -24,6 +24,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace pipetrain {
 
@@ -101,6 +102,16 @@ std::shared_ptr<Transport> make_gloo_transport(const Rendezvous& rv);
 
 // Open MPI point-to-point (CPU tensors). Requires a process started by mpirun; initialises MPI.
 std::shared_ptr<Transport> make_mpi_transport();
+
+// A group of some of `base`'s ranks, renumbered 0..n-1 in the order of `members` (which must hold
+// base's own rank), for data parallelism across pipelines: one group per pipeline replica for its
+// stages' transfers, one per stage for the all-reduce of the replicas' gradients. Point-to-point goes
+// straight through `base` (groups whose members never share a pair of ranks cannot mix up messages);
+// collectives run as messages with tag `collective_tag` through the first member, which sums in member
+// order, so every member gets bitwise the same result. abort() aborts `base`: every rank stops.
+// Collectives of one group must not overlap another group's that shares a pair of ranks.
+std::shared_ptr<Transport> make_group_transport(std::shared_ptr<Transport> base, const std::vector<int>& members,
+                                                int collective_tag = 32767);
 
 // Picks by name: "local" is not valid here (it needs make_local_transports); "gloo", "mpi", or "auto"
 // (mpi when launched by mpirun, else gloo). Throws UsageError listing the valid names otherwise.
