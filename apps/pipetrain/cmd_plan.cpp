@@ -24,6 +24,7 @@
 #include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/planner.h"
 #include "pipetrain/plan/profile.h"
+#include "pipetrain/plan/umpipe.h"
 
 namespace pipetrain::cli {
 namespace {
@@ -41,6 +42,10 @@ struct PlanFlags {
   std::vector<int> microbatch_counts{1, 2, 4, 8, 16, 32};
   std::vector<std::string> kinds{"uniform", "parameters", "time", "memory"};
   std::string cost_form = "paper";
+  std::string planner = "pipeline";  // pipeline | umpipe
+  uint64_t seed = 1;
+  int generations = 800;
+  double overhead_ms = 0.05;
   std::string out;
 };
 
@@ -108,6 +113,14 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--microbatch-counts", f->microbatch_counts, "micro-batch counts to consider, default 1 2 4 8 16 32");
   cmd->add_option("--balances", f->kinds, "balance kinds to consider, default uniform parameters time memory");
   cmd->add_option("--cost-form", f->cost_form, "PipeDream planner's cost form: paper (default) or reference");
+  cmd->add_option("--planner", f->planner,
+                  "pipeline (default: balance, schedule and micro-batches), or umpipe: also unequal micro-batches "
+                  "per stage (docs/UMPIPE.md), GPipe order, with the equal, local-greedy and global-DP baselines")
+      ->check(CLI::IsMember({"pipeline", "umpipe"}));
+  cmd->add_option("--seed", f->seed, "umpipe: the genetic algorithm's seed, default 1");
+  cmd->add_option("--generations", f->generations, "umpipe: generations at most (it stops on stall), default 800");
+  cmd->add_option("--overhead", f->overhead_ms,
+                  "umpipe: fixed ms per layer and pass for layers measured at one size only, default 0.05");
   cmd->add_option("--out", f->out, "write the plan JSON here (pipetrain train --plan FILE runs it)");
   cmd->footer(
       "Examples:\n"
@@ -236,6 +249,41 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       if (uniform_1f1b && best.makespan > 0)
         std::cout << fmt::format("  the chosen plan is {:.2f}x the throughput of uniform 1f1b and {:.2f}x data parallelism\n",
                                  uniform_1f1b->makespan / best.makespan, dp_time / best.makespan);
+      // UMPIPE: unequal micro-batches per stage on the chosen balance (GPipe order).
+      nlohmann::json umpipe;
+      if (f->planner == "umpipe") {
+        if (f->generations < 1) throw UsageError("--generations must be >= 1, got " + std::to_string(f->generations));
+        UmpipeProfileOptions uo;
+        uo.samples = static_cast<int>(batch);
+        uo.bandwidth_bytes_per_s = f->bandwidth_gbps * 1e9;
+        uo.latency_ms = f->latency_us / 1e3;
+        if (limit > 0) uo.memory_limit_bytes = limit;
+        uo.single_size_overhead_ms = f->overhead_ms;
+        const UmpipeModel um = umpipe_model_from_profile(prof, best.balance, uo);
+        DgapOptions dg;
+        dg.seed = f->seed;
+        dg.generations = f->generations;
+        int shown = 0;
+        const auto results = plan_umpipe_all(um, dg, [&](const DgapProgress& g) {
+          if (g.generation % 50 == 0 || g.stall == dg.stall_generations)
+            std::cout << fmt::format("  dgap generation {:>4}: best {:.3f} ms, mean {:.3f} ms, {} without gain\n",
+                                     g.generation, g.best_ms, g.mean_ms, g.stall)
+                      << std::flush, ++shown;
+        });
+        std::cout << fmt::format("umpipe on balance {} (GPipe order, mini-batch {}):\n", list(best.balance), batch);
+        const double equal = results.front().step_ms;
+        for (const UmpipeResult& r : results)
+          std::cout << fmt::format("  {:<14} {:>12.3f} ms/mini-batch  {:>+7.2f}% vs equal{}\n", r.planner, r.step_ms,
+                                   100.0 * (equal / r.step_ms - 1.0),
+                                   r.planner == "equal" ? fmt::format(" (m={})", r.microbatches) : "");
+        const UmpipeResult& dgap = results.back();
+        umpipe = umpipe_result_to_json(dgap);
+        for (std::size_t s = 0; s < dgap.plan.forward.size(); ++s)
+          std::cout << fmt::format("  stage {} forward {} | backward {}\n", s, list(dgap.plan.forward[s]),
+                                   list(dgap.plan.backward[s]));
+        std::cout << "  (the runtime does not run unequal micro-batches yet: train --plan uses the balance, schedule "
+                     "and m)\n";
+      }
       if (!f->out.empty()) {
         Plan chosen;
         chosen.model = prof.model;
@@ -267,6 +315,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         j["balance_solver"] = best.solver;
         j["predicted_bubble_fraction"] = best.bubble;
         if (pd) j["pipedream"] = plan_to_json(*pd);
+        if (!umpipe.is_null()) j["umpipe"] = umpipe;
         write_file_atomic(f->out, j.dump(2) + "\n");
         std::cout << "plan written to " << f->out << " (run it with pipetrain train --plan " << f->out << ")\n";
       }

@@ -174,3 +174,38 @@ TEST(PlanCli, SimulateFromAProfile) {
   EXPECT_DOUBLE_EQ(nlohmann::json::parse(r4.out).at("makespan").get<double>(), 48.0);
   fs::remove_all(dir);
 }
+
+TEST(PlanCli, UmpipePlannerWritesPartitionsPerStage) {
+  const fs::path dir = temp_dir("umpipe");
+  // Two layers with a large fixed cost per micro-batch on the first (it wants few, big micro-batches)
+  // and a per-sample cost on the second: measured at sizes 1, 4 and 16, so the fits are affine.
+  std::ofstream(dir / "p.json") << R"({"format": "pipetrain-profile", "version": 1, "model": "x",
+    "micro_batch_size": 4, "threads": 1, "layers": [
+    {"name": "a", "type": "Linear", "forward_ms": 2.4, "backward_ms": 4.8, "activation_bytes": 64, "parameter_bytes": 4,
+     "optimizer_bytes": 0, "by_micro_batch": [{"micro_batch_size": 1, "forward_ms": 2.1, "backward_ms": 4.2},
+                                              {"micro_batch_size": 16, "forward_ms": 3.6, "backward_ms": 7.2}]},
+    {"name": "b", "type": "Linear", "forward_ms": 2.0, "backward_ms": 4.0, "activation_bytes": 64, "parameter_bytes": 4,
+     "optimizer_bytes": 0, "by_micro_batch": [{"micro_batch_size": 1, "forward_ms": 0.5, "backward_ms": 1.0},
+                                              {"micro_batch_size": 16, "forward_ms": 8.0, "backward_ms": 16.0}]}]})";
+  const CommandResult r = run_pipetrain("plan --profile " + (dir / "p.json").string() +
+                                        " --ranks 2 --batch-size 16 --planner umpipe --generations 100 --out " +
+                                        (dir / "plan.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("dgap generation    0")) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(equal +([0-9.]+) ms)"))) << r.out;
+  const double equal = std::stod(m[1]);
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(dgap +([0-9.]+) ms)"))) << r.out;
+  EXPECT_LE(std::stod(m[1]), equal + 1e-9) << "DGAP is seeded with the best equal partition\n" << r.out;
+  const nlohmann::json plan = read_json(dir / "plan.json");
+  ASSERT_TRUE(plan.contains("umpipe")) << plan.dump();
+  for (const char* dir_name : {"forward", "backward"}) {
+    ASSERT_EQ(plan["umpipe"][dir_name].size(), 2u);
+    for (const auto& row : plan["umpipe"][dir_name]) {
+      int sum = 0;
+      for (const auto& b : row) sum += b.get<int>();
+      EXPECT_EQ(sum, 16) << "every stage's partition covers the mini-batch";
+    }
+  }
+  fs::remove_all(dir);
+}
