@@ -55,7 +55,32 @@ struct TrainFlags {
   std::string trace, svg, log, config;
   std::string progress = "auto";  // auto | bar | lines | quiet
   bool memory = false;
+  // Asynchronous schedules (pipedream, 2bw, spectrain; executor.h).
+  bool vertical_sync = false;
+  bool no_stash = false;
+  int steps_per_call = 0;  // steps per executor call; 0: up to the next evaluation or checkpoint, at most 256
 };
+// Default cap on the steps of one asynchronous call: the call's batch is held at once (256 Fashion-MNIST
+// batches of 64 are 51 MB), and one fill and drain per 256 steps costs (p-1)/(256+p-1) of the time.
+constexpr int kMaxStepsPerCall = 256;
+
+bool is_async(const std::string& schedule) {
+  return schedule == "pipedream" || schedule == "2bw" || schedule == "spectrain";
+}
+
+// The first step after `step` at which an asynchronous run drains its pipeline: the next evaluation,
+// checkpoint, multiple of --steps-per-call (default kMaxStepsPerCall), or the end. A pure function of the
+// step, so a resumed run (which starts at such a boundary) cuts the remaining steps into the same calls.
+int next_boundary(const TrainFlags& f, int step, int total, int eval_every) {
+  int b = total;
+  auto up_to = [&](int every) {
+    if (every > 0) b = std::min(b, (step / every + 1) * every);
+  };
+  up_to(eval_every);
+  if (!f.save.empty()) up_to(f.save_every);
+  up_to(f.steps_per_call > 0 ? f.steps_per_call : kMaxStepsPerCall);
+  return b;
+}
 constexpr int kDefaultSteps = 600;  // the demo: about 1.5 minutes on 2 cores
 
 // Per-stage mean compute times of a measured timeline, as a cost model for the simulator.
@@ -146,7 +171,7 @@ std::string rate_text(double per_second) {
 // The run as stored in checkpoints: what must match to resume (model, data, optimizer.name) and what
 // documents it.
 nlohmann::json run_json(const TrainFlags& f, int total_steps) {
-  return {{"model", f.model.model_json()},
+  nlohmann::json j{{"model", f.model.model_json()},
           {"data", f.model.data_json()},
           {"optimizer",
            {{"name", f.optimizer},
@@ -161,6 +186,10 @@ nlohmann::json run_json(const TrainFlags& f, int total_steps) {
           {"schedule", f.pipe.schedule},
           {"microbatches", f.pipe.microbatches},
           {"steps", total_steps}};
+  if (is_async(f.pipe.schedule))
+    j["asynchronous"] = {
+        {"vertical_sync", f.vertical_sync}, {"no_stash", f.no_stash}, {"steps_per_call", f.steps_per_call}};
+  return j;
 }
 
 // Progress per step. bar: one line that redraws itself (a terminal); lines: a line per step with its
@@ -289,6 +318,12 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   o.optimizer.weight_decay = f.weight_decay;
   o.optimizer.clip_grad_norm = f.clip;
   o.measure_memory = f.memory;
+  o.vertical_sync = f.vertical_sync;
+  o.weight_stashing = !f.no_stash;
+  const bool async = is_async(f.pipe.schedule);
+  int total = 0;  // set below, before the first step
+  // One call runs several steps: each stage sets the learning rate of its step just before stepping.
+  if (async) o.learning_rate = [&f, &total](int k) { return lr_at(f, k, total); };
   if (const char* fault = std::getenv("PIPETRAIN_FAULT")) o.before_action = fault_injector(fault);
   auto model = f.model.factory()();
   PipelineRank rank(model, f.model.loss(), transport, o);
@@ -308,7 +343,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   transport->all_reduce_sum(sizes);
   const auto train_size = static_cast<int64_t>(sizes[0].item<double>());
   const auto eval_size = static_cast<int64_t>(sizes[1].item<double>());
-  int total = f.steps > 0 ? f.steps : kDefaultSteps;
+  total = f.steps > 0 ? f.steps : kDefaultSteps;
   if (f.steps == 0 && f.epochs > 0) {
     if (train_size == 0) throw UsageError("--epochs needs a finite data set; --data " + f.model.data + " is endless: use --steps");
     total = static_cast<int>(std::ceil(f.epochs * static_cast<double>(train_size) / static_cast<double>(f.batch_size)));
@@ -336,7 +371,12 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
     std::cout << fmt::format("pipetrain train: {}\n  {} stages over {} ({} threads per rank), schedule {}, m={}, "
                              "batch {}, balance {}, re-materialisation {}\n  optimizer {} lr {} ({}{}), clip {}, "
                              "{} steps{}{}\n  {}",
-                             f.model.describe(), f.pipe.stages, transport->name(), o.threads, f.pipe.schedule,
+                             f.model.describe(), f.pipe.stages, transport->name(), o.threads,
+                             async ? fmt::format("{} (weights: {}{})", f.pipe.schedule, to_string(rank.weight_policy()),
+                                                 f.pipe.schedule == "spectrain" || f.pipe.schedule == "pipedream"
+                                                     ? ", a step per micro-batch"
+                                                     : "")
+                                   : f.pipe.schedule,
                              f.pipe.microbatches, f.batch_size, balance, f.pipe.checkpoint, f.optimizer, f.lr,
                              f.lr_schedule, warmup_steps(f, total) > 0 ? fmt::format(", warm-up {}", warmup_steps(f, total)) : "", f.clip, total,
                              train_size > 0 ? fmt::format(" ({:.2f} epochs)", static_cast<double>(total) * f.batch_size / train_size) : "",
@@ -357,48 +397,80 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   std::vector<double> step_ms;
   double first_loss = 0, last_loss = 0;
   StepStats last;
-  for (int step = start; step < total; ++step) {
+  std::map<int, WeightMemory> weight_memory;  // asynchronous: peak extra weight sets per stage of this rank
+  // Synchronous schedules: a call per step. Asynchronous ones: a call per run of steps between
+  // evaluations and checkpoints (next_boundary), during which the pipeline never drains.
+  for (int step = start; step < total;) {
+    const int calls_steps = async ? next_boundary(f, step, total, eval_every) - step : 1;
     const double lr = lr_at(f, step, total);
     rank.set_learning_rate(lr);
     zoo::Batch b;
-    if (data) b = data->batch(step, f.batch_size);
+    if (data) {
+      if (calls_steps == 1) {
+        b = data->batch(step, f.batch_size);
+      } else {
+        // Stage 0's rank needs the inputs, the last stage's the targets.
+        const bool first = std::find(mine.begin(), mine.end(), 0) != mine.end();
+        const bool final = std::find(mine.begin(), mine.end(), last_stage) != mine.end();
+        std::vector<torch::Tensor> inputs, targets;
+        for (int k = 0; k < calls_steps; ++k) {
+          zoo::Batch one = data->batch(step + k, f.batch_size);
+          if (first) inputs.push_back(one.input);
+          if (final) targets.push_back(one.target);
+        }
+        if (first) b.input = torch::cat(inputs, 0);
+        if (final) b.target = torch::cat(targets, 0);
+      }
+    }
     transport->barrier();  // steps start together, so step times are comparable across ranks
     const auto t0 = std::chrono::steady_clock::now();
-    last = rank.train_step(b.input, b.target, f.batch_size);
+    last = rank.train_steps(b.input, b.target, f.batch_size * calls_steps, calls_steps);
     transport->barrier();
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    step_ms.push_back(ms);
-    if (step == start) first_loss = last.loss;
-    last_loss = last.loss;
-    // Busy time of each stage in this step (its compute actions), for the log.
+    const double call_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms = call_ms / calls_steps;
+    for (const WeightMemory& w : last.weight_memory) {
+      WeightMemory& m = weight_memory[w.stage];
+      m.stage = w.stage;
+      m.set_bytes = w.set_bytes;
+      m.peak_extra_sets = std::max(m.peak_extra_sets, w.peak_extra_sets);
+    }
+    // Busy time of each stage in this call (its compute actions), per step, for the log.
     torch::Tensor busy = torch::zeros({rank.schedule().stages}, torch::kDouble);
     if (!f.log.empty()) {  // the same on every rank: a collective
       for (const TimedAction& e : last.timeline.events)
-        if (is_compute(e.action.kind)) busy[e.action.stage] += e.end - e.start;
+        if (is_compute(e.action.kind)) busy[e.action.stage] += (e.end - e.start) / calls_steps;
       transport->all_reduce_sum(busy);
     }
-    const double per_s = 1000.0 * static_cast<double>(f.batch_size) / ms;
-    if (leader) progress.step(step + 1, last.loss, last.grad_norm, lr, ms, per_s * units_per_sample);
-    nlohmann::json entry;
-    if (leader && log) {
-      entry = {{"step", step + 1}, {"loss", last.loss}, {"lr", lr}, {"grad_norm", last.grad_norm}, {"step_ms", ms},
-               {"samples_per_s", per_s}};
-      if (text) entry["tokens_per_s"] = per_s * units_per_sample;
-      std::vector<double> b(static_cast<std::size_t>(busy.numel()));
-      for (int64_t s = 0; s < busy.numel(); ++s) b[static_cast<std::size_t>(s)] = busy[s].item<double>();
-      entry["busy_ms"] = b;
-    }
-    if ((step + 1) % eval_every == 0 || step + 1 == total) {
-      last_eval = run_eval(step + 1);
-      if (last_eval && leader && log) {
-        entry["eval_loss"] = last_eval->loss;
-        entry["eval_accuracy"] = last_eval->accuracy;
+    for (int k = 0; k < calls_steps; ++k, ++step) {
+      const double loss = last.losses[static_cast<std::size_t>(k)];
+      const double grad_norm = last.grad_norms[static_cast<std::size_t>(k)];
+      const double step_lr = lr_at(f, step, total);
+      step_ms.push_back(ms);
+      if (step == start) first_loss = loss;
+      last_loss = loss;
+      const double per_s = 1000.0 * static_cast<double>(f.batch_size) / ms;
+      if (leader) progress.step(step + 1, loss, grad_norm, step_lr, ms, per_s * units_per_sample);
+      nlohmann::json entry;
+      if (leader && log) {
+        entry = {{"step", step + 1}, {"loss", loss}, {"lr", step_lr}, {"grad_norm", grad_norm}, {"step_ms", ms},
+                 {"samples_per_s", per_s}};
+        if (text) entry["tokens_per_s"] = per_s * units_per_sample;
+        std::vector<double> bs(static_cast<std::size_t>(busy.numel()));
+        for (int64_t s = 0; s < busy.numel(); ++s) bs[static_cast<std::size_t>(s)] = busy[s].item<double>();
+        entry["busy_ms"] = bs;
       }
-    }
-    if (leader && log) *log << entry.dump() << "\n" << std::flush;
-    if (!f.save.empty() && ((f.save_every > 0 && (step + 1) % f.save_every == 0) || step + 1 == total)) {
-      save_checkpoint(rank, *transport, f.save, run_json(f, total));
-      if (leader) progress.note(fmt::format("checkpoint at step {} written to {}", step + 1, f.save));
+      if ((step + 1) % eval_every == 0 || step + 1 == total) {  // only at a call's last step (next_boundary)
+        last_eval = run_eval(step + 1);
+        if (last_eval && leader && log) {
+          entry["eval_loss"] = last_eval->loss;
+          entry["eval_accuracy"] = last_eval->accuracy;
+        }
+      }
+      if (leader && log) *log << entry.dump() << "\n" << std::flush;
+      if (!f.save.empty() && ((f.save_every > 0 && (step + 1) % f.save_every == 0) || step + 1 == total)) {
+        save_checkpoint(rank, *transport, f.save, run_json(f, total));
+        if (leader) progress.note(fmt::format("checkpoint at step {} written to {}", step + 1, f.save));
+      }
     }
   }
   std::pair<std::string, std::string> sample;
@@ -406,9 +478,13 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
 
   // The last step's timeline from every rank, and the simulator's prediction from its measured costs.
   Timeline all = gather_timeline(last.timeline, *transport);
-  torch::Tensor memory = torch::zeros({2, p}, torch::kDouble);
+  torch::Tensor memory = torch::zeros({4, p}, torch::kDouble);
   memory[0][transport->rank()] = last.peak_heap_growth;
   memory[1][transport->rank()] = peak_rss_mib();
+  for (const auto& [s, w] : weight_memory) {  // one stage per rank (asynchronous schedules are not interleaved)
+    memory[2][s] = w.peak_extra_sets;
+    memory[3][s] = w.set_bytes;
+  }
   transport->all_reduce_sum(memory);
   if (!leader) return 0;
   double t0 = 1e300;
@@ -418,7 +494,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
     e.end -= t0;
   }
   const Metrics measured = compute_metrics(all);
-  const Schedule plain = strip_communication(rank.schedule());
+  const Schedule plain = strip_communication(rank.schedule_for(last.steps));
   const SimResult predicted = simulate(plain, measured_costs(all, plain.stages));
   std::vector<double> sorted = step_ms;
   std::sort(sorted.begin(), sorted.end());
@@ -431,8 +507,9 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
     std::cout << fmt::format("  held-out: {}{}\n", eval_text(f, *last_eval),
                              first_eval ? fmt::format(" (at step 0: loss {:.4f})", first_eval->loss) : "");
   std::cout << fmt::format(
-      "  last step: measured makespan {:.1f} ms, bubble fraction {:.3f}; simulated from measured stage costs: "
+      "  last {}: measured makespan {:.1f} ms, bubble fraction {:.3f}; simulated from measured stage costs: "
       "makespan {:.1f} ms, bubble fraction {:.3f}; efficiency (predicted/measured) {:.2f}\n",
+      last.steps == 1 ? std::string("step") : fmt::format("call ({} steps, one pipeline fill and drain)", last.steps),
       measured.makespan, measured.bubble_fraction, predicted.metrics.makespan, predicted.metrics.bubble_fraction,
       measured.makespan > 0 ? predicted.metrics.makespan / measured.makespan : 0.0);
   const bool shared = transport->shares_process();
@@ -443,6 +520,14 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
                              f.memory ? fmt::format(", peak heap growth in a step {:.2f} MiB",
                                                     memory[0][r.rank].item<double>() / 1048576.0)
                                       : std::string());
+  if (async) {
+    std::string list;
+    for (int s = 0; s < p; ++s)
+      list += fmt::format("{}stage {} {} ({:.1f} KiB)", s ? ", " : "", s, static_cast<int>(memory[2][s].item<double>()),
+                          memory[2][s].item<double>() * memory[3][s].item<double>() / 1024.0);
+    std::cout << fmt::format("  weights ({}): extra weight sets kept at most, per stage: {}\n",
+                             to_string(rank.weight_policy()), list);
+  }
   if (!sample.second.empty()) {
     std::string prompt = sample.first.substr(sample.first.size() > 80 ? sample.first.size() - 80 : 0);
     std::cout << "sample (temperature " << f.temperature << ") after the held-out prompt \"..." << prompt << "\":\n"
@@ -510,6 +595,14 @@ void add_train_command(CLI::App& app, int& exit_code) {
                   "bar (redrawn line), lines (one per step, with its time), quiet, or auto: bar on a terminal, else "
                   "a line every 5% of the run; default auto")
       ->check(CLI::IsMember({"auto", "bar", "lines", "quiet"}));
+  cmd->add_flag("--vertical-sync", f->vertical_sync,
+                "pipedream: every stage uses the weight version stage 0 used for the mini-batch (PipeDream's vertical "
+                "sync)");
+  cmd->add_flag("--no-stash", f->no_stash,
+                "pipedream: no weight stashing, the backward uses the current weights (the stale baseline)");
+  cmd->add_option("--steps-per-call", f->steps_per_call,
+                  "asynchronous schedules: steps the pipeline runs between drains; default 0 = up to the next "
+                  "evaluation or checkpoint, at most 256");
   cmd->add_flag("--memory", f->memory,
                 "measure each rank's peak heap growth during a step (activations, buffers, gradients); with "
                 "--transport local all ranks share one heap");
@@ -519,12 +612,14 @@ void add_train_command(CLI::App& app, int& exit_code) {
       "  pipetrain train                                   # the gpt on the King James Bible, 2 stages, 1f1b\n"
       "  pipetrain train --model mlp --epochs 2 --stages 2 # Fashion-MNIST\n"
       "  pipetrain train --model cnn --stages 4 --schedule zb-h1 --microbatches 8 --svg run.svg --trace run.json\n"
+      "  pipetrain train --model mlp --stages 4 --schedule pipedream --epochs 1  # asynchronous, weight stashing\n"
+      "  pipetrain train --model mlp --stages 4 --schedule 2bw --microbatches 4 --epochs 1\n"
       "  pipetrain train --text my.txt --layers 6 --steps 1000 --save ckpt --save-every 100\n"
       "  pipetrain train --resume ckpt --steps 2000 --stages 4   # continue, regrouped into 4 stages\n"
       "  pipetrain train --config run.json --lr 1e-3           # flags from a file, one overridden\n"
       "  pipetrain launch -n 2 -- pipetrain train --stages 2 --transport gloo\n"
       "  mpirun -n 2 pipetrain train --stages 2 --transport mpi");
-  cmd->callback([f, &exit_code] {
+  cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("train", [&] {
       if (f->batch_size < 1) throw UsageError("--batch-size must be >= 1, got " + std::to_string(f->batch_size));
       if (f->steps < 0) throw UsageError("--steps must be >= 1, got " + std::to_string(f->steps));
@@ -542,7 +637,16 @@ void add_train_command(CLI::App& app, int& exit_code) {
         throw UsageError("unknown --lr-schedule '" + f->lr_schedule + "': use constant, cosine or linear");
       // Check what can be checked before any rank starts, so bad input is exit 2 with one message.
       f->model.prepare();
-      const PipelineOptions o = f->pipe.options(f->model.seed);
+      // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
+      const bool one_per_step = f->pipe.schedule == "pipedream" || f->pipe.schedule == "spectrain";
+      if (one_per_step && cmd->get_option("--microbatches")->count() == 0) f->pipe.microbatches = 1;
+      if (f->steps_per_call < 0)
+        throw UsageError("--steps-per-call must be >= 0 (0: up to the next evaluation or checkpoint), got " +
+                         std::to_string(f->steps_per_call));
+      if (f->steps_per_call > 0 && !is_async(f->pipe.schedule))
+        throw UsageError("--steps-per-call applies to the asynchronous schedules (pipedream, 2bw, spectrain), not '" +
+                         f->pipe.schedule + "', which flushes after every step: drop --steps-per-call");
+      PipelineOptions o = f->pipe.options(f->model.seed);
       auto model = f->model.factory()();
       check_balance_flags(f->pipe, f->model);
       split_equal(f->batch_size, o.microbatches);
@@ -551,11 +655,13 @@ void add_train_command(CLI::App& app, int& exit_code) {
       g.microbatches = o.microbatches;
       g.virtual_stages = o.virtual_stages;
       generate(o.schedule, g);
-      if (o.schedule == "pipedream" || o.schedule == "2bw")
-        throw UsageError("schedule '" + o.schedule + "' is asynchronous and not run by this executor yet: use gpipe, "
-                         "1f1b, interleaved, zb-h1, zb-h2 or zb-auto");
       if (f->optimizer != "sgd" && f->optimizer != "adam" && f->optimizer != "adamw")
         throw UsageError("unknown optimizer '" + f->optimizer + "': use sgd, adam or adamw");
+      o.optimizer.name = f->optimizer;
+      o.optimizer.momentum = f->optimizer == "sgd" ? f->momentum : 0.0;
+      o.vertical_sync = f->vertical_sync;
+      o.weight_stashing = !f->no_stash;
+      weight_policy_of(o);  // bad combinations (--vertical-sync with 1f1b, spectrain without momentum, ...)
       if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
       if (!f->save.empty()) check_writable_folder("--save", f->save);
       if (!f->resume.empty()) {

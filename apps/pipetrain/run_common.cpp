@@ -168,7 +168,8 @@ nlohmann::json ModelFlags::data_json() const {
 
 void PipelineFlags::add_to(CLI::App& app) {
   stages_option = app.add_option("--stages,-p", stages, "pipeline stages = ranks, default 2");
-  app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2 or zb-auto; default 1f1b");
+  app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-auto, or the asynchronous pipedream, 2bw, spectrain; "
+                 "default 1f1b");
   app.add_option("--microbatches,-m", microbatches, "micro-batches per step, default 4");
   app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved), default 1");
   app.add_option("--balance", balance,

@@ -337,7 +337,7 @@ Schedule two_bw(int p, int m, int steps) {
 
 const std::vector<std::string>& schedule_names() {
   static const std::vector<std::string> names{"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2",
-                                              "zb-auto", "pipedream", "2bw"};
+                                              "zb-auto", "pipedream", "2bw", "spectrain"};
   return names;
 }
 
@@ -353,10 +353,16 @@ Schedule generate(const std::string& name, const GeneratorOptions& o) {
   if (name == "zb-auto") return zb_auto(o.ranks, o.microbatches, o.costs, o.memory_limit, o.steps);
   if (name == "pipedream") return pipedream(o.ranks, o.microbatches, o.steps);
   if (name == "2bw") return two_bw(o.ranks, o.microbatches, o.steps);
+  if (name == "spectrain") {  // PipeDream's action list; the runtime predicts weights instead of stashing
+    check_sizes("spectrain", o.ranks, o.microbatches, 1, o.steps);
+    Schedule s = pipedream(o.ranks, o.microbatches, o.steps);
+    s.name = "spectrain";
+    return s;
+  }
   std::string list;
   for (const auto& n : schedule_names()) list += (list.empty() ? "" : ", ") + n;
   throw UsageError("unknown schedule '" + name + "': valid schedules are " + list +
-                   " (spectrain and umpipe are not implemented yet)");
+                   " (umpipe is not implemented yet)");
 }
 
 }  // namespace pipetrain

@@ -115,6 +115,44 @@ bool is_sync_schedule(const std::string& name) {
          name == "zb-auto";
 }
 
+bool is_async_schedule(const std::string& name) { return name == "pipedream" || name == "2bw" || name == "spectrain"; }
+
+}  // namespace
+
+WeightPolicy weight_policy_of(const PipelineOptions& o) {
+  const std::string& s = o.schedule;
+  if (s != "pipedream") {
+    if (o.vertical_sync)
+      throw UsageError("vertical sync applies to --schedule pipedream only, not '" + s + "'" +
+                       (s == "2bw" ? ": 2bw gives every stage the same version already; drop --vertical-sync"
+                                   : ": drop --vertical-sync or use --schedule pipedream"));
+    if (!o.weight_stashing)
+      throw UsageError("--no-stash applies to --schedule pipedream only, not '" + s +
+                       "': drop --no-stash or use --schedule pipedream");
+  }
+  if ((s == "pipedream" || s == "spectrain") && o.microbatches != 1)
+    throw UsageError(s + " steps after every micro-batch, so a mini-batch is one micro-batch: got " +
+                     std::to_string(o.microbatches) + " micro-batches per step; use --microbatches 1 (the batch "
+                     "size sets the mini-batch) or --schedule 2bw to accumulate micro-batches");
+  if (s == "pipedream") {
+    if (o.vertical_sync && !o.weight_stashing)
+      throw UsageError("vertical sync is a weight-stashing policy: drop --no-stash or --vertical-sync");
+    if (!o.weight_stashing) return WeightPolicy::Current;
+    return o.vertical_sync ? WeightPolicy::VerticalSync : WeightPolicy::Stash;
+  }
+  if (s == "2bw") return WeightPolicy::TwoBuffered;
+  if (s == "spectrain") {
+    if (o.optimizer.name == "adam" || o.optimizer.name == "adamw") return WeightPolicy::PipeOptim;
+    if (o.optimizer.name == "sgd" && !(o.optimizer.momentum > 0))
+      throw UsageError("spectrain predicts weights along the smoothed gradient (the momentum buffer): SGD needs "
+                       "--momentum > 0 (e.g. 0.9), or use adam/adamw (PipeOptim's prediction)");
+    return WeightPolicy::SpecTrain;
+  }
+  return WeightPolicy::Current;
+}
+
+namespace {
+
 constexpr int kHeaderLen = 10;  // dtype, ndim, up to 8 dims
 
 }  // namespace
@@ -128,6 +166,14 @@ struct PipelineRank::Impl {
   std::map<int, Stage> stages;  // stage id -> stage, for this rank's stages
   std::map<int, std::unique_ptr<torch::optim::Optimizer>> optimizers;
   int step = 0;
+  GeneratorOptions generator;               // how `schedule` was generated (one step)
+  bool async = false;                       // pipedream, 2bw, spectrain
+  WeightPolicy policy = WeightPolicy::Current;
+  std::map<int, StageWeights> weights;      // stage id -> its weight versions (weights.h)
+  std::map<int, Schedule> by_steps;         // lowered schedules for calls of several steps
+  std::map<int, WeightPlan> plans;          // weight plans by steps per call
+  const WeightPlan* plan = nullptr;         // its weight plan (training passes)
+  int per_step = 1;                         // micro-batches per step of the pass in progress
   bool forward_mode = false;                // forward_only(): no graph, no loss, outputs kept
   std::map<int, Schedule> forward_schedules;  // lowered forward-only schedules by micro-batch count
 
@@ -149,6 +195,7 @@ struct PipelineRank::Impl {
     int pending_input = -1;  // fast path: key in `posted` of the input's receive, waited for by F
     int pending_grad = -1;   // fast path: key in `posted` of the output gradient's receive, waited for by B/BW
     WeightGradStore deferred;
+    std::vector<torch::Tensor> scratch;  // predicted weights (spectrain), from F to BW
   };
   std::map<std::pair<int, int>, Slot> slots;
 
@@ -160,12 +207,13 @@ struct PipelineRank::Impl {
   std::size_t prefetch_cursor = 0;    // next action position the fast path may post a receive for
   std::vector<std::pair<torch::Tensor, std::unique_ptr<Work>>> pending_sends;
 
-  // Step inputs.
+  // Call inputs.
   torch::Tensor input, target;
   int64_t batch_size = 0;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  double loss_sum = 0;
-  bool reduced = false;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // per micro-batch of the call
+  std::vector<int64_t> step_sizes;                  // samples per mini-batch (step) of the call
+  std::vector<double> step_loss, step_sq;           // per step: this rank's loss terms, squared gradient norms
+  std::vector<char> step_reduced;                   // synchronous: step's reduction done
   StepStats stats;
 
   int rank() const { return transport->rank(); }
@@ -179,9 +227,34 @@ struct PipelineRank::Impl {
   }
 
   bool checkpointed(int micro) const {
-    const int m = options.microbatches;
+    const int m = per_step;
     const int stop = options.checkpoint == Checkpoint::Always ? m : options.checkpoint == Checkpoint::ExceptLast ? m - 1 : 0;
-    return micro < stop;
+    return micro % m < stop;
+  }
+
+  // Sets stage s's parameters to the weights the plan gives pass (s, i) and puts them back when it goes
+  // out of scope; records the use. Does nothing for synchronous schedules and forward-only passes.
+  struct PassWeightsScope {
+    StageWeights* w = nullptr;
+    ~PassWeightsScope() {
+      if (w) w->leave();
+    }
+  };
+  const PassWeights* enter_weights(int s, int i, bool is_forward, PassWeightsScope& scope) {
+    if (!async || forward_mode) return nullptr;
+    const PassWeights& pw = plan->of(s, i, is_forward);
+    StageWeights& w = weights.at(s);
+    const int version = w.enter(pw, is_forward, slot(s, i).scratch);
+    scope.w = &w;
+    stats.weight_uses.push_back(
+        WeightUse{s, i, is_forward ? ActionKind::F : ActionKind::BW, step + version, pw.predict});
+    return &pw;
+  }
+  void finish_weights(int s, int i, bool is_forward, const PassWeights* pw, PassWeightsScope& scope) {
+    if (!pw) return;
+    scope.w->leave();
+    scope.w = nullptr;
+    weights.at(s).finish(*pw, is_forward, slot(s, i).scratch);
   }
 
   torch::Tensor run_forward(int s, int i, const torch::Tensor& x) {
@@ -214,9 +287,14 @@ struct PipelineRank::Impl {
     x = x.detach();
     if (s > 0 && x.is_floating_point() && !forward_mode) x.requires_grad_(true);
     sl.input = x;
-    sl.seed = mix(options.seed ^ mix(static_cast<uint64_t>(step) * 1000003ULL + static_cast<uint64_t>(s) * 7919ULL +
-                                     static_cast<uint64_t>(i)));
+    // The step of micro-batch i and its index within the step: a call of K steps draws the same
+    // masks as K calls of one step.
+    const auto global_step = static_cast<uint64_t>(step + i / per_step);
+    sl.seed = mix(options.seed ^ mix(global_step * 1000003ULL + static_cast<uint64_t>(s) * 7919ULL +
+                                     static_cast<uint64_t>(i % per_step)));
     sl.checkpointed = !forward_mode && checkpointed(i) && s != last_stage();
+    PassWeightsScope scope;
+    const PassWeights* pw = enter_weights(s, i, true, scope);
     torch::Tensor out;
     if (sl.checkpointed) {
       torch::NoGradGuard no_grad;
@@ -224,6 +302,7 @@ struct PipelineRank::Impl {
     } else {
       out = run_forward(s, i, x);
     }
+    finish_weights(s, i, true, pw, scope);
     if (s == last_stage() && !forward_mode) out = scaled_loss(out, i);
     sl.output = out;
   }
@@ -236,14 +315,17 @@ struct PipelineRank::Impl {
     if (l.numel() != 1)
       throw UsageError("the loss function returned " + std::to_string(l.numel()) +
                        " values for micro-batch " + std::to_string(i) + ": it must return one (the mean over the micro-batch)");
-    l = l * (static_cast<double>(e - b) / static_cast<double>(batch_size));
-    loss_sum += l.item<double>();
+    const auto k = static_cast<std::size_t>(i / per_step);
+    l = l * (static_cast<double>(e - b) / static_cast<double>(step_sizes[k]));
+    step_loss[k] += l.item<double>();
     return l;
   }
 
   void backward(int s, int i, bool split) {
     Slot& sl = slot(s, i);
     torch::Tensor out = sl.output;
+    PassWeightsScope scope;
+    const PassWeights* pw = enter_weights(s, i, false, scope);
     if (sl.checkpointed) {  // re-materialise with the forward's RNG seed, so dropout masks match
       out = run_forward(s, i, sl.input);
     }
@@ -260,6 +342,7 @@ struct PipelineRank::Impl {
       else
         torch::autograd::backward({out});
     }
+    finish_weights(s, i, false, pw, scope);
     if (s > 0) {
       sl.input_grad = sl.input.grad().defined() ? sl.input.grad() : torch::zeros_like(sl.input);
     }
@@ -388,36 +471,60 @@ struct PipelineRank::Impl {
   }
 
   // ---- optimizer --------------------------------------------------------------------------------------
-  void reduce_and_clip() {
+  static double squared_norm(const std::vector<torch::Tensor>& params) {
     double sq = 0;
-    for (auto& [s, st] : stages)
-      for (const auto& p : st.parameters())
-        if (p.grad().defined()) sq += p.grad().detach().to(torch::kDouble).pow(2).sum().item<double>();
-    torch::Tensor t = torch::tensor({loss_sum, sq}, torch::kDouble);
-    transport->all_reduce_sum(t);
-    stats.loss = t[0].item<double>();
-    stats.grad_norm = std::sqrt(t[1].item<double>());
-    const double clip = options.optimizer.clip_grad_norm;
-    if (clip > 0 && stats.grad_norm > clip) {
-      const double coef = clip / (stats.grad_norm + 1e-6);
-      torch::NoGradGuard no_grad;
-      for (auto& [s, st] : stages)
-        for (auto& p : st.parameters())
-          if (p.grad().defined()) p.mutable_grad().mul_(coef);
-    }
-    reduced = true;
-    if (options.on_gradients) {
-      std::vector<torch::Tensor> params;
-      for (auto& [s, st] : stages)
-        for (const auto& p : st.parameters()) params.push_back(p);
-      options.on_gradients(rank(), params);
-    }
+    for (const auto& p : params)
+      if (p.grad().defined()) sq += p.grad().detach().to(torch::kDouble).pow(2).sum().item<double>();
+    return sq;
+  }
+  static void clip_to(const std::vector<torch::Tensor>& params, double norm, double clip) {
+    if (!(clip > 0 && norm > clip)) return;
+    const double coef = clip / (norm + 1e-6);
+    torch::NoGradGuard no_grad;
+    for (const auto& p : params)
+      if (p.grad().defined()) p.mutable_grad().mul_(coef);
   }
 
-  void optimizer_step(int s) {
-    if (!reduced) reduce_and_clip();
+  // Synchronous schedules, at the rank's first Step of step k: the step's loss and global gradient norm
+  // (a collective), then clipping by the global norm.
+  void reduce_and_clip(int k) {
+    const auto uk = static_cast<std::size_t>(k);
+    std::vector<torch::Tensor> params;
+    for (auto& [s, st] : stages)
+      for (const auto& p : st.parameters()) params.push_back(p);
+    torch::Tensor t = torch::tensor({step_loss[uk], squared_norm(params)}, torch::kDouble);
+    transport->all_reduce_sum(t);
+    step_loss[uk] = t[0].item<double>();
+    step_sq[uk] = t[1].item<double>();
+    clip_to(params, std::sqrt(step_sq[uk]), options.optimizer.clip_grad_norm);
+    step_reduced[uk] = 1;
+    if (options.on_gradients) options.on_gradients(rank(), params);
+  }
+
+  void optimizer_step(int s, int k) {
+    if (k < 0 || k >= static_cast<int>(step_sizes.size()))
+      throw std::logic_error("Step " + std::to_string(k) + " outside the call's " + std::to_string(step_sizes.size()) +
+                             " steps");
+    if (!async) {
+      if (!step_reduced[static_cast<std::size_t>(k)]) reduce_and_clip(k);
+    } else {
+      // No stage knows the others' gradients of this mini-batch yet: clip by the stage's own norm; the
+      // global norm is summed at the end of the call.
+      const std::vector<torch::Tensor> params = stage_of(s).parameters();
+      const double sq = squared_norm(params);
+      step_sq[static_cast<std::size_t>(k)] += sq;
+      clip_to(params, std::sqrt(sq), options.optimizer.clip_grad_norm);
+      if (options.on_gradients) options.on_gradients(rank(), params);
+    }
     auto it = optimizers.find(s);
-    if (it != optimizers.end()) it->second->step();
+    if (it != optimizers.end() && options.learning_rate) {
+      const double lr = options.learning_rate(step + k);
+      if (!(lr > 0))
+        throw UsageError("learning rate of step " + std::to_string(step + k) + " must be > 0, got " +
+                         std::to_string(lr));
+      for (auto& group : it->second->param_groups()) group.options().set_lr(lr);
+    }
+    weights.at(s).step([&] { if (it != optimizers.end()) it->second->step(); }, async);
     for (auto& p : stage_of(s).parameters()) p.mutable_grad() = torch::Tensor();
   }
 
@@ -437,25 +544,37 @@ struct PipelineRank::Impl {
         break;
       case ActionKind::RecvAct:
       case ActionKind::RecvGrad: return receive(a, pos);
-      case ActionKind::Step: optimizer_step(a.stage); break;
+      case ActionKind::Step: optimizer_step(a.stage, a.index); break;
     }
     return true;
   }
 
   // ---- passes --------------------------------------------------------------------------------------
-  void begin_pass(const torch::Tensor& in, const torch::Tensor& tgt, int64_t n, int m) {
-    ranges = split_equal(n, m);
+  // `steps` mini-batches of `m` micro-batches each over the batch of n samples.
+  void begin_pass(const torch::Tensor& in, const torch::Tensor& tgt, int64_t n, int steps, int m) {
+    if (steps > n)
+      throw UsageError("a call of " + std::to_string(steps) + " steps needs at least one sample per step but the " +
+                       "batch has " + std::to_string(n) + ": pass more samples or fewer steps");
+    ranges.clear();
+    step_sizes.clear();
+    for (const auto& [b, e] : split_equal(n, steps)) {
+      step_sizes.push_back(e - b);
+      for (const auto& [mb, me] : split_equal(e - b, m)) ranges.emplace_back(b + mb, b + me);
+    }
+    per_step = m;
     input = in;
     target = tgt;
     batch_size = n;
-    loss_sum = 0;
-    reduced = false;
+    step_loss.assign(static_cast<std::size_t>(steps), 0.0);
+    step_sq.assign(static_cast<std::size_t>(steps), 0.0);
+    step_reduced.assign(static_cast<std::size_t>(steps), 0);
     slots.clear();
     posted.clear();
     prefetch_cursor = 0;
     pending_sends.clear();
     stats = StepStats{};
     stats.step = step;
+    stats.steps = steps;
     stats.timeline.schedule = schedule.name;
     stats.timeline.ranks = schedule.ranks;
     stats.timeline.microbatches = m;
@@ -481,7 +600,7 @@ struct PipelineRank::Impl {
       }
       for (auto& [t, work] : pending_sends) work->wait();
       pending_sends.clear();
-      if (!forward_mode && !reduced) reduce_and_clip();  // a rank without Step actions still joins the reduction
+      if (!forward_mode) finish_call();
     } catch (const RemoteFailure&) {
       throw;
     } catch (const std::exception& e) {
@@ -494,6 +613,57 @@ struct PipelineRank::Impl {
       if (dynamic_cast<const UsageError*>(&e)) throw UsageError(msg);
       throw std::runtime_error(msg);
     }
+  }
+
+  // After a training pass: the per-step losses and global norms on every rank, and the call's totals.
+  void finish_call() {
+    const std::size_t K = step_sizes.size();
+    if (!async) {
+      for (std::size_t k = 0; k < K; ++k)  // a rank without Step actions still joins the reductions
+        if (!step_reduced[k]) reduce_and_clip(static_cast<int>(k));
+    } else {
+      torch::Tensor t = torch::zeros({2 * static_cast<int64_t>(K)}, torch::kDouble);
+      for (std::size_t k = 0; k < K; ++k) {
+        t[static_cast<int64_t>(k)] = step_loss[k];
+        t[static_cast<int64_t>(K + k)] = step_sq[k];
+      }
+      transport->all_reduce_sum(t);
+      for (std::size_t k = 0; k < K; ++k) {
+        step_loss[k] = t[static_cast<int64_t>(k)].item<double>();
+        step_sq[k] = t[static_cast<int64_t>(K + k)].item<double>();
+      }
+      for (const auto& [s, w] : weights)
+        stats.weight_memory.push_back(WeightMemory{s, w.peak_extra_sets(), w.set_bytes()});
+    }
+    double weighted = 0;
+    int64_t total = 0;
+    for (std::size_t k = 0; k < K; ++k) {
+      stats.losses.push_back(step_loss[k]);
+      stats.grad_norms.push_back(std::sqrt(step_sq[k]));
+      weighted += step_loss[k] * static_cast<double>(step_sizes[k]);
+      total += step_sizes[k];
+    }
+    stats.loss = K == 1 ? step_loss[0] : weighted / static_cast<double>(std::max<int64_t>(total, 1));
+    stats.grad_norm = stats.grad_norms.empty() ? 0.0 : stats.grad_norms.back();
+  }
+
+  // The lowered schedule and weight plan for a call of `steps` steps (made once per count).
+  const Schedule& schedule_for(int steps) {
+    if (steps == 1) return schedule;
+    auto it = by_steps.find(steps);
+    if (it != by_steps.end()) return it->second;
+    GeneratorOptions g = generator;
+    g.steps = steps;
+    Schedule plain = generate(options.schedule, g);
+    validate(plain);
+    Schedule lowered = insert_communication(plain, options.costs);
+    validate(lowered);
+    return by_steps.emplace(steps, std::move(lowered)).first->second;
+  }
+  const WeightPlan& plan_for(int steps) {
+    auto it = plans.find(steps);
+    if (it != plans.end()) return it->second;
+    return plans.emplace(steps, plan_weights(schedule_for(steps), policy, options.costs)).first->second;
   }
 
   // Forward-only schedule for m micro-batches: each rank runs the forwards of its stages, stage by stage
@@ -539,14 +709,14 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   d.transport = std::move(transport);
   d.options = std::move(options);
   const int p = d.transport->world_size();
-  if (!is_sync_schedule(d.options.schedule)) {
-    if (d.options.schedule == "pipedream" || d.options.schedule == "2bw")
-      throw UsageError("schedule '" + d.options.schedule +
-                       "' is asynchronous and not run by this executor yet: use gpipe, 1f1b, interleaved, zb-h1, "
-                       "zb-h2 or zb-auto");
+  if (!is_sync_schedule(d.options.schedule) && !is_async_schedule(d.options.schedule)) {
     GeneratorOptions probe;
     generate(d.options.schedule, probe);  // throws the list of valid names
+    throw UsageError("schedule '" + d.options.schedule + "' is not run by this executor: use gpipe, 1f1b, interleaved, "
+                     "zb-h1, zb-h2, zb-auto, pipedream, 2bw or spectrain");
   }
+  d.async = is_async_schedule(d.options.schedule);
+  d.policy = weight_policy_of(d.options);
   if (d.options.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(d.options.prefetch));
   const int total_stages = p * d.options.virtual_stages;
   if (d.options.virtual_stages < 1)
@@ -562,6 +732,7 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   g.virtual_stages = d.options.virtual_stages;
   g.costs = d.options.costs;
   g.memory_limit = d.options.memory_limit;
+  d.generator = g;
   Schedule plain = generate(d.options.schedule, g);
   validate(plain);
   d.schedule = insert_communication(plain, d.options.costs);
@@ -604,18 +775,34 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
           params, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
     d.optimizers.emplace(s, std::move(opt));
   }
+  for (auto& [s, st] : d.stages) {
+    std::vector<torch::Tensor> params;
+    for (const auto& t : st.parameters())
+      if (t.requires_grad()) params.push_back(t);
+    auto it = d.optimizers.find(s);
+    d.weights.emplace(s, StageWeights(params, it == d.optimizers.end() ? nullptr : it->second.get()));
+  }
 }
 
 PipelineRank::~PipelineRank() = default;
 PipelineRank::PipelineRank(PipelineRank&&) noexcept = default;
 
 StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size) {
+  return train_steps(input, target, batch_size, 1);
+}
+
+StepStats PipelineRank::train_steps(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size,
+                                    int steps) {
   Impl& d = *impl_;
+  if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
   if (d.options.threads > 0) at::set_num_threads(d.options.threads);
-  d.begin_pass(input, target, batch_size, d.options.microbatches);
-  d.run_list(d.schedule.actions[static_cast<std::size_t>(d.rank())]);
+  const Schedule& plan = d.schedule_for(steps);
+  d.plan = &d.plan_for(steps);
+  d.begin_pass(input, target, batch_size, steps, plan.microbatches_per_step);
+  for (auto& [s, w] : d.weights) w.begin_call(*d.plan, s);
+  d.run_list(plan.actions[static_cast<std::size_t>(d.rank())]);
   d.slots.clear();
-  ++d.step;
+  d.step += steps;
   return d.stats;
 }
 
@@ -625,7 +812,7 @@ torch::Tensor PipelineRank::forward_only(const torch::Tensor& input, int64_t bat
   const int m = microbatches > 0 ? microbatches
                                  : static_cast<int>(std::min<int64_t>(d.options.microbatches, std::max<int64_t>(batch_size, 1)));
   const Schedule& plan = d.forward_schedule(m);
-  d.begin_pass(input, torch::Tensor(), batch_size, m);
+  d.begin_pass(input, torch::Tensor(), batch_size, 1, m);
   // Back to training mode however the pass ends.
   struct Restore {
     Impl& d;
@@ -785,6 +972,11 @@ void PipelineRank::load_layer_state(int layer, const std::vector<std::pair<std::
 }
 
 const Schedule& PipelineRank::schedule() const { return impl_->schedule; }
+const Schedule& PipelineRank::schedule_for(int steps) {
+  if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
+  return impl_->schedule_for(steps);
+}
+WeightPolicy PipelineRank::weight_policy() const { return impl_->policy; }
 const std::vector<int>& PipelineRank::balance() const { return impl_->balance; }
 int PipelineRank::rank() const { return impl_->rank(); }
 std::vector<int> PipelineRank::local_stages() const {
@@ -809,15 +1001,24 @@ LocalPipeline::LocalPipeline(torch::nn::Sequential model, LossFn loss, int stage
 LocalPipeline::~LocalPipeline() = default;
 
 StepStats LocalPipeline::train_step(const torch::Tensor& input, const torch::Tensor& target) {
+  return train_steps(input, target, 1);
+}
+
+StepStats LocalPipeline::train_steps(const torch::Tensor& input, const torch::Tensor& target, int steps) {
   const int p = static_cast<int>(ranks_.size());
   std::vector<StepStats> stats(static_cast<std::size_t>(p));
   run_on_threads(p, [&](int r) {
     at::init_num_threads();
-    stats[static_cast<std::size_t>(r)] = ranks_[static_cast<std::size_t>(r)]->train_step(input, target, input.size(0));
+    stats[static_cast<std::size_t>(r)] =
+        ranks_[static_cast<std::size_t>(r)]->train_steps(input, target, input.size(0), steps);
   });
   StepStats out = stats[0];
-  for (int r = 1; r < p; ++r)
-    for (const auto& e : stats[static_cast<std::size_t>(r)].timeline.events) out.timeline.events.push_back(e);
+  for (int r = 1; r < p; ++r) {
+    const StepStats& s = stats[static_cast<std::size_t>(r)];
+    out.timeline.events.insert(out.timeline.events.end(), s.timeline.events.begin(), s.timeline.events.end());
+    out.weight_uses.insert(out.weight_uses.end(), s.weight_uses.begin(), s.weight_uses.end());
+    out.weight_memory.insert(out.weight_memory.end(), s.weight_memory.begin(), s.weight_memory.end());
+  }
   return out;
 }
 

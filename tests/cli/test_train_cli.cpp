@@ -115,7 +115,7 @@ TEST(TrainCli, BadInputExitsTwo) {
            {"--stages 9", "9 stages but the model has 4 layers"},
            {"--balance 3,3", "sums to 6 but the model has 4 layers"},
            {"--transport tcp", "unknown transport 'tcp': use local, gloo, mpi or auto"},
-           {"--schedule pipedream", "asynchronous"},
+           {"--schedule pipedream --microbatches 2", "use --microbatches 1"},
            {"--optimizer lion", "unknown optimizer"},
            {"--checkpoint sometimes", "use always, except_last or never"},
            {"--heads 3", "not divisible by --heads 3"},

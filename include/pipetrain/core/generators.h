@@ -100,6 +100,9 @@ Schedule pipedream(int p, int m, int steps = 1);
 //   rank 3  ......f0B0--f1B1--f2B2--f3B3--f4B4--f5B5--f6B6--f7B7--S...........
 Schedule two_bw(int p, int m, int steps = 1);
 
+// "spectrain" (generate() only) is pipedream's action list under its own name: SpecTrain and PipeOptim
+// differ from PipeDream in the weights each pass uses (runtime/weights.h), not in the order of work.
+
 // Names accepted by generate(), in the order shown to users.
 const std::vector<std::string>& schedule_names();
 

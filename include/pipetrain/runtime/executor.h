@@ -2,16 +2,49 @@
 // Every schedule goes through the same interpreter; no schedule has a loop of its own.
 //
 //   PipelineRank  one rank's share of a pipeline: its stages of the model, its optimizers, its transport.
-//                 train_step() runs the rank's action list for one optimizer step. Each rank calls it
-//                 once per step, in its own process (gloo, mpi) or thread (local).
+//                 train_step() runs the rank's action list for one optimizer step, train_steps() for K
+//                 steps in one pass. Each rank calls them in the same order, in its own process (gloo,
+//                 mpi) or thread (local).
 //   LocalPipeline all ranks as threads of this process over the local transport, for tests and
-//                 single-process use: one call trains one step on every rank.
+//                 single-process use: one call trains on every rank.
 //
 // Semantics (ALGORITHMS.md §1.8): micro-batch k is the sample range [begin_k, end_k) of the mini-batch
 // (sizes differ by at most one, the first N mod m larger); its loss is the loss function's mean over
 // the micro-batch times b_k / N, so the accumulated gradient is the full-batch gradient for any split.
 // The step's loss (sum of those terms) and the global gradient norm are all-reduced, so every rank
 // knows them; clipping by the global norm happens before any stage steps.
+//
+// Several steps per call (train_steps with K steps): the schedule is generated with K steps laid out
+// back to back (micro-batch i belongs to step i / microbatches_per_step) and run as one pass; the batch
+// of the call is cut into K mini-batches (split_equal), each into its micro-batches. For a synchronous
+// schedule this is exactly K calls of train_step (the flush separates the steps; tested bitwise), and
+// the reductions happen per step.
+//
+// Asynchronous schedules (ALGORITHMS.md §5, §6; weights.h has the versions and predictions):
+//   pipedream  PipeDream's 1F1B without flush: every mini-batch is one micro-batch (microbatches = 1)
+//              and each stage steps after each backward. With weight_stashing (default) a forward uses
+//              the stage's newest weights and its backward the same version (§5.1.2): within a call,
+//              mini-batch i uses version max(0, i - (p-1-s)) of stage s. vertical_sync: every stage uses
+//              the version stage 0 used, max(0, i - (p-1)) (§5.1.3). weight_stashing = false is the
+//              stale baseline: the backward sees the weights as they are then (updated in place), with
+//              the forward's activations. Batch-norm running statistics are never versioned.
+//   2bw        PipeDream-2BW: m >= p micro-batches per step, gradients accumulated over them; step k of
+//              the call uses version max(0, k-1) in both passes, so W(k+1) = W(k) - lr grad(W(k-1))
+//              (§5.2), with at most two versions per stage.
+//   spectrain  PipeDream's action list (microbatches = 1) without stashing. With SGD (momentum > 0):
+//              SpecTrain (§6.1), F and BW use W - s lr v, v the momentum buffer, s the stage's steps
+//              between the pass and the start of the mini-batch's backward on stage 0, counted on the
+//              simulated schedule. With Adam/AdamW: PipeOptim (§6.2), the forward only, v the Adam
+//              direction (+ weight decay for AdamW), s the stage's own steps between F and BW. Master
+//              weights and optimizer state are never changed by a prediction.
+// A call fills and drains the pipeline once: it is PipeDream's flush-free run over its K mini-batches,
+// and the versions restart at every call (the first mini-batches of a call see no delay). Callers that
+// want the asynchronous throughput pass many steps per call (the train command: up to the next
+// evaluation or checkpoint). No stage can know a mini-batch's global gradient norm when it steps, so
+// asynchronous schedules clip each stage's gradient by the stage's own norm, and on_gradients is
+// called per stage at each Step. The per-step losses and global norms are all-reduced once, at the end
+// of the call. Between calls the pipeline is empty and the parameters hold the newest weights, so
+// evaluation and checkpoints see plain master weights.
 //
 // Two execution paths share the interpreter: the reference path (`reference = true`) does every send
 // and receive blocking, exactly where the lowered schedule puts it; the default fast path sends without
@@ -40,6 +73,7 @@
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/runtime/stage.h"
 #include "pipetrain/runtime/transport.h"
+#include "pipetrain/runtime/weights.h"
 
 namespace pipetrain {
 
@@ -55,8 +89,11 @@ struct OptimizerOptions {
 };
 
 struct PipelineOptions {
-  std::string schedule = "1f1b";          // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-auto
-  int microbatches = 4;                   // m per step
+  // gpipe | 1f1b | interleaved | zb-h1 | zb-h2 | zb-auto (synchronous) | pipedream | 2bw | spectrain
+  std::string schedule = "1f1b";
+  int microbatches = 4;                   // m per step (pipedream and spectrain: 1)
+  bool weight_stashing = true;            // pipedream: false = the stale no-stash baseline (§5.1)
+  bool vertical_sync = false;             // pipedream: every stage uses stage 0's version (§5.1.3)
   int virtual_stages = 1;                 // v (interleaved)
   std::string balance = "uniform";        // uniform | parameters | "3,2,2" (one count per (virtual) stage)
   Checkpoint checkpoint = Checkpoint::Never;  // re-materialisation mode (torchgpipe's default is except_last)
@@ -72,24 +109,58 @@ struct PipelineOptions {
   bool measure_memory = false;            // sample the heap after every action (StepStats::peak_heap_growth)
   CostModel costs;                        // per-stage costs for zb-h2/zb-auto and lowering; empty = unit
   double memory_limit = 0;                // zb-auto's limit in micro-batches (0 = p)
+  // If set, the learning rate of global step k (0-based, counting every step since construction or
+  // set_step): each stage sets it just before its Step action of step k. Lets one call of several
+  // steps follow a learning-rate schedule; otherwise set_learning_rate holds for the whole call.
+  std::function<double(int step)> learning_rate;
   // Called on each rank once per step, after the loss and gradient norm are reduced and the gradients
   // clipped, before any optimizer step: the gradients of the rank's stages are final here (for
   // inspection, logging, tests). Arguments: the rank and the parameters of its stages. Runs on the
   // rank's thread; in-process ranks run it concurrently, so touch only the parameters given.
+  // Asynchronous schedules: called at every Step action with the parameters of that stage only.
   std::function<void(int rank, const std::vector<torch::Tensor>& parameters)> on_gradients;
   // Called on each rank before each action of its list (a debugging and fault-injection aid; the
-  // `train` command sets it from PIPETRAIN_FAULT). An exception it throws fails the rank as the action
-  // would. Empty by default.
+  // `train` command sets it from PIPETRAIN_FAULT). `step` is the call's first step (train_steps runs
+  // several). An exception it throws fails the rank as the action would. Empty by default.
   std::function<void(int rank, int step, const Action& action)> before_action;
 };
+
+// How the passes of `options.schedule` choose their weights (weights.h): Current for synchronous
+// schedules. Throws UsageError naming the value and the fix on a bad combination: vertical sync or no
+// stash with a schedule other than pipedream, both at once, pipedream or spectrain with more than one
+// micro-batch per step, spectrain with SGD without momentum.
+WeightPolicy weight_policy_of(const PipelineOptions& options);
 
 // Loss of one micro-batch: the mean over its samples (pipetrain scales it by b_k / N).
 using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
+// Which weights a pass used (asynchronous schedules; for tests and the record of a run).
+struct WeightUse {
+  int stage = 0;
+  int micro = 0;              // micro-batch index within the call
+  ActionKind kind = ActionKind::F;  // F or BW
+  int version = 0;            // the stage's version used or predicted from: its steps since construction
+  int predicted = -1;         // SpecTrain/PipeOptim: steps s extrapolated; -1: none
+};
+
+// Extra weight memory of one stage in a call (asynchronous schedules): weight sets alive beyond the
+// newest one (stashed versions, prediction buffers), at most, and their size.
+struct WeightMemory {
+  int stage = 0;
+  int peak_extra_sets = 0;
+  double set_bytes = 0;  // bytes of one set (the stage's trainable parameters)
+  double peak_extra_bytes() const { return peak_extra_sets * set_bytes; }
+};
+
 struct StepStats {
-  int step = 0;            // index of the step just taken (0-based)
-  double loss = 0.0;       // full-batch loss of the step, on every rank
-  double grad_norm = 0.0;  // global gradient norm before clipping
+  int step = 0;            // index of the (first) step of the call (0-based)
+  int steps = 1;           // steps taken by the call
+  double loss = 0.0;       // full-batch loss of the call's batch (the steps' losses weighted by their sizes)
+  double grad_norm = 0.0;  // global gradient norm before clipping, of the call's last step
+  std::vector<double> losses;      // per step of the call, on every rank
+  std::vector<double> grad_norms;  // per step of the call
+  std::vector<WeightUse> weight_uses;     // asynchronous schedules: every F and BW of this rank (LocalPipeline: all)
+  std::vector<WeightMemory> weight_memory;  // asynchronous schedules: per stage of this rank (LocalPipeline: all)
   // With measure_memory: the largest growth of this process's heap in use (malloc's count, which holds
   // every CPU tensor) over its level when the step started, in bytes. It covers the activations kept
   // for backward, received buffers and new gradients; a per-process (per-rank) figure.
@@ -132,6 +203,10 @@ class PipelineRank {
   // One optimizer step. `input` is needed on the rank of stage 0 and `target` on the rank of the last
   // stage (others may pass undefined tensors); every rank passes the same `batch_size`.
   StepStats train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size);
+  // `steps` optimizer steps in one pass of the schedule laid out for `steps` steps (see the file
+  // comment): the batch of `batch_size` samples is cut into `steps` mini-batches. Collective: every rank
+  // passes the same `steps` and `batch_size`.
+  StepStats train_steps(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size, int steps);
 
   // Forward pass only, for evaluation and inference: the modules in evaluation mode (dropout off), no
   // autograd graph, the batch cut into `microbatches` micro-batches (0: the training m, capped at the
@@ -159,7 +234,9 @@ class PipelineRank {
   // naming it). The optimizer state is recreated; parameters are copied in place.
   void load_layer_state(int layer, const std::vector<std::pair<std::string, torch::Tensor>>& state);
 
-  const Schedule& schedule() const;            // lowered: with sends and receives
+  const Schedule& schedule() const;            // lowered: with sends and receives (one step)
+  const Schedule& schedule_for(int steps);     // lowered, for a call of `steps` steps (made on first use)
+  WeightPolicy weight_policy() const;          // how passes choose their weights (weights.h)
   const std::vector<int>& balance() const;     // layers per (virtual) stage
   std::vector<int> local_stages() const;       // stages held by this rank
   std::vector<torch::Tensor> parameters() const;  // parameters of this rank's stages
@@ -177,7 +254,9 @@ class LocalPipeline {
   // Runs one step on all ranks (one thread each). If any rank fails, rethrows the first failure that is
   // not merely another rank's report of it.
   StepStats train_step(const torch::Tensor& input, const torch::Tensor& target);
+  StepStats train_steps(const torch::Tensor& input, const torch::Tensor& target, int steps);
   const Schedule& schedule() const;
+  PipelineRank& rank(int r) { return *ranks_.at(static_cast<std::size_t>(r)); }
   const std::vector<int>& balance() const;
 
  private:
