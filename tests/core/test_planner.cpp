@@ -24,25 +24,14 @@
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/planner.h"
 #include "pipetrain/plan/profile.h"
+#include "shared_data.h"
 
 using namespace pipetrain;
 
 namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::string vgg16_path() {
-  std::string root = __FILE__;
-  for (int up = 0; up < 3; ++up) root = root.substr(0, root.find_last_of('/'));
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("PIPETRAIN_SHARED")) candidates.push_back(env);
-  candidates.push_back(root + "/../shared");
-  candidates.push_back(root + "/shared");
-  for (const std::string& dir : candidates) {
-    const std::string path = dir + "/data/pipedream-profiles/vgg16-graph.txt";
-    if (std::ifstream(path)) return path;
-  }
-  return "";
-}
+using pipetrain::testing::vgg16_path;
 
 struct Layer {
   double ms, params, act, opt;
