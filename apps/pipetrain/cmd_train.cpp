@@ -307,11 +307,18 @@ double peak_rss_mib() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
-int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
-  const bool leader = transport->rank() == 0;
+int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
+  // With --replicas R the world holds R copies of the pipeline (hybrid data + pipeline parallelism):
+  // `transport` is this rank's pipeline, `replica` its copy's index; copy k trains on the k-th 1/R of
+  // every mini-batch and the stages average their gradients over the copies before stepping.
+  const std::shared_ptr<Transport> transport = f.pipe.pipeline_group(world);
+  const int replica = world->rank() / f.pipe.stages;
+  const int64_t share = f.batch_size / f.pipe.replicas;  // samples per copy and step
+  const bool leader = world->rank() == 0;
   const int p = transport->world_size();
-  PipelineOptions o = f.pipe.options(f.model.seed, transport->rank());
-  o.balance = resolve_balance(f.pipe, f.model, f.batch_size / std::max(1, f.pipe.microbatches), *transport);
+  PipelineOptions o = f.pipe.options(f.model.seed, world->rank());
+  o.balance = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world);
+  o.data_parallel = f.pipe.replica_group(world);
   o.optimizer.name = f.optimizer;
   o.optimizer.lr = f.lr;
   o.optimizer.momentum = f.optimizer == "sgd" ? f.momentum : 0.0;
@@ -340,7 +347,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
     sizes[0] = static_cast<double>(data->train_size());
     sizes[1] = static_cast<double>(data->eval_size());
   }
-  transport->all_reduce_sum(sizes);
+  world->all_reduce_sum(sizes);
   const auto train_size = static_cast<int64_t>(sizes[0].item<double>());
   const auto eval_size = static_cast<int64_t>(sizes[1].item<double>());
   total = f.steps > 0 ? f.steps : kDefaultSteps;
@@ -368,10 +375,13 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
   if (leader) {
     std::string balance;
     for (int n : rank.balance()) balance += (balance.empty() ? "" : ",") + std::to_string(n);
-    std::cout << fmt::format("pipetrain train: {}\n  {} stages over {} ({} threads per rank), schedule {}, m={}, "
+    std::cout << fmt::format("pipetrain train: {}\n  {} over {} ({} threads per rank), schedule {}, m={}, "
                              "batch {}, balance {}, re-materialisation {}\n  optimizer {} lr {} ({}{}), clip {}, "
                              "{} steps{}{}\n  {}",
-                             f.model.describe(), f.pipe.stages, transport->name(), o.threads,
+                             f.model.describe(),
+                             f.pipe.replicas > 1 ? fmt::format("{} stages x {} replicas", f.pipe.stages, f.pipe.replicas)
+                                                 : fmt::format("{} stages", f.pipe.stages),
+                             transport->name(), o.threads,
                              async ? fmt::format("{} (weights: {}{})", f.pipe.schedule, to_string(rank.weight_policy()),
                                                  f.pipe.schedule == "spectrain" || f.pipe.schedule == "pipedream"
                                                      ? ", a step per micro-batch"
@@ -422,10 +432,14 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
         if (final) b.target = torch::cat(targets, 0);
       }
     }
-    transport->barrier();  // steps start together, so step times are comparable across ranks
+    if (f.pipe.replicas > 1) {  // this copy's share of the mini-batch (synchronous: one step per call)
+      if (b.input.defined()) b.input = b.input.slice(0, replica * share, (replica + 1) * share);
+      if (b.target.defined()) b.target = b.target.slice(0, replica * share, (replica + 1) * share);
+    }
+    world->barrier();  // steps start together, so step times are comparable across ranks
     const auto t0 = std::chrono::steady_clock::now();
-    last = rank.train_steps(b.input, b.target, f.batch_size * calls_steps, calls_steps);
-    transport->barrier();
+    last = rank.train_steps(b.input, b.target, share * calls_steps, calls_steps);
+    world->barrier();
     const double call_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const double ms = call_ms / calls_steps;
     for (const WeightMemory& w : last.weight_memory) {
@@ -468,7 +482,8 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> transport) {
       }
       if (leader && log) *log << entry.dump() << "\n" << std::flush;
       if (!f.save.empty() && ((f.save_every > 0 && (step + 1) % f.save_every == 0) || step + 1 == total)) {
-        save_checkpoint(rank, *transport, f.save, run_json(f, total));
+        if (replica == 0) save_checkpoint(rank, *transport, f.save, run_json(f, total));  // copies are equal
+        world->barrier();
         if (leader) progress.note(fmt::format("checkpoint at step {} written to {}", step + 1, f.save));
       }
     }
@@ -649,6 +664,16 @@ void add_train_command(CLI::App& app, int& exit_code) {
       PipelineOptions o = f->pipe.options(f->model.seed);
       auto model = f->model.factory()();
       check_balance_flags(f->pipe, f->model);
+      if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
+      if (f->pipe.replicas > 1) {
+        if (f->batch_size % f->pipe.replicas != 0)
+          throw UsageError("--batch-size " + std::to_string(f->batch_size) + " does not split evenly over --replicas " +
+                           std::to_string(f->pipe.replicas) + ": use a multiple of " + std::to_string(f->pipe.replicas));
+        if (is_async(f->pipe.schedule))
+          throw UsageError("--replicas runs with the synchronous schedules (gpipe, 1f1b, interleaved, zb-*), not '" +
+                           f->pipe.schedule + "'");
+        split_equal(f->batch_size / f->pipe.replicas, o.microbatches);
+      }
       split_equal(f->batch_size, o.microbatches);
       GeneratorOptions g;
       g.ranks = f->pipe.stages;

@@ -179,7 +179,8 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "min-max (optimal contiguous partition, default) or block-partition (torchgpipe's heuristic)");
   app.add_option_function<std::string>(
       "--plan", [this, &app](const std::string& path) { apply_plan(path, app); },
-      "a plan from pipetrain plan: its balance, schedule and micro-batch count (flags given here win)");
+      "a plan from pipetrain plan: its balance, schedule, micro-batch count and (equal) replication "
+      "(flags given here win)");
   app.add_option("--profile", profile_file,
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
@@ -187,6 +188,9 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "local (threads in this process), gloo, mpi (under mpirun), or auto: mpi under mpirun, gloo "
                  "otherwise; default auto");
   app.add_option("--threads", threads, "intra-op threads per rank; default: cores / ranks");
+  app.add_option("--replicas", replicas,
+                 "data parallelism across pipelines: R copies of the pipeline (R x stages ranks), each on 1/R of the "
+                 "mini-batch, gradients averaged per stage before the step; default 1");
   app.add_flag("--reference", reference, "use the blocking reference executor instead of the fast path");
   app.add_option("--device", device,
                  "cpu (default), cuda (rank r on GPU r mod the GPU count) or cuda:N; cuda needs a CUDA LibTorch");
@@ -200,11 +204,20 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   } catch (const std::exception& e) {  // parse time: report as a usage error (exit 2)
     throw CLI::ValidationError("--plan", e.what());
   }
+  // Equal replication of every stage runs as that many copies of the pipeline (--replicas); unequal
+  // replication (PipeDream's 1F1B-RR, e.g. 3,1) is not run yet.
   for (int r : plan.replication)
-    if (r != 1)
-      throw CLI::ValidationError("--plan", path + " replicates stages (replication " + std::to_string(r) +
-                                                 "); hybrid data + pipeline parallelism is not run yet: plan with "
+    if (r != plan.replication.front())
+      throw CLI::ValidationError("--plan", path + " replicates its stages unequally (replication " +
+                                                 std::to_string(plan.replication.front()) + " and " + std::to_string(r) +
+                                                 "); only equal replication runs (as --replicas): plan with "
                                                  "straight pipelines (pipetrain plan writes one)");
+  if (!plan.replication.empty() && plan.replication.front() > 1) {
+    if (app.get_option("--replicas")->count() > 0 && replicas != plan.replication.front())
+      throw CLI::ValidationError("--plan", path + " replicates every stage " + std::to_string(plan.replication.front()) +
+                                                 " times but --replicas is " + std::to_string(replicas));
+    replicas = plan.replication.front();
+  }
   const int p = static_cast<int>(plan.balance.size());
   auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
   if (given("--stages") && stages != p)
@@ -255,7 +268,7 @@ PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
   o.reference = reference;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(threads));
-  o.threads = threads > 0 ? threads : std::max(1, cores / std::max(1, stages));
+  o.threads = threads > 0 ? threads : std::max(1, cores / std::max(1, world_size()));
   return o;
 }
 
@@ -310,6 +323,22 @@ std::string resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, 
   return out;
 }
 
+std::shared_ptr<Transport> PipelineFlags::pipeline_group(const std::shared_ptr<Transport>& world) const {
+  if (replicas == 1) return world;
+  const int k = world->rank() / stages;
+  std::vector<int> members;
+  for (int s = 0; s < stages; ++s) members.push_back(k * stages + s);
+  return make_group_transport(world, members);
+}
+
+std::shared_ptr<Transport> PipelineFlags::replica_group(const std::shared_ptr<Transport>& world) const {
+  if (replicas == 1) return nullptr;
+  const int s = world->rank() % stages;
+  std::vector<int> members;
+  for (int k = 0; k < replicas; ++k) members.push_back(k * stages + s);
+  return make_group_transport(world, members);
+}
+
 namespace {
 bool launched() { return std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RANK"); }
 }  // namespace
@@ -317,14 +346,16 @@ bool launched() { return std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RAN
 int run_ranks(const PipelineFlags& flags, int argc, char** argv,
               const std::function<int(std::shared_ptr<Transport>)>& body) {
   if (flags.stages < 1) throw UsageError("--stages must be >= 1, got " + std::to_string(flags.stages));
+  if (flags.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(flags.replicas));
+  const int world = flags.world_size();
   const std::string& t = flags.transport;
   if (t != "local" && t != "gloo" && t != "mpi" && t != "auto")
     throw UsageError("unknown transport '" + t + "': use local, gloo, mpi or auto");
   if (t == "local") {
-    auto transports = make_local_transports(flags.stages);
-    std::vector<int> codes(static_cast<std::size_t>(flags.stages), 0);
+    auto transports = make_local_transports(world);
+    std::vector<int> codes(static_cast<std::size_t>(world), 0);
     run_on_threads(
-        flags.stages, [&](int r) { codes[static_cast<std::size_t>(r)] = body(transports[static_cast<std::size_t>(r)]); },
+        world, [&](int r) { codes[static_cast<std::size_t>(r)] = body(transports[static_cast<std::size_t>(r)]); },
         [&](int r) { transports[static_cast<std::size_t>(r)]->abort("rank " + std::to_string(r) + " failed"); });
     for (int c : codes)
       if (c != 0) return c;
@@ -332,17 +363,18 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
   }
   if (!launched()) {
     if (t == "mpi")
-      throw UsageError("--transport mpi needs ranks started by mpirun, e.g. mpirun -n " + std::to_string(flags.stages) +
+      throw UsageError("--transport mpi needs ranks started by mpirun, e.g. mpirun -n " + std::to_string(world) +
                        " pipetrain ...; or use --transport gloo");
     std::vector<std::string> args{"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    return launch_local(flags.stages, args);  // the ranks see no mpirun variables, so "auto" means gloo
+    return launch_local(world, args);  // the ranks see no mpirun variables, so "auto" means gloo
   }
   auto transport = make_process_transport(t);
-  if (transport->world_size() != flags.stages) {
-    const std::string msg = "the launcher started " + std::to_string(transport->world_size()) + " ranks but --stages is " +
-                            std::to_string(flags.stages) + ": launch " + std::to_string(flags.stages) +
-                            " ranks or pass --stages " + std::to_string(transport->world_size());
+  if (transport->world_size() != world) {
+    const std::string msg =
+        "the launcher started " + std::to_string(transport->world_size()) + " ranks but --stages is " +
+        std::to_string(flags.stages) + (flags.replicas > 1 ? " x --replicas " + std::to_string(flags.replicas) : "") +
+        ": launch " + std::to_string(world) + " ranks or pass --stages " + std::to_string(transport->world_size());
     transport->abort(msg);
     throw UsageError(msg);
   }

@@ -52,6 +52,7 @@ struct ModelFlags {
 
 struct PipelineFlags {
   int stages = 2;
+  int replicas = 1;  // data-parallel copies of the pipeline
   std::string schedule = "1f1b";
   int microbatches = 4;
   int virtual_stages = 1;
@@ -65,6 +66,12 @@ struct PipelineFlags {
   bool reference = false;
   std::string device = "cpu";  // cpu | cuda | cuda:N
   CLI::Option* stages_option = nullptr;
+  int world_size() const { return stages * replicas; }
+  // Hybrid layout: world rank r is stage r mod stages of pipeline replica r / stages. The pipeline's own
+  // group (its stages' transfers and collectives) and the stage's group across replicas (the gradient
+  // all-reduce); with one replica the pipeline group is the world.
+  std::shared_ptr<Transport> pipeline_group(const std::shared_ptr<Transport>& world) const;
+  std::shared_ptr<Transport> replica_group(const std::shared_ptr<Transport>& world) const;
   // Applies --plan FILE: sets the stages, balance, schedule and micro-batches the plan chose, except
   // those given on the command line (a mismatching --stages is an error). Called by the --plan option.
   void apply_plan(const std::string& path, const CLI::App& app);

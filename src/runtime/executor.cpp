@@ -492,6 +492,7 @@ struct PipelineRank::Impl {
     std::vector<torch::Tensor> params;
     for (auto& [s, st] : stages)
       for (const auto& p : st.parameters()) params.push_back(p);
+    if (options.data_parallel && options.data_parallel->world_size() > 1) average_over_replicas(params, uk);
     torch::Tensor t = torch::tensor({step_loss[uk], squared_norm(params)}, torch::kDouble);
     transport->all_reduce_sum(t);
     step_loss[uk] = t[0].item<double>();
@@ -499,6 +500,32 @@ struct PipelineRank::Impl {
     clip_to(params, std::sqrt(step_sq[uk]), options.optimizer.clip_grad_norm);
     step_reduced[uk] = 1;
     if (options.on_gradients) options.on_gradients(rank(), params);
+  }
+
+  // Hybrid parallelism: one all-reduce of this rank's gradients and its step-loss share over the
+  // stage's replicas, then the mean. Parameters without a gradient contribute zeros, so every replica
+  // sends the same layout.
+  void average_over_replicas(const std::vector<torch::Tensor>& params, std::size_t k) {
+    const double replicas = options.data_parallel->world_size();
+    std::vector<torch::Tensor> flat;
+    for (const auto& p : params)
+      flat.push_back(p.grad().defined() ? p.grad().detach().reshape({-1}).to(torch::kCPU, torch::kDouble)
+                                        : torch::zeros({p.numel()}, torch::kDouble));
+    flat.push_back(torch::tensor({step_loss[k]}, torch::kDouble));
+    torch::Tensor all = torch::cat(flat);
+    options.data_parallel->all_reduce_sum(all);
+    all.div_(replicas);
+    int64_t at = 0;
+    torch::NoGradGuard no_grad;
+    for (const auto& p : params) {
+      torch::Tensor mean = all.slice(0, at, at + p.numel()).view(p.sizes()).to(p.device(), p.scalar_type());
+      if (p.grad().defined())
+        p.mutable_grad().copy_(mean);
+      else
+        const_cast<torch::Tensor&>(p).mutable_grad() = mean.clone();
+      at += p.numel();
+    }
+    step_loss[k] = all[at].item<double>();
   }
 
   void optimizer_step(int s, int k) {
@@ -716,6 +743,9 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
                      "zb-h1, zb-h2, zb-auto, pipedream, 2bw or spectrain");
   }
   d.async = is_async_schedule(d.options.schedule);
+  if (d.async && d.options.data_parallel && d.options.data_parallel->world_size() > 1)
+    throw UsageError("schedule '" + d.options.schedule + "' is asynchronous; data parallelism across pipelines "
+                     "(replicas) runs with the synchronous schedules: use gpipe, 1f1b, interleaved or zb-*");
   d.policy = weight_policy_of(d.options);
   if (d.options.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(d.options.prefetch));
   const int total_stages = p * d.options.virtual_stages;

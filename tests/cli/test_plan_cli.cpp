@@ -91,7 +91,7 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
   std::ofstream(dir / "replicated.json") << replicated.dump();
   r = run_pipetrain("train --transport local --plan " + (dir / "replicated.json").string() + kModel);
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_TRUE(r.has("replicates stages")) << r.out;
+  EXPECT_TRUE(r.has("replicates its stages unequally")) << r.out;
   r = run_pipetrain("train --transport local --stages 2 --plan " + (dir / "plan.json").string() + kModel);
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("has 3 stages but --stages is 2")) << r.out;
@@ -206,6 +206,38 @@ TEST(PlanCli, UmpipePlannerWritesPartitionsPerStage) {
       for (const auto& b : row) sum += b.get<int>();
       EXPECT_EQ(sum, 16) << "every stage's partition covers the mini-batch";
     }
+  }
+  fs::remove_all(dir);
+}
+
+TEST(PlanCli, ReplicatedPipelinesTrainLikeOne) {
+  // --replicas 2: two copies of a 2-stage pipeline, each on half of every mini-batch, average their
+  // gradients; the losses equal one pipeline's on the whole batch with the same micro-batch size.
+  const fs::path dir = temp_dir("replicas");
+  const std::string common = kModel + " --batch-size 8 --steps 4 --lr-schedule constant --clip 0 --stages 2 --log ";
+  CommandResult one = run_pipetrain("train --transport local -m 4" + common + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.code, 0) << one.out;
+  CommandResult two = run_pipetrain("train --transport gloo --replicas 2 -m 2" + common + (dir / "two.jsonl").string());
+  ASSERT_EQ(two.code, 0) << two.out;
+  EXPECT_TRUE(two.has("2 stages x 2 replicas over gloo")) << two.out;
+  auto losses = [](const fs::path& p) {
+    std::vector<double> out;
+    std::ifstream in(p);
+    std::string line;
+    while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+    return out;
+  };
+  const auto a = losses(dir / "one.jsonl"), b = losses(dir / "two.jsonl");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  for (std::size_t k = 0; k < 4; ++k) EXPECT_NEAR(a[k], b[k], 1e-5 * std::abs(a[k])) << "step " << k + 1;
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--replicas 3 --batch-size 8", "does not split evenly over --replicas 3"},
+           {"--replicas 2 --schedule pipedream", "--replicas runs with the synchronous schedules"},
+           {"--replicas 0", "--replicas must be >= 1"}}) {
+    const CommandResult r = run_pipetrain("train --transport local --stages 2 " + args + kModel);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_TRUE(r.has(message)) << args << "\n" << r.out;
   }
   fs::remove_all(dir);
 }

@@ -123,6 +123,12 @@ struct PipelineOptions {
   // `train` command sets it from PIPETRAIN_FAULT). `step` is the call's first step (train_steps runs
   // several). An exception it throws fails the rank as the action would. Empty by default.
   std::function<void(int rank, int step, const Action& action)> before_action;
+  // Data parallelism across pipelines (hybrid): the group of this stage's replicas in the other pipeline
+  // copies (runtime/transport.h make_group_transport), each copy training on its own share of the
+  // mini-batch. Before the global norm and the step, the replicas' gradients and step losses are
+  // averaged over this group (equal shares give the full-batch gradient), so every copy steps the same
+  // weights. Null or a group of one: no data parallelism. Synchronous schedules only.
+  std::shared_ptr<Transport> data_parallel;
 };
 
 // How the passes of `options.schedule` choose their weights (weights.h): Current for synchronous
