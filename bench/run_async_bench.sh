@@ -30,27 +30,8 @@ if [[ -z ${SUMMARY_ONLY:-} ]]; then
   cp "$BUILD/pipetrain" "$BIN"  # others may rebuild the build folder meanwhile
 fi
 
-cpu_busy() {  # percent of all CPUs busy over 1 s
-  local a1 a2 a3 a4 a5 a6 a7 a8 b1 b2 b3 b4 b5 b6 b7 b8
-  read -r _ a1 a2 a3 a4 a5 a6 a7 a8 _ </proc/stat
-  sleep 1
-  read -r _ b1 b2 b3 b4 b5 b6 b7 b8 _ </proc/stat
-  local busy=$(((b1 + b2 + b3 + b6 + b7 + b8) - (a1 + a2 + a3 + a6 + a7 + a8)))
-  local idle=$(((b4 + b5) - (a4 + a5)))
-  echo $((100 * busy / (busy + idle + 1)))
-}
-wait_quiet() {  # until the CPUs are < 15% busy, at most QUIET_WAIT s; prints the last reading
-  local t=0 b
-  b=$(cpu_busy)
-  while ((b >= 15 && t < QUIET_WAIT)); do
-    sleep 2
-    t=$((t + 3))
-    b=$(cpu_busy)
-  done
-  echo "$b"
-}
-stat_busy() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }  # busy jiffies, all CPUs
-HZ=$(getconf CLK_TCK)
+# shellcheck source=bench/lib/load.sh
+source bench/lib/load.sh  # cpu_busy, wait_quiet, stat_busy, HZ
 
 # run NAME FLAGS...: one `pipetrain train` run; records the CPU load before it and the share of the
 # machine other processes used during it (all busy CPU time minus the run's own). With WAIT=1 it first

@@ -295,18 +295,12 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         chosen.data_parallel_time_ms = dp_time;
         chosen.speedup = best.makespan > 0 ? dp_time / best.makespan : 0;
         chosen.data_parallel_fits = dp_fits;
-        int at = 0;
-        for (int n : best.balance) {
-          double t = 0, mem = 0;
-          for (int k = 0; k < n; ++k, ++at) {
-            const LayerProfile& l = prof.layers[static_cast<std::size_t>(at)];
-            t += l.forward_ms + l.backward_ms;
-            mem += 2 * l.parameter_bytes + l.optimizer_bytes;
-          }
-          chosen.stage_time_ms.push_back(t);
-          chosen.stage_memory_bytes.push_back(mem);
-          chosen.stage_in_flight.push_back(1);
-        }
+        // Per stage: compute per micro-batch (F + B + W from the simulator's costs) and static bytes.
+        StageCostOptions so;
+        so.micro_batch = static_cast<double>(batch) / best.m;
+        for (const StageCost& c : stage_costs(prof, best.balance, so).stage) chosen.stage_time_ms.push_back(c.f + c.b + c.w);
+        chosen.stage_memory_bytes = stage_static_bytes(prof, best.balance);
+        chosen.stage_in_flight.assign(best.balance.size(), 1);
         nlohmann::json j = plan_to_json(chosen);
         j["schedule"] = best.schedule;
         j["microbatches"] = best.m;

@@ -141,7 +141,10 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
   transport.barrier();
 }
 
-nlohmann::json read_checkpoint(const std::string& dir) {
+namespace {
+
+// The manifest, with its format, version and structure checked (not the layer files).
+nlohmann::json read_manifest(const std::string& dir) {
   const fs::path d(dir), manifest_path = d / "manifest.json";
   if (!fs::is_directory(d)) {
     if (fs::is_directory(dir + ".old"))
@@ -174,17 +177,9 @@ nlohmann::json read_checkpoint(const std::string& dir) {
                        " layer files for " + std::to_string(layers) + " layers: the checkpoint is corrupted");
     m.at("step").get<int>();
     for (const auto& f : files) {
-      const fs::path path = d / f.at("file").get<std::string>();
-      if (!fs::exists(path))
-        throw UsageError("checkpoint file " + path.string() + " is missing: the checkpoint is incomplete; use another one");
-      const auto want_bytes = f.at("bytes").get<int64_t>();
-      const auto size = static_cast<int64_t>(fs::file_size(path));
-      if (size != want_bytes)
-        throw UsageError("checkpoint file " + path.string() + " has " + std::to_string(size) + " bytes but the manifest "
-                         "says " + std::to_string(want_bytes) + ": it is truncated or was changed; use another checkpoint");
-      if (crc_of(read_bytes(path)) != f.at("crc32").get<uint32_t>())
-        throw UsageError("checkpoint file " + path.string() + " fails its CRC-32 check: it is corrupted; use another "
-                         "checkpoint");
+      f.at("file").get<std::string>();
+      f.at("bytes").get<int64_t>();
+      f.at("crc32").get<uint32_t>();
     }
   } catch (const nlohmann::json::exception& e) {
     throw UsageError("checkpoint manifest " + manifest_path.string() + " lacks a field or has a wrong type (" +
@@ -193,18 +188,46 @@ nlohmann::json read_checkpoint(const std::string& dir) {
   return m;
 }
 
+// The bytes of layer file `f` (a manifest entry), checked against its recorded size and CRC-32.
+std::vector<char> read_layer_file(const std::string& dir, const nlohmann::json& f) {
+  const fs::path path = fs::path(dir) / f.at("file").get<std::string>();
+  if (!fs::exists(path))
+    throw UsageError("checkpoint file " + path.string() + " is missing: the checkpoint is incomplete; use another one");
+  const std::vector<char> bytes = read_bytes(path);
+  const auto want_bytes = f.at("bytes").get<int64_t>();
+  if (static_cast<int64_t>(bytes.size()) != want_bytes)
+    throw UsageError("checkpoint file " + path.string() + " has " + std::to_string(bytes.size()) +
+                     " bytes but the manifest says " + std::to_string(want_bytes) +
+                     ": it is truncated or was changed; use another checkpoint");
+  if (crc_of(bytes) != f.at("crc32").get<uint32_t>())
+    throw UsageError("checkpoint file " + path.string() + " fails its CRC-32 check: it is corrupted; use another "
+                     "checkpoint");
+  return bytes;
+}
+
+}  // namespace
+
+nlohmann::json read_checkpoint(const std::string& dir) {
+  const nlohmann::json m = read_manifest(dir);
+  for (const auto& f : m.at("files")) read_layer_file(dir, f);
+  return m;
+}
+
+// Each rank reads, checks and loads only the layers it holds (the CLI checks the whole checkpoint once
+// before ranks start, with read_checkpoint).
 void load_checkpoint(PipelineRank& rank, const std::string& dir) {
-  const nlohmann::json m = read_checkpoint(dir);
+  const nlohmann::json m = read_manifest(dir);
   int layers = 0;
   for (int n : rank.balance()) layers += n;
   if (m.at("layers").get<int>() != layers)
     throw UsageError("checkpoint " + dir + " holds " + std::to_string(m.at("layers").get<int>()) +
                      " layers but this model has " + std::to_string(layers) + ": it was saved from another model");
   for (int layer : rank.local_layers()) {
-    const fs::path path = fs::path(dir) / m.at("files").at(layer).at("file").get<std::string>();
+    const nlohmann::json& entry = m.at("files").at(static_cast<std::size_t>(layer));
+    const fs::path path = fs::path(dir) / entry.at("file").get<std::string>();
     c10::IValue v;
     try {
-      v = torch::pickle_load(read_bytes(path));
+      v = torch::pickle_load(read_layer_file(dir, entry));
     } catch (const c10::Error& e) {
       throw UsageError("checkpoint file " + path.string() + " cannot be read: " + e.what_without_backtrace());
     }

@@ -7,6 +7,7 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/split_linear.h"
+#include "pipetrain/runtime/stage.h"
 
 namespace pipetrain {
 namespace {
@@ -20,15 +21,6 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
-}
-
-// "pipetrain::zoo::GptBlock" -> "GptBlock", "torch::nn::Conv2dImpl" -> "Conv2d".
-std::string type_of(const torch::nn::Module& m) {
-  std::string n = m.name();
-  const auto colon = n.rfind("::");
-  if (colon != std::string::npos) n = n.substr(colon + 2);
-  if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n = n.substr(0, n.size() - 4);
-  return n;
 }
 
 torch::Tensor leaf_input(const torch::Tensor& x) {
@@ -117,12 +109,13 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
   torch::Tensor x = input;
   std::vector<torch::Tensor> extra_inputs;
   for (int s : o.extra_sizes) extra_inputs.push_back(resized(input, s));
+  const std::vector<std::string> types = layer_type_names(model);
   std::size_t index = 0;
   for (auto& any : *model) {
     auto module = model->ptr(index);
     LayerProfile l;
-    l.name = std::to_string(index) + ":" + type_of(*module);
-    l.type = type_of(*module);
+    l.type = types[index];
+    l.name = std::to_string(index) + ":" + l.type;
     const LayerTimes t = time_layer(module, any, x, o);
     l.forward_ms = t.forward;
     l.backward_ms = t.backward;

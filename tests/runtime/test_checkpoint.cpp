@@ -210,6 +210,11 @@ TEST(Checkpoint, RefusesCorruptedTruncatedAndMismatched) {
   write(flipped);
   EXPECT_NE(error_of([&] { read_checkpoint(dir.string()); }).find("layer-00003.pt fails its CRC-32 check"),
             std::string::npos);
+  {  // Loading checks the files a rank reads, too (not only the CLI's up-front read_checkpoint).
+    PipelineRank all_layers(make_model(5), ce, make_local_transports(1)[0], options("sgd", "1f1b", 1));
+    EXPECT_NE(error_of([&] { load_checkpoint(all_layers, dir.string()); }).find("fails its CRC-32 check"),
+              std::string::npos);
+  }
   write(bytes.substr(0, bytes.size() - 10));
   EXPECT_NE(error_of([&] { read_checkpoint(dir.string()); }).find("truncated"), std::string::npos);
   write(bytes);

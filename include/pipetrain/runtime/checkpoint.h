@@ -35,7 +35,8 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
 // the manifest; throws UsageError naming the file and what is wrong. Reads, never writes.
 nlohmann::json read_checkpoint(const std::string& dir);
 
-// Loads the layers this rank holds and the step from a checkpoint (checked as read_checkpoint does).
+// Loads the layers this rank holds and the step from a checkpoint: the manifest is checked, and each
+// layer file this rank reads is checked (size, CRC-32) before it is used; the others are not read.
 // Throws UsageError when the layer count or a tensor's name or shape does not match the model.
 void load_checkpoint(PipelineRank& rank, const std::string& dir);
 
