@@ -341,6 +341,56 @@ const std::vector<std::string>& schedule_names() {
   return names;
 }
 
+Schedule round_robin(const std::string& base, const std::vector<int>& replication, int m, int steps) {
+  if (base != "gpipe" && base != "1f1b")
+    throw UsageError("stage replication runs with --schedule gpipe or 1f1b (round robin over the replicas), not '" +
+                     base + "'");
+  if (replication.empty()) throw UsageError("stage replication needs one count per stage, got none");
+  const int stages = static_cast<int>(replication.size());
+  int ranks = 0;
+  for (int st = 0; st < stages; ++st) {
+    const int r = replication[static_cast<std::size_t>(st)];
+    if (r < 1)
+      throw UsageError("stage " + fmt_int(st) + " has replication " + fmt_int(r) + ": every stage needs >= 1 replica");
+    ranks += r;
+  }
+  check_sizes(base.c_str(), stages, m, 1, steps);
+  Schedule s = skeleton(base == "gpipe" ? "gpipe-rr" : "1f1b-rr", stages, m, 1, steps);
+  s.ranks = ranks;
+  s.actions.assign(static_cast<std::size_t>(ranks), {});
+  s.stage_replicas.resize(static_cast<std::size_t>(stages));
+  int next = 0, downstream = ranks;  // downstream: the ranks of stages st..S-1
+  for (int st = 0; st < stages; ++st) {
+    const int r = replication[static_cast<std::size_t>(st)];
+    for (int q = 0; q < r; ++q) s.stage_replicas[static_cast<std::size_t>(st)].push_back(next + q);
+    s.stage_rank[static_cast<std::size_t>(st)] = next;
+    const int in_flight = (downstream + r - 1) / r;
+    for (int q = 0; q < r; ++q) {
+      auto& row = s.actions[static_cast<std::size_t>(next + q)];
+      for (int k = 0; k < steps; ++k) {
+        std::vector<int> mine;
+        for (int i = k * m; i < (k + 1) * m; ++i)
+          if (i % r == q) mine.push_back(i);
+        const int n = static_cast<int>(mine.size());
+        const int warm = base == "gpipe" ? n : std::min(in_flight - 1, n);
+        for (int j = 0; j < warm; ++j) row.push_back(F(st, mine[static_cast<std::size_t>(j)]));
+        for (int j = warm; j < n; ++j) {
+          row.push_back(F(st, mine[static_cast<std::size_t>(j)]));
+          row.push_back(BW(st, mine[static_cast<std::size_t>(j - warm)]));
+        }
+        if (base == "gpipe")  // GPipe's drain: the newest micro-batch first, as the next stage returns them
+          for (int j = n - 1; j >= 0; --j) row.push_back(BW(st, mine[static_cast<std::size_t>(j)]));
+        else
+          for (int j = std::max(0, n - warm); j < n; ++j) row.push_back(BW(st, mine[static_cast<std::size_t>(j)]));
+        row.push_back(Step(st, k));
+      }
+    }
+    next += r;
+    downstream -= r;
+  }
+  return s;
+}
+
 Schedule generate(const std::string& name, const GeneratorOptions& o) {
   if (o.virtual_stages != 1 && name != "interleaved")
     throw UsageError("--virtual " + fmt_int(o.virtual_stages) + " applies only to --schedule interleaved, not '" +

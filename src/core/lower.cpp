@@ -44,7 +44,7 @@ Schedule insert_communication(const Schedule& schedule, const CostModel& costs_i
     // The single consumer stage of this token on another rank, if any.
     const int consumer_stage = token->kind == Token::Act ? token->stage + 1 : token->stage - 1;
     if (consumer_stage < 0 || consumer_stage >= schedule.stages) continue;
-    const int consumer_rank = schedule.rank_of(consumer_stage);
+    const int consumer_rank = schedule.rank_of(consumer_stage, token->micro);
     if (consumer_rank == e.rank) continue;
     const Action send = token->kind == Token::Act ? Action{ActionKind::SendAct, token->stage, token->micro}
                                                   : Action{ActionKind::SendGrad, token->stage, token->micro};

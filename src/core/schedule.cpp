@@ -12,7 +12,13 @@ namespace pipetrain {
 bool operator==(const Schedule& a, const Schedule& b) {
   return a.name == b.name && a.ranks == b.ranks && a.stages == b.stages && a.microbatches == b.microbatches &&
          a.microbatches_per_step == b.microbatches_per_step && a.synchronous == b.synchronous &&
-         a.stage_rank == b.stage_rank && a.actions == b.actions;
+         a.stage_rank == b.stage_rank && a.stage_replicas == b.stage_replicas && a.actions == b.actions;
+}
+
+bool Schedule::holds(int rank, int stage) const {
+  if (stage_replicas.empty()) return rank_of(stage) == rank;
+  const auto& r = stage_replicas.at(static_cast<std::size_t>(stage));
+  return std::find(r.begin(), r.end(), rank) != r.end();
 }
 
 std::string rank_line(const Schedule& s, int rank) {
@@ -30,6 +36,13 @@ std::string to_csv(const Schedule& s) {
       << " microbatches=" << s.microbatches << " microbatches_per_step=" << s.microbatches_per_step
       << " synchronous=" << (s.synchronous ? 1 : 0) << " stage_rank=";
   for (std::size_t i = 0; i < s.stage_rank.size(); ++i) out << (i ? ":" : "") << s.stage_rank[i];
+  if (s.replicated()) {
+    out << " stage_replicas=";
+    for (std::size_t i = 0; i < s.stage_replicas.size(); ++i) {
+      out << (i ? ":" : "");
+      for (std::size_t k = 0; k < s.stage_replicas[i].size(); ++k) out << (k ? "/" : "") << s.stage_replicas[i][k];
+    }
+  }
   out << '\n';
   for (int r = 0; r < s.ranks; ++r) {
     const auto& row = s.actions[static_cast<std::size_t>(r)];
@@ -149,6 +162,24 @@ Schedule from_csv(const std::string& text) {
           s.stage_rank[static_cast<std::size_t>(a.stage)] = r;
     for (int st = 0; st < s.stages; ++st)
       if (s.stage_rank[static_cast<std::size_t>(st)] < 0) s.stage_rank[static_cast<std::size_t>(st)] = st % s.ranks;
+  }
+  if (header.count("stage_replicas")) {
+    // stage_replicas=0/1/2:3 -- per stage (':'-separated) its ranks in round-robin order ('/'-separated).
+    std::stringstream stages(header["stage_replicas"]);
+    std::string one;
+    while (std::getline(stages, one, ':')) {
+      std::replace(one.begin(), one.end(), '/', ':');
+      s.stage_replicas.push_back(parse_stage_rank(one, header_line));
+    }
+    if (static_cast<int>(s.stage_replicas.size()) != s.stages)
+      throw UsageError("CSV header stage_replicas lists " + std::to_string(s.stage_replicas.size()) +
+                       " stages but stages=" + std::to_string(s.stages) + ": give the ranks of every stage");
+    std::vector<int> first;
+    for (const auto& r : s.stage_replicas) first.push_back(r.front());
+    if (header.count("stage_rank") && first != s.stage_rank)
+      throw UsageError("CSV header stage_rank and stage_replicas disagree: each stage's owner must be its first "
+                       "replica");
+    s.stage_rank = first;
   }
   if (static_cast<int>(s.stage_rank.size()) != s.stages)
     throw UsageError("CSV header stage_rank lists " + std::to_string(s.stage_rank.size()) +

@@ -87,11 +87,35 @@ void check_structure(const Schedule& s) {
       bad("stage " + std::to_string(st) + " is owned by rank " + std::to_string(r) + " but ranks are 0.." +
           std::to_string(s.ranks - 1));
   }
+  if (!s.replicated()) return;
+  if (static_cast<int>(s.stage_replicas.size()) != s.stages)
+    bad("stage_replicas has " + std::to_string(s.stage_replicas.size()) + " entries for " + std::to_string(s.stages) +
+        " stages");
+  for (int st = 0; st < s.stages; ++st) {
+    const auto& reps = s.stage_replicas[static_cast<std::size_t>(st)];
+    if (reps.empty()) bad("stage " + std::to_string(st) + " has no replicas: give it at least one rank");
+    if (reps.front() != s.stage_rank[static_cast<std::size_t>(st)])
+      bad("stage " + std::to_string(st) + "'s owner (stage_rank) is rank " +
+          std::to_string(s.stage_rank[static_cast<std::size_t>(st)]) + " but its first replica is rank " +
+          std::to_string(reps.front()));
+    for (std::size_t k = 0; k < reps.size(); ++k) {
+      if (reps[k] < 0 || reps[k] >= s.ranks)
+        bad("stage " + std::to_string(st) + " has a replica on rank " + std::to_string(reps[k]) + " but ranks are 0.." +
+            std::to_string(s.ranks - 1));
+      if (std::find(reps.begin(), reps.begin() + static_cast<std::ptrdiff_t>(k), reps[k]) != reps.begin() + static_cast<std::ptrdiff_t>(k))
+        bad("stage " + std::to_string(st) + " lists rank " + std::to_string(reps[k]) + " twice among its replicas");
+    }
+  }
 }
 
+// Actions are unique except optimizer steps, which every replica of a stage runs: steps are keyed by
+// their rank, everything else by rank -1.
+using Where = std::map<std::pair<Action, int>, GridCell>;
+std::pair<Action, int> key_of(const Action& a, int rank) { return {a, a.kind == ActionKind::Step ? rank : -1}; }
+
 // Where each action sits; fails on out-of-range actions, wrong owners and duplicates.
-std::map<Action, GridCell> locate(const Schedule& s) {
-  std::map<Action, GridCell> where;
+Where locate(const Schedule& s) {
+  Where where;
   for (int r = 0; r < s.ranks; ++r) {
     const auto& row = s.actions[static_cast<std::size_t>(r)];
     for (int pos = 0; pos < static_cast<int>(row.size()); ++pos) {
@@ -112,35 +136,44 @@ std::map<Action, GridCell> locate(const Schedule& s) {
       const bool needs_prev = a.kind == ActionKind::RecvAct || a.kind == ActionKind::SendGrad;
       if ((needs_next && a.stage + 1 >= s.stages) || (needs_prev && a.stage == 0))
         fail(s, text + " transfers to or from a stage that does not exist", {{r, pos}});
-      if (is_comm(a.kind) && s.rank_of(matching_comm(a).stage) == r)
+      if (is_comm(a.kind) && s.rank_of(matching_comm(a).stage, a.index) == r)
         fail(s, text + " is a transfer between stages " + std::to_string(a.stage) + " and " +
                     std::to_string(matching_comm(a).stage) + ", which are both on rank " + std::to_string(r) +
                     ": remove it",
              {{r, pos}});
-      const int owner = s.rank_of(a.stage);
-      if (owner != r)
-        fail(s, text + " belongs to stage " + std::to_string(a.stage) + ", which rank " + std::to_string(owner) +
-                    " owns, but it is on rank " + std::to_string(r) + ": move it to rank " + std::to_string(owner) +
-                    "'s row",
-             {{r, pos}});
-      auto [it, inserted] = where.emplace(a, GridCell{r, pos});
+      if (a.kind == ActionKind::Step) {
+        if (!s.holds(r, a.stage))
+          fail(s, text + " is an optimizer step of stage " + std::to_string(a.stage) + ", which rank " +
+                      std::to_string(r) + " does not hold: move it to rank " + std::to_string(s.rank_of(a.stage)) +
+                      "'s row",
+               {{r, pos}});
+      } else {
+        const int owner = s.rank_of(a.stage, a.index);
+        if (owner != r)
+          fail(s, text + " belongs to stage " + std::to_string(a.stage) + (s.replicated() ? " micro-batch " + std::to_string(a.index) : std::string()) +
+                      ", which rank " + std::to_string(owner) + (s.replicated() ? " runs" : " owns") + ", but it is on rank " + std::to_string(r) +
+                      ": move it to rank " + std::to_string(owner) + "'s row",
+               {{r, pos}});
+      }
+      auto [it, inserted] = where.emplace(key_of(a, r), GridCell{r, pos});
       if (!inserted) fail(s, text + " appears twice: every action runs exactly once", {it->second, {r, pos}});
     }
   }
   return where;
 }
 
-void check_complete(const Schedule& s, const std::map<Action, GridCell>& where) {
-  auto has = [&](ActionKind k, int st, int i) { return where.count(Action{k, st, i}) > 0; };
-  auto at = [&](ActionKind k, int st, int i) { return where.at(Action{k, st, i}); };
+void check_complete(const Schedule& s, const Where& where) {
+  auto has = [&](ActionKind k, int st, int i) { return where.count({Action{k, st, i}, -1}) > 0; };
+  auto at = [&](ActionKind k, int st, int i) { return where.at({Action{k, st, i}, -1}); };
   bool has_steps = false, lowered = false;
-  for (const auto& [a, cell] : where) {
+  for (const auto& [key, cell] : where) {
+    const Action& a = key.first;
     has_steps |= a.kind == ActionKind::Step;
     lowered |= is_comm(a.kind);
   }
   for (int st = 0; st < s.stages; ++st) {
-    const std::string owner = " (rank " + std::to_string(s.rank_of(st)) + ")";
     for (int i = 0; i < s.microbatches; ++i) {
+      const std::string owner = " (rank " + std::to_string(s.rank_of(st, i)) + ")";
       auto text = [&](ActionKind k) { return to_string(Action{k, st, i}); };
       if (!has(ActionKind::F, st, i))
         fail(s, "missing " + text(ActionKind::F) + ": stage " + std::to_string(st) + owner +
@@ -159,29 +192,33 @@ void check_complete(const Schedule& s, const std::map<Action, GridCell>& where) 
       if (w && !b)
         fail(s, text(ActionKind::W) + " has no matching " + text(ActionKind::B) + ": add the input-gradient pass",
              {at(ActionKind::W, st, i)});
-      if (lowered && st + 1 < s.stages && s.rank_of(st) != s.rank_of(st + 1)) {
+      if (lowered && st + 1 < s.stages && s.rank_of(st, i) != s.rank_of(st + 1, i)) {
         for (ActionKind k : {ActionKind::SendAct, ActionKind::SendGrad}) {
           const Action send = k == ActionKind::SendAct ? Action{k, st, i} : Action{k, st + 1, i};
           const Action recv = matching_comm(send);
           for (const Action& c : {send, recv})
-            if (!where.count(c))
+            if (!where.count({c, -1}))
               fail(s, "this lowered schedule misses " + to_string(c) + " on rank " +
-                          std::to_string(s.rank_of(c.stage)) + " (every transfer between ranks needs a send and a "
+                          std::to_string(s.rank_of(c.stage, c.index)) + " (every transfer between ranks needs a send and a "
                           "receive)");
         }
       }
     }
     if (has_steps)
       for (int k = 0; k < s.steps(); ++k)
-        if (!has(ActionKind::Step, st, k))
-          fail(s, "missing optimizer step " + to_string(Action{ActionKind::Step, st, k}) + owner +
-                      ": a schedule with steps needs one per stage and step");
+        for (int q = 0; q < s.replicas_of(st); ++q) {
+          const int r = s.replicated() ? s.stage_replicas[static_cast<std::size_t>(st)][static_cast<std::size_t>(q)] : s.rank_of(st);
+          if (!where.count({Action{ActionKind::Step, st, k}, r}))
+            fail(s, "missing optimizer step " + to_string(Action{ActionKind::Step, st, k}) + " (rank " + std::to_string(r) +
+                        "): a schedule with steps needs one per stage" + (s.replicated() ? ", replica" : "") + " and step");
+        }
   }
 }
 
-void check_local_order(const Schedule& s, const std::map<Action, GridCell>& where) {
+void check_local_order(const Schedule& s, const Where& where) {
+  int rank = 0;  // the rank of the micro-batch being checked (its replica's optimizer steps)
   auto before = [&](const Action& x, const Action& y, const std::string& why) {
-    auto ix = where.find(x), iy = where.find(y);
+    auto ix = where.find(key_of(x, rank)), iy = where.find(key_of(y, rank));
     if (ix == where.end() || iy == where.end()) return;
     if (ix->second.pos > iy->second.pos)
       fail(s, to_string(y) + " runs before " + to_string(x) + " on rank " + std::to_string(iy->second.rank) + ": " +
@@ -190,6 +227,7 @@ void check_local_order(const Schedule& s, const std::map<Action, GridCell>& wher
   };
   for (int st = 0; st < s.stages; ++st)
     for (int i = 0; i < s.microbatches; ++i) {
+      rank = s.rank_of(st, i);
       before({ActionKind::F, st, i}, {ActionKind::BW, st, i}, "a backward needs its forward's activations");
       before({ActionKind::F, st, i}, {ActionKind::B, st, i}, "a backward needs its forward's activations");
       before({ActionKind::B, st, i}, {ActionKind::W, st, i}, "W needs what B saves for it");
@@ -227,7 +265,7 @@ void dry_run(const Schedule& s) {
       while (const Action* a = head(r)) {
         if (is_comm(a->kind)) {
           const Action peer_action = matching_comm(*a);
-          const int q = s.rank_of(peer_action.stage);
+          const int q = s.rank_of(peer_action.stage, peer_action.index);
           const Action* peer = head(q);
           if (!peer || *peer != peer_action) break;
           const bool sending = a->kind == ActionKind::SendAct || a->kind == ActionKind::SendGrad;
@@ -264,7 +302,7 @@ void dry_run(const Schedule& s) {
       why << "  rank " << r << " is stuck at " << to_string(*a) << ": ";
       if (is_comm(a->kind)) {
         const Action peer_action = matching_comm(*a);
-        const int q = s.rank_of(peer_action.stage);
+        const int q = s.rank_of(peer_action.stage, peer_action.index);
         const Action* peer = head(q);
         why << "waits for rank " << q << " to reach " << to_string(peer_action) << ", but rank " << q << " is at "
             << (peer ? to_string(*peer) : std::string("its end")) << "\n";

@@ -9,6 +9,8 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
+#include "pipetrain/core/lower.h"
+#include "pipetrain/core/schedule.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/validate.h"
 
@@ -240,4 +242,123 @@ TEST(Generators, BadSizesAreUsageErrors) {
   for (const std::string& n : schedule_names()) EXPECT_NE(unknown.find(n), std::string::npos) << unknown;
   o.virtual_stages = 2;
   EXPECT_NE(message([&] { generate("1f1b", o); }).find("only to --schedule interleaved"), std::string::npos);
+}
+
+// ---- stage replication, round robin (1F1B-RR) ------------------------------------------------------
+
+// Without replication the round-robin generator is the plain one: the same action lists.
+TEST(RoundRobin, OneReplicaPerStageIsThePlainSchedule) {
+  for (const std::string base : {"gpipe", "1f1b"})
+    for (int p = 1; p <= 4; ++p)
+      for (int m = 1; m <= 6; ++m)
+        for (int steps = 1; steps <= 2; ++steps) {
+          GeneratorOptions g;
+          g.ranks = p;
+          g.microbatches = m;
+          g.steps = steps;
+          const Schedule plain = generate(base, g);
+          const Schedule rr = round_robin(base, std::vector<int>(static_cast<std::size_t>(p), 1), m, steps);
+          EXPECT_EQ(rr.actions, plain.actions) << base << " p=" << p << " m=" << m;
+          EXPECT_EQ(rr.stage_rank, plain.stage_rank);
+        }
+}
+
+// Random replications: every schedule validates (no deadlock, every action once on the right replica,
+// every replica steps), lowers, validates again and simulates; replicas share a stage's micro-batches
+// round robin.
+TEST(RoundRobin, RandomReplicationsValidateLowerAndSimulate) {
+  uint64_t state = 7;
+  auto next = [&](int n) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<int>((state >> 33) % static_cast<uint64_t>(n));
+  };
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::string base = trial % 2 ? "1f1b" : "gpipe";
+    const int stages = 1 + next(4), m = 1 + next(9), steps = 1 + next(2);
+    std::vector<int> rep;
+    for (int s = 0; s < stages; ++s) rep.push_back(1 + next(3));
+    const Schedule s = round_robin(base, rep, m, steps);
+    SCOPED_TRACE(base + " m=" + std::to_string(m) + " ranks=" + std::to_string(s.ranks));
+    ASSERT_NO_THROW(validate(s));
+    for (int st = 0; st < stages; ++st)
+      for (int q = 0; q < rep[static_cast<std::size_t>(st)]; ++q) {
+        const int r = s.stage_replicas[static_cast<std::size_t>(st)][static_cast<std::size_t>(q)];
+        int forwards = 0, steps_seen = 0;
+        for (const Action& a : s.actions[static_cast<std::size_t>(r)]) {
+          EXPECT_EQ(a.stage, st);
+          if (a.kind == ActionKind::F) {
+            EXPECT_EQ(a.index % rep[static_cast<std::size_t>(st)], q);
+            EXPECT_EQ(s.rank_of(st, a.index), r);
+            ++forwards;
+          }
+          steps_seen += a.kind == ActionKind::Step;
+        }
+        int expected = 0;
+        for (int i = 0; i < m * steps; ++i) expected += i % rep[static_cast<std::size_t>(st)] == q;
+        EXPECT_EQ(forwards, expected);
+        EXPECT_EQ(steps_seen, steps);
+      }
+    const Schedule lowered = insert_communication(s, CostModel{});
+    ASSERT_NO_THROW(validate(lowered));
+    ASSERT_NO_THROW(simulate(lowered, CostModel::uniform(stages, StageCost{})));
+    const Schedule back = from_csv(to_csv(lowered));
+    EXPECT_EQ(back.stage_replicas, lowered.stage_replicas);
+    EXPECT_EQ(back.actions, lowered.actions);
+  }
+}
+
+// Replication is for uneven stages: stage 0 three times as slow as stage 1 and given three replicas
+// runs at stage 1's pace. Over m micro-batches the makespan is m x max_s (c_s / r_s) plus a fill and
+// drain of at most the summed stage costs twice. PipeDream's in-flight count matters here: with one
+// micro-batch in flight per replica of stage 0, the replicas wait for every gradient and the steady
+// state is a third slower (4 instead of 3 time units per micro-batch, which this bound rejects for m = 60).
+TEST(RoundRobin, ReplicasMatchTheSlowStagesPace) {
+  const int m = 60;
+  CostModel c;
+  c.stage = {StageCost{3, 3, 3, 1}, StageCost{1, 1, 1, 1}};  // BW = b + w: stage 0 9, stage 1 3 per micro-batch
+  const Schedule s = round_robin("1f1b", {3, 1}, m);
+  validate(s);
+  const double makespan = simulate(s, c).metrics.makespan;
+  EXPECT_LE(makespan, m * 3.0 + 2 * (9 + 3));
+  // The unreplicated pipeline is bound by stage 0: 9 per micro-batch.
+  const double plain = simulate(round_robin("1f1b", {1, 1}, m), c).metrics.makespan;
+  EXPECT_GE(plain, m * 9.0);
+  // In-flight per replica: ceil(W_s / r_s) = ceil(4 / 3) = 2 on stage 0, 1 on stage 1.
+  EXPECT_EQ(s.actions[0][0], (Action{ActionKind::F, 0, 0}));
+  EXPECT_EQ(s.actions[0][1], (Action{ActionKind::F, 0, 3}));
+  EXPECT_EQ(s.actions[0][2], (Action{ActionKind::BW, 0, 0}));
+}
+
+TEST(RoundRobin, RefusesBadInput) {
+  EXPECT_THROW(round_robin("zb-h1", {2, 1}, 4), UsageError);
+  EXPECT_THROW(round_robin("1f1b", {}, 4), UsageError);
+  EXPECT_THROW(round_robin("1f1b", {2, 0}, 4), UsageError);
+  EXPECT_THROW(round_robin("1f1b", {2, 1}, 0), UsageError);
+  try {
+    round_robin("1f1b", {2, 0}, 4);
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("stage 1 has replication 0"), std::string::npos) << e.what();
+  }
+}
+
+// The validator knows replicas: a micro-batch on the wrong replica and a replica without its optimizer
+// step are refused with what to change.
+TEST(RoundRobin, ValidatorChecksReplicas) {
+  Schedule s = round_robin("1f1b", {2, 1}, 4);
+  Schedule wrong = s;
+  std::swap(wrong.actions[0], wrong.actions[1]);
+  try {
+    validate(wrong);
+    ADD_FAILURE() << "a swapped replica validated";
+  } catch (const ScheduleError& e) {
+    EXPECT_NE(std::string(e.what()).find("move it to rank"), std::string::npos) << e.what();
+  }
+  Schedule no_step = s;
+  no_step.actions[1].pop_back();
+  try {
+    validate(no_step);
+    ADD_FAILURE() << "a replica without its step validated";
+  } catch (const ScheduleError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing optimizer step 0S0 (rank 1)"), std::string::npos) << e.what();
+  }
 }

@@ -103,6 +103,18 @@ Schedule two_bw(int p, int m, int steps = 1);
 // "spectrain" (generate() only) is pipedream's action list under its own name: SpecTrain and PipeOptim
 // differ from PipeDream in the weights each pass uses (runtime/weights.h), not in the order of work.
 
+// Stage replication with round-robin micro-batches (PipeDream's 1F1B-RR, synchronous: one flush per
+// step). Stage s gets replication[s] ranks, numbered stage by stage (stage 0's replicas are ranks
+// 0..r0-1, then stage 1's, ...); micro-batch i of stage s runs on its replica i mod r_s (see
+// Schedule::stage_replicas), and every replica runs the stage's optimizer step, after which the runtime
+// sums the replicas' gradients. Each replica orders its own micro-batches like `base`:
+//   gpipe: all its forwards, then all its backwards;
+//   1f1b:  at most ceil(W_s / r_s) micro-batches in flight, W_s = the ranks of stages s..S-1 (PipeDream's
+//          NOAM, which is p - s, plain 1F1B, when nothing is replicated).
+// Deadlock-free (checked by validate() in the tests over random replications). Throws UsageError on an
+// empty replication, a count < 1, or another base.
+Schedule round_robin(const std::string& base, const std::vector<int>& replication, int m, int steps = 1);
+
 // Names accepted by generate(), in the order shown to users.
 const std::vector<std::string>& schedule_names();
 

@@ -25,11 +25,27 @@ struct Schedule {
   int microbatches_per_step = 1; // micro-batches accumulated into one optimizer step
   bool synchronous = true;       // true: forwards of step k+1 wait for step k's optimizer step (flush)
   std::vector<int> stage_rank;   // stage_rank[s]: the rank that owns stage s (size = stages)
+  // Stage replication (PipeDream's 1F1B-RR): empty, or per stage the ranks holding a replica of it, in
+  // round-robin order: micro-batch i of stage s runs on stage_replicas[s][i % stage_replicas[s].size()].
+  // stage_rank[s] is then stage_replicas[s][0]. Every replica runs the stage's optimizer steps.
+  std::vector<std::vector<int>> stage_replicas;
   std::vector<std::vector<Action>> actions;  // actions[r]: rank r's actions in order (size = ranks)
 
   int steps() const { return (microbatches + microbatches_per_step - 1) / microbatches_per_step; }
-  int virtual_stages_per_rank() const { return stages / ranks; }
+  int virtual_stages_per_rank() const { return replicated() ? 1 : stages / ranks; }
   int rank_of(int stage) const { return stage_rank.at(static_cast<std::size_t>(stage)); }
+  // The rank that runs micro-batch `micro` of `stage` (its replica under round robin).
+  int rank_of(int stage, int micro) const {
+    if (stage_replicas.empty()) return rank_of(stage);
+    const auto& r = stage_replicas.at(static_cast<std::size_t>(stage));
+    return r[static_cast<std::size_t>(micro) % r.size()];
+  }
+  int replicas_of(int stage) const {
+    return stage_replicas.empty() ? 1 : static_cast<int>(stage_replicas.at(static_cast<std::size_t>(stage)).size());
+  }
+  bool replicated() const { return !stage_replicas.empty(); }
+  // Whether `rank` holds stage `stage` (one of its replicas).
+  bool holds(int rank, int stage) const;
   // The step that micro-batch i belongs to.
   int step_of(int micro) const { return micro / microbatches_per_step; }
 
