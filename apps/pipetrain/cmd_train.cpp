@@ -307,6 +307,16 @@ double peak_rss_mib() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
+// "stage S" for a rank, or "rank R (stage S replica Q)" when stages are replicated (1F1B-RR).
+std::string rank_label(const Schedule& s, int rank) {
+  if (!s.replicated()) return fmt::format("stage {}", rank);
+  for (int st = 0; st < s.stages; ++st)
+    for (std::size_t q = 0; q < s.stage_replicas[static_cast<std::size_t>(st)].size(); ++q)
+      if (s.stage_replicas[static_cast<std::size_t>(st)][q] == rank)
+        return fmt::format("rank {} (stage {} replica {})", rank, st, q);
+  return fmt::format("rank {}", rank);
+}
+
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   // With --replicas R the world holds R copies of the pipeline (hybrid data + pipeline parallelism):
   // `transport` is this rank's pipeline, `replica` its copy's index; copy k trains on the k-th 1/R of
@@ -380,7 +390,10 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
                              "{} steps{}{}\n  {}",
                              f.model.describe(),
                              f.pipe.replicas > 1 ? fmt::format("{} stages x {} replicas", f.pipe.stages, f.pipe.replicas)
-                                                 : fmt::format("{} stages", f.pipe.stages),
+                             : !f.pipe.replication.empty()
+                                 ? fmt::format("{} stages replicated {} (1F1B-RR, {} ranks)", f.pipe.stages,
+                                               f.pipe.replication, f.pipe.world_size())
+                                 : fmt::format("{} stages", f.pipe.stages),
                              transport->name(), o.threads,
                              async ? fmt::format("{} (weights: {}{})", f.pipe.schedule, to_string(rank.weight_policy()),
                                                  f.pipe.schedule == "spectrain" || f.pipe.schedule == "pipedream"
@@ -529,8 +542,8 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
       measured.makespan > 0 ? predicted.metrics.makespan / measured.makespan : 0.0);
   const bool shared = transport->shares_process();
   for (const RankMetrics& r : measured.per_rank)
-    std::cout << fmt::format("  stage {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms; peak RSS {:.0f} MiB{}{}\n",
-                             r.rank, r.busy, r.span, r.bubble, memory[1][r.rank].item<double>(),
+    std::cout << fmt::format("  {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms; peak RSS {:.0f} MiB{}{}\n",
+                             rank_label(rank.schedule(), r.rank), r.busy, r.span, r.bubble, memory[1][r.rank].item<double>(),
                              shared ? " (one process for all ranks)" : "",
                              f.memory ? fmt::format(", peak heap growth in a step {:.2f} MiB",
                                                     memory[0][r.rank].item<double>() / 1048576.0)
@@ -665,6 +678,9 @@ void add_train_command(CLI::App& app, int& exit_code) {
       auto model = f->model.factory()();
       check_balance_flags(f->pipe, f->model);
       if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
+      if (f->pipe.replicas > 1 && !f->pipe.replication.empty())
+        throw UsageError("--replication " + f->pipe.replication + " (replicated stages) and --replicas " +
+                         std::to_string(f->pipe.replicas) + " (copies of the whole pipeline) do not combine: use one");
       if (f->pipe.replicas > 1) {
         if (f->batch_size % f->pipe.replicas != 0)
           throw UsageError("--batch-size " + std::to_string(f->batch_size) + " does not split evenly over --replicas " +

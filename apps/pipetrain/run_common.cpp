@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <numeric>
+#include <sstream>
 #include <thread>
 
 #include <torch/cuda.h>
@@ -178,6 +180,26 @@ void PipelineFlags::add_to(CLI::App& app) {
   app.add_option("--balance-solver", balance_solver,
                  "min-max (optimal contiguous partition, default) or block-partition (torchgpipe's heuristic)");
   app.add_option_function<std::string>(
+         "--replication",
+         [this](const std::string& text) {
+           replication = text;
+           try {
+             const auto counts = replication_counts();
+             if (stages_option->count() > 0 && static_cast<int>(counts.size()) != stages)
+               throw UsageError("--replication " + text + " names " + std::to_string(counts.size()) +
+                                " stages but --stages is " + std::to_string(stages) + ": give one count per stage");
+             stages = static_cast<int>(counts.size());
+           } catch (const UsageError& e) {
+             throw CLI::ValidationError("--replication", e.what());
+           }
+         },
+         "replicas per stage, e.g. 3,1 (PipeDream's 1F1B-RR: micro-batches round robin over a stage's replicas, "
+                 "gradients summed before the step; the ranks are their sum); gpipe or 1f1b");
+  app.add_option("--plan-use", plan_use,
+                 "which plan of a --plan file to run: pipeline (the chosen straight pipeline, default) or pipedream "
+                 "(the PipeDream planner's, with its stage replication)")
+      ->check(CLI::IsMember({"pipeline", "pipedream"}));
+  app.add_option_function<std::string>(
       "--plan", [this, &app](const std::string& path) { apply_plan(path, app); },
       "a plan from pipetrain plan: its balance, schedule, micro-batch count and (equal) replication "
       "(flags given here win)");
@@ -196,22 +218,88 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "cpu (default), cuda (rank r on GPU r mod the GPU count) or cuda:N; cuda needs a CUDA LibTorch");
 }
 
+std::vector<int> PipelineFlags::replication_counts() const {
+  if (replication.empty()) return {};
+  std::vector<int> out;
+  std::stringstream in(replication);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    std::size_t used = 0;
+    int r = 0;
+    try {
+      r = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || r < 1)
+      throw UsageError("--replication " + replication + ": '" + item +
+                       "' is not a replica count >= 1; give one count per stage, e.g. 3,1");
+    out.push_back(r);
+  }
+  return out;
+}
+
+int PipelineFlags::world_size() const {
+  if (replication.empty()) return stages * replicas;
+  int total = 0;
+  for (int r : replication_counts()) total += r;
+  return total;
+}
+
 void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   plan_file = path;
+  auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
   Plan plan;
   try {
-    plan = load_plan(path);
+    if (plan_use == "pipedream") {
+      std::ifstream in(path);
+      const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+      if (!j.is_object() || !j.contains("pipedream"))
+        throw UsageError(path + " holds no PipeDream plan (no \"pipedream\" section): make it with pipetrain plan, "
+                         "which writes one when the PipeDream planner finds a feasible plan, or drop --plan-use");
+      plan = plan_from_json(j["pipedream"], path + " (pipedream)");
+    } else if (plan_use == "pipeline") {
+      plan = load_plan(path);
+    } else {
+      throw UsageError("--plan-use " + plan_use + " is not a part of a plan: use pipeline (the default) or pipedream");
+    }
   } catch (const std::exception& e) {  // parse time: report as a usage error (exit 2)
     throw CLI::ValidationError("--plan", e.what());
   }
-  // Equal replication of every stage runs as that many copies of the pipeline (--replicas); unequal
-  // replication (PipeDream's 1F1B-RR, e.g. 3,1) is not run yet.
-  for (int r : plan.replication)
-    if (r != plan.replication.front())
-      throw CLI::ValidationError("--plan", path + " replicates its stages unequally (replication " +
-                                                 std::to_string(plan.replication.front()) + " and " + std::to_string(r) +
-                                                 "); only equal replication runs (as --replicas): plan with "
-                                                 "straight pipelines (pipetrain plan writes one)");
+  // Unequal replication (PipeDream's plans, e.g. 3,1) runs as 1F1B-RR: round robin over each stage's
+  // replicas (--replication).
+  const bool unequal = std::any_of(plan.replication.begin(), plan.replication.end(),
+                                   [&](int r) { return r != plan.replication.front(); });
+  if (unequal) {
+    std::string counts;
+    int workers = 0, lcm = 1;
+    for (int r : plan.replication) {
+      counts += (counts.empty() ? "" : ",") + std::to_string(r);
+      workers += r;
+      lcm = std::lcm(lcm, r);
+    }
+    if (given("--replication") && replication != counts)
+      throw CLI::ValidationError("--plan", path + " replicates its stages " + counts + " but --replication is " +
+                                                 replication + ": drop --replication");
+    if (given("--replicas") && replicas != 1)
+      throw CLI::ValidationError("--plan", path + " replicates its stages unequally (" + counts +
+                                                 "), which does not combine with --replicas: drop --replicas");
+    replication = counts;
+    const int p = static_cast<int>(plan.balance.size());
+    if (given("--stages") && stages != p)
+      throw CLI::ValidationError("--plan", path + " has " + std::to_string(p) + " stages but --stages is " +
+                                               std::to_string(stages) + ": drop --stages");
+    stages = p;
+    if (!given("--balance")) {
+      balance.clear();
+      for (int n : plan.balance) balance += (balance.empty() ? "" : ",") + std::to_string(n);
+    }
+    // Synchronous 1F1B-RR; micro-batches: a multiple of every replica count (equal shares) and at least
+    // twice the workers, so the pipeline fills.
+    if (!given("--schedule")) schedule = "1f1b";
+    if (!given("--microbatches")) microbatches = (2 * workers + lcm - 1) / lcm * lcm;
+    return;
+  }
   if (!plan.replication.empty() && plan.replication.front() > 1) {
     if (app.get_option("--replicas")->count() > 0 && replicas != plan.replication.front())
       throw CLI::ValidationError("--plan", path + " replicates every stage " + std::to_string(plan.replication.front()) +
@@ -219,7 +307,6 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
     replicas = plan.replication.front();
   }
   const int p = static_cast<int>(plan.balance.size());
-  auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
   if (given("--stages") && stages != p)
     throw CLI::ValidationError("--plan", path + " has " + std::to_string(p) + " stages but --stages is " +
                                              std::to_string(stages) + ": drop --stages or plan for " +
@@ -262,6 +349,7 @@ PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
   o.schedule = schedule;
   o.microbatches = microbatches;
   o.virtual_stages = virtual_stages;
+  o.replication = replication_counts();
   o.balance = balance;
   o.checkpoint = parse_checkpoint(checkpoint);
   o.seed = seed;

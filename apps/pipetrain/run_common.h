@@ -66,7 +66,10 @@ struct PipelineFlags {
   bool reference = false;
   std::string device = "cpu";  // cpu | cuda | cuda:N
   CLI::Option* stages_option = nullptr;
-  int world_size() const { return stages * replicas; }
+  std::string replication;  // --replication 3,1: replicas per stage (1F1B-RR); empty: one rank per stage
+  std::string plan_use = "pipeline";  // --plan-use: pipeline | pipedream
+  std::vector<int> replication_counts() const;  // parsed --replication (UsageError naming the bad count)
+  int world_size() const;  // ranks: stages x replicas, or the sum of --replication
   // Hybrid layout: world rank r is stage r mod stages of pipeline replica r / stages. The pipeline's own
   // group (its stages' transfers and collectives) and the stage's group across replicas (the gradient
   // all-reduce); with one replica the pipeline group is the world.

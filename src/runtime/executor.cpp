@@ -166,6 +166,11 @@ struct PipelineRank::Impl {
   std::map<int, Stage> stages;  // stage id -> stage, for this rank's stages
   std::map<int, std::unique_ptr<torch::optim::Optimizer>> optimizers;
   int step = 0;
+  // 1F1B-RR: this rank's stage's replicas (null without replication) and whether this rank adds its
+  // stage's squared gradient norm to the global one (one replica per stage does).
+  std::shared_ptr<Transport> stage_replicas;
+  bool norm_leader = true;
+  const Schedule* pass = nullptr;  // the lowered schedule of the pass in progress (its rank map)
   GeneratorOptions generator;               // how `schedule` was generated (one step)
   bool async = false;                       // pipedream, 2bw, spectrain
   WeightPolicy policy = WeightPolicy::Current;
@@ -177,12 +182,13 @@ struct PipelineRank::Impl {
   bool forward_mode = false;                // forward_only(): no graph, no loss, outputs kept
   std::map<int, Schedule> forward_schedules;  // lowered forward-only schedules by micro-batch count
 
-  // Shapes agreed at first use, per (boundary stage, direction, micro-batch size).
+  // Shapes agreed at first use, per (boundary stage, direction, micro-batch size, peer rank): with
+  // replicated stages one boundary has several peers, and each needs the header once.
   struct Agreed {
     std::vector<int64_t> shape;
     c10::ScalarType dtype;
   };
-  std::map<std::tuple<int, int, int64_t>, Agreed> agreed;
+  std::map<std::tuple<int, int, int64_t, int>, Agreed> agreed;
 
   // Per-step state of one (stage, micro-batch).
   struct Slot {
@@ -278,7 +284,7 @@ struct PipelineRank::Impl {
         throw UsageError("rank " + std::to_string(rank()) + " holds stage 0 but train_step got no input batch");
       x = input.slice(0, ranges[static_cast<std::size_t>(i)].first, ranges[static_cast<std::size_t>(i)].second)
               .to(options.device);
-    } else if (schedule.rank_of(s - 1) == rank()) {
+    } else if (pass->rank_of(s - 1, i) == rank()) {
       x = slot(s - 1, i).output.detach();
     } else {
       x = sl.input.to(options.device);  // received by RF (transports deliver host tensors)
@@ -331,7 +337,7 @@ struct PipelineRank::Impl {
     }
     torch::Tensor grad;
     if (s != last_stage()) {
-      grad = schedule.rank_of(s + 1) == rank() ? slot(s + 1, i).input_grad : sl.recv_grad.to(options.device);
+      grad = pass->rank_of(s + 1, i) == rank() ? slot(s + 1, i).input_grad : sl.recv_grad.to(options.device);
       if (!grad.defined()) throw std::logic_error("backward of stage " + std::to_string(s) + " has no output gradient");
     }
     if (out.requires_grad()) {
@@ -349,7 +355,7 @@ struct PipelineRank::Impl {
     sl.input = torch::Tensor();   // W keeps what it needs in its own queue
     sl.output = torch::Tensor();  // frees the graph and the activations
     sl.recv_grad = torch::Tensor();
-    if (s + 1 <= last_stage() && schedule.rank_of(s + 1) == rank()) slot(s + 1, i).input_grad = torch::Tensor();
+    if (s + 1 <= last_stage() && pass->rank_of(s + 1, i) == rank()) slot(s + 1, i).input_grad = torch::Tensor();
   }
 
   void weight(int s, int i) { slot(s, i).deferred.run(); }
@@ -370,7 +376,7 @@ struct PipelineRank::Impl {
   // `boundary` going to boundary-1.
   void send(int boundary, int dir, int i, torch::Tensor t, int dst) {
     t = t.detach().contiguous();
-    const auto key = std::make_tuple(boundary, dir, micro_size(i));
+    const auto key = std::make_tuple(boundary, dir, micro_size(i), dst);
     auto it = agreed.find(key);
     if (it == agreed.end()) {
       if (t.dim() > kHeaderLen - 2)
@@ -400,7 +406,7 @@ struct PipelineRank::Impl {
 
   // Returns the agreed buffer for a receive, receiving the header first if the shape is not agreed yet.
   torch::Tensor recv_buffer(int boundary, int dir, int i, int src, bool may_block) {
-    const auto key = std::make_tuple(boundary, dir, micro_size(i));
+    const auto key = std::make_tuple(boundary, dir, micro_size(i), src);
     auto it = agreed.find(key);
     if (it == agreed.end()) {
       if (!may_block) return torch::Tensor();
@@ -425,7 +431,7 @@ struct PipelineRank::Impl {
     }
     const int boundary = act ? a.stage - 1 : a.stage + 1;
     const int dir = act ? 0 : 1;
-    const int src = schedule.rank_of(boundary);
+    const int src = pass->rank_of(boundary, a.index);
     torch::Tensor buf = recv_buffer(boundary, dir, a.index, src, true);
     transport->recv(buf, src, tag(boundary, a.index, dir, 0));
     (act ? sl.input : sl.recv_grad) = buf;
@@ -460,11 +466,12 @@ struct PipelineRank::Impl {
         const bool act = a.kind == ActionKind::RecvAct;
         const int boundary = act ? a.stage - 1 : a.stage + 1;
         const int dir = act ? 0 : 1;
-        torch::Tensor buf = recv_buffer(boundary, dir, a.index, schedule.rank_of(boundary), false);
+        const int src = pass->rank_of(boundary, a.index);
+        torch::Tensor buf = recv_buffer(boundary, dir, a.index, src, false);
         if (!buf.defined()) return;
         PendingRecv& p = posted[static_cast<int>(prefetch_cursor)];
         p.buffer = buf;
-        p.work = transport->irecv(p.buffer, schedule.rank_of(boundary), tag(boundary, a.index, dir, 0));
+        p.work = transport->irecv(p.buffer, src, tag(boundary, a.index, dir, 0));
       }
       ++prefetch_cursor;
     }
@@ -492,8 +499,10 @@ struct PipelineRank::Impl {
     std::vector<torch::Tensor> params;
     for (auto& [s, st] : stages)
       for (const auto& p : st.parameters()) params.push_back(p);
-    if (options.data_parallel && options.data_parallel->world_size() > 1) average_over_replicas(params, uk);
-    torch::Tensor t = torch::tensor({step_loss[uk], squared_norm(params)}, torch::kDouble);
+    if (options.data_parallel && options.data_parallel->world_size() > 1)
+      all_reduce_gradients(*options.data_parallel, params, &step_loss[uk]);
+    if (stage_replicas) all_reduce_gradients(*stage_replicas, params, nullptr);
+    torch::Tensor t = torch::tensor({step_loss[uk], norm_leader ? squared_norm(params) : 0.0}, torch::kDouble);
     transport->all_reduce_sum(t);
     step_loss[uk] = t[0].item<double>();
     step_sq[uk] = t[1].item<double>();
@@ -502,19 +511,22 @@ struct PipelineRank::Impl {
     if (options.on_gradients) options.on_gradients(rank(), params);
   }
 
-  // Hybrid parallelism: one all-reduce of this rank's gradients and its step-loss share over the
-  // stage's replicas, then the mean. Parameters without a gradient contribute zeros, so every replica
-  // sends the same layout.
-  void average_over_replicas(const std::vector<torch::Tensor>& params, std::size_t k) {
-    const double replicas = options.data_parallel->world_size();
+  // One all-reduce of this rank's gradients over a stage's replicas. Hybrid parallelism (`loss` given:
+  // the copy's step-loss share goes along): each copy's loss is the mean over its share of the batch, so
+  // gradients and loss are averaged. 1F1B-RR (`loss` null): each replica's gradients are its
+  // micro-batches' share of the full-batch gradient, so they are summed (the step loss is summed over
+  // all ranks later). Parameters without a gradient contribute zeros, so every replica sends the same
+  // layout.
+  void all_reduce_gradients(Transport& group, const std::vector<torch::Tensor>& params, double* loss) {
+    const double replicas = loss ? group.world_size() : 1.0;
     std::vector<torch::Tensor> flat;
     for (const auto& p : params)
       flat.push_back(p.grad().defined() ? p.grad().detach().reshape({-1}).to(torch::kCPU, torch::kDouble)
                                         : torch::zeros({p.numel()}, torch::kDouble));
-    flat.push_back(torch::tensor({step_loss[k]}, torch::kDouble));
+    if (loss) flat.push_back(torch::tensor({*loss}, torch::kDouble));
     torch::Tensor all = torch::cat(flat);
-    options.data_parallel->all_reduce_sum(all);
-    all.div_(replicas);
+    group.all_reduce_sum(all);
+    if (replicas != 1.0) all.div_(replicas);
     int64_t at = 0;
     torch::NoGradGuard no_grad;
     for (const auto& p : params) {
@@ -525,7 +537,7 @@ struct PipelineRank::Impl {
         const_cast<torch::Tensor&>(p).mutable_grad() = mean.clone();
       at += p.numel();
     }
-    step_loss[k] = all[at].item<double>();
+    if (loss) *loss = all[at].item<double>();
   }
 
   void optimizer_step(int s, int k) {
@@ -563,10 +575,10 @@ struct PipelineRank::Impl {
       case ActionKind::BW: backward(a.stage, a.index, false); break;
       case ActionKind::W: weight(a.stage, a.index); break;
       case ActionKind::SendAct:
-        send(a.stage, 0, a.index, slot(a.stage, a.index).output, schedule.rank_of(a.stage + 1));
+        send(a.stage, 0, a.index, slot(a.stage, a.index).output, pass->rank_of(a.stage + 1, a.index));
         break;
       case ActionKind::SendGrad:
-        send(a.stage, 1, a.index, slot(a.stage, a.index).input_grad, schedule.rank_of(a.stage - 1));
+        send(a.stage, 1, a.index, slot(a.stage, a.index).input_grad, pass->rank_of(a.stage - 1, a.index));
         slot(a.stage, a.index).input_grad = torch::Tensor();
         break;
       case ActionKind::RecvAct:
@@ -674,14 +686,21 @@ struct PipelineRank::Impl {
     stats.grad_norm = stats.grad_norms.empty() ? 0.0 : stats.grad_norms.back();
   }
 
+  // The unlowered schedule of a call of `steps` steps: the generator's, or round robin over replicas.
+  Schedule make_plain(int steps) const {
+    if (!options.replication.empty())
+      return round_robin(options.schedule, options.replication, generator.microbatches, steps);
+    GeneratorOptions g = generator;
+    g.steps = steps;
+    return generate(options.schedule, g);
+  }
+
   // The lowered schedule and weight plan for a call of `steps` steps (made once per count).
   const Schedule& schedule_for(int steps) {
     if (steps == 1) return schedule;
     auto it = by_steps.find(steps);
     if (it != by_steps.end()) return it->second;
-    GeneratorOptions g = generator;
-    g.steps = steps;
-    Schedule plain = generate(options.schedule, g);
+    Schedule plain = make_plain(steps);
     validate(plain);
     Schedule lowered = insert_communication(plain, options.costs);
     validate(lowered);
@@ -728,6 +747,40 @@ struct PipelineRank::Impl {
   }
 };
 
+namespace {
+
+// 1F1B-RR's requirements; an all-ones replication is dropped (the plain pipeline).
+void check_replication(PipelineOptions& o, int ranks) {
+  if (o.replication.empty()) return;
+  int total = 0;
+  std::string list;
+  for (int r : o.replication) {
+    if (r < 1) throw UsageError("stage replication " + std::to_string(r) + " must be >= 1 (one rank per replica)");
+    total += r;
+    list += (list.empty() ? "" : ",") + std::to_string(r);
+  }
+  if (std::all_of(o.replication.begin(), o.replication.end(), [](int r) { return r == 1; })) {
+    if (static_cast<int>(o.replication.size()) != ranks)
+      throw UsageError("replication " + list + " has " + std::to_string(o.replication.size()) + " stages but there are " +
+                       std::to_string(ranks) + " ranks: give one count per stage");
+    o.replication.clear();
+    return;
+  }
+  if (total != ranks)
+    throw UsageError("replication " + list + " needs " + std::to_string(total) + " ranks (their sum) but there are " +
+                     std::to_string(ranks) + ": launch " + std::to_string(total) + " ranks");
+  if (o.schedule != "gpipe" && o.schedule != "1f1b")
+    throw UsageError("replicated stages (" + list + ") run with --schedule 1f1b or gpipe (round robin over the "
+                     "replicas), not '" + o.schedule + "'");
+  if (o.virtual_stages != 1)
+    throw UsageError("replicated stages (" + list + ") run without virtual stages: drop --virtual");
+  if (o.data_parallel && o.data_parallel->world_size() > 1)
+    throw UsageError("replicated stages (" + list + ") and copies of the whole pipeline (--replicas) do not combine: "
+                     "use one or the other");
+}
+
+}  // namespace
+
 PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
                            PipelineOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -748,9 +801,14 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
                      "(replicas) runs with the synchronous schedules: use gpipe, 1f1b, interleaved or zb-*");
   d.policy = weight_policy_of(d.options);
   if (d.options.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(d.options.prefetch));
-  const int total_stages = p * d.options.virtual_stages;
+  check_replication(d.options, p);
+  const int total_stages =
+      d.options.replication.empty() ? p * d.options.virtual_stages : static_cast<int>(d.options.replication.size());
   if (d.options.virtual_stages < 1)
     throw UsageError("virtual stages must be >= 1, got " + std::to_string(d.options.virtual_stages));
+  if (total_stages > layer_count(model) && !d.options.replication.empty())
+    throw UsageError(std::to_string(total_stages) + " replicated stages but the model has " +
+                     std::to_string(layer_count(model)) + " layers: replicate fewer stages");
   if (total_stages > layer_count(model))
     throw UsageError(std::to_string(p) + " ranks x " + std::to_string(d.options.virtual_stages) +
                      " virtual stages = " + std::to_string(total_stages) + " stages but the model has " +
@@ -763,10 +821,11 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   g.costs = d.options.costs;
   g.memory_limit = d.options.memory_limit;
   d.generator = g;
-  Schedule plain = generate(d.options.schedule, g);
+  Schedule plain = d.make_plain(1);
   validate(plain);
   d.schedule = insert_communication(plain, d.options.costs);
   validate(d.schedule);
+  d.pass = &d.schedule;
 
   if (d.options.device.is_cuda() && !torch::cuda::is_available())
     throw UsageError("device " + d.options.device.str() +
@@ -776,10 +835,14 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     throw UsageError("device " + d.options.device.str() + " is not supported: use cpu or cuda[:N]");
   const auto all = cut(model, d.balance);
   for (int s = 0; s < total_stages; ++s)
-    if (d.schedule.rank_of(s) == d.transport->rank()) {
+    if (d.schedule.holds(d.transport->rank(), s)) {
       Stage st = all[static_cast<std::size_t>(s)];
       st.to(d.options.device);  // before the optimizers see the parameters
       d.stages.emplace(s, st);
+      if (d.schedule.replicas_of(s) > 1) {
+        d.stage_replicas = make_group_transport(d.transport, d.schedule.stage_replicas[static_cast<std::size_t>(s)]);
+        d.norm_leader = d.schedule.rank_of(s) == d.transport->rank();
+      }
     }
   const OptimizerOptions& o = d.options.optimizer;
   if (o.name != "sgd" && o.name != "adam" && o.name != "adamw")
@@ -827,6 +890,7 @@ StepStats PipelineRank::train_steps(const torch::Tensor& input, const torch::Ten
   if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
   if (d.options.threads > 0) at::set_num_threads(d.options.threads);
   const Schedule& plan = d.schedule_for(steps);
+  d.pass = &plan;
   d.plan = &d.plan_for(steps);
   d.begin_pass(input, target, batch_size, steps, plan.microbatches_per_step);
   for (auto& [s, w] : d.weights) w.begin_call(*d.plan, s);
@@ -842,6 +906,7 @@ torch::Tensor PipelineRank::forward_only(const torch::Tensor& input, int64_t bat
   const int m = microbatches > 0 ? microbatches
                                  : static_cast<int>(std::min<int64_t>(d.options.microbatches, std::max<int64_t>(batch_size, 1)));
   const Schedule& plan = d.forward_schedule(m);
+  d.pass = &plan;
   d.begin_pass(input, torch::Tensor(), batch_size, 1, m);
   // Back to training mode however the pass ends.
   struct Restore {

@@ -121,3 +121,124 @@ TEST(Hybrid, FirstStepGradientsEqualTheUnreplicatedPipeline) {
   bad.data_parallel = make_group_transport(solo[0], {0, 1});
   EXPECT_THROW(PipelineRank(make_model(), mse, make_local_transports(1)[0], bad), UsageError);
 }
+
+// ---- stage replication with round-robin micro-batches (1F1B-RR) -------------------------------------
+
+namespace {
+
+// Runs one step of `model`'s layers 0..3 as a pipeline with `replication` (balance `balance`) over
+// in-process ranks; returns per parameter position the summed gradients each rank saw (the last
+// rank holding it wins; `equal` is cleared when two replicas of a stage disagree bitwise) and the loss.
+struct RrRun {
+  Grads grads;
+  double loss = 0;
+  bool replicas_equal = true;
+  std::vector<torch::nn::Sequential> models;
+};
+
+RrRun run_round_robin(const std::vector<int>& replication, const std::string& balance, const std::string& schedule,
+                      int m, const torch::Tensor& x, const torch::Tensor& y, int steps) {
+  int ranks = 0;
+  for (int r : replication) ranks += r;
+  auto world = make_local_transports(ranks);
+  RrRun out;
+  for (int r = 0; r < ranks; ++r) out.models.push_back(make_model());
+  const std::size_t n = out.models[0]->parameters().size();
+  std::vector<Grads> seen(static_cast<std::size_t>(ranks), Grads(n));
+  std::vector<double> loss(static_cast<std::size_t>(ranks));
+  run_on_threads(ranks, [&](int r) {
+    const auto params = out.models[static_cast<std::size_t>(r)]->parameters();
+    PipelineOptions o;
+    o.schedule = schedule;
+    o.microbatches = m;
+    o.balance = balance;
+    o.replication = replication;
+    o.optimizer.lr = 0.1;
+    o.on_gradients = [&, r](int, const std::vector<torch::Tensor>& held) {
+      for (const auto& p : held)
+        for (std::size_t k = 0; k < params.size(); ++k)
+          if (params[k].unsafeGetTensorImpl() == p.unsafeGetTensorImpl() && !seen[static_cast<std::size_t>(r)][k].defined())
+            seen[static_cast<std::size_t>(r)][k] = p.grad().clone();
+    };
+    PipelineRank rank(out.models[static_cast<std::size_t>(r)], mse, world[static_cast<std::size_t>(r)], o);
+    for (int step = 0; step < steps; ++step) loss[static_cast<std::size_t>(r)] = rank.train_step(x, y, x.size(0)).loss;
+  });
+  out.grads.assign(n, torch::Tensor());
+  for (int r = 0; r < ranks; ++r)
+    for (std::size_t k = 0; k < n; ++k) {
+      const torch::Tensor& g = seen[static_cast<std::size_t>(r)][k];
+      if (!g.defined()) continue;
+      if (out.grads[k].defined() && !torch::equal(out.grads[k], g)) out.replicas_equal = false;
+      out.grads[k] = g;
+    }
+  for (int r = 1; r < ranks; ++r) EXPECT_EQ(loss[static_cast<std::size_t>(r)], loss[0]) << "rank " << r;
+  out.loss = loss[0];
+  return out;
+}
+
+}  // namespace
+
+// A replicated run's gradients equal the unreplicated pipeline's (each replica holds its micro-batches'
+// share of the full-batch loss; the replicas sum), replicas agree bitwise, and after several steps the
+// replicas of a stage hold bitwise the same weights, close to the unreplicated run's.
+TEST(RoundRobinRuntime, GradientsEqualTheUnreplicatedPipeline) {
+  torch::manual_seed(8);
+  const torch::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  for (const std::string schedule : {"1f1b", "gpipe"})
+    for (const std::vector<int>& rep : std::vector<std::vector<int>>{{2, 1}, {1, 3}, {3, 1}, {2, 2}}) {
+      SCOPED_TRACE(schedule + " replication " + std::to_string(rep[0]) + "," + std::to_string(rep[1]));
+      const int m = 6;
+      const RrRun want = run_round_robin({1, 1}, "2,2", schedule, m, x, y, 1);
+      const RrRun got = run_round_robin(rep, "2,2", schedule, m, x, y, 1);
+      EXPECT_TRUE(got.replicas_equal) << "replicas of a stage saw different summed gradients";
+      EXPECT_NEAR(got.loss, want.loss, 1e-6 * std::abs(want.loss));
+      for (std::size_t k = 0; k < want.grads.size(); ++k) {
+        ASSERT_TRUE(got.grads[k].defined() && want.grads[k].defined()) << k;
+        EXPECT_TRUE(torch::allclose(got.grads[k], want.grads[k], 1e-5, 1e-7)) << "parameter " << k;
+      }
+      // Several steps: the replicas' weights stay bitwise equal and follow the unreplicated run.
+      const RrRun a = run_round_robin(rep, "2,2", schedule, m, x, y, 4);
+      const RrRun b = run_round_robin({1, 1}, "2,2", schedule, m, x, y, 4);
+      int rank = 0;
+      for (std::size_t st = 0; st < rep.size(); ++st) {
+        const int first = rank;
+        for (int q = 0; q < rep[st]; ++q, ++rank) {
+          const auto mine = a.models[static_cast<std::size_t>(rank)]->parameters();
+          const auto lead = a.models[static_cast<std::size_t>(first)]->parameters();
+          const auto ref = b.models[st]->parameters();  // unreplicated: stage st is rank st
+          // Stage st holds layers 2 st, 2 st + 1: parameters from position 2 st (Linear) on.
+          for (std::size_t k = 0; k < mine.size(); ++k) {
+            const bool held = st == 0 ? k < 2 : k >= 2;
+            if (!held) continue;
+            EXPECT_TRUE(torch::equal(mine[k], lead[k])) << "replica " << q << " of stage " << st << " parameter " << k;
+            EXPECT_TRUE(torch::allclose(mine[k], ref[k], 1e-4, 1e-6)) << "stage " << st << " parameter " << k;
+          }
+        }
+      }
+      EXPECT_NEAR(a.loss, b.loss, 1e-4 * std::abs(b.loss));
+    }
+}
+
+TEST(RoundRobinRuntime, RefusesWhatItCannotRun) {
+  auto expect_error = [](const PipelineOptions& o, int ranks, const std::string& part) {
+    auto world = make_local_transports(ranks);
+    try {
+      PipelineRank rank(make_model(), mse, world[0], o);
+      ADD_FAILURE() << "no error, expected '" << part << "'";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  PipelineOptions o;
+  o.replication = {2, 1};
+  expect_error(o, 4, "replication 2,1 needs 3 ranks (their sum) but there are 4");
+  o.schedule = "zb-h1";
+  expect_error(o, 3, "run with --schedule 1f1b or gpipe");
+  o.schedule = "pipedream";
+  o.microbatches = 1;
+  expect_error(o, 3, "run with --schedule 1f1b or gpipe");
+  o.schedule = "1f1b";
+  o.microbatches = 4;
+  o.replication = {2, 0};
+  expect_error(o, 2, "stage replication 0 must be >= 1");
+}

@@ -32,7 +32,7 @@ struct Schedule {
   std::vector<std::vector<Action>> actions;  // actions[r]: rank r's actions in order (size = ranks)
 
   int steps() const { return (microbatches + microbatches_per_step - 1) / microbatches_per_step; }
-  int virtual_stages_per_rank() const { return replicated() ? 1 : stages / ranks; }
+  int virtual_stages_per_rank() const { return replicated() || ranks > stages ? 1 : stages / ranks; }
   int rank_of(int stage) const { return stage_rank.at(static_cast<std::size_t>(stage)); }
   // The rank that runs micro-batch `micro` of `stage` (its replica under round robin).
   int rank_of(int stage, int micro) const {

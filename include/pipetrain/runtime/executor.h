@@ -129,6 +129,13 @@ struct PipelineOptions {
   // averaged over this group (equal shares give the full-batch gradient), so every copy steps the same
   // weights. Null or a group of one: no data parallelism. Synchronous schedules only.
   std::shared_ptr<Transport> data_parallel;
+  // Stage replication with round-robin micro-batches (PipeDream's 1F1B-RR, core/generators.h
+  // round_robin): per stage its number of replicas; the transport then has their sum of ranks, stage 0's
+  // replicas first. Micro-batch i of stage s runs on replica i mod r_s; before the step the replicas of
+  // a stage sum their gradients (each holds its micro-batches' share of the full-batch loss), so they
+  // step bitwise the same weights. Evaluation (forward_only) runs on each stage's first replica. gpipe
+  // or 1f1b only. Empty (or all ones): one rank per stage.
+  std::vector<int> replication;
 };
 
 // How the passes of `options.schedule` choose their weights (weights.h): Current for synchronous
