@@ -22,6 +22,10 @@ void ScheduleFlags::add_to(CLI::App& app) {
   microbatches_option = app.add_option("--microbatches,-m", microbatches, "micro-batches per optimizer step, >= 1");
   app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved only), default 1");
   app.add_option("--steps", steps, "optimizer steps to lay out back to back, default 1");
+  app.add_option("--replication", replication,
+                 "replicas per stage, e.g. 3,1: PipeDream's 1F1B-RR, micro-batches round robin over a stage's replicas "
+                 "(gpipe or 1f1b; one rank per replica)")
+      ->delimiter(',');
   app.add_option("--cost", cost,
                  "per-micro-batch times F:B:W (forward, input-gradient backward, weight-gradient backward) for "
                  "every stage, or a comma-separated list with one triple per stage; default 1:1:1");
@@ -50,6 +54,19 @@ Schedule ScheduleFlags::build() const {
       std::string names;
       for (const auto& n : schedule_names()) names += (names.empty() ? "" : ", ") + n;
       throw UsageError("missing --schedule: choose one of " + names + ", or --load FILE.csv");
+    }
+    if (!replication.empty()) {
+      if (stages_option && stages_option->count() > 0 && stages != static_cast<int>(replication.size()))
+        throw UsageError("--replication lists " + std::to_string(replication.size()) + " stages but --stages is " +
+                         std::to_string(stages) + ": give one replica count per stage (or drop --stages)");
+      if (microbatches_option && microbatches_option->count() == 0)
+        throw UsageError("missing --microbatches M (micro-batches per step, >= 1)");
+      if (virtual_stages != 1) throw UsageError("--replication runs without virtual stages: drop --virtual");
+      s = round_robin(schedule, replication, microbatches, steps);
+      ValidateOptions vo;
+      if (memory_limit > 0) vo.memory_limit = memory_limit;
+      validate(s, vo);
+      return s;
     }
     if (stages_option && stages_option->count() == 0)
       throw UsageError("missing --stages P (the number of pipeline stages, >= 1)");

@@ -34,6 +34,7 @@ struct ScheduleFlags {
   double microbatch_size = 0;    // 0: the profile's
   double bandwidth_gbps = 0;     // 0: transfers cost only the latency
   double latency_us = 0;
+  std::vector<int> replication;  // --replication 3,1: stage replicas, round robin (gpipe or 1f1b)
   CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
   CLI::Option* microbatches_option = nullptr;
 

@@ -104,3 +104,25 @@ TEST(ReplicationCli, BadCountsAndCombinationsAreRefused) {
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("do not combine")) << r.out;
 }
+
+// `simulate --replication` lays out 1F1B-RR: a 3x slower stage 0 with three replicas keeps pace with
+// stage 1 (busy 3 per micro-batch), so 12 micro-batches take about 12 x 3 plus fill and drain, well
+// under the unreplicated pipeline's 12 x 9.
+TEST(ReplicationCli, SimulateLaysOutRoundRobin) {
+  CommandResult r = run_pipetrain("simulate --schedule 1f1b --replication 3,1 -m 12 --cost 3:3:3,1:1:1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("schedule 1f1b-rr  p=4  m=12")) << r.out;
+  const auto at = r.out.find("makespan ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const double makespan = std::stod(r.out.substr(at + 9));
+  EXPECT_LE(makespan, 12 * 3 + 2 * (9 + 3)) << r.out;
+  r = run_pipetrain("simulate --schedule 1f1b --stages 2 -m 12 --cost 3:3:3,1:1:1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_GE(std::stod(r.out.substr(r.out.find("makespan ") + 9)), 12 * 9) << r.out;
+  r = run_pipetrain("simulate --schedule 1f1b --replication 3,1 --stages 3 -m 12");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("--replication lists 2 stages but --stages is 3")) << r.out;
+  r = run_pipetrain("simulate --schedule zb-h1 --replication 3,1 -m 12");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("runs with --schedule gpipe or 1f1b")) << r.out;
+}

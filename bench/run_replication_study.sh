@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Stage replication (issue 6, PipeDream's 1F1B-RR) on PipeDream's own VGG-16 profile
+# (../shared/data/pipedream-profiles/vgg16-graph.txt, 39 layers measured at micro-batch 1), 4 ranks,
+# mini-batch 64, 1 GB/s between ranks, in the simulator (deterministic; no wall-clock time):
+#   - what `pipetrain plan` predicts: the best straight pipeline it finds, and PipeDream's planner's plan;
+#   - PipeDream's plan (17,22 x replication 3,1) run synchronously as 1F1B-RR by `simulate --replication`,
+#     next to the best straight pipeline's balance under gpipe and 1f1b, for m = 8, 16, 32.
+# The simulator leaves out the all-reduce of the replicated stage's gradients (PipeDream's estimate has it).
+# Then a correctness run on this machine: the MLP on synthetic data, --replication 2,1 against --stages 2,
+# equal per-step losses. Writes bench/results/replication/summary.md. About 1 minute.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=bench/results/replication
+mkdir -p "$OUT"
+[[ -x build/pipetrain ]] || make build >/dev/null
+P=build/pipetrain
+V=../shared/data/pipedream-profiles/vgg16-graph.txt
+[[ -f $V ]] || V=/work/shared/data/pipedream-profiles/vgg16-graph.txt
+"$P" plan --profile "$V" --ranks 4 --batch-size 64 --bandwidth 1 --out "$OUT/vgg16-plan.json" >"$OUT/plan.txt"
+read -r PD_BAL PD_REP < <(python3 -c "
+import json; p = json.load(open('$OUT/vgg16-plan.json'))['pipedream']
+print(','.join(map(str, p['balance'])), ','.join(map(str, p['replication'])))")
+STRAIGHT=$(python3 -c "import json; print(','.join(map(str, json.load(open('$OUT/vgg16-plan.json'))['balance'])))")
+{
+  echo "## VGG-16 (PipeDream's profile), 4 ranks, mini-batch 64, 1 GB/s"
+  echo
+  echo '```'
+  grep -E "chosen:|uniform balance|data parallelism|PipeDream planner" "$OUT/plan.txt"
+  echo '```'
+  echo
+  echo "| m | 1F1B-RR $PD_BAL x $PD_REP (ms) | straight $STRAIGHT gpipe (ms) | straight $STRAIGHT 1f1b (ms) | RR speed-up over the better straight |"
+  echo "|---|---|---|---|---|"
+  for m in 8 16 32; do
+    mb=$((64 / m))
+    rr=$("$P" simulate --profile "$V" --balance "$PD_BAL" --replication "$PD_REP" --schedule 1f1b -m $m \
+         --microbatch-size $mb --bandwidth 1 | awk '/^makespan/ {print $2}')
+    gp=$("$P" simulate --profile "$V" --balance "$STRAIGHT" --stages 4 --schedule gpipe -m $m \
+         --microbatch-size $mb --bandwidth 1 | awk '/^makespan/ {print $2}')
+    ob=$("$P" simulate --profile "$V" --balance "$STRAIGHT" --stages 4 --schedule 1f1b -m $m \
+         --microbatch-size $mb --bandwidth 1 | awk '/^makespan/ {print $2}')
+    python3 -c "print(f'| $m | {float($rr):.0f} | {float($gp):.0f} | {float($ob):.0f} | {min(float($gp), float($ob)) / float($rr):.2f}x |')"
+  done
+  echo
+  echo "## Correctness on this machine (MLP, synthetic data, 6 steps, gloo)"
+  COMMON=(--model mlp --data synthetic --steps 6 --progress lines --lr-schedule constant -m 4)
+  a=$("$P" train "${COMMON[@]}" --stages 2 2>&1 | awk '/ step +[0-9]+\//{print $6}' | tr '\n' ' ')
+  b=$("$P" train "${COMMON[@]}" --replication 2,1 2>&1 | awk '/ step +[0-9]+\//{print $6}' | tr '\n' ' ')
+  c=$("$P" train "${COMMON[@]}" --replication 1,3 2>&1 | awk '/ step +[0-9]+\//{print $6}' | tr '\n' ' ')
+  echo
+  echo "- --stages 2:          $a"
+  echo "- --replication 2,1:   $b"
+  echo "- --replication 1,3:   $c"
+} >"$OUT/summary.md"
+cat "$OUT/summary.md"
