@@ -5,7 +5,8 @@
 #   - what `pipetrain plan` predicts: the best straight pipeline it finds, and PipeDream's planner's plan;
 #   - PipeDream's plan (17,22 x replication 3,1) run synchronously as 1F1B-RR by `simulate --replication`,
 #     next to the best straight pipeline's balance under gpipe and 1f1b, for m = 8, 16, 32.
-# The simulator leaves out the all-reduce of the replicated stage's gradients (PipeDream's estimate has it).
+# With a profile and --bandwidth the simulator adds the replicated stage's gradient all-reduce (a ring over
+# its replicas: 2 (r-1)/r of its parameter bytes per link) to that stage's optimizer step.
 # Then a correctness run on this machine: the MLP on synthetic data, --replication 2,1 against --stages 2,
 # equal per-step losses. Writes bench/results/replication/summary.md. About 1 minute.
 set -euo pipefail

@@ -25,7 +25,7 @@ double CostModel::duration(const Action& a) const {
       const StageCost& c = stage.at(static_cast<std::size_t>(a.stage));
       return c.b + c.w;
     }
-    case ActionKind::Step: return step;
+    case ActionKind::Step: return step + (stage_step.empty() ? 0.0 : stage_step.at(static_cast<std::size_t>(a.stage)));
     default: return comm;
   }
 }
@@ -57,6 +57,13 @@ void CostModel::check(int stages) const {
   }
   if (bad(comm)) throw UsageError("communication cost " + std::to_string(comm) + " must be finite and >= 0");
   if (bad(step)) throw UsageError("step cost " + std::to_string(step) + " must be finite and >= 0");
+  if (!stage_step.empty() && static_cast<int>(stage_step.size()) != stages)
+    throw UsageError("the cost model has " + std::to_string(stage_step.size()) + " per-stage step costs but the "
+                     "schedule has " + std::to_string(stages) + " stages");
+  for (std::size_t s = 0; s < stage_step.size(); ++s)
+    if (bad(stage_step[s]))
+      throw UsageError("stage " + std::to_string(s) + "'s step cost " + std::to_string(stage_step[s]) +
+                       " must be finite and >= 0");
   if (!(b_release_fraction >= 0 && b_release_fraction <= 1))
     throw UsageError("b_release_fraction " + std::to_string(b_release_fraction) + " must lie in [0, 1]");
 }

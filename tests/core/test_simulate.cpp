@@ -3,6 +3,8 @@
 // rest), step cost, and deadlock and bad-cost errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/simulate.h"
@@ -56,6 +58,19 @@ TEST(Simulate, StepCost) {
   CostModel c = CostModel::uniform(2, StageCost{});
   c.step = 0.5;
   EXPECT_DOUBLE_EQ(simulate(one_f_one_b(2, 2, 2), c).metrics.makespan, 2 * (3 * 3.0 + 0.5));
+}
+
+// Per-stage step costs (a replicated stage's gradient all-reduce) add to that stage's Step only. One
+// step of 1f1b, p = 2, m = 2, F = 1, BW = 2: stage 0 steps at 9, stage 1 at 7.
+TEST(Simulate, PerStageStepCost) {
+  CostModel c = CostModel::uniform(2, StageCost{});
+  c.step = 0.5;
+  c.stage_step = {0.25, 3.0};
+  EXPECT_DOUBLE_EQ(simulate(one_f_one_b(2, 2, 1), c).metrics.makespan, std::max(9 + 0.5 + 0.25, 7 + 0.5 + 3.0));
+  c.stage_step = {0.25};
+  EXPECT_THROW(simulate(one_f_one_b(2, 2, 1), c), UsageError);
+  c.stage_step = {0.25, -1};
+  EXPECT_THROW(simulate(one_f_one_b(2, 2, 1), c), UsageError);
 }
 
 TEST(Simulate, DeadlockAndBadCosts) {

@@ -25,6 +25,9 @@ struct CostModel {
   std::vector<StageCost> stage;     // one entry per virtual stage
   double comm = 0.0;                // time of one activation or gradient transfer between two ranks
   double step = 0.0;                // time of an optimizer step
+  // Extra time of stage s's optimizer step, e.g. the all-reduce of its replicas' gradients (1F1B-RR).
+  // Empty: none; otherwise one entry per stage.
+  std::vector<double> stage_step;
   double b_release_fraction = 0.5;  // share of a micro-batch's activation memory that B frees
 
   // Every one of `stages` virtual stages costs `per_stage` split evenly over `virtual_per_rank` chunks
