@@ -13,6 +13,7 @@
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
@@ -46,6 +47,8 @@ struct PlanFlags {
   uint64_t seed = 1;
   int generations = 800;
   double overhead_ms = 0.05;
+  bool no_rematerialise = false;  // umpipe: plan without re-materialisation (a planning study; train refuses it)
+  std::string fit = "table";      // umpipe: per-layer time curves, table (piecewise linear) or affine
   std::string out;
 };
 
@@ -53,33 +56,58 @@ struct Candidate {
   std::string kind, solver, schedule;
   int m = 0;
   std::vector<int> balance;
+  std::vector<int> replication;  // empty: a straight pipeline
   double makespan = 0, bubble = 0, peak_bytes = 0;
   bool fits = true;
 };
 
+// Simulates one candidate. With `replication` (one count per stage) the schedule is 1F1B-RR over the
+// replicas (round_robin) and each replicated stage's step carries a ring all-reduce of its parameters.
 Candidate evaluate(const Profile& prof, const std::vector<int>& balance, const std::string& schedule, int m,
-                   double micro, double bandwidth_bytes_per_ms, double latency_ms, double memory_limit) {
+                   double micro, double bandwidth_bytes_per_ms, double latency_ms, double memory_limit,
+                   const std::vector<int>& replication = {}) {
   Candidate c;
   c.schedule = schedule;
   c.m = m;
   c.balance = balance;
+  c.replication = replication;
   const int p = static_cast<int>(balance.size());
   StageCostOptions so;
   so.micro_batch = micro;
   so.bandwidth_bytes_per_ms = bandwidth_bytes_per_ms;
   so.latency_ms = latency_ms;
-  const CostModel costs = stage_costs(prof, balance, so);
+  CostModel costs = stage_costs(prof, balance, so);
   const std::vector<double> static_bytes = stage_static_bytes(prof, balance);
-  GeneratorOptions g;
-  g.ranks = p;
-  g.microbatches = m;
-  g.costs = costs;
-  const Schedule sch = generate(schedule, g);
+  Schedule sch;
+  if (replication.empty()) {
+    GeneratorOptions g;
+    g.ranks = p;
+    g.microbatches = m;
+    g.costs = costs;
+    sch = generate(schedule, g);
+  } else {
+    sch = round_robin(schedule, replication, m);
+    costs.stage_step.assign(static_cast<std::size_t>(p), 0.0);
+    std::size_t layer = 0;
+    for (int s = 0; s < p; ++s) {
+      double params = 0;
+      for (int k = 0; k < balance[static_cast<std::size_t>(s)]; ++k, ++layer) params += prof.layers[layer].parameter_bytes;
+      const double r = replication[static_cast<std::size_t>(s)];
+      if (r > 1)
+        costs.stage_step[static_cast<std::size_t>(s)] =
+            2 * (r - 1) / r * params / bandwidth_bytes_per_ms + 2 * (r - 1) * latency_ms;
+    }
+  }
   const SimResult r = simulate(sch, costs);
   c.makespan = r.metrics.makespan;
   c.bubble = r.metrics.bubble_fraction;
-  for (int s = 0; s < p; ++s) {
-    const double bytes = static_bytes[static_cast<std::size_t>(s)] + r.metrics.per_rank[static_cast<std::size_t>(s)].peak_memory;
+  for (int rank = 0; rank < sch.ranks; ++rank) {
+    int stage = rank;
+    if (sch.replicated())
+      for (int s = 0; s < p; ++s)
+        if (sch.holds(rank, s)) stage = s;
+    const double bytes =
+        static_bytes[static_cast<std::size_t>(stage)] + r.metrics.per_rank[static_cast<std::size_t>(rank)].peak_memory;
     c.peak_bytes = std::max(c.peak_bytes, bytes);
   }
   c.fits = memory_limit <= 0 || c.peak_bytes <= memory_limit;
@@ -121,6 +149,13 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--generations", f->generations, "umpipe: generations at most (it stops on stall), default 800");
   cmd->add_option("--overhead", f->overhead_ms,
                   "umpipe: fixed ms per layer and pass for layers measured at one size only, default 0.05");
+  cmd->add_option("--fit", f->fit,
+                  "umpipe: per-layer time as a function of the micro-batch size, table (piecewise linear through the "
+                  "profile's sizes, default) or affine (least-squares line)")
+      ->check(CLI::IsMember({"table", "affine"}));
+  cmd->add_flag("--no-rematerialise", f->no_rematerialise,
+               "umpipe: plan as if the backward kept the forward's activations (a planning study: train --plan refuses "
+               "such partitions, since the runtime re-materialises every backward chunk)");
   cmd->add_option("--out", f->out, "write the plan JSON here (pipetrain train --plan FILE runs it)");
   cmd->footer(
       "Examples:\n"
@@ -224,6 +259,25 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         pd_error = e.what();
       }
 
+      // PipeDream's plan run synchronously as 1F1B-RR (stage replication in the runtime), simulated like
+      // the straight pipelines; micro-batch counts that every replica count divides.
+      std::unique_ptr<Candidate> rr;
+      if (pd && std::any_of(pd->replication.begin(), pd->replication.end(), [](int r) { return r > 1; }) &&
+          pd->balance.size() > 1) {
+        int lcm = 1;
+        for (int r : pd->replication) lcm = std::lcm(lcm, r);
+        for (int m : f->microbatch_counts) {
+          const int mm = (m + lcm - 1) / lcm * lcm;
+          if (mm > batch) continue;
+          Candidate c = evaluate(prof, pd->balance, "1f1b", mm, static_cast<double>(batch) / mm, bw, f->latency_us / 1e3,
+                                 limit, pd->replication);
+          c.kind = "pipedream";
+          c.solver = "planner";
+          if (!rr || better(c, *rr)) rr = std::make_unique<Candidate>(c);
+        }
+      }
+      // The replicated plan is chosen when it is faster and fits (not for UMPIPE, which cuts one pipeline).
+      const bool choose_rr = rr && f->planner != "umpipe" && better(*rr, best);
       std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {} GB/s, {}, mini-batch {}\n",
                                prof.model, layers, prof.micro_batch_size, f->ranks, f->bandwidth_gbps,
                                limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
@@ -232,7 +286,9 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {}{}\n", name, c.makespan, c.bubble,
                                  c.peak_bytes / 1073741824.0, list(c.balance), c.fits ? "" : "  (over the memory limit)");
       };
-      row(fmt::format("chosen: {} m={}, {} ({})", best.schedule, best.m, best.kind, best.solver), best);
+      row(fmt::format("{}: {} m={}, {} ({})", choose_rr ? "best straight" : "chosen", best.schedule, best.m, best.kind,
+                      best.solver),
+          best);
       if (uniform_1f1b) row(fmt::format("uniform balance, 1f1b m={}", uniform_1f1b->m), *uniform_1f1b);
       std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {}\n", "data parallelism", dp_time, "-",
                                (dp_static + dp_act) / 1073741824.0, dp_fits ? "all layers on every rank" : "over the memory limit");
@@ -246,9 +302,15 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       } else {
         std::cout << "  PipeDream planner: no feasible plan: " << pd_error << "\n";
       }
-      if (uniform_1f1b && best.makespan > 0)
+      if (rr)
+        std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {} x replication {}{}\n",
+                                 fmt::format("{}its plan as 1F1B-RR m={}", choose_rr ? "chosen: " : "", rr->m), rr->makespan,
+                                 rr->bubble, rr->peak_bytes / 1073741824.0, list(rr->balance), list(rr->replication),
+                                 rr->fits ? " (synchronous, simulated)" : "  (over the memory limit)");
+      const Candidate& top = choose_rr ? *rr : best;
+      if (uniform_1f1b && top.makespan > 0)
         std::cout << fmt::format("  the chosen plan is {:.2f}x the throughput of uniform 1f1b and {:.2f}x data parallelism\n",
-                                 uniform_1f1b->makespan / best.makespan, dp_time / best.makespan);
+                                 uniform_1f1b->makespan / top.makespan, dp_time / top.makespan);
       // UMPIPE: unequal micro-batches per stage on the chosen balance (GPipe order).
       nlohmann::json umpipe;
       if (f->planner == "umpipe") {
@@ -259,7 +321,17 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         uo.latency_ms = f->latency_us / 1e3;
         if (limit > 0) uo.memory_limit_bytes = limit;
         uo.single_size_overhead_ms = f->overhead_ms;
-        const UmpipeModel um = umpipe_model_from_profile(prof, best.balance, uo);
+        // The runtime (src/runtime/umpipe_pass.h) runs the forward without a graph and recomputes it in
+        // every backward chunk, so g_j includes f_j. The last stage's forward outputs would only feed its
+        // own backward, which recomputes them: the runtime skips them, and its forward row costs nothing
+        // (the stage only waits there for its input, as GPipe's order wants before the first backward).
+        uo.rematerialise = !f->no_rematerialise;
+        // Measured CPU times are not affine in the micro-batch size (the largest sizes fall out of cache
+        // and grow faster than linearly), and a least-squares line through them can have a negative
+        // intercept, making small micro-batches look free; the table keeps every measured point.
+        uo.fit = f->fit == "affine" ? UmpipeFit::affine : UmpipeFit::table;
+        UmpipeModel um = umpipe_model_from_profile(prof, best.balance, uo);
+        if (uo.rematerialise) um.stages.back().forward = TimeCurve::constant(0);
         DgapOptions dg;
         dg.seed = f->seed;
         dg.generations = f->generations;
@@ -277,38 +349,58 @@ void add_plan_command(CLI::App& app, int& exit_code) {
                                    100.0 * (equal / r.step_ms - 1.0),
                                    r.planner == "equal" ? fmt::format(" (m={})", r.microbatches) : "");
         const UmpipeResult& dgap = results.back();
+        // The plan file's "umpipe": DGAP's result at the top (what train --plan runs by default), every
+        // planner's under "planners" (train --umpipe NAME), and how the times were modelled.
         umpipe = umpipe_result_to_json(dgap);
+        umpipe["rematerialise"] = uo.rematerialise;
+        umpipe["fit"] = f->fit;
+        umpipe["balance"] = best.balance;
+        umpipe["planners"] = nlohmann::json::object();
+        for (const UmpipeResult& r : results) umpipe["planners"][r.planner] = umpipe_result_to_json(r);
         for (std::size_t s = 0; s < dgap.plan.forward.size(); ++s)
-          std::cout << fmt::format("  stage {} forward {} | backward {}\n", s, list(dgap.plan.forward[s]),
-                                   list(dgap.plan.backward[s]));
-        std::cout << "  (the runtime does not run unequal micro-batches yet: train --plan uses the balance, schedule "
-                     "and m)\n";
+          std::cout << fmt::format("  stage {} forward {} | backward {}{}\n", s, list(dgap.plan.forward[s]),
+                                   list(dgap.plan.backward[s]),
+                                   uo.rematerialise && s + 1 == dgap.plan.forward.size()
+                                       ? " (the last stage's forward is folded into its backward)"
+                                       : "");
+        if (uo.rematerialise)
+          std::cout << "  re-materialised: every backward chunk recomputes its forward (the runtime's way); train "
+                       "--plan FILE runs the dgap partitions, --umpipe equal|local-greedy|global-dp another planner's, "
+                       "--umpipe off the straight pipeline above\n";
+        else
+          std::cout << "  planned without re-materialisation (--no-rematerialise): a planning study only; the runtime "
+                       "re-materialises, so train --plan refuses these partitions (run it with --umpipe off)\n";
       }
       if (!f->out.empty()) {
         Plan chosen;
         chosen.model = prof.model;
         chosen.layers = layers;
         chosen.options = po;
-        chosen.balance = best.balance;
-        chosen.replication.assign(best.balance.size(), 1);
-        chosen.time_ms = best.makespan;
+        chosen.balance = top.balance;
+        chosen.replication = top.replication.empty() ? std::vector<int>(top.balance.size(), 1) : top.replication;
+        chosen.time_ms = top.makespan;
         chosen.data_parallel_time_ms = dp_time;
-        chosen.speedup = best.makespan > 0 ? dp_time / best.makespan : 0;
+        chosen.speedup = top.makespan > 0 ? dp_time / top.makespan : 0;
         chosen.data_parallel_fits = dp_fits;
         // Per stage: compute per micro-batch (F + B + W from the simulator's costs) and static bytes.
         StageCostOptions so;
-        so.micro_batch = static_cast<double>(batch) / best.m;
-        for (const StageCost& c : stage_costs(prof, best.balance, so).stage) chosen.stage_time_ms.push_back(c.f + c.b + c.w);
-        chosen.stage_memory_bytes = stage_static_bytes(prof, best.balance);
-        chosen.stage_in_flight.assign(best.balance.size(), 1);
+        so.micro_batch = static_cast<double>(batch) / top.m;
+        for (const StageCost& c : stage_costs(prof, top.balance, so).stage) chosen.stage_time_ms.push_back(c.f + c.b + c.w);
+        chosen.stage_memory_bytes = stage_static_bytes(prof, top.balance);
+        chosen.stage_in_flight.assign(top.balance.size(), 1);
         nlohmann::json j = plan_to_json(chosen);
-        j["schedule"] = best.schedule;
-        j["microbatches"] = best.m;
+        j["schedule"] = top.schedule;
+        j["microbatches"] = top.m;
         j["batch_size"] = batch;
-        j["balance_kind"] = best.kind;
-        j["balance_solver"] = best.solver;
-        j["predicted_bubble_fraction"] = best.bubble;
+        j["balance_kind"] = top.kind;
+        j["balance_solver"] = top.solver;
+        j["predicted_bubble_fraction"] = top.bubble;
         if (pd) j["pipedream"] = plan_to_json(*pd);
+        if (rr) {  // how train --plan-use pipedream runs it: synchronous 1F1B-RR with this m
+          j["pipedream"]["schedule"] = "1f1b";
+          j["pipedream"]["microbatches"] = rr->m;
+          j["pipedream"]["simulated_time_ms"] = rr->makespan;
+        }
         if (!umpipe.is_null()) j["umpipe"] = umpipe;
         write_file_atomic(f->out, j.dump(2) + "\n");
         std::cout << "plan written to " << f->out << " (run it with pipetrain train --plan " << f->out << ")\n";

@@ -83,6 +83,26 @@ int next_boundary(const TrainFlags& f, int step, int total, int eval_every) {
 }
 constexpr int kDefaultSteps = 600;  // the demo: about 1.5 minutes on 2 cores
 
+std::string comma_list(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+// The banner's lines for a run of a plan's UMPIPE partitions.
+std::string umpipe_banner(const PipelineFlags& pipe) {
+  const UmpipeResult& r = *pipe.umpipe_chosen;
+  std::string out = fmt::format(
+      "  UMPIPE: the {} partitions of {} (predicted {:.2f} ms per step), per stage its own micro-batches, GPipe order, "
+      "every backward chunk re-materialised; schedule and m above apply to evaluation only\n",
+      r.planner, pipe.plan_file, r.step_ms);
+  for (std::size_t j = 0; j < r.plan.forward.size(); ++j)
+    out += fmt::format("    stage {} forward {} | backward {}{}\n", j, comma_list(r.plan.forward[j]),
+                       comma_list(r.plan.backward[j]),
+                       j + 1 == r.plan.forward.size() ? " (its forward is done in the backward's recompute)" : "");
+  return out;
+}
+
 // Per-stage mean compute times of a measured timeline, as a cost model for the simulator.
 CostModel measured_costs(const Timeline& t, int stages) {
   std::map<std::pair<int, ActionKind>, std::pair<double, int>> sum;
@@ -337,6 +357,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   o.measure_memory = f.memory;
   o.vertical_sync = f.vertical_sync;
   o.weight_stashing = !f.no_stash;
+  if (f.pipe.umpipe_chosen) o.umpipe = std::make_shared<UmpipePlan>(f.pipe.umpipe_chosen->plan);
   const bool async = is_async(f.pipe.schedule);
   int total = 0;  // set below, before the first step
   // One call runs several steps: each stage sets the learning rate of its step just before stepping.
@@ -406,6 +427,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
                              start > 0 ? fmt::format(", resuming at step {} from {}", start, f.resume) : "",
                              describe(runtime_info()))
               << std::flush;
+    if (f.pipe.umpipe_chosen) std::cout << umpipe_banner(f.pipe) << std::flush;
   }
   Progress progress(f.progress, total, start, text ? "tokens" : "samples");
   auto run_eval = [&](int step) -> std::optional<EvalResult> {
@@ -468,6 +490,29 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
         if (is_compute(e.action.kind)) busy[e.action.stage] += (e.end - e.start) / calls_steps;
       transport->all_reduce_sum(busy);
     }
+    // The pipeline's own time in this call, per step, for the log: from the first event to the last over
+    // all ranks (without the barriers; with UMPIPE also without the optimizer step, as its prediction).
+    double pass_ms = 0;
+    if (!f.log.empty()) {
+      torch::Tensor span = torch::zeros({2 * p}, torch::kDouble);
+      double first = 1e300, end = -1e300;
+      for (const TimedAction& e : last.timeline.events) {
+        first = std::min(first, e.start);
+        end = std::max(end, e.end);
+      }
+      if (end >= first) {
+        span[2 * transport->rank()] = first;
+        span[2 * transport->rank() + 1] = end;
+      }
+      transport->all_reduce_sum(span);
+      double lo = 1e300, hi = -1e300;
+      for (int r = 0; r < p; ++r)
+        if (span[2 * r + 1].item<double>() > 0) {
+          lo = std::min(lo, span[2 * r].item<double>());
+          hi = std::max(hi, span[2 * r + 1].item<double>());
+        }
+      pass_ms = hi > lo ? (hi - lo) / calls_steps : 0.0;
+    }
     for (int k = 0; k < calls_steps; ++k, ++step) {
       const double loss = last.losses[static_cast<std::size_t>(k)];
       const double grad_norm = last.grad_norms[static_cast<std::size_t>(k)];
@@ -485,6 +530,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
         std::vector<double> bs(static_cast<std::size_t>(busy.numel()));
         for (int64_t s = 0; s < busy.numel(); ++s) bs[static_cast<std::size_t>(s)] = busy[s].item<double>();
         entry["busy_ms"] = bs;
+        entry["pass_ms"] = pass_ms;
       }
       if ((step + 1) % eval_every == 0 || step + 1 == total) {  // only at a call's last step (next_boundary)
         last_eval = run_eval(step + 1);
@@ -534,6 +580,14 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   if (last_eval)
     std::cout << fmt::format("  held-out: {}{}\n", eval_text(f, *last_eval),
                              first_eval ? fmt::format(" (at step 0: loss {:.4f})", first_eval->loss) : "");
+  if (f.pipe.umpipe_chosen)  // the plan's own prediction: the simulator's schedules do not cut unequally
+    std::cout << fmt::format(
+        "  last step: measured makespan {:.1f} ms, bubble fraction {:.3f}; UMPIPE {} plan predicted {:.1f} ms per step "
+        "(compute and transfers, no optimizer step) against the measured median step {:.1f} ms: predicted/measured "
+        "{:.2f}\n",
+        measured.makespan, measured.bubble_fraction, f.pipe.umpipe_chosen->planner, f.pipe.umpipe_chosen->step_ms, median,
+        median > 0 ? f.pipe.umpipe_chosen->step_ms / median : 0.0);
+  else
   std::cout << fmt::format(
       "  last {}: measured makespan {:.1f} ms, bubble fraction {:.3f}; simulated from measured stage costs: "
       "makespan {:.1f} ms, bubble fraction {:.3f}; efficiency (predicted/measured) {:.2f}\n",
@@ -594,6 +648,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
   CLI::App* cmd = app.add_subcommand("train", "train a model on real data with a pipeline schedule across ranks");
   f->model.add_to(*cmd);
   f->pipe.add_to(*cmd);
+  f->pipe.add_umpipe_to(*cmd);
   cmd->add_option("--config", f->config,
                   "JSON file of flags, e.g. {\"stages\": 4, \"schedule\": \"zb-h1\", \"memory\": true}; flags on the "
                   "command line win");
@@ -665,6 +720,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
         throw UsageError("unknown --lr-schedule '" + f->lr_schedule + "': use constant, cosine or linear");
       // Check what can be checked before any rank starts, so bad input is exit 2 with one message.
       f->model.prepare();
+      f->pipe.prepare_umpipe(*cmd, f->batch_size);  // a plan's UMPIPE partitions: schedule gpipe, checked here
       // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
       const bool one_per_step = f->pipe.schedule == "pipedream" || f->pipe.schedule == "spectrain";
       if (one_per_step && cmd->get_option("--microbatches")->count() == 0) f->pipe.microbatches = 1;

@@ -294,10 +294,20 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
       balance.clear();
       for (int n : plan.balance) balance += (balance.empty() ? "" : ",") + std::to_string(n);
     }
-    // Synchronous 1F1B-RR; micro-batches: a multiple of every replica count (equal shares) and at least
-    // twice the workers, so the pipeline fills.
-    if (!given("--schedule")) schedule = "1f1b";
-    if (!given("--microbatches")) microbatches = (2 * workers + lcm - 1) / lcm * lcm;
+    // Synchronous 1F1B-RR with the schedule and micro-batches the plan file chose (pipetrain plan writes
+    // them for both parts); otherwise 1f1b and a multiple of every replica count (equal shares) that is
+    // at least twice the workers, so the pipeline fills.
+    std::ifstream in(path);
+    const nlohmann::json file = nlohmann::json::parse(in, nullptr, false);
+    const nlohmann::json part =
+        !file.is_object() ? nlohmann::json() : plan_use == "pipedream" ? file.value("pipedream", nlohmann::json()) : file;
+    if (!given("--schedule")) schedule = part.is_object() && part.contains("schedule") && part["schedule"].is_string()
+                                             ? part["schedule"].get<std::string>()
+                                             : "1f1b";
+    if (!given("--microbatches"))
+      microbatches = part.is_object() && part.contains("microbatches") && part["microbatches"].is_number_integer()
+                         ? part["microbatches"].get<int>()
+                         : (2 * workers + lcm - 1) / lcm * lcm;
     return;
   }
   if (!plan.replication.empty() && plan.replication.front() > 1) {
@@ -323,6 +333,82 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
     if (!given("--microbatches") && j.contains("microbatches") && j["microbatches"].is_number_integer())
       microbatches = j["microbatches"];
   }
+  // UMPIPE partitions, if the plan has them: prepare_umpipe decides whether they run (--umpipe).
+  umpipe_section = nlohmann::json();
+  plan_batch_size = 0;
+  plan_balance = plan.balance;
+  if (j.is_object()) {
+    if (j.contains("batch_size") && j["batch_size"].is_number_integer()) plan_batch_size = j["batch_size"];
+    if (j.contains("umpipe") && j["umpipe"].is_object()) umpipe_section = j["umpipe"];
+  }
+}
+
+void PipelineFlags::add_umpipe_to(CLI::App& app) {
+  app.add_option("--umpipe", umpipe,
+                 "with a plan from pipetrain plan --planner umpipe: whose unequal micro-batches per stage to run, dgap "
+                 "(the default), equal, local-greedy or global-dp; off runs the plan as a normal pipeline");
+}
+
+void PipelineFlags::prepare_umpipe(const CLI::App& app, int64_t batch_size) {
+  umpipe_chosen.reset();
+  static const std::vector<std::string> planners{"dgap", "equal", "local-greedy", "global-dp"};
+  if (umpipe != "auto" && umpipe != "off" && std::find(planners.begin(), planners.end(), umpipe) == planners.end())
+    throw UsageError("unknown --umpipe '" + umpipe + "': use dgap, equal, local-greedy, global-dp or off");
+  if (umpipe == "off") return;
+  if (umpipe_section.is_null()) {
+    if (umpipe == "auto") return;
+    if (plan_file.empty())
+      throw UsageError("--umpipe " + umpipe + " runs the partitions of a plan: pass --plan FILE from pipetrain plan "
+                       "--planner umpipe");
+    throw UsageError("--plan " + plan_file + " has no UMPIPE partitions: make it with pipetrain plan --planner umpipe, "
+                     "or drop --umpipe");
+  }
+  const std::string name = umpipe == "auto" ? "dgap" : umpipe;
+  nlohmann::json chosen;
+  const nlohmann::json& all = umpipe_section.contains("planners") ? umpipe_section["planners"] : nlohmann::json();
+  if (all.is_object() && all.contains(name))
+    chosen = all[name];
+  else if (umpipe_section.value("planner", std::string()) == name)
+    chosen = umpipe_section;
+  if (chosen.is_null()) {
+    std::string have;
+    if (all.is_object())
+      for (const auto& item : all.items()) have += (have.empty() ? "" : ", ") + item.key();
+    if (have.empty()) have = umpipe_section.value("planner", std::string("?"));
+    throw UsageError("--plan " + plan_file + " holds no '" + name + "' UMPIPE partitions (it has " + have +
+                     "): pick one of those with --umpipe, or plan again with pipetrain plan --planner umpipe");
+  }
+  auto result = std::make_shared<UmpipeResult>(umpipe_result_from_json(chosen, plan_file + ": umpipe " + name));
+  if (!umpipe_section.value("rematerialise", false))
+    throw UsageError("--plan " + plan_file + ": its UMPIPE partitions were planned without re-materialisation (the "
+                     "backward times leave out the recompute), but the runtime always re-materialises: plan again "
+                     "without --no-rematerialise, or pass --umpipe off");
+  int64_t samples = 0;
+  for (int b : result->plan.forward.front()) samples += b;
+  if (static_cast<int>(result->plan.forward.size()) != stages)
+    throw UsageError(fmt::format("--plan {}: its UMPIPE partitions are for {} stages but the run has {}: drop --stages "
+                                 "or plan for {} ranks",
+                                 plan_file, result->plan.forward.size(), stages, stages));
+  if (samples != batch_size)
+    throw UsageError(fmt::format("--plan {} cuts mini-batches of {} samples (its UMPIPE partitions) but --batch-size is "
+                                 "{}: pass --batch-size {}, plan with --batch-size {}, or pass --umpipe off",
+                                 plan_file, samples, batch_size, samples, batch_size));
+  if (replicas != 1)
+    throw UsageError("UMPIPE partitions run on one pipeline, but --replicas is " + std::to_string(replicas) +
+                     ": drop --replicas or pass --umpipe off");
+  if (virtual_stages != 1)
+    throw UsageError("UMPIPE partitions run one stage per rank, but --virtual is " + std::to_string(virtual_stages) +
+                     ": drop --virtual or pass --umpipe off");
+  if (app.get_option("--schedule")->count() > 0 && schedule != "gpipe")
+    throw UsageError("UMPIPE partitions run in GPipe order (all forwards, then all backwards), not --schedule " +
+                     schedule + ": drop --schedule or pass --umpipe off");
+  schedule = "gpipe";
+  std::string planned;
+  for (int n : plan_balance) planned += (planned.empty() ? "" : ",") + std::to_string(n);
+  if (balance != planned)
+    throw UsageError("--plan " + plan_file + "'s UMPIPE partitions were planned for balance " + planned +
+                     ", not --balance " + balance + ": drop --balance or pass --umpipe off");
+  umpipe_chosen = result;
 }
 
 PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "pipetrain/plan/umpipe.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/transport.h"
 #include "pipetrain/zoo/data.h"
@@ -81,6 +82,21 @@ struct PipelineFlags {
   void add_to(CLI::App& app);
   // `local_rank` picks the GPU for --device cuda (rank r uses GPU r mod the GPU count).
   PipelineOptions options(uint64_t seed, int local_rank = 0) const;
+  // UMPIPE (docs/UMPIPE.md): a plan with an "umpipe" section runs its unequal micro-batches per stage
+  // unless --umpipe off. apply_plan keeps the section, the plan's batch size and balance; prepare_umpipe
+  // picks the partitions and checks the run against them.
+  nlohmann::json umpipe_section;  // the plan's "umpipe" object; null when it has none
+  int64_t plan_batch_size = 0;    // the plan's "batch_size" (0: none)
+  std::vector<int> plan_balance;  // the plan's balance
+  std::string umpipe = "auto";    // --umpipe: auto (dgap when the plan has partitions), off, equal, local-greedy, global-dp, dgap
+  std::shared_ptr<const UmpipeResult> umpipe_chosen;  // after prepare_umpipe: the partitions to run, or null
+  // Adds --umpipe (train).
+  void add_umpipe_to(CLI::App& app);
+  // Chooses the partitions (umpipe_chosen) and checks the combination before any rank starts: the plan's
+  // partitions must have been made with re-materialisation (the runtime always re-materialises) for the
+  // plan's stages and --batch-size; schedule gpipe (set here), no replicas or virtual stages, the plan's
+  // balance. Throws UsageError naming the values and the fix.
+  void prepare_umpipe(const CLI::App& app, int64_t batch_size);
 };
 
 // The balance every rank uses, as a manual list ("3,2,2"), for the kinds that need a profile ("time",

@@ -21,6 +21,7 @@
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/validate.h"
 #include "pipetrain/runtime/split_linear.h"
+#include "umpipe_pass.h"
 
 namespace pipetrain {
 
@@ -204,6 +205,7 @@ struct PipelineRank::Impl {
     std::vector<torch::Tensor> scratch;  // predicted weights (spectrain), from F to BW
   };
   std::map<std::pair<int, int>, Slot> slots;
+  UmpipeLinks umpipe_links;  // UMPIPE: activation shapes agreed with the neighbouring stages, kept across steps
 
   struct PendingRecv {
     torch::Tensor buffer;
@@ -875,6 +877,7 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     auto it = d.optimizers.find(s);
     d.weights.emplace(s, StageWeights(params, it == d.optimizers.end() ? nullptr : it->second.get()));
   }
+  if (d.options.umpipe) check_umpipe_pipeline(model, *d.options.umpipe, d.options, d.schedule, p);
 }
 
 PipelineRank::~PipelineRank() = default;
@@ -888,6 +891,32 @@ StepStats PipelineRank::train_steps(const torch::Tensor& input, const torch::Ten
                                     int steps) {
   Impl& d = *impl_;
   if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
+  if (d.options.umpipe) {  // the plan's partitions instead of the schedule (src/runtime/umpipe_pass.h)
+    if (steps != 1)
+      throw UsageError("UMPIPE runs one optimizer step per call (its plan cuts one mini-batch), got " +
+                       std::to_string(steps) + " steps");
+    d.begin_pass(input, target, batch_size, 1, 1);
+    const int s = d.stages.begin()->first;
+    UmpipePassContext c{*d.transport,      d.stages.at(s),     s,
+                        d.schedule.stages, d.loss_fn,          *d.options.umpipe,
+                        d.options.device,  d.options.threads,  d.options.measure_memory,
+                        d.step,            &d.options.before_action, d.umpipe_links,
+                        d.stats.timeline};
+    const UmpipePassResult r = run_umpipe_pass(c, input, target, batch_size);
+    d.step_loss[0] += r.loss;
+    d.stats.peak_heap_growth = r.peak_heap_growth;
+    try {  // the flush of a synchronous step: global loss and norm, clipping, the optimizer step
+      d.optimizer_step(s, 0);
+      d.finish_call();
+    } catch (const RemoteFailure&) {
+      throw;
+    } catch (const std::exception& e) {
+      d.transport->abort("rank " + std::to_string(d.rank()) + " at its optimizer step: " + e.what());
+      throw;
+    }
+    d.step += 1;
+    return d.stats;
+  }
   if (d.options.threads > 0) at::set_num_threads(d.options.threads);
   const Schedule& plan = d.schedule_for(steps);
   d.pass = &plan;

@@ -76,6 +76,8 @@ TEST(ReplicationCli, RunsThePipeDreamPlansReplication) {
   plan["pipedream"]["stage_time_ms"] = {1.0, 1.0};
   plan["pipedream"]["stage_memory_bytes"] = {1.0, 1.0};
   plan["pipedream"]["stage_in_flight"] = {1, 1};
+  plan["pipedream"].erase("microbatches");  // what plan chose for its own replication; the default is tested here
+  plan["pipedream"].erase("schedule");
   std::ofstream(dir / "rr-plan.json") << plan.dump(2);
 
   r = run_pipetrain("train --transport gloo --plan " + (dir / "rr-plan.json").string() + " --plan-use pipedream" + kRun +
@@ -125,4 +127,29 @@ TEST(ReplicationCli, SimulateLaysOutRoundRobin) {
   r = run_pipetrain("simulate --schedule zb-h1 --replication 3,1 -m 12");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("runs with --schedule gpipe or 1f1b")) << r.out;
+}
+
+// On PipeDream's VGG-16 profile at 1 GB/s, PipeDream's planner replicates the first stage (17,22 x 3,1);
+// run synchronously as 1F1B-RR and simulated like the straight pipelines, it beats the best straight
+// pipeline, so plan chooses it and writes the replication into the plan.
+TEST(ReplicationCli, PlanChoosesTheReplicatedPlanWhenItIsFaster) {
+  const fs::path dir = temp_dir("vgg");
+  const std::string profile = std::string(PIPETRAIN_SOURCE_DIR) + "/../shared/data/pipedream-profiles/vgg16-graph.txt";
+  if (!fs::exists(profile)) GTEST_SKIP() << "no shared VGG-16 profile at " << profile;
+  CommandResult r = run_pipetrain("plan --profile " + profile + " --ranks 4 --batch-size 64 --bandwidth 1 --out " +
+                                  (dir / "plan.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("best straight:")) << r.out;
+  EXPECT_TRUE(r.has("chosen: its plan as 1F1B-RR m=")) << r.out;
+  nlohmann::json plan;
+  {
+    std::ifstream in(dir / "plan.json");
+    plan = nlohmann::json::parse(in);
+  }
+  EXPECT_EQ(plan.at("replication"), nlohmann::json({3, 1}));
+  EXPECT_EQ(plan.at("balance"), nlohmann::json({17, 22}));
+  EXPECT_EQ(plan.at("schedule"), "1f1b");
+  EXPECT_EQ(plan.at("microbatches").get<int>() % 3, 0);
+  EXPECT_EQ(plan.at("pipedream").at("microbatches"), plan.at("microbatches"));
+  fs::remove_all(dir);
 }

@@ -71,6 +71,7 @@
 #include "pipetrain/core/cost.h"
 #include "pipetrain/core/schedule.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/plan/umpipe.h"
 #include "pipetrain/runtime/stage.h"
 #include "pipetrain/runtime/transport.h"
 #include "pipetrain/runtime/weights.h"
@@ -136,6 +137,15 @@ struct PipelineOptions {
   // step bitwise the same weights. Evaluation (forward_only) runs on each stage's first replica. gpipe
   // or 1f1b only. Empty (or all ones): one rank per stage.
   std::vector<int> replication;
+  // UMPIPE (ALGORITHMS.md §7, docs/UMPIPE.md): when set, every training step runs these per-stage forward
+  // and backward partitions of the mini-batch instead of the schedule's equal micro-batches: stage j on
+  // rank j re-chunks the sample stream by its own rows, GPipe order, forward without a graph and each
+  // backward chunk re-materialised from the stage's stashed inputs, losses scaled by b/N (so the
+  // accumulated gradient is the full-batch one). One step per call; the flush (global norm, clipping,
+  // step) is the synchronous schedules'. Needs schedule gpipe, one stage per rank, no replicas, plan rows
+  // that are compositions of the batch size, and per-sample, deterministic layers (no BatchNorm, no
+  // dropout): the constructor refuses others with UsageError. Evaluation (forward_only) is unaffected.
+  std::shared_ptr<const UmpipePlan> umpipe;
 };
 
 // How the passes of `options.schedule` choose their weights (weights.h): Current for synchronous

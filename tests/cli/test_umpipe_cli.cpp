@@ -1,0 +1,130 @@
+// Checks UMPIPE as a user runs it (issue 7): pipetrain profile -> plan --planner umpipe -> train --plan
+// over gloo with 2 processes. The plan file holds every planner's partitions; --umpipe picks one (dgap by
+// default) and the runs differ only in how the mini-batch is cut, so their losses agree (the same data,
+// the same full-batch gradient). Bad combinations exit 2 naming the values.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "run_command.h"
+
+namespace fs = std::filesystem;
+using pipetrain::testing::CommandResult;
+using pipetrain::testing::run_pipetrain;
+
+namespace {
+
+const std::string kModel = " --data synthetic --d-model 32 --heads 2 --seq-len 16 --vocab 32 --layers 4";
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("pipetrain-umpipe-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+
+std::vector<double> losses(const fs::path& log) {
+  std::vector<double> out;
+  std::ifstream in(log);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+}  // namespace
+
+TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
+  const fs::path dir = temp_dir("flow");
+  const std::string profile = (dir / "profile.json").string(), plan = (dir / "plan.json").string();
+  CommandResult r = run_pipetrain("profile" + kModel + " --microbatch-size 4 --repeats 2 --sizes 1 8 --out " + profile);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain("plan --profile " + profile + " --ranks 2 --batch-size 16 --planner umpipe --generations 40 --out " +
+                    plan);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("re-materialised")) << r.out;
+  nlohmann::json j = read_json(plan);
+  ASSERT_TRUE(j.contains("umpipe")) << j.dump();
+  EXPECT_EQ(j["umpipe"].at("rematerialise"), true);
+  EXPECT_EQ(j["umpipe"].at("planner"), "dgap");
+  EXPECT_EQ(j["umpipe"].at("fit"), "table");
+  for (const char* name : {"equal", "local-greedy", "global-dp", "dgap"}) {
+    ASSERT_TRUE(j["umpipe"]["planners"].contains(name)) << name << "\n" << j.dump();
+    EXPECT_EQ(j["umpipe"]["planners"][name].at("samples"), 16);
+  }
+  std::string balance;
+  for (const auto& n : j.at("balance")) balance += (balance.empty() ? "" : ",") + std::to_string(n.get<int>());
+  const std::string other = balance == "3,3" ? "2,4" : "3,3";
+  // A third, deliberately irregular cut of the mini-batch, run under the name global-dp.
+  j["umpipe"]["planners"]["global-dp"]["forward"] = {{3, 5, 1, 7}, {16}};
+  j["umpipe"]["planners"]["global-dp"]["backward"] = {{1, 10, 5}, {6, 2, 8}};
+  std::ofstream(plan) << j.dump(2);
+
+  const std::string common = " --transport gloo --plan " + plan + kModel +
+                             " --batch-size 16 --steps 3 --lr-schedule constant --eval-every 3 --eval-samples 16 --log ";
+  std::map<std::string, std::vector<double>> runs;
+  for (const std::string name : {"equal", "dgap", "global-dp"}) {
+    const fs::path log = dir / (name + ".jsonl");
+    r = run_pipetrain("train" + common + log.string() + (name == "dgap" ? "" : " --umpipe " + name));
+    ASSERT_EQ(r.code, 0) << name << "\n" << r.out;
+    EXPECT_TRUE(r.has("2 stages over gloo")) << r.out;
+    EXPECT_TRUE(r.has("UMPIPE: the " + name + " partitions")) << r.out;
+    EXPECT_TRUE(r.has("UMPIPE " + name + " plan predicted")) << r.out;
+    runs[name] = losses(log);
+    ASSERT_EQ(runs[name].size(), 3u) << name;
+  }
+  for (const std::string name : {"dgap", "global-dp"})
+    for (std::size_t k = 0; k < 3; ++k)
+      EXPECT_NEAR(runs[name][k], runs["equal"][k], 1e-4 * std::abs(runs["equal"][k])) << name << ", step " << k + 1;
+
+  // --umpipe off runs the same plan as a straight pipeline (its schedule and m).
+  r = run_pipetrain("train --transport local --plan " + plan + kModel + " --batch-size 16 --steps 1 --umpipe off");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_FALSE(r.has("UMPIPE:")) << r.out;
+
+  // Refusals, before any rank starts.
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {" --batch-size 12", "cuts mini-batches of 16 samples (its UMPIPE partitions) but --batch-size is 12"},
+           {" --batch-size 16 --schedule 1f1b", "not --schedule 1f1b"},
+           {" --batch-size 16 --umpipe best", "unknown --umpipe 'best'"},
+           {" --batch-size 16 --balance " + other, "planned for balance " + balance + ", not --balance " + other},
+       }) {
+    r = run_pipetrain("train --transport local --plan " + plan + kModel + args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_TRUE(r.has(message)) << args << "\n" << r.out;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(UmpipeCli, PlansWithoutRematerialisationOrPartitionsAreRefused) {
+  const fs::path dir = temp_dir("refuse");
+  const std::string profile = (dir / "profile.json").string();
+  CommandResult r = run_pipetrain("profile" + kModel + " --microbatch-size 4 --repeats 1 --sizes 1 8 --out " + profile);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain("plan --profile " + profile + " --ranks 2 --batch-size 16 --planner umpipe --generations 10 "
+                    "--no-rematerialise --out " + (dir / "study.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("planned without re-materialisation")) << r.out;
+  EXPECT_EQ(read_json(dir / "study.json")["umpipe"].at("rematerialise"), false);
+  r = run_pipetrain("train --transport local --plan " + (dir / "study.json").string() + kModel + " --batch-size 16");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("planned without re-materialisation")) << r.out;
+  EXPECT_TRUE(r.has("--umpipe off")) << r.out;
+
+  r = run_pipetrain("plan --profile " + profile + " --ranks 2 --batch-size 16 --out " + (dir / "plain.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain("train --transport local --plan " + (dir / "plain.json").string() + kModel +
+                    " --batch-size 16 --umpipe dgap");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("has no UMPIPE partitions")) << r.out;
+  r = run_pipetrain("train --transport local --stages 2" + kModel + " --umpipe equal");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("pass --plan FILE")) << r.out;
+  fs::remove_all(dir);
+}
