@@ -56,6 +56,8 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       o.warmup = f->warmup;
       o.optimizer = f->optimizer;
       o.model_name = f->model.describe();
+      o.loss = f->model.loss();  // the last layer's times include the loss, as the last stage runs it
+      o.target = b.target;
       std::vector<int> sizes = f->sizes;
       std::sort(sizes.begin(), sizes.end());
       sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());

@@ -485,6 +485,8 @@ std::string resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, 
       ProfilerOptions o;
       o.repeats = 5;
       o.warmup = 1;
+      o.loss = model.loss();
+      o.target = b.target;
       const Profile p = profile_model(m, b.input, o);
       const auto mine = plan_balance(p, stages, pipe.balance, solver);
       for (int s = 0; s < stages; ++s) counts[s] = mine[static_cast<std::size_t>(s)];

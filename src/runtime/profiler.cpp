@@ -44,32 +44,44 @@ struct LayerTimes {
   torch::Tensor output;
 };
 
-LayerTimes time_layer(const std::shared_ptr<torch::nn::Module>& module, torch::nn::AnyModule& any,
-                      const torch::Tensor& x, const ProfilerOptions& o) {
-  (void)module;
+// `target` defined: the loss on the layer's output is part of the forward and the backward (the last
+// layer); its scalar needs no output gradient.
+LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const ProfilerOptions& o,
+                      const torch::Tensor& target = torch::Tensor()) {
   LayerTimes t;
   std::vector<double> fwd, bwd, bs, ws;
   torch::Tensor grad;
+  const bool with_loss = target.defined() && o.loss;
+  auto run = [&](const torch::Tensor& in) {
+    torch::Tensor out = any.forward(in);
+    if (!t.output.defined()) t.output = out.detach();
+    return with_loss ? o.loss(out, target) : out;
+  };
+  auto backward = [&](const torch::Tensor& out) {
+    if (with_loss)
+      torch::autograd::backward({out});
+    else
+      torch::autograd::backward({out}, {grad});
+  };
   for (int k = 0; k < o.warmup + o.repeats; ++k) {
     const bool timed = k >= o.warmup;
     torch::Tensor in = leaf_input(x);
     double t0 = now_ms();
-    torch::Tensor out = any.forward(in);
+    torch::Tensor out = run(in);
     if (timed) fwd.push_back(now_ms() - t0);
-    if (!t.output.defined()) t.output = out.detach();
     if (!out.requires_grad()) continue;  // nothing to differentiate (e.g. a parameter-free first layer on ids)
-    if (!grad.defined()) grad = torch::randn_like(out);
+    if (!grad.defined() && !with_loss) grad = torch::randn_like(out);
     t0 = now_ms();
-    torch::autograd::backward({out}, {grad});
+    backward(out);
     if (timed) bwd.push_back(now_ms() - t0);
     // B and W separately, on a fresh forward.
     in = leaf_input(x);
-    out = any.forward(in);
+    out = run(in);
     WeightGradStore store;
     {
       WeightGradStore::Scope scope(&store);
       t0 = now_ms();
-      torch::autograd::backward({out}, {grad});
+      backward(out);
       if (timed) bs.push_back(now_ms() - t0);
     }
     t.split = !store.empty();
@@ -109,6 +121,10 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
   torch::Tensor x = input;
   std::vector<torch::Tensor> extra_inputs;
   for (int s : o.extra_sizes) extra_inputs.push_back(resized(input, s));
+  const bool with_loss = o.loss && o.target.defined();
+  if (with_loss && (o.target.dim() < 1 || o.target.size(0) != input.size(0)))
+    throw UsageError("the profiler's target batch has " + std::to_string(o.target.dim() < 1 ? 0 : o.target.size(0)) +
+                     " rows but the input has " + std::to_string(input.size(0)) + ": give one target per sample");
   const std::vector<std::string> types = layer_type_names(model);
   std::size_t index = 0;
   for (auto& any : *model) {
@@ -116,7 +132,8 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     LayerProfile l;
     l.type = types[index];
     l.name = std::to_string(index) + ":" + l.type;
-    const LayerTimes t = time_layer(module, any, x, o);
+    const bool last = index + 1 == model->size();
+    const LayerTimes t = time_layer(any, x, o, last && with_loss ? o.target : torch::Tensor());
     l.forward_ms = t.forward;
     l.backward_ms = t.backward;
     l.bw_split = t.split;
@@ -127,7 +144,8 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
       if (param.requires_grad()) l.parameter_bytes += static_cast<double>(param.numel() * param.element_size());
     l.optimizer_bytes = state_factor * l.parameter_bytes;
     for (std::size_t e = 0; e < extra_inputs.size(); ++e) {
-      const LayerTimes te = time_layer(module, any, extra_inputs[e], o);
+      const LayerTimes te =
+          time_layer(any, extra_inputs[e], o, last && with_loss ? resized(o.target, o.extra_sizes[e]) : torch::Tensor());
       l.by_micro_batch.push_back(SizeMeasurement{o.extra_sizes[e], te.forward, te.backward});
       extra_inputs[e] = te.output;
     }

@@ -305,3 +305,33 @@ TEST(Profiler, MeasuresEveryLayer) {
   bad.optimizer = "lion";
   EXPECT_THROW(profile_model(model, torch::randn({4, kIn}), bad), UsageError);
 }
+
+// With a loss and a target, the last layer is timed with the loss on its output (forward and backward):
+// the loss sees the last layer's output and the matching target rows at every size, every other layer
+// is timed without it, and the activation bytes stay the layer's output. A target with other rows is
+// refused.
+TEST(Profiler, LastLayerIncludesTheLoss) {
+  auto model = make_model(3);
+  ProfilerOptions o;
+  o.repeats = 2;
+  o.warmup = 1;
+  o.extra_sizes = {2, 8};
+  std::vector<std::pair<int64_t, int64_t>> seen;  // (output rows, target rows) per loss call
+  o.loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
+    EXPECT_EQ(out.size(1), kOut);
+    seen.emplace_back(out.size(0), target.size(0));
+    return torch::mse_loss(out, target);
+  };
+  o.target = torch::randn({4, kOut});
+  const Profile p = profile_model(model, torch::randn({4, kIn}), o);
+  // Per size (4, then 2 and 8): warm-up + repeats runs, each with a forward for the whole backward and one
+  // for the B/W split.
+  ASSERT_EQ(seen.size(), 3u * (1 + 2) * 2);
+  for (std::size_t k = 0; k < seen.size(); ++k) {
+    EXPECT_EQ(seen[k].first, seen[k].second) << k;
+    EXPECT_EQ(seen[k].first, k < 6 ? 4 : k < 12 ? 2 : 8) << k;
+  }
+  EXPECT_EQ(p.layers.back().activation_bytes, 4.0 * kOut * 4);
+  o.target = torch::randn({3, kOut});
+  EXPECT_THROW(profile_model(model, torch::randn({4, kIn}), o), UsageError);
+}

@@ -13,6 +13,7 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,11 @@ struct ProfilerOptions {
   // the input is cut or tiled to each size.
   std::vector<int> extra_sizes;
   std::string model_name = "model";
+  // The training loss and a target batch (rows matching the input's): when both are given, the last
+  // layer's forward and backward times include the loss on its output (a micro-batch-mean loss and its
+  // backward), as the last stage runs them in training; its activation_bytes stay the layer's output.
+  std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)> loss;
+  torch::Tensor target;
 };
 
 // Profiles `model` on `input`, one micro-batch (its first dimension is the micro-batch size). The
