@@ -79,10 +79,10 @@ for model in gpt cnn; do
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$OUT/raw/machine.txt"
 
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" "$RUN_STAGES" <<'PY'
 import glob, json, os, re, statistics as st, sys
 out = sys.argv[1]
-run_stages = (2, 4)
+run_stages = tuple(int(x) for x in sys.argv[2].split())
 planners = ("equal", "local-greedy", "global-dp", "dgap")
 res = {"planned": {}, "measured": {}}
 md = []
@@ -167,7 +167,10 @@ for model in ("gpt", "cnn"):
             runs = []
             for log in glob.glob(os.path.join(out, "raw", f"{key}-{mode}-r*.jsonl")):
                 e = [json.loads(x) for x in open(log) if x.strip()][2:]
-                runs.append([st.median(x["busy_ms"][s] for x in e) for s in range(len(pred))])
+                if e:
+                    runs.append([st.median(x["busy_ms"][s] for x in e) for s in range(len(pred))])
+            if not runs:
+                continue
             meas = [st.median(r[s] for r in runs) for s in range(len(pred))]
             res["measured"][key][mode]["busy_predicted_ms"] = pred
             res["measured"][key][mode]["busy_ms"] = meas

@@ -35,6 +35,9 @@ void ScheduleFlags::add_to(CLI::App& app) {
   app.add_option("--balance", balance,
                  "with --profile: uniform, parameters, time (default), memory, type:REGEX or layer counts 3,2,2");
   app.add_option("--balance-solver", balance_solver, "with --profile: min-max (default) or block-partition");
+  app.add_option("--pipedream-batch", pipedream_batch,
+                 "with --profile of a PipeDream graph file: the batch it was profiled at (its format does not record "
+                 "it; VGG-16's: 128)");
   app.add_option("--microbatch-size", microbatch_size, "with --profile: samples per micro-batch; default the profile's");
   app.add_option("--bandwidth", bandwidth_gbps, "with --profile: GB/s between ranks; default: transfers cost the latency only");
   app.add_option("--latency", latency_us, "with --profile: microseconds per transfer, default 0");
@@ -97,8 +100,22 @@ Schedule ScheduleFlags::build() const {
   return s;
 }
 
+Profile ScheduleFlags::load_profile_flags() const {
+  if (pipedream_batch < 0) throw UsageError("--pipedream-batch must be >= 1, got " + std::to_string(pipedream_batch));
+  Profile p = load_profile(profile);
+  if (pipedream_batch > 0) {
+    if (p.source.rfind("pipedream graph", 0) != 0)
+      throw UsageError("--pipedream-batch is for PipeDream graph files; " + profile +
+                       " is a JSON profile, which records its micro-batch size: drop --pipedream-batch");
+    PipeDreamOptions po;
+    po.micro_batch_size = pipedream_batch;
+    p = load_pipedream_graph(profile, po);
+  }
+  return p;
+}
+
 CostModel ScheduleFlags::profile_costs(int total_stages) const {
-  const Profile p = load_profile(profile);
+  const Profile p = load_profile_flags();
   if (microbatch_size < 0) throw UsageError("--microbatch-size must be > 0");
   if (bandwidth_gbps < 0 || latency_us < 0) throw UsageError("--bandwidth and --latency must be >= 0");
   const std::vector<int> b = plan_balance(p, total_stages, balance, parse_balance_solver(balance_solver));
@@ -115,7 +132,7 @@ CostModel ScheduleFlags::costs(const Schedule& s) const {
     if (s.replicated()) {
       // Replicated stages all-reduce their gradients before the step: a ring over the r replicas moves
       // 2 (r-1)/r of the stage's parameter bytes through each link, in 2 (r-1) messages.
-      const Profile p = load_profile(profile);
+      const Profile p = load_profile_flags();
       const std::vector<int> b = plan_balance(p, s.stages, balance, parse_balance_solver(balance_solver));
       c.stage_step.assign(static_cast<std::size_t>(s.stages), 0.0);
       std::size_t layer = 0;

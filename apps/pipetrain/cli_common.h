@@ -9,6 +9,7 @@
 #include "pipetrain/core/cost.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/schedule.h"
+#include "pipetrain/plan/profile.h"
 
 namespace pipetrain::cli {
 
@@ -35,6 +36,8 @@ struct ScheduleFlags {
   double bandwidth_gbps = 0;     // 0: transfers cost only the latency
   double latency_us = 0;
   std::vector<int> replication;  // --replication 3,1: stage replicas, round robin (gpipe or 1f1b)
+  int pipedream_batch = 0;       // the batch a PipeDream graph file was profiled at (0: read it as 1)
+  Profile load_profile_flags() const;  // --profile, with --pipedream-batch for PipeDream graph files
   CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
   CLI::Option* microbatches_option = nullptr;
 

@@ -136,8 +136,8 @@ TEST(ReplicationCli, PlanChoosesTheReplicatedPlanWhenItIsFaster) {
   const fs::path dir = temp_dir("vgg");
   const std::string profile = std::string(PIPETRAIN_SOURCE_DIR) + "/../shared/data/pipedream-profiles/vgg16-graph.txt";
   if (!fs::exists(profile)) GTEST_SKIP() << "no shared VGG-16 profile at " << profile;
-  CommandResult r = run_pipetrain("plan --profile " + profile + " --ranks 4 --batch-size 64 --bandwidth 1 --out " +
-                                  (dir / "plan.json").string());
+  CommandResult r = run_pipetrain("plan --profile " + profile + " --pipedream-batch 128 --ranks 4 --batch-size 512 "
+                                  "--bandwidth 1 --out " + (dir / "plan.json").string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("best straight:")) << r.out;
   EXPECT_TRUE(r.has("chosen: its plan as 1F1B-RR m=")) << r.out;
@@ -151,5 +151,10 @@ TEST(ReplicationCli, PlanChoosesTheReplicatedPlanWhenItIsFaster) {
   EXPECT_EQ(plan.at("schedule"), "1f1b");
   EXPECT_EQ(plan.at("microbatches").get<int>() % 3, 0);
   EXPECT_EQ(plan.at("pipedream").at("microbatches"), plan.at("microbatches"));
+  // simulate reads the graph at its profiled batch too, and lays the plan out as 1F1B-RR.
+  r = run_pipetrain("simulate --profile " + profile + " --pipedream-batch 128 --balance 17,22 --replication 3,1 "
+                    "--schedule 1f1b -m 32 --microbatch-size 16 --bandwidth 1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("schedule 1f1b-rr  p=4  m=32")) << r.out;
   fs::remove_all(dir);
 }
