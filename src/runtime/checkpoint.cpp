@@ -101,10 +101,11 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
   transport.barrier();
   int layers = 0;
   for (int n : rank.balance()) layers += n;
-  // (bytes, crc) per layer, filled by the rank that holds it and summed over ranks.
+  // (bytes, crc) per layer, filled by the rank that owns it (a replicated stage's first replica: its
+  // replicas hold the same weights) and summed over ranks.
   torch::Tensor info = torch::zeros({layers, 2}, torch::kDouble);
   try {
-    for (int layer : rank.local_layers()) {
+    for (int layer : rank.owned_layers()) {
       c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
       for (const auto& [name, t] : rank.layer_state(layer)) dict.insert(name, t);
       const std::vector<char> bytes = torch::pickle_save(dict);

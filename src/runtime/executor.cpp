@@ -1003,6 +1003,14 @@ std::vector<int> PipelineRank::local_layers() const {
   return out;
 }
 
+std::vector<int> PipelineRank::owned_layers() const {
+  std::vector<int> out;
+  for (const auto& [s, st] : impl_->stages)
+    if (impl_->schedule.rank_of(s) == impl_->rank())
+      for (int k = 0; k < st.num_layers(); ++k) out.push_back(st.first_layer() + k);
+  return out;
+}
+
 std::vector<std::pair<std::string, torch::Tensor>> PipelineRank::layer_state(int layer) const {
   Impl& d = *impl_;
   const int s = d.stage_of_layer(layer);

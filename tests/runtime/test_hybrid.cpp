@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+
 #include "pipetrain/core/error.h"
+#include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/split_linear.h"
 
@@ -241,4 +244,51 @@ TEST(RoundRobinRuntime, RefusesWhatItCannotRun) {
   o.microbatches = 4;
   o.replication = {2, 0};
   expect_error(o, 2, "stage replication 0 must be >= 1");
+}
+
+// A checkpoint of a replicated run holds every layer once, written by its stage's first replica (the
+// replicas' weights are equal): the manifest checks out, and an unreplicated pipeline loads it with the
+// replicated run's weights and optimizer state.
+TEST(RoundRobinRuntime, CheckpointsWriteEachLayerOnce) {
+  torch::manual_seed(9);
+  const torch::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("pipetrain-rr-ckpt-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::vector<int> rep{2, 1};
+  auto world = make_local_transports(3);
+  std::vector<torch::nn::Sequential> models{make_model(), make_model(), make_model()};
+  run_on_threads(3, [&](int r) {
+    PipelineOptions o;
+    o.microbatches = 4;
+    o.balance = "2,2";
+    o.replication = rep;
+    o.optimizer.name = "adam";
+    o.optimizer.lr = 0.01;
+    PipelineRank rank(models[static_cast<std::size_t>(r)], mse, world[static_cast<std::size_t>(r)], o);
+    for (int step = 0; step < 2; ++step) rank.train_step(x, y, kBatch);
+    save_checkpoint(rank, *world[static_cast<std::size_t>(r)], dir.string(), nlohmann::json::object());
+  });
+  ASSERT_NO_THROW(read_checkpoint(dir.string()));  // sizes and CRC-32 of every layer file match
+  auto plain = make_local_transports(2);
+  std::vector<torch::nn::Sequential> loaded{make_model(), make_model()};
+  run_on_threads(2, [&](int r) {
+    PipelineOptions o;
+    o.microbatches = 4;
+    o.balance = "2,2";
+    o.optimizer.name = "adam";
+    PipelineRank rank(loaded[static_cast<std::size_t>(r)], mse, plain[static_cast<std::size_t>(r)], o);
+    load_checkpoint(rank, dir.string());
+    EXPECT_EQ(rank.step(), 2);
+  });
+  // Stage 0 (parameters 0, 1) from rank 0 of the replicated run, stage 1 (2..5) from rank 2.
+  const auto a0 = models[0]->parameters(), a2 = models[2]->parameters();
+  const auto b0 = loaded[0]->parameters(), b1 = loaded[1]->parameters();
+  for (std::size_t k = 0; k < a0.size(); ++k) {
+    if (k < 2)
+      EXPECT_TRUE(torch::equal(b0[k], a0[k])) << k;
+    else
+      EXPECT_TRUE(torch::equal(b1[k], a2[k])) << k;
+  }
+  std::filesystem::remove_all(dir);
 }

@@ -252,6 +252,9 @@ class PipelineRank {
   // and a layer's named tensors: "param/NAME", "buffer/NAME" and its optimizer state "optim/NAME/FIELD"
   // (FIELD: step, exp_avg, exp_avg_sq for Adam/AdamW; momentum_buffer for SGD with momentum), on the CPU.
   std::vector<int> local_layers() const;
+  // The layers of the stages this rank owns: all of local_layers(), except that of a replicated stage
+  // (1F1B-RR) only its first replica owns the layers. Checkpoints write each layer once, from its owner.
+  std::vector<int> owned_layers() const;
   std::vector<std::pair<std::string, torch::Tensor>> layer_state(int layer) const;
   // Restores what layer_state returned (same names and shapes; a missing or extra name is an error
   // naming it). The optimizer state is recreated; parameters are copied in place.
