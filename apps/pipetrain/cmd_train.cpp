@@ -342,7 +342,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   // `transport` is this rank's pipeline, `replica` its copy's index; copy k trains on the k-th 1/R of
   // every mini-batch and the stages average their gradients over the copies before stepping.
   const std::shared_ptr<Transport> transport = f.pipe.pipeline_group(world);
-  const int replica = world->rank() / f.pipe.stages;
+  const int replica = f.pipe.replicas > 1 ? world->rank() / f.pipe.stages : 0;  // 1F1B-RR: one pipeline
   const int64_t share = f.batch_size / f.pipe.replicas;  // samples per copy and step
   const bool leader = world->rank() == 0;
   const int p = transport->world_size();

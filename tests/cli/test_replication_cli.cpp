@@ -47,10 +47,17 @@ TEST(ReplicationCli, RoundRobinRunsWithTheUnreplicatedLosses) {
   const fs::path dir = temp_dir("losses");
   CommandResult r = run_pipetrain("train --transport gloo --stages 2 --balance 3,3 -m 6" + kRun + (dir / "one.jsonl").string());
   ASSERT_EQ(r.code, 0) << r.out;
-  r = run_pipetrain("train --transport gloo --replication 1,2 --balance 3,3 -m 6" + kRun + (dir / "rr.jsonl").string());
+  r = run_pipetrain("train --transport gloo --replication 1,2 --balance 3,3 -m 6 --save " + (dir / "ck").string() + kRun +
+                    (dir / "rr.jsonl").string());
   ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("checkpoint written to")) << r.out;
   EXPECT_TRUE(r.has("2 stages replicated 1,2 (1F1B-RR, 3 ranks) over gloo")) << r.out;
   EXPECT_TRUE(r.has("rank 2 (stage 1 replica 1)")) << r.out;
+  // Every rank joined the checkpoint; an unreplicated pipeline resumes from it.
+  r = run_pipetrain("train --transport gloo --stages 2 --balance 3,3 -m 6 --resume " + (dir / "ck").string() + kModel +
+                    " --batch-size 12 --steps 5 --lr-schedule constant --progress quiet");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("resuming at step 4")) << r.out;
   expect_same_losses(losses(dir / "rr.jsonl"), losses(dir / "one.jsonl"));
   fs::remove_all(dir);
 }
