@@ -49,6 +49,9 @@ void ScheduleFlags::add_to(CLI::App& app) {
 Schedule ScheduleFlags::build() const {
   Schedule s;
   if (!load.empty()) {
+    if (!replication.empty())
+      throw UsageError("--replication applies to a generated schedule, not --load " + load +
+                       ": a CSV file gives its replicas in its header (stage_replicas=0/1:2)");
     if (!schedule.empty())
       throw UsageError("give either --schedule " + schedule + " or --load " + load + ", not both");
     s = load_csv_file(load);
@@ -155,6 +158,10 @@ CostModel ScheduleFlags::costs(const Schedule& s) const {
   if (given.size() == 1) return CostModel::uniform(s.stages, given[0], v, comm);
   if (static_cast<int>(given.size()) == s.stages) {
     c.stage = given;
+  } else if (static_cast<int>(given.size()) == s.ranks && s.replicated()) {
+    throw UsageError("--cost lists " + std::to_string(given.size()) + " triples, one per rank, but the stages are "
+                     "replicated and a stage's replicas share its cost: give one triple per stage (" +
+                     std::to_string(s.stages) + ") or one for all");
   } else if (static_cast<int>(given.size()) == s.ranks) {
     // One triple per rank: each of its v chunks costs 1/v of it.
     for (int st = 0; st < s.stages; ++st) {

@@ -734,6 +734,8 @@ void add_train_command(CLI::App& app, int& exit_code) {
       auto model = f->model.factory()();
       check_balance_flags(f->pipe, f->model);
       if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
+      if (f->pipe.plan_use != "pipeline" && f->pipe.plan_file.empty())
+        throw UsageError("--plan-use " + f->pipe.plan_use + " picks a part of a plan file: pass --plan FILE too");
       if (f->pipe.replicas > 1 && !f->pipe.replication.empty())
         throw UsageError("--replication " + f->pipe.replication + " (replicated stages) and --replicas " +
                          std::to_string(f->pipe.replicas) + " (copies of the whole pipeline) do not combine: use one");

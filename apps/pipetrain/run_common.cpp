@@ -278,7 +278,7 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
       workers += r;
       lcm = std::lcm(lcm, r);
     }
-    if (given("--replication") && replication != counts)
+    if (given("--replication") && replication_counts() != plan.replication)
       throw CLI::ValidationError("--plan", path + " replicates its stages " + counts + " but --replication is " +
                                                  replication + ": drop --replication");
     if (given("--replicas") && replicas != 1)
@@ -310,6 +310,9 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
                          : (2 * workers + lcm - 1) / lcm * lcm;
     return;
   }
+  if (given("--replication"))
+    throw CLI::ValidationError("--plan", path + " does not replicate its stages unequally, but --replication " +
+                                               replication + " does: drop --replication (or --plan)");
   if (!plan.replication.empty() && plan.replication.front() > 1) {
     if (app.get_option("--replicas")->count() > 0 && replicas != plan.replication.front())
       throw CLI::ValidationError("--plan", path + " replicates every stage " + std::to_string(plan.replication.front()) +
@@ -327,7 +330,11 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
     for (int n : plan.balance) balance += (balance.empty() ? "" : ",") + std::to_string(n);
   }
   std::ifstream in(path);
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  const nlohmann::json file = nlohmann::json::parse(in, nullptr, false);
+  // The part of the file that was run: its top level, or the PipeDream planner's section (which has no
+  // UMPIPE partitions: those belong to the top-level plan's balance).
+  const nlohmann::json j =
+      plan_use == "pipedream" ? (file.is_object() ? file.value("pipedream", nlohmann::json()) : nlohmann::json()) : file;
   if (j.is_object()) {
     if (!given("--schedule") && j.contains("schedule") && j["schedule"].is_string()) schedule = j["schedule"];
     if (!given("--microbatches") && j.contains("microbatches") && j["microbatches"].is_number_integer())
@@ -339,7 +346,7 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   plan_balance = plan.balance;
   if (j.is_object()) {
     if (j.contains("batch_size") && j["batch_size"].is_number_integer()) plan_batch_size = j["batch_size"];
-    if (j.contains("umpipe") && j["umpipe"].is_object()) umpipe_section = j["umpipe"];
+    if (plan_use != "pipedream" && j.contains("umpipe") && j["umpipe"].is_object()) umpipe_section = j["umpipe"];
   }
 }
 
@@ -550,7 +557,9 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
     const std::string msg =
         "the launcher started " + std::to_string(transport->world_size()) + " ranks but --stages is " +
         std::to_string(flags.stages) + (flags.replicas > 1 ? " x --replicas " + std::to_string(flags.replicas) : "") +
-        ": launch " + std::to_string(world) + " ranks or pass --stages " + std::to_string(transport->world_size());
+        (flags.replication.empty() ? "" : " replicated " + flags.replication + " (their sum)") + ": launch " +
+        std::to_string(world) + " ranks" +
+        (flags.replication.empty() ? " or pass --stages " + std::to_string(transport->world_size()) : "");
     transport->abort(msg);
     throw UsageError(msg);
   }

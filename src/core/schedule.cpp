@@ -168,8 +168,23 @@ Schedule from_csv(const std::string& text) {
     std::stringstream stages(header["stage_replicas"]);
     std::string one;
     while (std::getline(stages, one, ':')) {
+      if (one.empty())
+        throw UsageError("CSV line " + std::to_string(header_line) + ": stage_replicas=" + header["stage_replicas"] +
+                         " gives stage " + std::to_string(s.stage_replicas.size()) +
+                         " no ranks: list each stage's ranks, stages separated by ':' and replicas by '/' (e.g. "
+                         "stage_replicas=0/1:2)");
       std::replace(one.begin(), one.end(), '/', ':');
-      s.stage_replicas.push_back(parse_stage_rank(one, header_line));
+      std::vector<int> ranks;
+      try {
+        ranks = parse_stage_rank(one, header_line);
+      } catch (const UsageError&) {
+        throw UsageError("CSV line " + std::to_string(header_line) + ": stage_replicas=" + header["stage_replicas"] +
+                         " must be rank numbers, stages separated by ':' and replicas by '/' (e.g. stage_replicas=0/1:2)");
+      }
+      if (ranks.empty())
+        throw UsageError("CSV line " + std::to_string(header_line) + ": stage_replicas=" + header["stage_replicas"] +
+                         " gives stage " + std::to_string(s.stage_replicas.size()) + " no ranks");
+      s.stage_replicas.push_back(ranks);
     }
     if (static_cast<int>(s.stage_replicas.size()) != s.stages)
       throw UsageError("CSV header stage_replicas lists " + std::to_string(s.stage_replicas.size()) +

@@ -918,6 +918,10 @@ StepStats PipelineRank::train_steps(const torch::Tensor& input, const torch::Ten
     return d.stats;
   }
   if (d.options.threads > 0) at::set_num_threads(d.options.threads);
+  if (steps > 1 && d.schedule.replicated())
+    throw UsageError("replicated stages (1F1B-RR) run one optimizer step per call, got " + std::to_string(steps) +
+                     ": call train_step once per step (a replica's Step is a collective over its stage, which the "
+                     "multi-step lowering does not order)");
   const Schedule& plan = d.schedule_for(steps);
   d.pass = &plan;
   d.plan = &d.plan_for(steps);

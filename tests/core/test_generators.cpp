@@ -329,6 +329,16 @@ TEST(RoundRobin, ReplicasMatchTheSlowStagesPace) {
   EXPECT_EQ(s.actions[0][2], (Action{ActionKind::BW, 0, 0}));
 }
 
+TEST(RoundRobin, MalformedCsvReplicasAreRefused) {
+  for (const std::string header : {"stage_replicas=0/1::2", "stage_replicas=:0/1", "stage_replicas=0/x:2"})
+    try {
+      from_csv("# pipetrain schedule " + header + "\n0F0,0BW0\n1F1,1BW1\n2F0,2BW0,2F1,2BW1\n");
+      ADD_FAILURE() << header << " was accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("stage_replicas="), std::string::npos) << e.what();
+    }
+}
+
 TEST(RoundRobin, RefusesBadInput) {
   EXPECT_THROW(round_robin("zb-h1", {2, 1}, 4), UsageError);
   EXPECT_THROW(round_robin("1f1b", {}, 4), UsageError);

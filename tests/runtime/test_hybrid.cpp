@@ -135,12 +135,13 @@ namespace {
 struct RrRun {
   Grads grads;
   double loss = 0;
+  double grad_norm = 0;  // before clipping, of the last step
   bool replicas_equal = true;
   std::vector<torch::nn::Sequential> models;
 };
 
 RrRun run_round_robin(const std::vector<int>& replication, const std::string& balance, const std::string& schedule,
-                      int m, const torch::Tensor& x, const torch::Tensor& y, int steps) {
+                      int m, const torch::Tensor& x, const torch::Tensor& y, int steps, double clip = 0) {
   int ranks = 0;
   for (int r : replication) ranks += r;
   auto world = make_local_transports(ranks);
@@ -148,7 +149,7 @@ RrRun run_round_robin(const std::vector<int>& replication, const std::string& ba
   for (int r = 0; r < ranks; ++r) out.models.push_back(make_model());
   const std::size_t n = out.models[0]->parameters().size();
   std::vector<Grads> seen(static_cast<std::size_t>(ranks), Grads(n));
-  std::vector<double> loss(static_cast<std::size_t>(ranks));
+  std::vector<double> loss(static_cast<std::size_t>(ranks)), norm(static_cast<std::size_t>(ranks));
   run_on_threads(ranks, [&](int r) {
     const auto params = out.models[static_cast<std::size_t>(r)]->parameters();
     PipelineOptions o;
@@ -157,6 +158,7 @@ RrRun run_round_robin(const std::vector<int>& replication, const std::string& ba
     o.balance = balance;
     o.replication = replication;
     o.optimizer.lr = 0.1;
+    o.optimizer.clip_grad_norm = clip;
     o.on_gradients = [&, r](int, const std::vector<torch::Tensor>& held) {
       for (const auto& p : held)
         for (std::size_t k = 0; k < params.size(); ++k)
@@ -164,7 +166,11 @@ RrRun run_round_robin(const std::vector<int>& replication, const std::string& ba
             seen[static_cast<std::size_t>(r)][k] = p.grad().clone();
     };
     PipelineRank rank(out.models[static_cast<std::size_t>(r)], mse, world[static_cast<std::size_t>(r)], o);
-    for (int step = 0; step < steps; ++step) loss[static_cast<std::size_t>(r)] = rank.train_step(x, y, x.size(0)).loss;
+    for (int step = 0; step < steps; ++step) {
+      const StepStats st = rank.train_step(x, y, x.size(0));
+      loss[static_cast<std::size_t>(r)] = st.loss;
+      norm[static_cast<std::size_t>(r)] = st.grad_norm;
+    }
   });
   out.grads.assign(n, torch::Tensor());
   for (int r = 0; r < ranks; ++r)
@@ -175,7 +181,9 @@ RrRun run_round_robin(const std::vector<int>& replication, const std::string& ba
       out.grads[k] = g;
     }
   for (int r = 1; r < ranks; ++r) EXPECT_EQ(loss[static_cast<std::size_t>(r)], loss[0]) << "rank " << r;
+  for (int r = 1; r < ranks; ++r) EXPECT_EQ(norm[static_cast<std::size_t>(r)], norm[0]) << "rank " << r;
   out.loss = loss[0];
+  out.grad_norm = norm[0];
   return out;
 }
 
@@ -187,21 +195,33 @@ RrRun run_round_robin(const std::vector<int>& replication, const std::string& ba
 TEST(RoundRobinRuntime, GradientsEqualTheUnreplicatedPipeline) {
   torch::manual_seed(8);
   const torch::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
+  struct Case {
+    std::vector<int> rep;
+    int m;
+  };
+  // m = 5 over 2 replicas: unequal shares; m = 1 over 2: a replica with no micro-batch at all.
+  const std::vector<Case> cases{{{2, 1}, 6}, {{1, 3}, 6}, {{3, 1}, 6}, {{2, 2}, 6}, {{2, 1}, 5}, {{1, 2}, 1}};
   for (const std::string schedule : {"1f1b", "gpipe"})
-    for (const std::vector<int>& rep : std::vector<std::vector<int>>{{2, 1}, {1, 3}, {3, 1}, {2, 2}}) {
-      SCOPED_TRACE(schedule + " replication " + std::to_string(rep[0]) + "," + std::to_string(rep[1]));
-      const int m = 6;
+    for (const Case& c : cases) {
+      const std::vector<int>& rep = c.rep;
+      const int m = c.m;
+      SCOPED_TRACE(schedule + " replication " + std::to_string(rep[0]) + "," + std::to_string(rep[1]) + " m=" +
+                   std::to_string(m));
       const RrRun want = run_round_robin({1, 1}, "2,2", schedule, m, x, y, 1);
       const RrRun got = run_round_robin(rep, "2,2", schedule, m, x, y, 1);
       EXPECT_TRUE(got.replicas_equal) << "replicas of a stage saw different summed gradients";
       EXPECT_NEAR(got.loss, want.loss, 1e-6 * std::abs(want.loss));
+      // The global norm counts each stage once, not once per replica.
+      EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm);
       for (std::size_t k = 0; k < want.grads.size(); ++k) {
         ASSERT_TRUE(got.grads[k].defined() && want.grads[k].defined()) << k;
         EXPECT_TRUE(torch::allclose(got.grads[k], want.grads[k], 1e-5, 1e-7)) << "parameter " << k;
       }
-      // Several steps: the replicas' weights stay bitwise equal and follow the unreplicated run.
-      const RrRun a = run_round_robin(rep, "2,2", schedule, m, x, y, 4);
-      const RrRun b = run_round_robin({1, 1}, "2,2", schedule, m, x, y, 4);
+      // Several steps, clipped by the global norm (so a wrong norm would change the weights): the
+      // replicas' weights stay bitwise equal and follow the unreplicated run.
+      const double clip = 0.5 * want.grad_norm;
+      const RrRun a = run_round_robin(rep, "2,2", schedule, m, x, y, 4, clip);
+      const RrRun b = run_round_robin({1, 1}, "2,2", schedule, m, x, y, 4, clip);
       int rank = 0;
       for (std::size_t st = 0; st < rep.size(); ++st) {
         const int first = rank;
@@ -244,6 +264,16 @@ TEST(RoundRobinRuntime, RefusesWhatItCannotRun) {
   o.microbatches = 4;
   o.replication = {2, 0};
   expect_error(o, 2, "stage replication 0 must be >= 1");
+  // One optimizer step per call.
+  o.replication = {2, 1};
+  auto world = make_local_transports(3);
+  PipelineRank rank(make_model(), mse, world[0], o);
+  try {
+    rank.train_steps(torch::randn({8, kIn}), torch::randn({8, kOut}), 8, 2);
+    ADD_FAILURE() << "two steps per call ran";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("run one optimizer step per call, got 2"), std::string::npos) << e.what();
+  }
 }
 
 // A checkpoint of a replicated run holds every layer once, written by its stage's first replica (the
