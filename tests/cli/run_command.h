@@ -2,10 +2,15 @@
 #pragma once
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace pipetrain::testing {
 
@@ -34,6 +39,29 @@ inline CommandResult run_command(const std::string& shell, bool with_stderr = tr
 // The pipetrain binary with `args`.
 inline CommandResult run_pipetrain(const std::string& args, bool with_stderr = true) {
   return run_command(std::string(PIPETRAIN_BIN) + " " + args, with_stderr);
+}
+
+// An empty folder pipetrain-PREFIX-NAME-PID under the system's temporary folder.
+inline std::filesystem::path fresh_temp_dir(const std::string& prefix, const std::string& name) {
+  const std::filesystem::path d =
+      std::filesystem::temp_directory_path() / ("pipetrain-" + prefix + "-" + name + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+inline nlohmann::json read_json_file(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+
+// The "loss" of every line of a train --log file, in order.
+inline std::vector<double> log_losses(const std::filesystem::path& log) {
+  std::vector<double> out;
+  std::ifstream in(log);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
 }
 
 }  // namespace pipetrain::testing

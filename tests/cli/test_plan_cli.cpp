@@ -13,23 +13,14 @@
 
 namespace fs = std::filesystem;
 using pipetrain::testing::CommandResult;
+using pipetrain::testing::read_json_file;
 using pipetrain::testing::run_pipetrain;
+
+static fs::path temp_dir(const std::string& name) { return pipetrain::testing::fresh_temp_dir("plan", name); }
 
 namespace {
 
 const std::string kModel = " --data synthetic --d-model 32 --heads 2 --seq-len 16 --vocab 32 --layers 4";
-
-fs::path temp_dir(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("pipetrain-plan-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-nlohmann::json read_json(const fs::path& p) {
-  std::ifstream in(p);
-  return nlohmann::json::parse(in);
-}
 
 // The ms/mini-batch column of a row of plan's table.
 double row_time(const std::string& out, const std::string& row_start) {
@@ -46,7 +37,7 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
   CommandResult r = run_pipetrain("profile" + kModel + " --microbatch-size 4 --repeats 2 --sizes 1 8 --out " +
                                   (dir / "profile.json").string());
   ASSERT_EQ(r.code, 0) << r.out;
-  const nlohmann::json prof = read_json(dir / "profile.json");
+  const nlohmann::json prof = read_json_file(dir / "profile.json");
   EXPECT_EQ(prof.at("format"), "pipetrain-profile");
   ASSERT_EQ(prof.at("layers").size(), 6u);  // embedding, 4 blocks, head
   EXPECT_EQ(prof.at("layers")[1].at("type"), "Block");
@@ -61,7 +52,7 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
   EXPECT_LE(chosen, uniform) << "uniform 1f1b is among the candidates, so the choice cannot be slower\n" << r.out;
   EXPECT_TRUE(r.has("data parallelism")) << r.out;
   EXPECT_TRUE(r.has("PipeDream planner")) << r.out;
-  const nlohmann::json plan = read_json(dir / "plan.json");
+  const nlohmann::json plan = read_json_file(dir / "plan.json");
   ASSERT_EQ(plan.at("balance").size(), 3u);
   int layers = 0;
   std::string balance;
@@ -205,7 +196,7 @@ TEST(PlanCli, UmpipePlannerWritesPartitionsPerStage) {
   const double equal = std::stod(m[1]);
   ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(dgap +([0-9.]+) ms)"))) << r.out;
   EXPECT_LE(std::stod(m[1]), equal + 1e-9) << "DGAP is seeded with the best equal partition\n" << r.out;
-  const nlohmann::json plan = read_json(dir / "plan.json");
+  const nlohmann::json plan = read_json_file(dir / "plan.json");
   ASSERT_TRUE(plan.contains("umpipe")) << plan.dump();
   for (const char* dir_name : {"forward", "backward"}) {
     ASSERT_EQ(plan["umpipe"][dir_name].size(), 2u);

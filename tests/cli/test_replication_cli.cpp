@@ -13,27 +13,15 @@
 
 namespace fs = std::filesystem;
 using pipetrain::testing::CommandResult;
+using pipetrain::testing::log_losses;
 using pipetrain::testing::run_pipetrain;
+
+static fs::path temp_dir(const std::string& name) { return pipetrain::testing::fresh_temp_dir("rr", name); }
 
 namespace {
 
 const std::string kModel = " --data synthetic --d-model 32 --heads 2 --seq-len 16 --vocab 32 --layers 4";
 const std::string kRun = kModel + " --batch-size 12 --steps 4 --lr-schedule constant --progress quiet --log ";
-
-fs::path temp_dir(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("pipetrain-rr-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-std::vector<double> losses(const fs::path& log) {
-  std::vector<double> out;
-  std::ifstream in(log);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
 
 void expect_same_losses(const std::vector<double>& a, const std::vector<double>& b) {
   ASSERT_EQ(a.size(), 4u);
@@ -58,7 +46,7 @@ TEST(ReplicationCli, RoundRobinRunsWithTheUnreplicatedLosses) {
                     " --batch-size 12 --steps 5 --lr-schedule constant --progress quiet");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("resuming at step 4")) << r.out;
-  expect_same_losses(losses(dir / "rr.jsonl"), losses(dir / "one.jsonl"));
+  expect_same_losses(log_losses(dir / "rr.jsonl"), log_losses(dir / "one.jsonl"));
   fs::remove_all(dir);
 }
 
@@ -95,7 +83,7 @@ TEST(ReplicationCli, RunsThePipeDreamPlansReplication) {
   EXPECT_TRUE(r.has("balance 4,2")) << r.out;
   r = run_pipetrain("train --transport gloo --stages 2 --balance 4,2 -m 6" + kRun + (dir / "one.jsonl").string());
   ASSERT_EQ(r.code, 0) << r.out;
-  expect_same_losses(losses(dir / "rr.jsonl"), losses(dir / "one.jsonl"));
+  expect_same_losses(log_losses(dir / "rr.jsonl"), log_losses(dir / "one.jsonl"));
   fs::remove_all(dir);
 }
 

@@ -12,31 +12,15 @@
 
 namespace fs = std::filesystem;
 using pipetrain::testing::CommandResult;
+using pipetrain::testing::read_json_file;
+using pipetrain::testing::log_losses;
 using pipetrain::testing::run_pipetrain;
+
+static fs::path temp_dir(const std::string& name) { return pipetrain::testing::fresh_temp_dir("umpipe", name); }
 
 namespace {
 
 const std::string kModel = " --data synthetic --d-model 32 --heads 2 --seq-len 16 --vocab 32 --layers 4";
-
-fs::path temp_dir(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("pipetrain-umpipe-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-nlohmann::json read_json(const fs::path& p) {
-  std::ifstream in(p);
-  return nlohmann::json::parse(in);
-}
-
-std::vector<double> losses(const fs::path& log) {
-  std::vector<double> out;
-  std::ifstream in(log);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
 
 }  // namespace
 
@@ -49,7 +33,7 @@ TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
                     plan);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("re-materialised")) << r.out;
-  nlohmann::json j = read_json(plan);
+  nlohmann::json j = read_json_file(plan);
   ASSERT_TRUE(j.contains("umpipe")) << j.dump();
   EXPECT_EQ(j["umpipe"].at("rematerialise"), true);
   EXPECT_EQ(j["umpipe"].at("planner"), "dgap");
@@ -76,7 +60,7 @@ TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
     EXPECT_TRUE(r.has("2 stages over gloo")) << r.out;
     EXPECT_TRUE(r.has("UMPIPE: the " + name + " partitions")) << r.out;
     EXPECT_TRUE(r.has("UMPIPE " + name + " plan predicted")) << r.out;
-    runs[name] = losses(log);
+    runs[name] = log_losses(log);
     ASSERT_EQ(runs[name].size(), 3u) << name;
   }
   for (const std::string name : {"dgap", "global-dp"})
@@ -111,7 +95,7 @@ TEST(UmpipeCli, PlansWithoutRematerialisationOrPartitionsAreRefused) {
                     "--no-rematerialise --out " + (dir / "study.json").string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("planned without re-materialisation")) << r.out;
-  EXPECT_EQ(read_json(dir / "study.json")["umpipe"].at("rematerialise"), false);
+  EXPECT_EQ(read_json_file(dir / "study.json")["umpipe"].at("rematerialise"), false);
   r = run_pipetrain("train --transport local --plan " + (dir / "study.json").string() + kModel + " --batch-size 16");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("planned without re-materialisation")) << r.out;
