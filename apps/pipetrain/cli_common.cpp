@@ -132,21 +132,12 @@ CostModel ScheduleFlags::profile_costs(int total_stages) const {
 CostModel ScheduleFlags::costs(const Schedule& s) const {
   if (!profile.empty()) {
     CostModel c = profile_costs(s.stages);
-    if (s.replicated()) {
-      // Replicated stages all-reduce their gradients before the step: a ring over the r replicas moves
-      // 2 (r-1)/r of the stage's parameter bytes through each link, in 2 (r-1) messages.
+    if (s.replicated()) {  // a replicated stage's step carries the all-reduce of its replicas' gradients
       const Profile p = load_profile_flags();
-      const std::vector<int> b = plan_balance(p, s.stages, balance, parse_balance_solver(balance_solver));
-      c.stage_step.assign(static_cast<std::size_t>(s.stages), 0.0);
-      std::size_t layer = 0;
-      for (int st = 0; st < s.stages; ++st) {
-        double bytes = 0;
-        for (int k = 0; k < b[static_cast<std::size_t>(st)]; ++k, ++layer) bytes += p.layers[layer].parameter_bytes;
-        const double r = s.replicas_of(st);
-        if (r < 2) continue;
-        c.stage_step[static_cast<std::size_t>(st)] =
-            2 * (r - 1) / r * (bandwidth_gbps > 0 ? bytes / (bandwidth_gbps * 1e6) : 0.0) + 2 * (r - 1) * latency_us / 1e3;
-      }
+      std::vector<int> counts;
+      for (int st = 0; st < s.stages; ++st) counts.push_back(s.replicas_of(st));
+      c.stage_step = replica_allreduce_ms(p, plan_balance(p, s.stages, balance, parse_balance_solver(balance_solver)),
+                                          counts, bandwidth_gbps * 1e6, latency_us / 1e3);
     }
     return c;
   }

@@ -87,25 +87,13 @@ Candidate evaluate(const Profile& prof, const std::vector<int>& balance, const s
     sch = generate(schedule, g);
   } else {
     sch = round_robin(schedule, replication, m);
-    costs.stage_step.assign(static_cast<std::size_t>(p), 0.0);
-    std::size_t layer = 0;
-    for (int s = 0; s < p; ++s) {
-      double params = 0;
-      for (int k = 0; k < balance[static_cast<std::size_t>(s)]; ++k, ++layer) params += prof.layers[layer].parameter_bytes;
-      const double r = replication[static_cast<std::size_t>(s)];
-      if (r > 1)
-        costs.stage_step[static_cast<std::size_t>(s)] =
-            2 * (r - 1) / r * params / bandwidth_bytes_per_ms + 2 * (r - 1) * latency_ms;
-    }
+    costs.stage_step = replica_allreduce_ms(prof, balance, replication, bandwidth_bytes_per_ms, latency_ms);
   }
   const SimResult r = simulate(sch, costs);
   c.makespan = r.metrics.makespan;
   c.bubble = r.metrics.bubble_fraction;
   for (int rank = 0; rank < sch.ranks; ++rank) {
-    int stage = rank;
-    if (sch.replicated())
-      for (int s = 0; s < p; ++s)
-        if (sch.holds(rank, s)) stage = s;
+    const int stage = sch.first_stage_of(rank);
     const double bytes =
         static_bytes[static_cast<std::size_t>(stage)] + r.metrics.per_rank[static_cast<std::size_t>(rank)].peak_memory;
     c.peak_bytes = std::max(c.peak_bytes, bytes);
@@ -230,7 +218,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         dp_static += 2 * l.parameter_bytes + l.optimizer_bytes;
         dp_act += l.activation_bytes * share / prof.micro_batch_size;
       }
-      const double dp_time = compute + (f->ranks > 1 ? 2.0 * (f->ranks - 1) / f->ranks * params / bw : 0.0);
+      const double dp_time = compute + ring_allreduce_ms(params, f->ranks, bw, 0.0);
       const bool dp_fits = limit <= 0 || dp_static + dp_act <= limit;
 
       // PipeDream's planner (replication), on the same devices.

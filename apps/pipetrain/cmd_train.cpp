@@ -330,11 +330,9 @@ double peak_rss_mib() {
 // "stage S" for a rank, or "rank R (stage S replica Q)" when stages are replicated (1F1B-RR).
 std::string rank_label(const Schedule& s, int rank) {
   if (!s.replicated()) return fmt::format("stage {}", rank);
-  for (int st = 0; st < s.stages; ++st)
-    for (std::size_t q = 0; q < s.stage_replicas[static_cast<std::size_t>(st)].size(); ++q)
-      if (s.stage_replicas[static_cast<std::size_t>(st)][q] == rank)
-        return fmt::format("rank {} (stage {} replica {})", rank, st, q);
-  return fmt::format("rank {}", rank);
+  const int st = s.first_stage_of(rank);
+  const auto& reps = s.stage_replicas[static_cast<std::size_t>(st)];
+  return fmt::format("rank {} (stage {} replica {})", rank, st, std::find(reps.begin(), reps.end(), rank) - reps.begin());
 }
 
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {

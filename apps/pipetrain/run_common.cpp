@@ -249,35 +249,38 @@ int PipelineFlags::world_size() const {
 void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   plan_file = path;
   auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
+  // The part of the file that runs: its top level (the chosen plan), or the PipeDream planner's section.
   Plan plan;
+  nlohmann::json part;
   try {
+    if (plan_use != "pipeline" && plan_use != "pipedream")
+      throw UsageError("--plan-use " + plan_use + " is not a part of a plan: use pipeline (the default) or pipedream");
+    plan = load_plan(path);  // checks the file and its top-level plan
+    std::ifstream in(path);
+    const nlohmann::json file = nlohmann::json::parse(in, nullptr, false);
+    part = file;
     if (plan_use == "pipedream") {
-      std::ifstream in(path);
-      const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-      if (!j.is_object() || !j.contains("pipedream"))
+      if (!file.is_object() || !file.contains("pipedream"))
         throw UsageError(path + " holds no PipeDream plan (no \"pipedream\" section): make it with pipetrain plan, "
                          "which writes one when the PipeDream planner finds a feasible plan, or drop --plan-use");
-      plan = plan_from_json(j["pipedream"], path + " (pipedream)");
-    } else if (plan_use == "pipeline") {
-      plan = load_plan(path);
-    } else {
-      throw UsageError("--plan-use " + plan_use + " is not a part of a plan: use pipeline (the default) or pipedream");
+      part = file["pipedream"];
+      plan = plan_from_json(part, path + " (pipedream)");
     }
   } catch (const std::exception& e) {  // parse time: report as a usage error (exit 2)
     throw CLI::ValidationError("--plan", e.what());
   }
-  // Unequal replication (PipeDream's plans, e.g. 3,1) runs as 1F1B-RR: round robin over each stage's
-  // replicas (--replication).
+  // Replication: unequal (PipeDream's plans, e.g. 3,1) runs as 1F1B-RR over each stage's replicas
+  // (--replication); equal replication R > 1 as R copies of the pipeline (--replicas).
   const bool unequal = std::any_of(plan.replication.begin(), plan.replication.end(),
                                    [&](int r) { return r != plan.replication.front(); });
+  std::string counts;
+  int workers = 0, lcm = 1;
+  for (int r : plan.replication) {
+    counts += (counts.empty() ? "" : ",") + std::to_string(r);
+    workers += r;
+    lcm = std::lcm(lcm, r);
+  }
   if (unequal) {
-    std::string counts;
-    int workers = 0, lcm = 1;
-    for (int r : plan.replication) {
-      counts += (counts.empty() ? "" : ",") + std::to_string(r);
-      workers += r;
-      lcm = std::lcm(lcm, r);
-    }
     if (given("--replication") && replication_counts() != plan.replication)
       throw CLI::ValidationError("--plan", path + " replicates its stages " + counts + " but --replication is " +
                                                  replication + ": drop --replication");
@@ -285,39 +288,17 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
       throw CLI::ValidationError("--plan", path + " replicates its stages unequally (" + counts +
                                                  "), which does not combine with --replicas: drop --replicas");
     replication = counts;
-    const int p = static_cast<int>(plan.balance.size());
-    if (given("--stages") && stages != p)
-      throw CLI::ValidationError("--plan", path + " has " + std::to_string(p) + " stages but --stages is " +
-                                               std::to_string(stages) + ": drop --stages");
-    stages = p;
-    if (!given("--balance")) {
-      balance.clear();
-      for (int n : plan.balance) balance += (balance.empty() ? "" : ",") + std::to_string(n);
+  } else {
+    if (given("--replication"))
+      throw CLI::ValidationError("--plan", path + " does not replicate its stages unequally, but --replication " +
+                                                 replication + " does: drop --replication (or --plan)");
+    if (!plan.replication.empty() && plan.replication.front() > 1) {
+      if (given("--replicas") && replicas != plan.replication.front())
+        throw CLI::ValidationError("--plan", path + " replicates every stage " +
+                                                   std::to_string(plan.replication.front()) + " times but --replicas is " +
+                                                   std::to_string(replicas));
+      replicas = plan.replication.front();
     }
-    // Synchronous 1F1B-RR with the schedule and micro-batches the plan file chose (pipetrain plan writes
-    // them for both parts); otherwise 1f1b and a multiple of every replica count (equal shares) that is
-    // at least twice the workers, so the pipeline fills.
-    std::ifstream in(path);
-    const nlohmann::json file = nlohmann::json::parse(in, nullptr, false);
-    const nlohmann::json part =
-        !file.is_object() ? nlohmann::json() : plan_use == "pipedream" ? file.value("pipedream", nlohmann::json()) : file;
-    if (!given("--schedule")) schedule = part.is_object() && part.contains("schedule") && part["schedule"].is_string()
-                                             ? part["schedule"].get<std::string>()
-                                             : "1f1b";
-    if (!given("--microbatches"))
-      microbatches = part.is_object() && part.contains("microbatches") && part["microbatches"].is_number_integer()
-                         ? part["microbatches"].get<int>()
-                         : (2 * workers + lcm - 1) / lcm * lcm;
-    return;
-  }
-  if (given("--replication"))
-    throw CLI::ValidationError("--plan", path + " does not replicate its stages unequally, but --replication " +
-                                               replication + " does: drop --replication (or --plan)");
-  if (!plan.replication.empty() && plan.replication.front() > 1) {
-    if (app.get_option("--replicas")->count() > 0 && replicas != plan.replication.front())
-      throw CLI::ValidationError("--plan", path + " replicates every stage " + std::to_string(plan.replication.front()) +
-                                                 " times but --replicas is " + std::to_string(replicas));
-    replicas = plan.replication.front();
   }
   const int p = static_cast<int>(plan.balance.size());
   if (given("--stages") && stages != p)
@@ -329,24 +310,30 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
     balance.clear();
     for (int n : plan.balance) balance += (balance.empty() ? "" : ",") + std::to_string(n);
   }
-  std::ifstream in(path);
-  const nlohmann::json file = nlohmann::json::parse(in, nullptr, false);
-  // The part of the file that was run: its top level, or the PipeDream planner's section (which has no
-  // UMPIPE partitions: those belong to the top-level plan's balance).
-  const nlohmann::json j =
-      plan_use == "pipedream" ? (file.is_object() ? file.value("pipedream", nlohmann::json()) : nlohmann::json()) : file;
-  if (j.is_object()) {
-    if (!given("--schedule") && j.contains("schedule") && j["schedule"].is_string()) schedule = j["schedule"];
-    if (!given("--microbatches") && j.contains("microbatches") && j["microbatches"].is_number_integer())
-      microbatches = j["microbatches"];
+  // The schedule and micro-batches the file records (pipetrain plan writes them for both parts). A
+  // replicated plan without them runs 1F1B-RR with a multiple of every replica count (equal shares)
+  // that is at least twice the ranks, so the pipeline fills.
+  const bool has = part.is_object();
+  if (!given("--schedule")) {
+    if (has && part.contains("schedule") && part["schedule"].is_string())
+      schedule = part["schedule"];
+    else if (unequal)
+      schedule = "1f1b";
   }
-  // UMPIPE partitions, if the plan has them: prepare_umpipe decides whether they run (--umpipe).
+  if (!given("--microbatches")) {
+    if (has && part.contains("microbatches") && part["microbatches"].is_number_integer())
+      microbatches = part["microbatches"];
+    else if (unequal)
+      microbatches = (2 * workers + lcm - 1) / lcm * lcm;
+  }
+  // UMPIPE partitions, if the chosen plan has them (not the PipeDream section: the partitions belong to
+  // the top-level balance); prepare_umpipe decides whether they run (--umpipe).
   umpipe_section = nlohmann::json();
   plan_batch_size = 0;
   plan_balance = plan.balance;
-  if (j.is_object()) {
-    if (j.contains("batch_size") && j["batch_size"].is_number_integer()) plan_batch_size = j["batch_size"];
-    if (plan_use != "pipedream" && j.contains("umpipe") && j["umpipe"].is_object()) umpipe_section = j["umpipe"];
+  if (has) {
+    if (part.contains("batch_size") && part["batch_size"].is_number_integer()) plan_batch_size = part["batch_size"];
+    if (plan_use != "pipedream" && part.contains("umpipe") && part["umpipe"].is_object()) umpipe_section = part["umpipe"];
   }
 }
 

@@ -21,6 +21,12 @@ bool Schedule::holds(int rank, int stage) const {
   return std::find(r.begin(), r.end(), rank) != r.end();
 }
 
+int Schedule::first_stage_of(int rank) const {
+  for (int s = 0; s < stages; ++s)
+    if (holds(rank, s)) return s;
+  return -1;
+}
+
 std::string rank_line(const Schedule& s, int rank) {
   std::string out;
   for (const Action& a : s.actions.at(static_cast<std::size_t>(rank))) {

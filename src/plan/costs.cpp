@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "pipetrain/core/error.h"
 #include "pipetrain/plan/balance.h"
 
 namespace pipetrain {
@@ -61,6 +62,30 @@ std::vector<double> stage_static_bytes(const Profile& prof, const std::vector<in
     double bytes = 0;
     for (int k = 0; k < n; ++k, ++layer) bytes += 2 * prof.layers[layer].parameter_bytes + prof.layers[layer].optimizer_bytes;
     out.push_back(bytes);
+  }
+  return out;
+}
+
+double ring_allreduce_ms(double bytes, int ranks, double bandwidth_bytes_per_ms, double latency_ms) {
+  if (ranks < 2) return 0.0;
+  const double r = ranks;
+  const bool free_bytes = !(bandwidth_bytes_per_ms > 0) || std::isinf(bandwidth_bytes_per_ms);
+  return 2 * (r - 1) / r * (free_bytes ? 0.0 : bytes / bandwidth_bytes_per_ms) + 2 * (r - 1) * latency_ms;
+}
+
+std::vector<double> replica_allreduce_ms(const Profile& prof, const std::vector<int>& balance,
+                                         const std::vector<int>& replication, double bandwidth_bytes_per_ms,
+                                         double latency_ms) {
+  check_balance(balance, static_cast<int>(prof.layers.size()));
+  if (replication.size() != balance.size())
+    throw UsageError("replication lists " + std::to_string(replication.size()) + " stages but the balance has " +
+                     std::to_string(balance.size()) + ": give one replica count per stage");
+  std::vector<double> out;
+  std::size_t layer = 0;
+  for (std::size_t s = 0; s < balance.size(); ++s) {
+    double params = 0;
+    for (int k = 0; k < balance[s]; ++k, ++layer) params += prof.layers[layer].parameter_bytes;
+    out.push_back(ring_allreduce_ms(params, replication[s], bandwidth_bytes_per_ms, latency_ms));
   }
   return out;
 }

@@ -68,3 +68,20 @@ TEST(Costs, StageCostsSumTheirLayers) {
   EXPECT_DOUBLE_EQ(stage_costs(p, {3}, o).comm, 0.0);  // one stage: nothing crosses
   EXPECT_THROW(stage_costs(p, {2, 2}, o), UsageError);
 }
+
+// Ring all-reduce: r ranks move 2 (r-1)/r of the bytes through each link in 2 (r-1) messages. 3 ranks,
+// 3e6 bytes at 1e6 bytes/ms and 0.05 ms per message: 4/3 x 3 ms + 4 x 0.05 ms = 4.2 ms. Per stage of a
+// replicated plan, over the stage's own parameters; one replica costs nothing.
+TEST(Costs, RingAllReduceOverAStagesReplicas) {
+  EXPECT_DOUBLE_EQ(ring_allreduce_ms(3e6, 3, 1e6, 0.05), 4.0 + 0.2);
+  EXPECT_DOUBLE_EQ(ring_allreduce_ms(3e6, 1, 1e6, 0.05), 0.0);
+  EXPECT_DOUBLE_EQ(ring_allreduce_ms(3e6, 2, 0.0, 0.05), 0.1);  // no bandwidth given: the latency only
+  Profile p;
+  p.micro_batch_size = 1;
+  p.layers = {layer(1, 1, 4, 1e6), layer(1, 1, 4, 2e6), layer(1, 1, 4, 5e6)};
+  const std::vector<double> ms = replica_allreduce_ms(p, {2, 1}, {3, 1}, 1e6, 0.05);
+  ASSERT_EQ(ms.size(), 2u);
+  EXPECT_DOUBLE_EQ(ms[0], 4.2);  // layers 0 and 1: 3e6 bytes over 3 replicas
+  EXPECT_DOUBLE_EQ(ms[1], 0.0);
+  EXPECT_THROW(replica_allreduce_ms(p, {2, 1}, {3}, 1e6, 0.05), UsageError);
+}

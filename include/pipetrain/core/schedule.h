@@ -46,6 +46,8 @@ struct Schedule {
   bool replicated() const { return !stage_replicas.empty(); }
   // Whether `rank` holds stage `stage` (one of its replicas).
   bool holds(int rank, int stage) const;
+  // The lowest stage `rank` holds, or -1 when it holds none.
+  int first_stage_of(int rank) const;
   // The step that micro-batch i belongs to.
   int step_of(int micro) const { return micro / microbatches_per_step; }
 

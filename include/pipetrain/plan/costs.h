@@ -30,4 +30,15 @@ CostModel stage_costs(const Profile& profile, const std::vector<int>& balance, c
 // Per-stage static bytes: 2 x parameters (weights and gradients) + optimizer state.
 std::vector<double> stage_static_bytes(const Profile& profile, const std::vector<int>& balance);
 
+// A ring all-reduce of `bytes` over `ranks`: every link carries 2 (r-1)/r of them in 2 (r-1) messages.
+// bandwidth <= 0 or infinite: the bytes cost nothing, only the latency counts. 0 for one rank.
+double ring_allreduce_ms(double bytes, int ranks, double bandwidth_bytes_per_ms, double latency_ms);
+
+// Stage replication (1F1B-RR): per stage the ring all-reduce of its parameters over its replicas, the
+// extra cost of its optimizer step (CostModel::stage_step). Throws UsageError if the balance does not
+// fit the profile or the replication has another stage count.
+std::vector<double> replica_allreduce_ms(const Profile& profile, const std::vector<int>& balance,
+                                         const std::vector<int>& replication, double bandwidth_bytes_per_ms,
+                                         double latency_ms);
+
 }  // namespace pipetrain
