@@ -265,15 +265,30 @@ struct PipelineRank::Impl {
     weights.at(s).finish(*pw, is_forward, slot(s, i).scratch);
   }
 
+  // A seeded forward draws its dropout masks from the default generator seeded with the pass's own
+  // seed, and then puts the generator back as the caller left it: the caller's stream of random numbers
+  // (batches drawn with torch::randn after torch::manual_seed, say) is the same with or without the
+  // pipeline (PipelineRank's contract, executor.h).
   torch::Tensor run_forward(int s, int i, const torch::Tensor& x) {
     Slot& sl = slot(s, i);
+    if (!options.deterministic_rng) return stage_of(s).forward(x);
     std::unique_lock<std::mutex> lock(default_generator_mutex(), std::defer_lock);
-    if (options.deterministic_rng) {
-      if (transport->shares_process()) lock.lock();
-      auto gen = at::globalContext().defaultGenerator(x.device());
+    if (transport->shares_process()) lock.lock();
+    auto gen = at::globalContext().defaultGenerator(x.device());
+    torch::Tensor saved;
+    {
       std::lock_guard<std::mutex> g(gen.mutex());
+      saved = gen.get_state();
       gen.set_current_seed(sl.seed);
     }
+    struct Restore {
+      at::Generator& gen;
+      const torch::Tensor& state;
+      ~Restore() {
+        std::lock_guard<std::mutex> g(gen.mutex());
+        gen.set_state(state);
+      }
+    } restore{gen, saved};
     return stage_of(s).forward(x);
   }
 

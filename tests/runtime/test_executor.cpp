@@ -399,3 +399,31 @@ TEST(Executor, ParameterBalanceSplitsByParameterCount) {
   o.balance = "uniform";
   EXPECT_EQ(LocalPipeline(skewed, mse, 2, o).balance(), (std::vector<int>{2, 2}));
 }
+
+// issue 16: the pipeline reseeded LibTorch's default generator before every forward and left it so, so
+// a program that seeds once and then draws its batches with torch::randn on each rank got other
+// batches after the first step than without the pipeline. The forwards (with dropout, so they draw)
+// must leave the caller's stream exactly where it was, on every schedule path (with and without
+// re-materialisation).
+TEST(Executor, LeavesTheCallersRandomStreamAlone) {
+  for (const char* checkpoint : {"never", "always"}) {
+    PipelineOptions o;
+    o.schedule = "1f1b";
+    o.microbatches = 3;
+    o.checkpoint = parse_checkpoint(checkpoint);
+    LocalPipeline pipe(make_model(4, /*dropout=*/0.5), mse, 2, o);
+    torch::manual_seed(99);
+    const torch::Tensor want1 = torch::randn({kBatch, kIn});
+    const torch::Tensor want2 = torch::randn({kBatch, kIn});
+    const torch::Tensor want3 = torch::randn({4});
+    torch::manual_seed(99);
+    const torch::Tensor x1 = torch::randn({kBatch, kIn});
+    pipe.train_step(x1, torch::zeros({kBatch, kOut}));
+    const torch::Tensor x2 = torch::randn({kBatch, kIn});
+    pipe.train_step(x2, torch::zeros({kBatch, kOut}));
+    const torch::Tensor x3 = torch::randn({4});
+    EXPECT_TRUE(torch::equal(x1, want1)) << checkpoint;
+    EXPECT_TRUE(torch::equal(x2, want2)) << checkpoint << ": the first step moved the caller's generator";
+    EXPECT_TRUE(torch::equal(x3, want3)) << checkpoint;
+  }
+}

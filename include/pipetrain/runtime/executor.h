@@ -100,7 +100,10 @@ struct PipelineOptions {
   Checkpoint checkpoint = Checkpoint::Never;  // re-materialisation mode (torchgpipe's default is except_last)
   OptimizerOptions optimizer;
   uint64_t seed = 0;                      // forward RNG of (step, stage, micro-batch) derives from it
-  bool deterministic_rng = true;          // seed every forward; in-process ranks then take turns in forwards
+  // Seed every forward from (seed, step, stage, micro-batch), so dropout masks do not depend on the
+  // schedule or the stage count; in-process ranks then take turns in forwards. The caller's default
+  // generator is restored after each forward: it never sees the pipeline's draws (see PipelineRank).
+  bool deterministic_rng = true;
   bool reference = false;                 // blocking reference path instead of the fast path
   int prefetch = 4;                       // fast path: receives posted ahead and not yet consumed, at most
   int threads = 0;                        // intra-op threads of this rank (at::set_num_threads); 0 = as is
@@ -214,6 +217,11 @@ Timeline gather_timeline(const Timeline& mine, Transport& transport);
 // larger. Throws UsageError if m > N or either is < 1.
 std::vector<std::pair<int64_t, int64_t>> split_equal(int64_t batch_size, int microbatches);
 
+// Random numbers: with deterministic_rng (the default) each forward seeds LibTorch's default generator
+// of its device with its own seed and restores the generator's previous state afterwards, so the
+// pipeline neither disturbs nor depends on what the caller draws: a program that seeds, then draws
+// its batches with torch::randn on every rank, gets the same batches on every rank at every step.
+// (Only a forward's own draws, such as dropout, come from the pipeline's seed.)
 class PipelineRank {
  public:
   // `model` is the whole model (every rank builds it the same way, e.g. from the same seed); this rank
