@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/checkpoint.h"
@@ -248,15 +249,184 @@ TEST(Checkpoint, SaveReplacesThePreviousWholeAndClearsLeftovers) {
   Ranks ranks(make_model(5), 2, options("sgd"));
   ranks.train(1);
   ranks.save(dir.string());
-  fs::create_directories(dir.string() + ".partial");  // as left by a crashed save
-  std::ofstream(dir.string() + ".partial/junk") << "x";
+  fs::create_directories(dir.string() + ".partial");  // as left by a crashed save (marked as ours)
+  std::ofstream(dir.string() + ".partial/.pipetrain-partial");
+  std::ofstream(dir.string() + ".partial/layer-00000.pt") << "x";
   ranks.train(2);
   ranks.save(dir.string());
   EXPECT_EQ(read_checkpoint(dir.string()).at("step"), 3);
   EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
   EXPECT_FALSE(fs::exists(dir.string() + ".old"));
-  EXPECT_FALSE(fs::exists(dir / "junk"));
+  EXPECT_FALSE(fs::exists(dir / ".pipetrain-partial"));
   fs::remove_all(dir);
+}
+
+// issue 16: `--save DIR` deleted whatever was at DIR. A save never deletes or replaces what is not a
+// pipetrain checkpoint: a user's folder, a DIR.old or a DIR.partial it did not make. Nothing is written.
+TEST(Checkpoint, SaveRefusesWhatIsNotOurs) {
+  const fs::path dir = fresh_dir("notours");
+  fs::create_directories(dir);
+  std::ofstream(dir / "thesis.txt") << "precious";
+  // A refused save aborts the pipeline's transport (every rank stops), so each attempt gets new ranks.
+  auto refused_save = [](const fs::path& where) {
+    Ranks ranks(make_model(5), 2, options("sgd"));
+    ranks.train(1);
+    return error_of([&] { ranks.save(where.string()); });
+  };
+  std::string err = refused_save(dir);
+  EXPECT_NE(err.find("is a folder that is not a pipetrain checkpoint"), std::string::npos) << err;
+  EXPECT_NE(error_of([&] { prepare_checkpoint_dir(dir.string()); }).find("not a pipetrain checkpoint"), std::string::npos);
+  std::ifstream in(dir / "thesis.txt");
+  std::string text;
+  in >> text;
+  EXPECT_EQ(text, "precious");
+  EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
+  EXPECT_FALSE(fs::exists(dir / "manifest.json"));
+  // A user's DIR.old or DIR.partial is not ours to delete either.
+  const fs::path ckpt = fresh_dir("notours-ckpt");
+  for (const std::string suffix : {".old", ".partial"}) {
+    const fs::path theirs = ckpt.string() + suffix;
+    fs::create_directories(theirs);
+    std::ofstream(theirs / "notes.txt") << "mine";
+    err = refused_save(ckpt);
+    EXPECT_NE(err.find(theirs.string() + " exists and"), std::string::npos) << suffix << ": " << err;
+    EXPECT_TRUE(fs::exists(theirs / "notes.txt")) << suffix;
+    fs::remove_all(theirs);
+  }
+  // An empty folder is fine (mkdir first, then save into it).
+  fs::create_directories(ckpt);
+  Ranks ranks(make_model(5), 2, options("sgd"));
+  ranks.train(1);
+  ranks.save(ckpt.string());
+  EXPECT_EQ(read_checkpoint(ckpt.string()).at("step"), 1);
+  fs::remove_all(dir);
+  fs::remove_all(ckpt);
+}
+
+// A crash between the fallback path's two renames leaves DIR.old as the only complete checkpoint (and
+// a DIR.partial): the next save first moves DIR.old back to DIR, so the complete copy is never the one
+// deleted, then replaces it as usual.
+TEST(Checkpoint, SaveKeepsTheOnlyCompleteCopy) {
+  const fs::path dir = fresh_dir("onlycopy");
+  Ranks ranks(make_model(5), 2, options("sgd"));
+  ranks.train(1);
+  ranks.save(dir.string());
+  fs::rename(dir, dir.string() + ".old");  // as the crash left it: no DIR, a complete DIR.old
+  fs::create_directories(dir.string() + ".partial");
+  std::ofstream(dir.string() + ".partial/.pipetrain-partial");
+  EXPECT_EQ(prepare_checkpoint_dir(dir.string()), dir.string());  // allowed, and changes nothing
+  EXPECT_TRUE(fs::exists(dir.string() + ".old/manifest.json"));
+  ranks.train(1);
+  ranks.save(dir.string());
+  EXPECT_EQ(read_checkpoint(dir.string()).at("step"), 2);
+  EXPECT_FALSE(fs::exists(dir.string() + ".old"));
+  EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
+  fs::remove_all(dir);
+}
+
+// `--save ckpt/` failed every save and left ckpt/.partial; `.` and unwritable places failed only at the
+// first save, after training. prepare_checkpoint_dir finds them first and normalises the name.
+TEST(Checkpoint, SavePathsAreCheckedBeforeTraining) {
+  const fs::path base = fresh_dir("paths");
+  fs::create_directories(base);
+  EXPECT_EQ(prepare_checkpoint_dir((base / "ckpt").string() + "//"), (base / "ckpt").string());
+  EXPECT_FALSE(fs::exists(base / "ckpt.partial"));  // the probe leaves nothing
+  EXPECT_FALSE(fs::exists(base / "ckpt"));
+  EXPECT_EQ(prepare_checkpoint_dir((base / "a" / "b").string()), (base / "a" / "b").string());
+  EXPECT_TRUE(fs::is_directory(base / "a"));  // parents are created
+  for (const std::string bad : {".", "..", "/", "ckpt/.", ""})
+    EXPECT_NE(error_of([&] { prepare_checkpoint_dir(bad); }).find("--save"), std::string::npos) << bad;
+  std::ofstream(base / "file") << "x";
+  EXPECT_NE(error_of([&] { prepare_checkpoint_dir((base / "file").string()); }).find("is a file"), std::string::npos);
+  EXPECT_NE(error_of([&] { prepare_checkpoint_dir("/proc/pipetrain-ckpt"); }).find("cannot create"), std::string::npos);
+  // A trailing slash saves into the folder itself.
+  Ranks ranks(make_model(5), 2, options("sgd"));
+  ranks.train(1);
+  ranks.save((base / "ckpt").string() + "/");
+  EXPECT_EQ(read_checkpoint((base / "ckpt").string()).at("step"), 1);
+  EXPECT_FALSE(fs::exists(base / "ckpt" / ".partial"));
+  fs::remove_all(base);
+}
+
+// Reads never leave the checkpoint folder and never read more than the manifest says: a manifest naming
+// ../outside.pt or an absolute path, a layer file that is a symlink (to /dev/zero), sizes beyond the
+// file, a negative balance and a step past 2^31 are refused, naming what is wrong.
+TEST(Checkpoint, ReadsStayInsideTheFolder) {
+  const fs::path dir = fresh_dir("escape");
+  Ranks ranks(make_model(5), 2, options("sgd"));
+  ranks.train(1);
+  ranks.save(dir.string());
+  const nlohmann::json good = read_checkpoint(dir.string());
+  auto with = [&](const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json m = good;
+    change(m);
+    std::ofstream(dir / "manifest.json", std::ios::trunc) << m.dump(2);
+    return error_of([&] { read_checkpoint(dir.string()); });
+  };
+  // A copy of layer 0 outside the folder, with the right size and CRC: still refused.
+  fs::copy_file(dir / "layer-00000.pt", dir.parent_path() / ("outside-" + std::to_string(::getpid()) + ".pt"),
+                fs::copy_options::overwrite_existing);
+  std::string err = with([&](nlohmann::json& m) {
+    m["files"][0]["file"] = "../outside-" + std::to_string(::getpid()) + ".pt";
+  });
+  EXPECT_NE(err.find("inside its folder"), std::string::npos) << err;
+  fs::remove(dir.parent_path() / ("outside-" + std::to_string(::getpid()) + ".pt"));
+  err = with([](nlohmann::json& m) { m["files"][1]["file"] = "/etc/passwd"; });
+  EXPECT_NE(err.find("\"/etc/passwd\""), std::string::npos) << err;
+  err = with([](nlohmann::json& m) { m["balance"] = {100, -96}; });
+  EXPECT_NE(err.find("balance [100,-96]"), std::string::npos) << err;
+  err = with([](nlohmann::json& m) { m["step"] = 1e15; });
+  EXPECT_NE(err.find("step is 1e+15"), std::string::npos) << err;
+  err = with([](nlohmann::json& m) { m["files"][2]["bytes"] = -5; });
+  EXPECT_NE(err.find("bytes is -5"), std::string::npos) << err;
+  EXPECT_EQ(with([](nlohmann::json&) {}), "(no UsageError)");
+  // A layer file replaced by a symlink to /dev/zero: refused without reading it.
+  fs::rename(dir / "layer-00002.pt", dir / "real.pt");
+  fs::create_symlink("/dev/zero", dir / "layer-00002.pt");
+  err = error_of([&] { read_checkpoint(dir.string()); });
+  EXPECT_NE(err.find("is a symbolic link"), std::string::npos) << err;
+  fs::remove(dir / "layer-00002.pt");
+  // ... or by a much larger file: refused by its size before it is read.
+  { std::ofstream big(dir / "layer-00002.pt", std::ios::binary); big.seekp(1 << 24); big.put('x'); }
+  err = error_of([&] { read_checkpoint(dir.string()); });
+  EXPECT_NE(err.find("has 16777217 bytes but the manifest says"), std::string::npos) << err;
+  fs::remove(dir / "layer-00002.pt");
+  fs::rename(dir / "real.pt", dir / "layer-00002.pt");
+  EXPECT_NO_THROW(read_checkpoint(dir.string()));
+  fs::remove_all(dir);
+}
+
+// A save onto a full file system fails with a clear message, removes its DIR.partial and keeps the
+// previous checkpoint. Needs root to mount a small tmpfs; skipped otherwise.
+TEST(Checkpoint, FullDiskKeepsThePreviousCheckpoint) {
+  const fs::path mnt = fresh_dir("fulldisk");
+  fs::create_directories(mnt);
+  if (std::system(("mount -t tmpfs -o size=1m tmpfs " + mnt.string() + " 2>/dev/null").c_str()) != 0) {
+    fs::remove_all(mnt);
+    GTEST_SKIP() << "cannot mount a small tmpfs here (needs root): the full-disk case is not checked";
+  }
+  const fs::path dir = mnt / "ckpt";
+  Ranks ranks(make_model(5), 2, options("sgd"));
+  ranks.train(1);
+  ranks.save(dir.string());
+  // Fill the file system to the last byte.
+  {
+    std::ofstream fill(mnt / "filler", std::ios::binary);
+    const std::string block(4096, 'x');
+    while (fill.write(block.data(), static_cast<std::streamsize>(block.size()))) fill.flush();
+  }
+  ranks.train(1);
+  std::string err;
+  try {
+    ranks.save(dir.string());
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  EXPECT_NE(err.find("disk is full"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
+  EXPECT_EQ(read_checkpoint(dir.string()).at("step"), 1);
+  (void)std::system(("umount " + mnt.string()).c_str());
+  fs::remove_all(mnt);
 }
 
 TEST(Checkpoint, RunDifferencesNameEachKey) {

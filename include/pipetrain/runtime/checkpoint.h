@@ -9,11 +9,24 @@
 //   DIR/layer-NNNNN.pt   one layer's tensors by name (PipelineRank::layer_state: parameters, buffers,
 //                        optimizer state), in torch.save's format, so Python's torch.load reads it too.
 //
-// Atomic: a save writes everything into DIR.partial; when every layer file is complete, rank 0 writes
-// the manifest there and swaps the folders (DIR -> DIR.old, DIR.partial -> DIR, DIR.old removed).
-// A crash leaves the previous checkpoint or the new one whole, never a mix; a stale DIR.partial is
-// cleared by the next save. Loading checks the manifest and every layer file's size and CRC-32 before
-// any tensor is touched, so a truncated or corrupted checkpoint is refused with what is wrong.
+// Atomic and durable: a save writes everything into DIR.partial (marked as ours by a file
+// `.pipetrain-partial`), fsyncs every file and the folder, then rank 0 writes the manifest there and
+// exchanges the folders in one step (renameat2 RENAME_EXCHANGE; where the file system cannot, DIR ->
+// DIR.old, DIR.partial -> DIR), fsyncs the parent and only then removes the previous checkpoint. A crash
+// leaves the previous checkpoint or the new one whole, never a mix, and never deletes the only complete
+// copy: a DIR.old left by a crash between the two renames is moved back to DIR by the next save (or
+// named by the loader's message).
+//
+// Nothing that is not ours is deleted or overwritten: a save refuses a DIR that exists and is neither
+// empty nor a pipetrain checkpoint, a DIR.old or DIR.partial that is not ours, "." and "..", and a path
+// that is a file. prepare_checkpoint_dir runs those checks (and creates the parent folders, probing that
+// DIR.partial can be made) before training, so a bad path is found before the first step, not at the
+// first save. A failed save (full disk, no permission) removes its DIR.partial and keeps DIR.
+//
+// Loading checks the manifest (types and ranges of every field; each layer file must be the plain name
+// layer-NNNNN.pt inside DIR: no path, no "..", no symlink, a regular file) and every layer file's size
+// (before reading it) and CRC-32 before any tensor is touched, so a truncated, corrupted or crafted
+// checkpoint is refused with what is wrong, and no read leaves DIR or reads more than the manifest says.
 //
 // Multi-process runs need DIR on a file system every rank sees (one host, or a shared mount).
 #pragma once
@@ -28,7 +41,14 @@
 
 namespace pipetrain {
 
-// Collective: every rank of the pipeline calls it. `run` is stored as the manifest's "run" object.
+// Checks a checkpoint folder we will write later (see the file comment) and returns it normalised
+// (trailing slashes removed). Creates the parent folders; probes by creating and removing DIR.partial.
+// Throws UsageError naming `flag` (e.g. "--save"), the path and the fix. Call it before training.
+std::string prepare_checkpoint_dir(const std::string& dir, const std::string& flag = "--save");
+
+// Collective: every rank of the pipeline calls it. `run` is stored as the manifest's "run" object (it
+// must be valid UTF-8 JSON: store byte strings as arrays of numbers). Refuses (UsageError, on every rank)
+// a DIR that is not ours, as prepare_checkpoint_dir does.
 void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string& dir, const nlohmann::json& run);
 
 // Reads and checks DIR/manifest.json and every layer file it lists (present, size, CRC-32). Returns
