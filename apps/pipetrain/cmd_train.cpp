@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -50,6 +51,7 @@ struct TrainFlags {
   int64_t eval_batch = 0;    // 0: 4 x batch size
   std::string save, resume;
   int save_every = 0;
+  bool save_on_interrupt = false;  // SIGINT/SIGTERM: write one more checkpoint (at the step reached) before stopping
   int sample = 300;          // characters to generate at the end (text data)
   double temperature = 0.8;
   std::string trace, svg, log, config;
@@ -133,8 +135,9 @@ CostModel measured_costs(const Timeline& t, int stages) {
 }
 
 // PIPETRAIN_FAULT="RANK:ACTION:KIND[:STEP]" makes rank RANK fail just before ACTION (text form, e.g. 1F2)
-// of step STEP (0-based, default 0): KIND "throw" raises an error, "kill" sends the process SIGKILL. For
-// failure and crash-recovery tests.
+// of step STEP (0-based, default 0): KIND "throw" raises an error, "kill" sends the process SIGKILL,
+// "interrupt" sends SIGINT to the process that started the ranks (the launcher: a Ctrl-C at a known
+// point; with no launcher, to this process). For failure, interrupt and crash-recovery tests.
 std::function<void(int, int, const Action&)> fault_injector(const std::string& spec) {
   std::vector<std::string> parts;
   for (std::size_t at = 0;;) {
@@ -154,11 +157,16 @@ std::function<void(int, int, const Action&)> fault_injector(const std::string& s
   }
   const Action action = parse_action(parts[1]);
   const std::string kind = parts[2];
-  if (kind != "throw" && kind != "kill")
-    throw UsageError("PIPETRAIN_FAULT kind '" + kind + "' must be throw or kill");
+  if (kind != "throw" && kind != "kill" && kind != "interrupt")
+    throw UsageError("PIPETRAIN_FAULT kind '" + kind + "' must be throw, kill or interrupt");
+  const pid_t interrupt_target = std::getenv("RANK") ? ::getppid() : ::getpid();  // process ranks: their launcher
   return [=](int r, int step, const Action& act) {
     if (r != rank || step != at_step || act != action) return;
     if (kind == "kill") ::kill(::getpid(), SIGKILL);
+    if (kind == "interrupt") {
+      ::kill(interrupt_target, SIGINT);
+      return;
+    }
     throw std::runtime_error("injected fault before " + to_string(act));
   };
 }
@@ -335,6 +343,55 @@ std::string rank_label(const Schedule& s, int rank) {
   return fmt::format("rank {} (stage {} replica {})", rank, st, std::find(reps.begin(), reps.end(), rank) - reps.begin());
 }
 
+// SIGINT and SIGTERM during training. The handler only notes the signal (a second one ends the process
+// at once, as the default would); the ranks agree on it at the start of each call (stop_requested, one
+// all-reduce of a flag), so they all stop after the same step: a save in progress completes, no
+// DIR.partial or temporary file is left, and with --save-on-interrupt one more checkpoint is written at
+// the step reached. The exit code is 128 + the signal, as a shell reports a run killed by it.
+volatile sig_atomic_t g_stop_signal = 0;
+volatile sig_atomic_t g_stop_signal_at = 0;  // CLOCK_MONOTONIC seconds of the first one
+extern "C" void on_stop_signal(int sig) {
+  timespec now {};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
+  if (g_stop_signal != 0) {
+    // A launcher signals a rank's process group and the rank itself, so one Ctrl-C can arrive twice:
+    // only a second signal a second or more later means "stop now".
+    if (now.tv_sec - g_stop_signal_at < 1) return;
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+  g_stop_signal_at = static_cast<sig_atomic_t>(now.tv_sec);
+  g_stop_signal = sig;
+}
+class StopSignalScope {
+ public:
+  StopSignalScope() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    ::sigaction(SIGINT, &sa, &old_int_);
+    ::sigaction(SIGTERM, &sa, &old_term_);
+  }
+  ~StopSignalScope() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+  }
+
+ private:
+  struct sigaction old_int_ {}, old_term_ {};
+};
+// The signal some rank got (0: none), the same on every rank: a collective.
+int stop_requested(Transport& world) {
+  torch::Tensor t = torch::full({1}, static_cast<double>(g_stop_signal), torch::kDouble);
+  world.all_reduce_sum(t);
+  const double sum = t.item<double>();
+  if (sum == 0) return 0;
+  return g_stop_signal != 0 ? static_cast<int>(g_stop_signal) : SIGINT;  // ranks report their own, else SIGINT
+}
+
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   // With --replicas R the world holds R copies of the pipeline (hybrid data + pipeline parallelism):
   // `transport` is this rank's pipeline, `replica` its copy's index; copy k trains on the k-th 1/R of
@@ -443,7 +500,24 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   std::map<int, WeightMemory> weight_memory;  // asynchronous: peak extra weight sets per stage of this rank
   // Synchronous schedules: a call per step. Asynchronous ones: a call per run of steps between
   // evaluations and checkpoints (next_boundary), during which the pipeline never drains.
+  int last_saved = start;
   for (int step = start; step < total;) {
+    if (const int sig = stop_requested(*world)) {
+      const std::string name = sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "signal " + std::to_string(sig);
+      if (f.save_on_interrupt && !f.save.empty() && step > last_saved) {
+        if (replica == 0) save_checkpoint(rank, *transport, f.save, run_json(f, total));
+        world->barrier();
+        last_saved = step;
+        if (leader) progress.note(fmt::format("checkpoint at step {} written to {}", step, f.save));
+      }
+      if (leader) {
+        progress.note(fmt::format("stopped by {} after step {} of {}", name, step, total));
+        if (!f.save.empty() && last_saved > 0)
+          std::cout << "the checkpoint in " << f.save << " is at step " << last_saved << "; continue with --resume "
+                    << f.save << "\n" << std::flush;
+      }
+      return 128 + sig;
+    }
     const int calls_steps = async ? next_boundary(f, step, total, eval_every) - step : 1;
     const double lr = lr_at(f, step, total);
     rank.set_learning_rate(lr);
@@ -541,6 +615,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
       if (!f.save.empty() && ((f.save_every > 0 && (step + 1) % f.save_every == 0) || step + 1 == total)) {
         if (replica == 0) save_checkpoint(rank, *transport, f.save, run_json(f, total));  // copies are equal
         world->barrier();
+        last_saved = step + 1;
         if (leader) progress.note(fmt::format("checkpoint at step {} written to {}", step + 1, f.save));
       }
     }
@@ -626,19 +701,6 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   return 0;
 }
 
-// Checks a folder we will write into later, so a long run does not fail at its first save.
-void check_writable_folder(const std::string& flag, const std::string& dir) {
-  namespace fs = std::filesystem;
-  if (dir.empty()) throw UsageError(flag + " needs a folder name");
-  if (fs::exists(dir) && !fs::is_directory(dir))
-    throw UsageError(flag + " " + dir + " is a file, not a folder: name a folder (it is created)");
-  const fs::path parent = fs::absolute(dir).parent_path();
-  std::error_code ec;
-  fs::create_directories(parent, ec);
-  if (ec || ::access(parent.c_str(), W_OK) != 0)
-    throw UsageError(flag + " " + dir + ": cannot write in " + parent.string() + ": pick a writable folder");
-}
-
 }  // namespace
 
 void add_train_command(CLI::App& app, int& exit_code) {
@@ -666,6 +728,9 @@ void add_train_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--eval-batch", f->eval_batch, "samples per evaluation forward pass, default 4 x batch size");
   cmd->add_option("--save", f->save, "write a checkpoint to this folder at the end (and every --save-every steps)");
   cmd->add_option("--save-every", f->save_every, "also checkpoint every K steps; default 0 (only at the end)");
+  cmd->add_flag("--save-on-interrupt", f->save_on_interrupt,
+                "on SIGINT or SIGTERM (Ctrl-C), write one more checkpoint at the step reached before stopping; "
+                "without it the last complete checkpoint is kept as it is");
   cmd->add_option("--resume", f->resume, "continue from this checkpoint folder (same model and data; any stages)");
   cmd->add_option("--sample", f->sample, "text: characters to generate at the end, default 300; 0 = none");
   cmd->add_option("--temperature", f->temperature, "text: sampling temperature, default 0.8");
@@ -711,6 +776,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
         throw UsageError("--eval-samples and --eval-batch must be >= 1 (or 0 for the default)");
       if (f->save_every < 0) throw UsageError("--save-every must be >= 0, got " + std::to_string(f->save_every));
       if (f->save_every > 0 && f->save.empty()) throw UsageError("--save-every needs --save DIR (where to write)");
+      if (f->save_on_interrupt && f->save.empty()) throw UsageError("--save-on-interrupt needs --save DIR (where to write)");
       if (f->sample < 0) throw UsageError("--sample must be >= 0, got " + std::to_string(f->sample));
       if (!(f->temperature > 0)) throw UsageError("--temperature must be > 0, got " + fmt::format("{}", f->temperature));
       if (f->warmup < -1) throw UsageError("--warmup must be >= 0, got " + std::to_string(f->warmup));
@@ -760,7 +826,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
       o.weight_stashing = !f->no_stash;
       weight_policy_of(o);  // bad combinations (--vertical-sync with 1f1b, spectrain without momentum, ...)
       if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
-      if (!f->save.empty()) check_writable_folder("--save", f->save);
+      if (!f->save.empty()) f->save = prepare_checkpoint_dir(f->save, "--save");  // before any step
       if (!f->resume.empty()) {
         const nlohmann::json saved = read_checkpoint(f->resume).at("run");
         const nlohmann::json now = run_json(*f, 0);
@@ -775,6 +841,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
           throw UsageError(msg + "\npass the flags it was saved with (see its manifest.json), or start without --resume");
         }
       }
+      StopSignalScope stop_signals;  // process-wide (a launcher parent installs its own while it runs)
       return run_ranks(f->pipe, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) { return train_rank(*f, t); });
     });
   });

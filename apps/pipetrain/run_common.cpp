@@ -161,10 +161,26 @@ nlohmann::json ModelFlags::model_json() const {
           {"vocab", gpt.vocab}, {"seq_len", gpt.seq_len}, {"dropout", gpt.dropout}};
 }
 
+namespace {
+// A byte string for a JSON document (a checkpoint manifest): as text when it is valid UTF-8 (so ASCII
+// vocabularies read as before), else as the list of its byte values (a byte vocabulary of UTF-8 text
+// holds lead and continuation bytes apart, which JSON text cannot carry).
+nlohmann::json bytes_json(const std::string& s) {
+  try {
+    nlohmann::json(s).dump();  // nlohmann's own UTF-8 check: what it writes, it reads back
+    return s;
+  } catch (const nlohmann::json::type_error&) {
+  }
+  nlohmann::json a = nlohmann::json::array();
+  for (char c : s) a.push_back(static_cast<int>(static_cast<unsigned char>(c)));
+  return a;
+}
+}  // namespace
+
 nlohmann::json ModelFlags::data_json() const {
   nlohmann::json j{{"name", data}};
-  if (is_text()) j["vocabulary"] = vocabulary_;
-  if (data == "text") j["file"] = text_file;
+  if (is_text()) j["vocabulary"] = bytes_json(vocabulary_);
+  if (data == "text") j["file"] = bytes_json(text_file);
   return j;
 }
 
