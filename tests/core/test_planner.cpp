@@ -625,7 +625,7 @@ TEST(Planner, PlanJsonRoundTripsAndIsChecked) {
 
 TEST(Planner, Vgg16OnFourAndEightDevices) {
   const std::string path = vgg16_path();
-  ASSERT_FALSE(path.empty()) << "../shared/data/pipedream-profiles/vgg16-graph.txt not found (set PIPETRAIN_SHARED)";
+  ASSERT_TRUE(std::ifstream(path).good()) << path << " is missing; it is part of the repository (data/pipedream/)";
   PipeDreamOptions po;
   po.model = "vgg16";
   po.micro_batch_size = 128;
