@@ -1,4 +1,4 @@
-// UMPIPE planning benchmark (plan/umpipe.h, ALGORITHMS.md §7; torch-free, links only pipetrain_core).
+// UMPIPE planning benchmark (plan/umpipe.h, docs/ALGORITHMS.md §7; torch-free, links only pipetrain_core).
 //
 // 1. Evaluator speed (§7.3, issue 7's ">= 10x per individual at population 256"): the time per
 //    individual of UmpipeEvaluator::step_ms (the scalar recurrence, one plan at a time) against
