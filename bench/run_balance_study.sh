@@ -12,8 +12,8 @@
 # Each cell also gets the simulator's prediction from the profile (pipetrain simulate --profile, 60 us
 # per transfer), and 8 and 16 stages are predicted only. Results: bench/results/balance/ (raw outputs,
 # results.json, summary.md). About 6-8 minutes on 2 cores.
-# QUICK=1 (`make test`): a tiny GPT only, 2 stages, balances memory (block partition) and optimal, both
-# schedules, 3 steps, and 4 stages predicted, into a temporary folder; fails unless it wrote summary.md
+# QUICK=1 (`make test`): a tiny GPT only, 2 stages, balances memory (block partition) and optimal, 1f1b,
+# 3 steps, and 4 stages predicted, into a temporary folder; fails unless it wrote summary.md
 # and results.json (bench/lib/quick.sh). BUILD (default build) is where pipetrain is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,7 @@ declare -A FLAGS BATCH
 FLAGS[gpt]="--model gpt --data synthetic --layers 8 --d-model 128 --heads 4 --seq-len 64 --vocab 96"
 BATCH[gpt]=32
 if ((QUICK)); then
-  MODELS=gpt STAGES=2 BALANCES="memory optimal" PREDICTED=4 STEPS=3 REPEATS=1 SIZES="1 2"
+  MODELS=gpt STAGES=2 BALANCES="memory optimal" SCHEDULES=1f1b PREDICTED=4 STEPS=3 REPEATS=1 SIZES="1 2"
   FLAGS[gpt]="--model gpt --data synthetic --layers 2 --d-model 32 --heads 2 --seq-len 16 --vocab 96"
 fi
 export MODELS STAGES BALANCES SCHEDULES PREDICTED

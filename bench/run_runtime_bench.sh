@@ -4,8 +4,10 @@
 #   bash bench/run_runtime_bench.sh                      # 9-15 min on 2 cores (longer when noisy)
 #   ROUNDS=1 STEPS=5 bash bench/run_runtime_bench.sh     # a quick look
 #   QUICK=1 bash bench/run_runtime_bench.sh              # `make test`: every configuration once at tiny
-#       sizes (m=4, 3 steps), into a temporary folder; fails unless every run worked and it wrote its
-#       summary (bench/lib/quick.sh). BUILD (default build) is where the programs are; never builds.
+#       sizes (m=4, 3 steps; not plain-2t and pipe-1t, which differ from plain-1t and pipe-2t only in the
+#       thread count), one other balance and one memory run, into a temporary folder; fails unless every
+#       run worked and it wrote its summary (bench/lib/quick.sh). BUILD (default build) is where the
+#       programs are; quick mode never builds.
 #
 # For one GPT (8 blocks, d_model 256, 4 heads, vocab 96, context 128, batch 32) and m in {4, 8}, runs
 # ROUNDS interleaved rounds, each running every configuration once:
@@ -141,14 +143,14 @@ for round in $(seq 1 "$ROUNDS"); do
       run pt-mpi "$round" "$m" "$BATCH" -- "${MPIRUN[@]}" "$BIN/pipetrain" train "${PT_COMMON[@]}" --transport mpi \
         --schedule 1f1b --microbatches "$m" --trace "${tr}_pt-mpi.json" --svg "${tr}_pt-mpi.svg"
     fi
-    run plain-2t "$round" "$m" "$BATCH" -- "$BIN/bench_plain_gpt" "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
-      --steps "$STEPS" --threads 2
+    ((QUICK)) || run plain-2t "$round" "$m" "$BATCH" -- "$BIN/bench_plain_gpt" "${MODEL[@]}" --batch-size "$BATCH" \
+      --microbatches "$m" --steps "$STEPS" --threads 2
     run plain-1t "$round" "$m" "$BATCH" -- "$BIN/bench_plain_gpt" "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
       --steps "$STEPS" --threads 1 --stage-times
     run pipe-2t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
       --steps "$STEPS" --threads 2 --partitions 2
-    run pipe-1t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
-      --steps "$STEPS" --threads 1 --partitions 2
+    ((QUICK)) || run pipe-1t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" \
+      --microbatches "$m" --steps "$STEPS" --threads 1 --partitions 2
   done
 done
 
