@@ -34,6 +34,7 @@ fi
 export TIMING_STAGES TIMING_ROUNDS
 mkdir -p "$OUT"
 TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT  # also when a run fails
 BIN=$TMP/pipetrain
 if [[ -z ${SUMMARY_ONLY:-} ]]; then
   need_built "$BUILD/pipetrain"

@@ -23,6 +23,7 @@ OUT=$(bench_out bench/results/balance)
 mkdir -p "$OUT/raw"
 need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
+trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
 cp "$BUILD/pipetrain" "$BIN"
 M=4
 MODELS="gpt cnn" STAGES="1 2 4" BALANCES="uniform parameters time memory optimal" SCHEDULES="gpipe 1f1b"
@@ -138,5 +139,4 @@ for name, r in res.items():
 open(os.path.join(out, "summary.md"), "w").write("\n".join(md) + "\n")
 print("\n".join(md))
 PY
-rm -rf "$(dirname "$BIN")"
 quick_done "$OUT" summary.md results.json

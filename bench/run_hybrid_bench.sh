@@ -16,6 +16,7 @@ OUT=$(bench_out bench/results/hybrid)
 mkdir -p "$OUT/raw"
 need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
+trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
 cp "$BUILD/pipetrain" "$BIN"
 COMMON=(--data synthetic --layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128 --batch-size 32 --steps 8
         --progress lines --lr 1e-3 --lr-schedule constant --clip 0)
@@ -46,5 +47,4 @@ for name in ("pipeline", "data", "hybrid"):
 open(os.path.join(out, "summary.md"), "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY
-rm -rf "$(dirname "$BIN")"
 quick_done "$OUT" summary.md

@@ -16,6 +16,7 @@ OUT=$(bench_out bench/results/train)
 mkdir -p "$OUT"
 need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
+trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
 cp "$BUILD/pipetrain" "$BIN"   # others may rebuild build/ meanwhile
 # Quick: a few steps with an evaluation at step 0 and at the end, and a tiny GPT.
 LENGTH=(--epochs 3 --eval-every 938) QUICK_GPT=()
@@ -51,5 +52,4 @@ for name in ("mlp-fmnist", "cnn-fmnist", "gpt-kjv"):
 open(os.path.join(out, "summary.md"), "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY
-rm -rf "$(dirname "$BIN")"
 quick_done "$OUT" summary.md

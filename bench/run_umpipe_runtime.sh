@@ -33,6 +33,7 @@ MODELS="gpt cnn" PLAN_STAGES="2 4 8 16" REPEATS=7
 mkdir -p "$OUT/raw"
 need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
+trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
 cp "$BUILD/pipetrain" "$BIN"
 declare -A FLAGS BATCH MICRO SIZES
 FLAGS[gpt]="--model gpt --data synthetic --layers 14 --d-model 64 --heads 4 --seq-len 64 --vocab 4096"
@@ -200,5 +201,4 @@ json.dump(res, open(os.path.join(out, "results.json"), "w"), indent=1)
 open(os.path.join(out, "summary.md"), "w").write("\n".join(md) + "\n")
 print("\n".join(md))
 PY
-rm -rf "$(dirname "$BIN")"
 quick_done "$OUT" summary.md results.json
