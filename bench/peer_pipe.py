@@ -15,11 +15,13 @@ pipetrain's to print precision (a check that both train the same thing). The lay
 are cut like pipetrain's uniform balance (layer counts, the remainder on the first partitions), one
 nn.Sequential per partition; chunks = micro-batches, checkpoint='never', Adam lr 1e-3.
 
-PEERS.md: rpc must be initialised (one worker) with the uv transport and basic channels, or TensorPipe
-busy-polls a core; forward returns an RRef; on CPU all partitions share one worker thread, so Pipe runs
+Running PyTorch's Pipe on CPU: rpc must be initialised (one worker) with the uv transport and basic
+channels, or TensorPipe busy-polls a core; forward returns an RRef; on CPU all partitions share one worker thread, so Pipe runs
 GPipe serially: the speed a CPU user of Pipe gets, not a parallel pipeline.
 
 Prints per-step times and a final JSON line with the median step ms (first 2 steps skipped).
+--quick (the `make test` run): tiny defaults (2 layers, d-model 32, 2 heads, seq-len 16, batch 8,
+2 micro-batches, 3 steps); flags given explicitly still apply.
 """
 import argparse
 import json
@@ -141,7 +143,14 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--partitions", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 3 steps (the make test run)")
     a = p.parse_args()
+    if a.quick:  # tiny defaults; explicit flags win
+        quick = dict(layers=2, d_model=32, heads=2, seq_len=16, batch_size=8, microbatches=2, steps=3)
+        given = {x.split("=")[0] for x in sys.argv[1:] if x.startswith("--")}
+        for k, v in quick.items():
+            if "--" + k.replace("_", "-") not in given:
+                setattr(a, k, v)
     if a.d_model % a.heads or a.microbatches > a.batch_size or a.steps < 1:
         p.error("need d_model % heads == 0, microbatches <= batch size, steps >= 1")
 

@@ -10,6 +10,7 @@
 //   build/bench/bench_plain_gpt --layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128
 //       --batch-size 32 --microbatches 4 --steps 10 --threads 2   (one command line)
 //   build/bench/bench_plain_gpt ... --memory --balance 5,5     # activation bytes per micro-batch per stage
+//   build/bench/bench_plain_gpt --quick --stage-times --memory # tiny sizes (`make test`)
 //
 // Prints one line per step and a final JSON line {"bench":"plain_gpt", "median_step_ms": ...} whose
 // median skips the first 2 steps (warm-up). With --stage-times each micro-batch runs stage by stage of
@@ -46,7 +47,9 @@ int usage(const char* argv0, bool help = false) {
   std::fprintf(help ? stdout : stderr,
                "usage: %s [--layers N (4)] [--d-model C (128)] [--heads H (4)] [--vocab V (96)] [--seq-len T (64)]\n"
                "          [--batch-size B (16)] [--microbatches M (4)] [--steps K (10)] [--threads N (1)] [--seed S (0)]\n"
-               "          [--memory] [--stage-times] [--stages P (2)] [--balance a,b,...]\n",
+               "          [--memory] [--stage-times] [--stages P (2)] [--balance a,b,...] [--quick]\n"
+               "--quick (the `make test` run): defaults of 2 layers, d-model 32, 2 heads, seq-len 16, batch 8, 2\n"
+               "micro-batches, 3 steps; flags given after it still apply\n",
                argv0);
   return help ? 0 : 2;
 }
@@ -82,6 +85,16 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--memory" || a == "--stage-times") {
       (a == "--memory" ? memory : stage_times) = true;
+      continue;
+    }
+    if (a == "--quick") {  // tiny sizes: only shows the program runs
+      c.layers = 2;
+      c.d_model = 32;
+      c.heads = 2;
+      c.seq_len = 16;
+      batch_size = 8;
+      microbatches = 2;
+      steps = 3;
       continue;
     }
     if (a == "--help" || a == "-h") return usage(argv[0], true);

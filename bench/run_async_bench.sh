@@ -16,17 +16,28 @@
 # Usage: bash bench/run_async_bench.sh   (about 8 minutes on 2 cores; builds first if needed)
 #   EPOCHS=3 (accuracy runs), BUILD=build (where pipetrain is), QUIET_WAIT=60 (s to wait for idle CPUs),
 #   SUMMARY_ONLY=1 (only redo summary.md and the SVG from the stored logs)
+#   QUICK=1 (`make test`): every schedule and optimizer for 8 steps on synthetic data (evaluations at 0,
+#   4 and 8 on 64 samples), timing runs of 8 steps on 2 stages, one round each, into a temporary folder;
+#   fails unless it wrote summary.md and loss_curves.svg (bench/lib/quick.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=bench/results/async
-BUILD=${BUILD:-build}
-EPOCHS=${EPOCHS:-3}
 QUIET_WAIT=${QUIET_WAIT:-60}
+# shellcheck source=bench/lib/quick.sh
+source bench/lib/quick.sh  # QUICK, BUILD, bench_out, need_built, quick_done
+OUT=$(bench_out bench/results/async)
+EPOCHS=${EPOCHS:-3}
+TIMING_STAGES="4 2" TIMING_ROUNDS="1 2" LENGTH=(--epochs "$EPOCHS") TIMING_LENGTH=(--epochs 1) EVAL_EVERY=235
+if ((QUICK)); then
+  EPOCHS=1 TIMING_STAGES=2 TIMING_ROUNDS=1 LENGTH=(--steps 8 --eval-samples 64 --data synthetic)
+  TIMING_LENGTH=(--steps 8 --data synthetic) EVAL_EVERY=4
+fi
+export TIMING_STAGES TIMING_ROUNDS
 mkdir -p "$OUT"
 TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT  # also when a run fails
 BIN=$TMP/pipetrain
 if [[ -z ${SUMMARY_ONLY:-} ]]; then
-  [[ -x $BUILD/pipetrain ]] || make build >/dev/null
+  need_built "$BUILD/pipetrain"
   cp "$BUILD/pipetrain" "$BIN"  # others may rebuild the build folder meanwhile
 fi
 
@@ -44,7 +55,7 @@ run() {
   if ((WAIT)); then busy=$(wait_quiet); else busy=$(cpu_busy); fi
   s0=$(stat_busy)
   /usr/bin/time -f '%e %U %S' -o "$TMP/time.txt" "$BIN" train "$@" --progress quiet --log "$OUT/$name.jsonl" \
-    >"$OUT/$name.txt" 2>&1 || echo "FAILED: $name (see $OUT/$name.txt)"
+    >"$OUT/$name.txt" 2>&1 || echo "FAILED: $name (see $OUT/$name.txt)" | tee -a "$OUT/$name.txt"
   s1=$(stat_busy)
   read -r wall usr sys < <(tail -1 "$TMP/time.txt")
   other=$(awk -v d=$((s1 - s0)) -v hz="$HZ" -v w="$wall" -v u="$usr" -v s="$sys" -v n="$(nproc)" \
@@ -54,7 +65,7 @@ run() {
   printf '  %-28s wall %6s s  (cpu busy before %s%%, others during %s%%)\n' "$name" "$wall" "$busy" "$other"
 }
 
-COMMON=(--model mlp --batch-size 64 --clip 0 --eval-every 235)
+COMMON=(--model mlp --batch-size 64 --clip 0 --eval-every "$EVAL_EVERY")
 SCHEDULES=("1f1b:--schedule 1f1b --microbatches 4"
            "pipedream:--schedule pipedream"
            "pipedream-nostash:--schedule pipedream --no-stash"
@@ -68,17 +79,17 @@ for opt in sgd adam; do
   for entry in "${SCHEDULES[@]}"; do
     name=${entry%%:*}
     read -r -a flags <<<"${entry#*:}"
-    run "$opt-$name" "${COMMON[@]}" --stages 4 --epochs "$EPOCHS" --transport local "${O[@]}" "${flags[@]}"
+    run "$opt-$name" "${COMMON[@]}" --stages 4 "${LENGTH[@]}" --transport local "${O[@]}" "${flags[@]}"
   done
 done
 echo "timing runs (1 epoch, SGD, gloo processes):"
 WAIT=1
-for p in 4 2; do
-  for round in 1 2; do
+for p in $TIMING_STAGES; do
+  for round in $TIMING_ROUNDS; do
     for entry in "1f1b:--schedule 1f1b --microbatches 4" "2bw:--schedule 2bw --microbatches 4" "pipedream:--schedule pipedream"; do
       name=${entry%%:*}
       read -r -a flags <<<"${entry#*:}"
-      run "time-p$p-$name-r$round" "${COMMON[@]}" --stages "$p" --epochs 1 --transport gloo --threads 1 \
+      run "time-p$p-$name-r$round" "${COMMON[@]}" --stages "$p" "${TIMING_LENGTH[@]}" --transport gloo --threads 1 \
         --optimizer sgd --lr 0.02 --momentum 0.9 "${flags[@]}"
     done
   done
@@ -137,20 +148,24 @@ for opt, title in (("sgd", "SGD, momentum 0.9, lr 0.02"), ("adam", "Adam, lr 1e-
         rows.append(f"| {labels[n]} | {s['policy']} | {curve} | **{100*s['final']:.2f}%** | "
                     f"{100*(s['final']-ref['final']):+.2f} | {s['train_s']/epochs:.1f} | {tt} | {s['weights']} |")
 
-rows.append("\n**Time per epoch over gloo processes** (1 epoch, SGD; sum of step times, evaluation excluded; two rounds)\n")
-rows.append("| stages | schedule | round 1 s | round 2 s | median step ms | vs 1f1b (best of 2) | (m+p-1)/m | others' CPU during % |")
-rows.append("|---|---|---|---|---|---|---|---|")
-for p in (4, 2):
+rounds = [int(r) for r in os.environ.get("TIMING_ROUNDS", "1 2").split()]
+stages = [int(p) for p in os.environ.get("TIMING_STAGES", "4 2").split()]
+rows.append(f"\n**Time per epoch over gloo processes** (1 epoch, SGD; sum of step times, evaluation excluded; "
+            f"{len(rounds)} round(s))\n")
+rows.append("| stages | schedule | " + " | ".join(f"round {r} s" for r in rounds) + " | median step ms | "
+            f"vs 1f1b (best of {len(rounds)}) | (m+p-1)/m | others' CPU during % |")
+rows.append("|---|---|" + "---|" * len(rounds) + "---|---|---|---|")
+for p in stages:
     best = {}
     for n in ("1f1b", "2bw", "pipedream"):
-        runs = [summary(f"time-p{p}-{n}-r{r}") for r in (1, 2)]
+        runs = [summary(f"time-p{p}-{n}-r{r}") for r in rounds]
         best[n] = min(r["train_s"] for r in runs)
     for n in ("1f1b", "2bw", "pipedream"):
-        runs = [summary(f"time-p{p}-{n}-r{r}") for r in (1, 2)]
+        runs = [summary(f"time-p{p}-{n}-r{r}") for r in rounds]
         med = sorted(s["step_ms"] for s in runs[0]["steps"])[len(runs[0]["steps"]) // 2]
         ratio = best["1f1b"] / best[n]
-        rows.append(f"| {p} | {labels[n]} | {runs[0]['train_s']:.1f} | {runs[1]['train_s']:.1f} | {med:.2f} | "
-                    f"{ratio:.2f}x | {(4 + p - 1) / 4:.2f} | {runs[0]['other']}, {runs[1]['other']} |")
+        rows.append(f"| {p} | {labels[n]} | " + " | ".join(f"{r['train_s']:.1f}" for r in runs) + f" | {med:.2f} | "
+                    f"{ratio:.2f}x | {(4 + p - 1) / 4:.2f} | {', '.join(str(r['other']) for r in runs)} |")
 open(os.path.join(out, "summary.md"), "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))
 
@@ -199,3 +214,4 @@ open(os.path.join(out, "loss_curves.svg"), "w").write("\n".join(svg) + "\n")
 print("wrote", os.path.join(out, "summary.md"), "and", os.path.join(out, "loss_curves.svg"))
 PY
 rm -rf "$TMP"
+quick_done "$OUT" summary.md loss_curves.svg

@@ -12,17 +12,30 @@
 # Each cell also gets the simulator's prediction from the profile (pipetrain simulate --profile, 60 us
 # per transfer), and 8 and 16 stages are predicted only. Results: bench/results/balance/ (raw outputs,
 # results.json, summary.md). About 6-8 minutes on 2 cores.
+# QUICK=1 (`make test`): a tiny GPT only, 2 stages, balances memory (block partition) and optimal, 1f1b,
+# 3 steps, and 4 stages predicted, into a temporary folder; fails unless it wrote summary.md
+# and results.json (bench/lib/quick.sh). BUILD (default build) is where pipetrain is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=bench/results/balance
+# shellcheck source=bench/lib/quick.sh
+source bench/lib/quick.sh  # QUICK, BUILD, bench_out, need_built, quick_done
+OUT=$(bench_out bench/results/balance)
 mkdir -p "$OUT/raw"
-[[ -x build/pipetrain ]] || make build >/dev/null
+need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
-cp build/pipetrain "$BIN"
+trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
+cp "$BUILD/pipetrain" "$BIN"
 M=4
+MODELS="gpt cnn" STAGES="1 2 4" BALANCES="uniform parameters time memory optimal" SCHEDULES="gpipe 1f1b"
+PREDICTED="8 16" STEPS=8 REPEATS=7 SIZES="1 2 4 16"
 declare -A FLAGS BATCH
 FLAGS[gpt]="--model gpt --data synthetic --layers 8 --d-model 128 --heads 4 --seq-len 64 --vocab 96"
 BATCH[gpt]=32
+if ((QUICK)); then
+  MODELS=gpt STAGES=2 BALANCES="memory optimal" SCHEDULES=1f1b PREDICTED=4 STEPS=3 REPEATS=1 SIZES="1 2"
+  FLAGS[gpt]="--model gpt --data synthetic --layers 2 --d-model 32 --heads 2 --seq-len 16 --vocab 96"
+fi
+export MODELS STAGES BALANCES SCHEDULES PREDICTED
 FLAGS[cnn]="--model cnn --data fashion-mnist --eval-samples 64"
 BATCH[cnn]=64
 declare -A KIND SOLVER
@@ -37,34 +50,34 @@ KIND[optimal]=time;         SOLVER[optimal]=min-max
   "$BIN" info
 } >"$OUT/raw/machine.txt" 2>&1
 
-for model in gpt cnn; do
+for model in $MODELS; do
   micro=$((BATCH[$model] / M))
   # shellcheck disable=SC2086
-  "$BIN" profile ${FLAGS[$model]/--eval-samples 64/} --microbatch-size "$micro" --threads 1 --repeats 7 --sizes 1 2 4 16 \
+  "$BIN" profile ${FLAGS[$model]/--eval-samples 64/} --microbatch-size "$micro" --threads 1 --repeats $REPEATS --sizes $SIZES \
     --out "$OUT/$model-profile.json" >"$OUT/raw/$model-profile.txt"
-  for stages in 1 2 4; do
-    for bal in uniform parameters time memory optimal; do
+  for stages in $STAGES; do
+    for bal in $BALANCES; do
       [[ $stages == 1 && $bal != uniform ]] && continue
-      for schedule in gpipe 1f1b; do
+      for schedule in $SCHEDULES; do
         name="$model-p$stages-$bal-$schedule"
         echo "== $name" >&2
         # shellcheck disable=SC2086
         "$BIN" train ${FLAGS[$model]} --stages "$stages" --schedule "$schedule" --microbatches $M \
-          --batch-size "${BATCH[$model]}" --steps 8 --balance "${KIND[$bal]}" --balance-solver "${SOLVER[$bal]}" \
+          --batch-size "${BATCH[$model]}" --steps $STEPS --balance "${KIND[$bal]}" --balance-solver "${SOLVER[$bal]}" \
           --profile "$OUT/$model-profile.json" --memory --progress lines --sample 0 >"$OUT/raw/$name.txt" 2>&1 ||
           echo "FAILED" >>"$OUT/raw/$name.txt"
         "$BIN" simulate --schedule "$schedule" --stages "$stages" --microbatches $M --profile "$OUT/$model-profile.json" \
           --balance "${KIND[$bal]}" --balance-solver "${SOLVER[$bal]}" --latency 60 --json >"$OUT/raw/$name.sim.json" 2>&1 ||
-          echo '{"error": true}' >"$OUT/raw/$name.sim.json"
+          echo '{"error": "FAILED"}' >"$OUT/raw/$name.sim.json"
       done
     done
   done
-  for stages in 8 16; do
-    for bal in uniform parameters time memory optimal; do
+  for stages in $PREDICTED; do
+    for bal in $BALANCES; do
       "$BIN" simulate --schedule 1f1b --stages "$stages" --microbatches $((2 * stages)) --profile "$OUT/$model-profile.json" \
         --microbatch-size "$(( (BATCH[$model] + 2 * stages - 1) / (2 * stages) ))" \
         --balance "${KIND[$bal]}" --balance-solver "${SOLVER[$bal]}" --latency 60 --json \
-        >"$OUT/raw/$model-p$stages-$bal-1f1b.sim.json" 2>&1 || echo '{"error": true}' >"$OUT/raw/$model-p$stages-$bal-1f1b.sim.json"
+        >"$OUT/raw/$model-p$stages-$bal-1f1b.sim.json" 2>&1 || echo '{"error": "FAILED"}' >"$OUT/raw/$model-p$stages-$bal-1f1b.sim.json"
     done
   done
 done
@@ -74,13 +87,14 @@ python3 - "$OUT" "$M" <<'PY'
 import json, os, re, statistics as st, sys
 out, m = sys.argv[1], int(sys.argv[2])
 batch = {"gpt": 32, "cnn": 64}
+env = lambda k: os.environ[k].split()
 rows, res = [], {}
-for model in ("gpt", "cnn"):
-    for stages in (1, 2, 4):
-        for bal in ("uniform", "parameters", "time", "memory", "optimal"):
+for model in env("MODELS"):
+    for stages in map(int, env("STAGES")):
+        for bal in env("BALANCES"):
             if stages == 1 and bal != "uniform":
                 continue
-            for sch in ("gpipe", "1f1b"):
+            for sch in env("SCHEDULES"):
                 name = f"{model}-p{stages}-{bal}-{sch}"
                 t = open(os.path.join(out, "raw", name + ".txt")).read()
                 steps = [float(x) for x in re.findall(r"step +\d+/\d+ .*? ([0-9.]+) ms", t)]
@@ -99,8 +113,8 @@ for model in ("gpt", "cnn"):
                            failed="FAILED" in t)
                 res[name] = rec
                 rows.append(rec)
-    for stages in (8, 16):
-        for bal in ("uniform", "parameters", "time", "memory", "optimal"):
+    for stages in map(int, env("PREDICTED")):
+        for bal in env("BALANCES"):
             name = f"{model}-p{stages}-{bal}-1f1b"
             try:
                 sim = json.load(open(os.path.join(out, "raw", name + ".sim.json")))
@@ -119,9 +133,10 @@ for r in rows:
               f"{f(r['predicted_ms'], '{:.1f}')} | {f(ratio, '{:.2f}')} |")
 md += ["", "Predicted only (1f1b, m = 2p):", "", "| model | p | balance | predicted ms | bubble | imbalance |", "|---|---|---|---|---|---|"]
 for name, r in res.items():
-    if r["stages"] in (8, 16):
+    if r["stages"] in map(int, env("PREDICTED")):
         imb = max(r["busy"]) / st.mean(r["busy"]) if r.get("busy") else None
         md.append(f"| {r['model']} | {r['stages']} | {r['balance']} | {f(r['predicted_ms'], '{:.1f}')} | {f(r['predicted_bubble'], '{:.3f}')} | {f(imb, '{:.2f}')} |")
 open(os.path.join(out, "summary.md"), "w").write("\n".join(md) + "\n")
 print("\n".join(md))
 PY
+quick_done "$OUT" summary.md results.json

@@ -3,6 +3,11 @@
 #
 #   bash bench/run_runtime_bench.sh                      # 9-15 min on 2 cores (longer when noisy)
 #   ROUNDS=1 STEPS=5 bash bench/run_runtime_bench.sh     # a quick look
+#   QUICK=1 bash bench/run_runtime_bench.sh              # `make test`: every configuration once at tiny
+#       sizes (m=4, 3 steps; not plain-2t and pipe-1t, which differ from plain-1t and pipe-2t only in the
+#       thread count), one other balance and one memory run, into a temporary folder; fails unless every
+#       run worked and it wrote its summary (bench/lib/quick.sh). BUILD (default build) is where the
+#       programs are; quick mode never builds.
 #
 # For one GPT (8 blocks, d_model 256, 4 heads, vocab 96, context 128, batch 32) and m in {4, 8}, runs
 # ROUNDS interleaved rounds, each running every configuration once:
@@ -28,23 +33,36 @@ ROOT=$PWD
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-6}
 QUIET_WAIT=${QUIET_WAIT:-20}
-MODEL=(--data synthetic --layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128)
+# shellcheck source=bench/lib/quick.sh
+source bench/lib/quick.sh  # QUICK, BUILD, bench_out, need_built, quick_done
+# The model's shape, which every program takes; pipetrain also needs its data source (the baselines,
+# bench_plain_gpt and peer_pipe.py, train on the same synthetic tokens and take no --data flag).
+MODEL=(--layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128)
+PT_DATA=(--data synthetic)
 BATCH=32
 MS=(4 8)
-RES=$ROOT/bench/results/runtime
+BALANCES=(parameters 4,6 6,4)
+XFER_ITERS=200
+if ((QUICK)); then
+  ROUNDS=1 STEPS=3 MS=(4) BALANCES=(4,6) XFER_ITERS=5 RETRIES=0
+  MODEL=(--layers 8 --d-model 32 --heads 2 --vocab 96 --seq-len 16)
+fi
+RES=$(bench_out "$ROOT/bench/results/runtime")
 RAW=$RES/raw
 PY=/usr/bin/python3
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo -n 2)
 
 # --- build, then run private copies (others may rebuild build/ while this runs) -------------------------
-if [[ ! -x build/pipetrain || ! -x build/bench/bench_plain_gpt || ! -x build/bench/bench_transport ]]; then
+if ((QUICK)); then
+  need_built "$BUILD/pipetrain" "$BUILD/bench/bench_plain_gpt" "$BUILD/bench/bench_transport"
+elif [[ ! -x $BUILD/pipetrain || ! -x $BUILD/bench/bench_plain_gpt || ! -x $BUILD/bench/bench_transport ]]; then
   make build
 else
-  cmake --build build --target pipetrain bench_plain_gpt bench_transport -j"$(nproc)" >/dev/null
+  cmake --build "$BUILD" --target pipetrain bench_plain_gpt bench_transport -j"$(nproc)" >/dev/null
 fi
 BIN=$(mktemp -d /tmp/pipetrain-bench.XXXXXX)
 trap 'rm -rf "$BIN"' EXIT
-cp build/pipetrain build/bench/bench_plain_gpt build/bench/bench_transport "$BIN/"
+cp "$BUILD/pipetrain" "$BUILD/bench/bench_plain_gpt" "$BUILD/bench/bench_transport" "$BIN/"
 mkdir -p "$BIN/traces"
 rm -rf "$RAW"
 mkdir -p "$RAW"
@@ -60,7 +78,7 @@ mkdir -p "$RAW"
   echo "python: $($PY -c 'import torch; print("torch", torch.__version__, "threads default", torch.get_num_threads())')"
   echo "mpirun: $(command -v mpirun || echo none) $(mpirun --version 2>/dev/null | head -1)"
   echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-unset}"
-  echo "rounds: $ROUNDS, steps per run: $STEPS (median over steps 3..$STEPS), batch $BATCH, model ${MODEL[*]}"
+  echo "rounds: $ROUNDS, steps per run: $STEPS (median over steps 3..$STEPS), batch $BATCH, model ${MODEL[*]} ${PT_DATA[*]}"
 } >"$RAW/machine.txt"
 cat "$RAW/machine.txt"
 
@@ -73,7 +91,7 @@ printf 'round\tconfig\tm\tbatch\tcpu_busy_before_pct\tother_cpu_during_pct\twall
 # how much of the machine other processes used meanwhile (all CPU time in /proc/stat minus the run's own).
 # A run during which others used >= 10% of the machine is run once more (attempt 2, RETRIES in all);
 # both are kept, and the summary's "quiet" medians use only runs with < 5%.
-RETRIES=${RETRIES:-12}
+RETRIES=${RETRIES:-12}  # quick mode: 0
 ATTEMPT=1
 run() {
   local name=$1 round=$2 m=$3 b=$4
@@ -104,7 +122,7 @@ run() {
   fi
 }
 # Adam lr 1e-3 constant, no clipping: the optimizer bench_plain_gpt runs. One progress line per step (step times).
-PT_COMMON=(--stages 2 --threads 1 --memory "${MODEL[@]}" --batch-size "$BATCH" --steps "$STEPS" --progress lines
+PT_COMMON=(--stages 2 --threads 1 --memory "${MODEL[@]}" "${PT_DATA[@]}" --batch-size "$BATCH" --steps "$STEPS" --progress lines
            --lr 1e-3 --lr-schedule constant --clip 0)
 HAVE_MPI=0
 command -v mpirun >/dev/null && HAVE_MPI=1
@@ -125,20 +143,20 @@ for round in $(seq 1 "$ROUNDS"); do
       run pt-mpi "$round" "$m" "$BATCH" -- "${MPIRUN[@]}" "$BIN/pipetrain" train "${PT_COMMON[@]}" --transport mpi \
         --schedule 1f1b --microbatches "$m" --trace "${tr}_pt-mpi.json" --svg "${tr}_pt-mpi.svg"
     fi
-    run plain-2t "$round" "$m" "$BATCH" -- "$BIN/bench_plain_gpt" "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
-      --steps "$STEPS" --threads 2
+    ((QUICK)) || run plain-2t "$round" "$m" "$BATCH" -- "$BIN/bench_plain_gpt" "${MODEL[@]}" --batch-size "$BATCH" \
+      --microbatches "$m" --steps "$STEPS" --threads 2
     run plain-1t "$round" "$m" "$BATCH" -- "$BIN/bench_plain_gpt" "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
       --steps "$STEPS" --threads 1 --stage-times
     run pipe-2t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
       --steps "$STEPS" --threads 2 --partitions 2
-    run pipe-1t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
-      --steps "$STEPS" --threads 1 --partitions 2
+    ((QUICK)) || run pipe-1t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" \
+      --microbatches "$m" --steps "$STEPS" --threads 1 --partitions 2
   done
 done
 
 # --- once: other balances (same model, 1f1b m=4) ------------------------------------------------------
 echo "balances"
-for bal in parameters 4,6 6,4; do
+for bal in "${BALANCES[@]}"; do
   run "pt-1f1b-bal${bal//,/-}" 1 4 "$BATCH" -- "$BIN/pipetrain" train "${PT_COMMON[@]}" --schedule 1f1b --microbatches 4 \
     --balance "$bal" --trace "$BIN/traces/bal${bal//,/-}.json"
 done
@@ -147,21 +165,24 @@ done
 echo "memory"
 RETRIES=0  # memory and transfer sizes do not depend on the noise
 MEM_STEPS=3
-run mem-gpipe 1 4 32 -- "$BIN/pipetrain" train --stages 2 --threads 1 --memory "${MODEL[@]}" --schedule gpipe \
-  --microbatches 4 --batch-size 32 --steps $MEM_STEPS
-run mem-gpipe 1 8 64 -- "$BIN/pipetrain" train --stages 2 --threads 1 --memory "${MODEL[@]}" --schedule gpipe \
-  --microbatches 8 --batch-size 64 --steps $MEM_STEPS
-run mem-1f1b 1 8 64 -- "$BIN/pipetrain" train --stages 2 --threads 1 --memory "${MODEL[@]}" --schedule 1f1b \
-  --microbatches 8 --batch-size 64 --steps $MEM_STEPS
+run mem-gpipe 1 4 32 -- "$BIN/pipetrain" train --stages 2 --threads 1 --memory "${MODEL[@]}" "${PT_DATA[@]}" \
+  --schedule gpipe --microbatches 4 --batch-size 32 --steps $MEM_STEPS
+if ((!QUICK)); then
+  run mem-gpipe 1 8 64 -- "$BIN/pipetrain" train --stages 2 --threads 1 --memory "${MODEL[@]}" "${PT_DATA[@]}" \
+    --schedule gpipe --microbatches 8 --batch-size 64 --steps $MEM_STEPS
+  run mem-1f1b 1 8 64 -- "$BIN/pipetrain" train --stages 2 --threads 1 --memory "${MODEL[@]}" "${PT_DATA[@]}" \
+    --schedule 1f1b --microbatches 8 --batch-size 64 --steps $MEM_STEPS
+fi
 run mem-plain 1 4 32 -- "$BIN/bench_plain_gpt" "${MODEL[@]}" --batch-size 32 --microbatches 4 --steps 2 --threads 1 --memory
 
 # --- once: Gloo vs MPI per activation transfer at this model's sizes ----------------------------------
 echo "transports"
 SIZES=$((BATCH / 8 * 128 * 256 * 4)),$((BATCH / 4 * 128 * 256 * 4))  # micro-batch activation at m=8 and m=4
-run xfer-gloo 1 0 0 -- "$BIN/pipetrain" launch -n 2 -- "$BIN/bench_transport" --transport gloo --sizes "$SIZES" --iters 200
-run xfer-gloo-raw 1 0 0 -- "$BIN/pipetrain" launch -n 2 -- "$BIN/bench_transport" --transport gloo-raw --sizes "$SIZES" --iters 200
+((QUICK)) && SIZES=4096,65536
+run xfer-gloo 1 0 0 -- "$BIN/pipetrain" launch -n 2 -- "$BIN/bench_transport" --transport gloo --sizes "$SIZES" --iters $XFER_ITERS
+run xfer-gloo-raw 1 0 0 -- "$BIN/pipetrain" launch -n 2 -- "$BIN/bench_transport" --transport gloo-raw --sizes "$SIZES" --iters $XFER_ITERS
 if ((HAVE_MPI)); then
-  run xfer-mpi 1 0 0 -- "${MPIRUN[@]}" "$BIN/bench_transport" --transport mpi --sizes "$SIZES" --iters 200
+  run xfer-mpi 1 0 0 -- "${MPIRUN[@]}" "$BIN/bench_transport" --transport mpi --sizes "$SIZES" --iters $XFER_ITERS
 fi
 echo "benchmark wall time: $(($(date +%s) - START)) s" | tee -a "$RAW/machine.txt"
 
@@ -478,3 +499,4 @@ json.dump({"runs": {f"{k[0]} m={k[1]} b={k[2]}": v for k, v in runs.items()}, "m
 print(md)
 EOF
 cp "$RAW/runs.tsv" "$RES/runs.tsv"
+quick_done "$RES" summary.md summary.json runs.tsv

@@ -6,13 +6,24 @@
 # Each runs once, one after the other (2 processes over gloo, 1 thread each); raw outputs and per-step
 # logs go to bench/results/train/, a summary table to bench/results/train/summary.md.
 # Usage: bash bench/run_train_bench.sh   (about 5 minutes on 2 cores; builds first if needed)
+#        QUICK=1 bash bench/run_train_bench.sh   (`make test`: 4 steps of each, tiny GPT, into a temporary
+#        folder; fails unless it wrote summary.md. bench/lib/quick.sh; BUILD=build is where pipetrain is)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=bench/results/train
+# shellcheck source=bench/lib/quick.sh
+source bench/lib/quick.sh  # QUICK, BUILD, bench_out, need_built, quick_done
+OUT=$(bench_out bench/results/train)
 mkdir -p "$OUT"
-[[ -x build/pipetrain ]] || make build >/dev/null
+need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
-cp build/pipetrain "$BIN"   # others may rebuild build/ meanwhile
+trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
+cp "$BUILD/pipetrain" "$BIN"   # others may rebuild build/ meanwhile
+# Quick: a few steps with an evaluation at step 0 and at the end, and a tiny GPT.
+LENGTH=(--epochs 3 --eval-every 938) QUICK_GPT=()
+if ((QUICK)); then
+  LENGTH=(--steps 4 --eval-every 4 --eval-samples 64)
+  QUICK_GPT=(--steps 4 --eval-every 4 --eval-samples 8 --layers 1 --d-model 32 --heads 2 --seq-len 16 --batch-size 8)
+fi
 
 run() {
   local name=$1
@@ -22,9 +33,9 @@ run() {
   "$BIN" train "$@" --progress quiet --log "$OUT/$name.jsonl" >"$OUT/$name.txt" 2>&1
   echo "wall_s $((SECONDS - t0))" >>"$OUT/$name.txt"
 }
-run mlp-fmnist --model mlp --epochs 3 --batch-size 64 --eval-every 938
-run cnn-fmnist --model cnn --epochs 3 --batch-size 64 --eval-every 938
-run gpt-kjv
+run mlp-fmnist --model mlp --batch-size 64 "${LENGTH[@]}"
+run cnn-fmnist --model cnn --batch-size 64 "${LENGTH[@]}"
+run gpt-kjv "${QUICK_GPT[@]}"
 
 python3 - "$OUT" <<'PY'
 import json, re, sys, os
@@ -41,3 +52,4 @@ for name in ("mlp-fmnist", "cnn-fmnist", "gpt-kjv"):
 open(os.path.join(out, "summary.md"), "w").write("\n".join(rows) + "\n")
 print("\n".join(rows))
 PY
+quick_done "$OUT" summary.md

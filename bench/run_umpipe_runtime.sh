@@ -15,19 +15,25 @@
 # OUT (default bench/results/umpipe), REUSE=1 (keep the profiles and plans already in OUT) and FIRST_ROUND
 # (default 1), to add rounds to a run: the summary takes every round found in OUT/raw. The machine is shared: each run waits for the CPUs to be quiet
 # (bench/lib/load.sh) and the load is recorded. About 10 minutes on 2 cores.
+# QUICK=1 (`make test`): a tiny GPT only (4 blocks, d_model 32, vocabulary 256, batch 16), profiled at 3
+# sizes once, planned for 2 stages, one round of 3 steps of equal and dgap, into a temporary folder;
+# fails unless it wrote summary.md and results.json (bench/lib/quick.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/lib/load.sh
 . bench/lib/load.sh
-OUT=${OUT:-bench/results/umpipe}
+# shellcheck source=bench/lib/quick.sh
+source bench/lib/quick.sh  # QUICK, BUILD, bench_out, need_built, quick_done
+OUT=$(bench_out bench/results/umpipe)
 ROUNDS=${ROUNDS:-3}
 FIRST_ROUND=${FIRST_ROUND:-1}
 STEPS=${STEPS:-12}
 RUN_STAGES=${RUN_STAGES:-"2 4"}
-BUILD=${BUILD:-build}
+MODELS="gpt cnn" PLAN_STAGES="2 4 8 16" REPEATS=7
 mkdir -p "$OUT/raw"
-[[ -x $BUILD/pipetrain ]] || make build >/dev/null
+need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
+trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
 cp "$BUILD/pipetrain" "$BIN"
 declare -A FLAGS BATCH MICRO SIZES
 FLAGS[gpt]="--model gpt --data synthetic --layers 14 --d-model 64 --heads 4 --seq-len 64 --vocab 4096"
@@ -38,6 +44,14 @@ FLAGS[cnn]="--model cnn --data fashion-mnist"
 BATCH[cnn]=64
 MICRO[cnn]=16
 SIZES[cnn]="1 2 4 8 16 32 64"
+if ((QUICK)); then
+  MODELS=gpt PLAN_STAGES=2 RUN_STAGES=2 ROUNDS=1 FIRST_ROUND=1 STEPS=3 REPEATS=1
+  FLAGS[gpt]="--model gpt --data synthetic --layers 4 --d-model 32 --heads 2 --seq-len 16 --vocab 256"
+  BATCH[gpt]=16
+  MICRO[gpt]=4
+  SIZES[gpt]="1 4 16"
+fi
+export MODELS PLAN_STAGES
 {
   echo "== run: ROUNDS=$ROUNDS STEPS=$STEPS RUN_STAGES=$RUN_STAGES REUSE=${REUSE:-0}"
   echo "date: $(date -u +%FT%TZ)"
@@ -45,15 +59,15 @@ SIZES[cnn]="1 2 4 8 16 32 64"
   "$BIN" info
 } >>"$OUT/raw/machine.txt" 2>&1
 
-for model in gpt cnn; do
+for model in $MODELS; do
   if [[ ${REUSE:-0} == 1 && -f $OUT/$model-p2-plan.json ]]; then
     echo "== $model: reusing $OUT/$model-profile.json and its plans" >&2
   else
   echo "== $model: profile (CPU busy before: $(wait_quiet)%)" >&2
   # shellcheck disable=SC2086
-  "$BIN" profile ${FLAGS[$model]} --microbatch-size "${MICRO[$model]}" --threads 1 --repeats 7 --sizes ${SIZES[$model]} \
+  "$BIN" profile ${FLAGS[$model]} --microbatch-size "${MICRO[$model]}" --threads 1 --repeats $REPEATS --sizes ${SIZES[$model]} \
     --out "$OUT/$model-profile.json" >"$OUT/raw/$model-profile.txt"
-  for p in 2 4 8 16; do
+  for p in $PLAN_STAGES; do
     echo "== $model: plan for $p stages" >&2
     "$BIN" plan --profile "$OUT/$model-profile.json" --ranks "$p" --batch-size "${BATCH[$model]}" --planner umpipe \
       --latency 60 --out "$OUT/$model-p$p-plan.json" >"$OUT/raw/$model-p$p-plan.txt" 2>&1 ||
@@ -83,6 +97,8 @@ python3 - "$OUT" "$RUN_STAGES" <<'PY'
 import glob, json, os, re, statistics as st, sys
 out = sys.argv[1]
 run_stages = tuple(int(x) for x in sys.argv[2].split())
+models = os.environ.get("MODELS", "gpt cnn").split()
+plan_stages = [int(x) for x in os.environ.get("PLAN_STAGES", "2 4 8 16").split()]
 planners = ("equal", "local-greedy", "global-dp", "dgap")
 res = {"planned": {}, "measured": {}}
 md = []
@@ -92,8 +108,8 @@ pct = lambda a, b: None if a is None or b is None or b <= 0 else 100.0 * (a / b 
 md += ["Predicted ms per mini-batch (GPipe order, re-materialised), gain = equal / DGAP - 1:", "",
        "| model | stages | balance | equal (m) | local greedy | global DP | DGAP | predicted gain |",
        "|---|---|---|---|---|---|---|---|"]
-for model in ("gpt", "cnn"):
-    for p in (2, 4, 8, 16):
+for model in models:
+    for p in plan_stages:
         path = os.path.join(out, f"{model}-p{p}-plan.json")
         if not os.path.exists(path):
             continue
@@ -111,7 +127,7 @@ md += ["", "Measured (median of steps 3.., per run; median over the rounds, per-
        "| model | stages | plan | predicted ms | measured step ms | measured pass ms | pass: predicted / measured |",
        "|---|---|---|---|---|---|---|"]
 gains = []
-for model in ("gpt", "cnn"):
+for model in models:
     for p in run_stages:
         key = f"{model}-p{p}"
         if key not in res["planned"]:
@@ -149,7 +165,7 @@ def at(pts, b, i):  # piecewise linear, continued along the end segments
     return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
 md += ["", "Per-stage busy ms (compute only), predicted from the profile's points against measured (median):", "",
        "| model | stages | plan | predicted per stage | measured per stage | measured / predicted |", "|---|---|---|---|---|---|"]
-for model in ("gpt", "cnn"):
+for model in models:
     prof = json.load(open(os.path.join(out, f"{model}-profile.json")))
     for p in run_stages:
         key = f"{model}-p{p}"
@@ -185,3 +201,4 @@ json.dump(res, open(os.path.join(out, "results.json"), "w"), indent=1)
 open(os.path.join(out, "summary.md"), "w").write("\n".join(md) + "\n")
 print("\n".join(md))
 PY
+quick_done "$OUT" summary.md results.json

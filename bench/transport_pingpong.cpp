@@ -6,6 +6,7 @@
 //   mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo
 //          -n 2 build/bench/bench_transport --transport mpi        (one command line)
 //   build/pipetrain launch -n 2 -- build/bench/bench_transport --transport gloo-raw
+//   build/pipetrain launch -n 2 -- build/bench/bench_transport --transport gloo --quick   (`make test`)
 //
 // gloo-raw is c10d::ProcessGroupGloo's send/recv without pipetrain's header and watchdog: what the
 // size check costs.
@@ -41,7 +42,8 @@ double median(std::vector<double> v) {
 
 int usage(const char* argv0) {
   std::fprintf(stderr,
-               "usage: %s --transport gloo|mpi|gloo-raw [--iters N (50)] [--warmup N (5)] [--sizes BYTES,...]\n"
+               "usage: %s --transport gloo|mpi|gloo-raw [--iters N (50)] [--warmup N (5)] [--sizes BYTES,...] [--quick]\n"
+               "--quick (the `make test` run): sizes 4096,65536, 5 iterations, 1 warm-up (later flags still apply)\n"
                "run as two ranks, e.g. pipetrain launch -n 2 -- %s --transport gloo\n",
                argv0, argv0);
   return 2;
@@ -55,6 +57,12 @@ int main(int argc, char** argv) {
   std::vector<long long> sizes = {4 << 10, 256 << 10, 4 << 20, 16 << 20};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--quick") {
+      sizes = {4 << 10, 64 << 10};
+      iters = 5;
+      warmup = 1;
+      continue;
+    }
     if (i + 1 >= argc) return usage(argv[0]);
     const std::string v = argv[++i];
     if (a == "--transport") transport = v;

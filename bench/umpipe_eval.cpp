@@ -1,4 +1,4 @@
-// UMPIPE planning benchmark (plan/umpipe.h, ALGORITHMS.md §7; torch-free, links only pipetrain_core).
+// UMPIPE planning benchmark (plan/umpipe.h, docs/ALGORITHMS.md §7; torch-free, links only pipetrain_core).
 //
 // 1. Evaluator speed (§7.3, issue 7's ">= 10x per individual at population 256"): the time per
 //    individual of UmpipeEvaluator::step_ms (the scalar recurrence, one plan at a time) against
@@ -16,10 +16,12 @@
 //        --vgg-overhead ms per micro-batch and pass, the part of its time that does not scale with b),
 //    for 2, 4 and 8 stages, balanced by time with the min-max solver.
 //
-//   build-umpipe/bench/bench_umpipe --out umpipe.json [--repeats 31] [--vgg PATH] [--bandwidth 10]
-//       [--latency-us 50] [--vgg-overhead 0.05] [--seed 1]
+//   build/bench/bench_umpipe --out umpipe.json [--repeats 31] [--vgg PATH] [--bandwidth 10]
+//       [--latency-us 50] [--vgg-overhead 0.05] [--seed 1] [--quick]
 //
-// Prints both tables and writes them as JSON to --out.
+// Prints both tables and writes them as JSON to --out. --vgg defaults to the repository's
+// data/pipedream/vgg16-graph.txt. --quick (the `make test` run): 1 repeat, 2 and 4 stages only, and a
+// small DGAP (population 16, at most 20 generations); its numbers only show the program works.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -48,20 +50,16 @@ struct Args {
   double latency_us = 50;
   double vgg_overhead_ms = 0.05;
   uint64_t seed = 1;
+  bool quick = false;
 };
 
+// PipeDream's published VGG-16 profile, vendored in the repository (data/pipedream/README.md).
 std::string default_vgg_path() {
-  std::string root = __FILE__;
-  for (int up = 0; up < 2; ++up) root = root.substr(0, root.find_last_of('/'));
-  std::vector<std::string> dirs;
-  if (const char* env = std::getenv("PIPETRAIN_SHARED")) dirs.push_back(env);
-  dirs.push_back(root + "/../shared");
-  dirs.push_back(root + "/shared");
-  for (const std::string& d : dirs) {
-    const std::string path = d + "/data/pipedream-profiles/vgg16-graph.txt";
-    if (std::ifstream(path)) return path;
-  }
+#ifdef PIPETRAIN_SOURCE_DIR
+  return std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/vgg16-graph.txt";
+#else
   return "";
+#endif
 }
 
 // The GPT-like profile. Per-layer times t(b) = alpha + beta b in ms at b = 1..32 (b0 = 8), backward
@@ -213,15 +211,17 @@ int main(int argc, char** argv) {
       a.vgg_overhead_ms = std::stod(value());
     else if (k == "--seed")
       a.seed = std::stoull(value());
+    else if (k == "--quick")
+      a.quick = true;
     else {
       std::fprintf(stderr,
                    "usage: bench_umpipe [--out FILE] [--repeats R] [--vgg PATH] [--bandwidth GB/s] [--latency-us US] "
-                   "[--vgg-overhead MS] [--seed S]\n");
+                   "[--vgg-overhead MS] [--seed S] [--quick]\n");
       return 2;
     }
   }
   if (a.vgg.empty()) a.vgg = default_vgg_path();
-  if (a.repeats < 1) a.repeats = 1;
+  if (a.repeats < 1 || a.quick) a.repeats = 1;
 
   struct Case {
     std::string name;
@@ -237,14 +237,15 @@ int main(int argc, char** argv) {
     po.optimizer_bytes_per_parameter_byte = 1;  // SGD with momentum
     cases.push_back({"vgg16", load_pipedream_graph(a.vgg, po), 128, a.vgg_overhead_ms});
   } else {
-    std::fprintf(stderr, "note: VGG-16 profile not found (pass --vgg PATH or set PIPETRAIN_SHARED); skipping it\n");
+    std::fprintf(stderr, "note: no VGG-16 profile (pass --vgg PATH); skipping it\n");
   }
 
   std::vector<PlanRow> plans;
   UmpipePlan gpt4_dgap;
   UmpipeModel gpt4_model;
+  const std::vector<int> stage_counts = a.quick ? std::vector<int>{2, 4} : std::vector<int>{2, 4, 8};
   for (const Case& c : cases)
-    for (int stages : {2, 4, 8}) {
+    for (int stages : stage_counts) {
       UmpipeProfileOptions o;
       o.samples = c.samples;
       o.bandwidth_bytes_per_s = a.bandwidth_gbps * 1e9;
@@ -260,6 +261,11 @@ int main(int argc, char** argv) {
                          dp = plan_umpipe_global_dp(model);
       DgapOptions d;
       d.seed = a.seed;
+      if (a.quick) {
+        d.population = 16;
+        d.generations = 20;
+        d.stall_generations = 10;
+      }
       const auto t0 = Clock::now();
       const UmpipeResult ga = plan_umpipe_dgap(model, d);
       row.dgap_plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();

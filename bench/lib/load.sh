@@ -1,8 +1,9 @@
-# Machine-load helpers shared by the benchmark scripts (source it). QUIET_WAIT (seconds) bounds wait_quiet.
-cpu_busy() {  # percent of all CPUs busy over 1 s
+# Machine-load helpers shared by the benchmark scripts (source it). QUIET_WAIT (seconds) bounds wait_quiet;
+# LOAD_WINDOW_S (default 1) is how long cpu_busy watches (quick mode: 0.1).
+cpu_busy() {  # percent of all CPUs busy over LOAD_WINDOW_S seconds
   local a1 a2 a3 a4 a5 a6 a7 a8 b1 b2 b3 b4 b5 b6 b7 b8
   read -r _ a1 a2 a3 a4 a5 a6 a7 a8 _ </proc/stat
-  sleep 1
+  sleep "${LOAD_WINDOW_S:-1}"
   read -r _ b1 b2 b3 b4 b5 b6 b7 b8 _ </proc/stat
   local busy=$(((b1 + b2 + b3 + b6 + b7 + b8) - (a1 + a2 + a3 + a6 + a7 + a8)))
   local idle=$(((b4 + b5) - (a4 + a5)))

@@ -1,4 +1,4 @@
-// UMPIPE (plan/umpipe.h, ALGORITHMS.md §7): time curves, the model and its memory caps, building a
+// UMPIPE (plan/umpipe.h, docs/ALGORITHMS.md §7): time curves, the model and its memory caps, building a
 // model from a profile, the scalar evaluator of §7.2, and the plan JSON. The vectorised evaluator is in
 // umpipe_vector.cpp, the planners in umpipe_planners.cpp.
 #include "pipetrain/plan/umpipe.h"

@@ -1,4 +1,4 @@
-// The AVX2 copy of the vectorised evaluator's kernel (umpipe_kernel.h, ALGORITHMS.md §7.3): 4 lanes per
+// The AVX2 copy of the vectorised evaluator's kernel (umpipe_kernel.h, docs/ALGORITHMS.md §7.3): 4 lanes per
 // vector, hardware gathers for the cost tables. Compiled for AVX2 by the pragma below whatever the
 // build's flags; umpipe_vector.cpp calls it only when the CPU has AVX2.
 #include "umpipe_kernel.h"

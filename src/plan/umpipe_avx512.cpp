@@ -1,4 +1,4 @@
-// The AVX-512 copy of the vectorised evaluator's kernel (umpipe_kernel.h, ALGORITHMS.md §7.3): 8 lanes per
+// The AVX-512 copy of the vectorised evaluator's kernel (umpipe_kernel.h, docs/ALGORITHMS.md §7.3): 8 lanes per
 // vector, hardware gathers for the cost tables. Compiled for AVX-512 F, DQ (mask-to-vector moves) and VL by
 // the pragma below whatever the build's flags; umpipe_vector.cpp calls it only when the CPU has all three.
 #include "umpipe_kernel.h"

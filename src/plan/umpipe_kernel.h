@@ -1,4 +1,4 @@
-// Private to src/plan/umpipe_*.cpp: the vectorised evaluator's kernel (ALGORITHMS.md §7.3; the method
+// Private to src/plan/umpipe_*.cpp: the vectorised evaluator's kernel (docs/ALGORITHMS.md §7.3; the method
 // is described at the top of umpipe_vector.cpp).
 //
 // Why a header included by several files: GCC lowers vector-extension code for the instruction set of

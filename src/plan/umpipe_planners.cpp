@@ -1,5 +1,5 @@
 // UMPIPE planners (plan/umpipe.h): the best equal partition, local greedy, global-greedy DP
-// (ALGORITHMS.md §7.5) and DGAP (§7.4), with DGAP's genotype helpers and repair.
+// (docs/ALGORITHMS.md §7.5) and DGAP (§7.4), with DGAP's genotype helpers and repair.
 #include <fmt/format.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// TiDGAP's vectorised evaluation (ALGORITHMS.md §7.3) for plan/umpipe.h: a whole population at once.
+// TiDGAP's vectorised evaluation (docs/ALGORITHMS.md §7.3) for plan/umpipe.h: a whole population at once.
 //
 // Level 1 (across individuals): individuals sit in tiles of 8 lanes, structure of arrays, and every
 // operation below works on a vector of lanes (GCC/Clang vector extensions: 8 doubles with AVX-512, 4

@@ -1,4 +1,4 @@
-// Internal to pipetrain_runtime: the UMPIPE training pass (ALGORITHMS.md §7.1/§7.2, docs/UMPIPE.md
+// Internal to pipetrain_runtime: the UMPIPE training pass (docs/ALGORITHMS.md §7.1/§7.2, docs/UMPIPE.md
 // "Runtime"). PipelineRank::train_steps hands a step to run_umpipe_pass when PipelineOptions::umpipe is
 // set; the executor then does the flush (global loss and norm, clipping, the optimizer step) as for any
 // synchronous schedule.

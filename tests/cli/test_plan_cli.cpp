@@ -96,8 +96,8 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
 }
 
 TEST(PlanCli, PipeDreamVgg16Profile) {
-  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / ".." / "shared" / "data" / "pipedream-profiles" / "vgg16-graph.txt";
-  if (!fs::exists(vgg)) GTEST_SKIP() << "no PipeDream profile at " << vgg;
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  ASSERT_TRUE(fs::exists(vgg)) << vgg << " is missing; it is part of the repository";
   const CommandResult r = run_pipetrain("plan --profile " + vgg.string() +
                                         " --pipedream-batch 128 --ranks 4 --bandwidth 1.25 --batch-size 128");
   ASSERT_EQ(r.code, 0) << r.out;

@@ -129,8 +129,8 @@ TEST(ReplicationCli, SimulateLaysOutRoundRobin) {
 // pipeline, so plan chooses it and writes the replication into the plan.
 TEST(ReplicationCli, PlanChoosesTheReplicatedPlanWhenItIsFaster) {
   const fs::path dir = temp_dir("vgg");
-  const std::string profile = std::string(PIPETRAIN_SOURCE_DIR) + "/../shared/data/pipedream-profiles/vgg16-graph.txt";
-  if (!fs::exists(profile)) GTEST_SKIP() << "no shared VGG-16 profile at " << profile;
+  const std::string profile = std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/vgg16-graph.txt";
+  ASSERT_TRUE(fs::exists(profile)) << profile << " is missing; it is part of the repository";
   CommandResult r = run_pipetrain("plan --profile " + profile + " --pipedream-batch 128 --ranks 4 --batch-size 512 "
                                   "--bandwidth 1 --out " + (dir / "plan.json").string());
   ASSERT_EQ(r.code, 0) << r.out;

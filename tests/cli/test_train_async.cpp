@@ -1,4 +1,4 @@
-// Checks `pipetrain train` with the asynchronous schedules (issue 5; ALGORITHMS.md §5, §6): pipedream
+// Checks `pipetrain train` with the asynchronous schedules (issue 5; docs/ALGORITHMS.md §5, §6): pipedream
 // (with stashing, vertical sync and the no-stash baseline), 2bw and spectrain train over threads and
 // over gloo processes, report their weight policy and the extra weight sets each stage kept; a resumed
 // asynchronous run gives bitwise the losses of an uninterrupted one (calls end at the same steps); bad

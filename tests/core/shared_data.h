@@ -1,26 +1,18 @@
-// Where the tests find the project's shared data (PipeDream's VGG-16 profile): beside the repository
-// (../shared) or inside it (shared/); PIPETRAIN_SHARED overrides both. Empty when absent (tests skip).
+// Where the tests find the data vendored in the repository (data/, see data/pipedream/README.md):
+// under PIPETRAIN_SOURCE_DIR, the source tree's absolute path, which CMakeLists.txt compiles into
+// test_core. Nothing outside the repository is read.
 #pragma once
 
-#include <cstdlib>
-#include <fstream>
 #include <string>
-#include <vector>
+
+#ifndef PIPETRAIN_SOURCE_DIR
+#error "PIPETRAIN_SOURCE_DIR (the source tree's absolute path) must be defined; CMakeLists.txt does it for test_core"
+#endif
 
 namespace pipetrain::testing {
 
-inline std::string vgg16_path() {
-  std::string root = __FILE__;
-  for (int up = 0; up < 3; ++up) root = root.substr(0, root.find_last_of('/'));
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("PIPETRAIN_SHARED")) candidates.push_back(env);
-  candidates.push_back(root + "/../shared");
-  candidates.push_back(root + "/shared");
-  for (const std::string& dir : candidates) {
-    const std::string path = dir + "/data/pipedream-profiles/vgg16-graph.txt";
-    if (std::ifstream(path)) return path;
-  }
-  return "";
-}
+// PipeDream's published VGG-16 profile (data/pipedream/vgg16-graph.txt). A test that reads it must
+// fail, not skip, when it is missing: the file is part of the repository.
+inline std::string vgg16_path() { return std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/vgg16-graph.txt"; }
 
 }  // namespace pipetrain::testing

@@ -1,6 +1,6 @@
 // Checks the balance helpers (plan/balance.h): rejection of bad balances with the numbers and the fix,
 // the uniform split (remainder to the first stages), the optimal min-max split against brute force
-// over every contiguous split of random inputs (ALGORITHMS.md §3.3 properties: optimal, at least
+// over every contiguous split of random inputs (docs/ALGORITHMS.md §3.3 properties: optimal, at least
 // max(max cost, total/p), k = 1 gives the total and k = L the largest cost), torchgpipe's block
 // partition (§3.1) on hand-traced cases, including where it fails, and never better than min-max on
 // random inputs, and the balance kinds on a profile (§3.2), with expected splits derived by hand.
@@ -113,7 +113,7 @@ TEST(Balance, MinMaxEdgeCases) {
   const std::vector<double> cost{5, 1, 1, 1, 1, 1, 1, 1, 1, 9};
   EXPECT_DOUBLE_EQ(bottleneck(cost, balance_min_max(cost, 1)), 22.0);
   EXPECT_DOUBLE_EQ(bottleneck(cost, balance_min_max(cost, 10)), 9.0);
-  // ALGORITHMS.md §3.1's example: [5,1,...,9] in 3 parts has bottleneck 9 (e.g. 7 | 6 | 9).
+  // docs/ALGORITHMS.md §3.1's example: [5,1,...,9] in 3 parts has bottleneck 9 (e.g. 7 | 6 | 9).
   EXPECT_DOUBLE_EQ(bottleneck(cost, balance_min_max(cost, 3)), 9.0);
 }
 

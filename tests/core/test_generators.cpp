@@ -1,5 +1,5 @@
 // Checks every schedule generator: over a table of sizes each one validates and simulates without
-// deadlock, and with uniform costs its simulated timeline meets the closed forms of ALGORITHMS.md
+// deadlock, and with uniform costs its simulated timeline meets the closed forms of docs/ALGORITHMS.md
 // (§1.5, §1.7, §4.1-§4.4, §5). Each test names the formula it checks; the expected numbers come from
 // the formulas, never from a previous run.
 #include <gtest/gtest.h>
@@ -61,7 +61,7 @@ TEST(Generators, TableOfSizesValidatesAndSimulates) {
   EXPECT_GT(checked, 300);
 }
 
-// GPipe and 1F1B: makespan (m+p-1)(F+B+W), bubble fraction (p-1)/(m+p-1) (ALGORITHMS.md §1.7, §4.2).
+// GPipe and 1F1B: makespan (m+p-1)(F+B+W), bubble fraction (p-1)/(m+p-1) (docs/ALGORITHMS.md §1.7, §4.2).
 TEST(Generators, GpipeAnd1F1BMakespanAndBubbleFraction) {
   for (const StageCost& c : kCosts)
     for (int p : {1, 2, 4, 8})

@@ -1,4 +1,4 @@
-// Checks the PipeDream planner (plan/planner.h, ALGORITHMS.md §3.4).
+// Checks the PipeDream planner (plan/planner.h, docs/ALGORITHMS.md §3.4).
 //  - Brute force: every contiguous split with every replication vector (and, for two network levels,
 //    every nested inner plan) is evaluated by the formulas of planner.h, written out again here from
 //    the flattened plan (memory from each stage's position in it, not from the planner's contexts);
@@ -374,7 +374,7 @@ TEST(Planner, ThreeLevelsMatchBruteForce) {
 }
 
 TEST(Planner, InfiniteBandwidthStraightPipelineIsTheMinMaxPartition) {
-  // ALGORITHMS.md §3.4: with Bw -> infinity and no all-reduce, the straight pipeline on M devices is
+  // docs/ALGORITHMS.md §3.4: with Bw -> infinity and no all-reduce, the straight pipeline on M devices is
   // §3.3's min-max partition of forward + backward into M parts, in either cost form.
   std::mt19937 rng(3);
   for (int trial = 0; trial < 200; ++trial) {
@@ -625,7 +625,7 @@ TEST(Planner, PlanJsonRoundTripsAndIsChecked) {
 
 TEST(Planner, Vgg16OnFourAndEightDevices) {
   const std::string path = vgg16_path();
-  ASSERT_FALSE(path.empty()) << "../shared/data/pipedream-profiles/vgg16-graph.txt not found (set PIPETRAIN_SHARED)";
+  ASSERT_TRUE(std::ifstream(path).good()) << path << " is missing; it is part of the repository (data/pipedream/)";
   PipeDreamOptions po;
   po.model = "vgg16";
   po.micro_batch_size = 128;

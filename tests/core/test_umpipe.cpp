@@ -1,8 +1,8 @@
-// Checks UMPIPE planning (plan/umpipe.h, ALGORITHMS.md §7, pipetrain's reconstruction):
+// Checks UMPIPE planning (plan/umpipe.h, docs/ALGORITHMS.md §7, pipetrain's reconstruction):
 //  - time curves: affine clamp, table interpolation and extrapolation, least squares, by formula;
 //  - the recurrence of §7.2: P-U1 (equal partitions give GPipe's (m+p-1)(f+b)), the same with links
 //    ((m+p-1)(f+b) + 2(p-1)c while links never queue), agreement with the core event simulator's GPipe
-//    on heterogeneous stages, and ALGORITHMS.md §7.4's sanity anchor (best EDP m = 8, T = 26.106, from
+//    on heterogeneous stages, and docs/ALGORITHMS.md §7.4's sanity anchor (best EDP m = 8, T = 26.106, from
 //    the reconstruction's own simulator);
 //  - P-U2: the vectorised evaluator (every instruction set this CPU has) agrees with the scalar one to
 //    1e-12 relative on random models and individuals, partial tiles included;
@@ -42,7 +42,7 @@ UmpipeStage constant_stage(double f, double g, double c = 0) {
   return s;
 }
 
-// ALGORITHMS.md §7.4's sanity model: p = 4, N = 64, forward alpha + beta b, backward twice that,
+// docs/ALGORITHMS.md §7.4's sanity model: p = 4, N = 64, forward alpha + beta b, backward twice that,
 // links 0.02 + 0.002 b, stage 1 capped at 8 samples per micro-batch.
 UmpipeModel sanity_model() {
   UmpipeModel m;
@@ -203,7 +203,7 @@ TEST(UmpipeRecurrence, EqualPartitionsGiveGpipe) {
     const UmpipeEvaluator ev(model);
     EXPECT_DOUBLE_EQ(ev.step_ms(equal_plan(p, 4 * m, m)), (m + p - 1) * (tf + tb)) << p << " stages, m = " << m;
   }
-  // The example of ALGORITHMS.md §7.6: p = 4, m = 8, tf = 1, tb = 2 gives 33.
+  // The example of docs/ALGORITHMS.md §7.6: p = 4, m = 8, tf = 1, tb = 2 gives 33.
   UmpipeModel model;
   model.samples = 8;
   for (int j = 0; j < 4; ++j) model.stages.push_back(constant_stage(1, 2));
@@ -259,7 +259,7 @@ TEST(UmpipeRecurrence, MatchesCoreSimulatorGpipe) {
   }
 }
 
-// ALGORITHMS.md §7.4 ran this model through the reconstruction's own simulator: the best equal partition
+// docs/ALGORITHMS.md §7.4 ran this model through the reconstruction's own simulator: the best equal partition
 // is m = 8 with T = 26.106 (three decimals).
 TEST(UmpipeRecurrence, SanityModelAnchor) {
   const UmpipeResult r = plan_umpipe_equal(sanity_model());
@@ -779,7 +779,7 @@ TEST(UmpipeDgap, StopsOnStall) {
   EXPECT_THROW(plan_umpipe_dgap(model, o), UsageError);  // elitism needs room for children
 }
 
-// On ALGORITHMS.md §7.4's model the reconstruction's GA gained 13.0% over the best equal partition; ours
+// On docs/ALGORITHMS.md §7.4's model the reconstruction's GA gained 13.0% over the best equal partition; ours
 // must gain at least 10% (it is a different GA, so not the same number), and beat both greedy baselines.
 TEST(UmpipeDgap, ClearGainOnTheSanityModel) {
   const UmpipeModel model = sanity_model();

@@ -1,11 +1,11 @@
-// Oracle tests for the asynchronous schedules (ALGORITHMS.md §5 and §6) on the in-process transport.
+// Oracle tests for the asynchronous schedules (docs/ALGORITHMS.md §5 and §6) on the in-process transport.
 //
 // The expectations come from a plain sequential reference written here, never from the executor: a
 // Linear+Tanh MLP in float64 whose forward and backward are done by hand (so the weights of the forward
 // and of the backward can differ, as they do without stashing and under SpecTrain), and SGD, momentum
 // SGD and Adam updates written out from LibTorch's formulas. Each policy is a rule "mini-batch i uses
 // stage s's version V at its forward and V' at its backward, extrapolated by s steps", taken from the
-// ALGORITHMS.md section the test names:
+// docs/ALGORITHMS.md section the test names:
 //   pipedream (stash)  V = V' = max(0, i - (p-1-s))                                   P-WS-1, P-WS-3
 //   vertical sync      V = V' = max(0, i - (p-1)) on every stage                        P-VS-1
 //   2bw                step k uses version max(0, k-1): W(k+1) = W(k) - lr grad(W(k-1))  P-2BW-2, P-2BW-3

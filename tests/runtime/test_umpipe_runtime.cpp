@@ -1,4 +1,4 @@
-// Checks the UMPIPE runtime (PipelineOptions::umpipe, src/runtime/umpipe_pass.h) against ALGORITHMS.md
+// Checks the UMPIPE runtime (PipelineOptions::umpipe, src/runtime/umpipe_pass.h) against docs/ALGORITHMS.md
 // §7.6: P-U7, the gradient of random unequal plans (every stage its own forward and backward cuts)
 // equals the full-batch gradient of a plain single-process model, and training follows the plain run;
 // P-U6, every sample passes every stage exactly once per pass, in stream order, in both directions, in

@@ -3,7 +3,7 @@
 //
 // Units are the caller's: the command line uses milliseconds for measured profiles and plain "units"
 // for synthetic costs. A fused backward (BW) costs B + W. Memory follows the zero-bubble convention
-// (ALGORITHMS.md §1.5): F adds `activation[s]`; B releases `b_release_fraction` of it, W the rest; BW
+// (docs/ALGORITHMS.md §1.5): F adds `activation[s]`; B releases `b_release_fraction` of it, W the rest; BW
 // releases all of it.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Data dependencies between actions (ALGORITHMS.md §1.2), shared by the validator, the simulator and
+// Data dependencies between actions (docs/ALGORITHMS.md §1.2), shared by the validator, the simulator and
 // the lowering pass so that all three agree on what an action waits for.
 //
 // Data is named by tokens: Act(s, i) is stage s's forward output for micro-batch i (made by F);

@@ -77,7 +77,7 @@ Schedule zb_h2(int p, int m, const CostModel& costs, int steps = 1);
 
 // Automatic zero-bubble heuristic: the greedy list schedule under `memory_limit` micro-batches of
 // activation memory per rank, trying several priority rules and keeping the one with the smallest
-// max-span (ALGORITHMS.md §4.4.4, simplified: a greedy, not the ILP).
+// max-span (docs/ALGORITHMS.md §4.4.4, simplified: a greedy, not the ILP).
 Schedule zb_auto(int p, int m, const CostModel& costs, double memory_limit, int steps = 1);
 
 // PipeDream asynchronous 1F1B: no flush; every micro-batch is its own mini-batch and each stage

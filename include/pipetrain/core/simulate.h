@@ -1,4 +1,4 @@
-// The event simulator (ALGORITHMS.md §1.6): runs a schedule's per-rank orders against a cost model and
+// The event simulator (docs/ALGORITHMS.md §1.6): runs a schedule's per-rank orders against a cost model and
 // predicts when every action starts and ends, and the metrics of the run.
 //
 // Each rank executes its list in order; an action starts when the rank is free and its input tokens

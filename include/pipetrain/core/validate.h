@@ -1,4 +1,4 @@
-// Offline validation of a schedule, before anything runs (ALGORITHMS.md §1.4):
+// Offline validation of a schedule, before anything runs (docs/ALGORITHMS.md §1.4):
 //   1. sizes and owners: every action names an existing stage and micro-batch (or step) and sits on the
 //      rank that owns its stage;
 //   2. completeness: every F once; per (stage, micro-batch) either one BW or one B and one W; if the

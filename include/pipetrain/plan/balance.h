@@ -18,7 +18,7 @@ void check_balance(const std::vector<int>& balance, int layers);
 // Layer counts as equal as possible; the first L mod p stages get one layer more.
 std::vector<int> balance_uniform(int layers, int stages);
 
-// Optimal contiguous min-max partition (ALGORITHMS.md §3.3): minimises the largest per-stage sum of
+// Optimal contiguous min-max partition (docs/ALGORITHMS.md §3.3): minimises the largest per-stage sum of
 // `cost` over splits into `stages` non-empty parts. Dynamic programme, O(L^2 p). Among optimal splits
 // it returns the one whose earlier stages are as long as possible.
 std::vector<int> balance_min_max(const std::vector<double>& cost, int stages);
@@ -29,7 +29,7 @@ double bottleneck(const std::vector<double>& cost, const std::vector<int>& balan
 // Parses "3,2,2" into {3, 2, 2}; throws UsageError naming the text on anything else.
 std::vector<int> parse_balance(const std::string& text);
 
-// torchgpipe's block-partition heuristic (ALGORITHMS.md §3.1, after Barany et al.), with its exact
+// torchgpipe's block-partition heuristic (docs/ALGORITHMS.md §3.1, after Barany et al.), with its exact
 // semantics so balances match torchgpipe's balance_by_time / balance_by_size on the same costs:
 //  - costs are normalised to (x - min) / (max - min), all zeros when max = min;
 //  - the start is boundaries at floor(L/k) * 1, ..., floor(L/k) * (k-1), so with equal costs the
@@ -47,7 +47,7 @@ std::vector<int> parse_balance(const std::string& text);
 // returned balance passes check_balance.
 std::vector<int> balance_block_partition(const std::vector<double>& cost, int stages);
 
-// The two solvers for a per-layer cost vector. min_max (balance_min_max, ALGORITHMS.md §3.3) is the
+// The two solvers for a per-layer cost vector. min_max (balance_min_max, docs/ALGORITHMS.md §3.3) is the
 // default: it is never worse than block_partition in the largest stage sum.
 enum class BalanceSolver { min_max, block_partition };
 

@@ -1,4 +1,4 @@
-// PipeDream's planner (ALGORITHMS.md §3.4): split a profiled model into contiguous stages and give each
+// PipeDream's planner (docs/ALGORITHMS.md §3.4): split a profiled model into contiguous stages and give each
 // stage a replication factor (data parallelism inside the stage, mini-batches dealt round robin to the
 // replicas, 1F1B-RR), minimising the predicted time per mini-batch at the bottleneck. Torch-free.
 //
@@ -21,7 +21,7 @@
 // 1.6 GB per batch; a planner blind to that splits there for free). The reference form exists to
 // compare results with PipeDream's published planner: same cost terms and memory estimate, same quirks.
 //
-// Hierarchy (ALGORITHMS.md §3.4, reference detail 5): `levels` lists the network innermost first, e.g.
+// Hierarchy (docs/ALGORITHMS.md §3.4, reference detail 5): `levels` lists the network innermost first, e.g.
 // {{8, 300e9}, {4, 25e9}} is 4 servers of 8 GPUs. Level 0's units are devices; a unit of level k > 0 is
 // a whole group of level k-1 (G_k devices, G_k = M_0 ... M_{k-1}). A range placed on level-k units runs,
 // inside each unit, the best level-(k-1) plan of that range; its time takes the place of T above, and
@@ -36,7 +36,7 @@
 //                   state, and one activation set per mini-batch in flight. n = ceil(D_s / R_s) where
 //                   R_s is the stage's replication in the flattened plan and D_s the devices of it and of
 //                   every later stage: the 1F1B warm-up plus one, (p - s) in a straight pipeline
-//                   (ALGORITHMS.md §3.4, "warm-up forwards on stage s"). Exact across levels.
+//                   (docs/ALGORITHMS.md §3.4, "warm-up forwards on stage s"). Exact across levels.
 //   reference form  ceil((m - r) / r) (A + W) at every level, with m the units at and after the stage in
 //                   its own level's group: the reference code's stash estimate.
 //

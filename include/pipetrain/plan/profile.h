@@ -13,7 +13,7 @@
 
 namespace pipetrain {
 
-// Forward and whole-backward time of one layer at another micro-batch size. UMPIPE (ALGORITHMS.md §7)
+// Forward and whole-backward time of one layer at another micro-batch size. UMPIPE (docs/ALGORITHMS.md §7)
 // plans with unequal micro-batches and needs the time as a function of the size; the plan layer only
 // stores and validates these.
 struct SizeMeasurement {
@@ -30,7 +30,7 @@ struct LayerProfile {
   // `time` and the PipeDream planner.
   double backward_ms = 0;
   // Whether the layer's backward splits into an input-gradient part (B) and a weight-gradient part (W)
-  // (ALGORITHMS.md §4.4.1). With the split, the two are measured separately and need not add up to
+  // (docs/ALGORITHMS.md §4.4.1). With the split, the two are measured separately and need not add up to
   // `backward_ms` exactly. Without it, input_grad_ms and weight_grad_ms are not used (b_ms() is the
   // whole backward and w_ms() is 0), so code that fills a profile may leave them alone.
   bool bw_split = false;
@@ -81,7 +81,7 @@ struct PipeDreamOptions {
   double optimizer_bytes_per_parameter_byte = 0;  // e.g. 2 for Adam; PipeDream does not record it
 };
 
-// Reads PipeDream's profile text format (ALGORITHMS.md §2.1): node lines
+// Reads PipeDream's profile text format (docs/ALGORITHMS.md §2.1): node lines
 //   nodeK -- <description> -- forward_compute_time=<ms>, backward_compute_time=<ms>,
 //            activation_size=<bytes or [b1; b2; ...]>, parameter_size=<bytes>[ -- stage_id=<s>]
 // and tab-indented edge lines `nodeA -- nodeB`. Conversion, as PipeDream's planner does it:

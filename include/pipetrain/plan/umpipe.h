@@ -1,10 +1,10 @@
-// UMPIPE planning (ALGORITHMS.md §7): every stage cuts the mini-batch of N samples into its own
+// UMPIPE planning (docs/ALGORITHMS.md §7): every stage cuts the mini-batch of N samples into its own
 // micro-batches, separately for the forward and the backward pass, and a dual-chromosome genetic
 // algorithm (DGAP) chooses the cuts. Torch-free.
 //
 // Provenance: only the paper's abstract is public (Zhou, Tian, Buyya, Wu, IEEE TPDS 2024). The model,
 // the time recurrence, the vectorised evaluation, DGAP's operators and the two greedy baselines below
-// are pipetrain's own definitions, taken from the reconstruction in ALGORITHMS.md §7 ([RECON] there);
+// are pipetrain's own definitions, taken from the reconstruction in docs/ALGORITHMS.md §7 ([RECON] there);
 // docs/UMPIPE.md explains the choices.
 //
 // Model (§7.1). Stages j = 0..p-1, a mini-batch of N samples in a fixed order. Per stage, functions of
@@ -212,7 +212,7 @@ class UmpipeEvaluator {
 
 // A population in the vectorised evaluator's layout: per tile of 8 individuals, per direction, stage
 // and sample s, the size of the micro-batch that ends at sample s, or 0 (§7.3's padding: size 0, cost 0,
-// here at the samples where no micro-batch ends; ALGORITHMS.md pads at the end instead, which is the
+// here at the samples where no micro-batch ends; docs/ALGORITHMS.md pads at the end instead, which is the
 // same recurrence). Which samples end a micro-batch in any lane of a tile is cached, so the evaluator
 // skips the rest.
 class UmpipePopulation {
@@ -274,7 +274,7 @@ struct DgapOptions {
   int generations = 800;        // G, at most
   int stall_generations = 150;  // stop after this many generations without improving the best
   // Per cut bit; < 0: 1 / (p (N - 1)), two flips per child on average over its 2p rows. Flips split or
-  // merge micro-batches, so a few per child already change a plan a lot: on ALGORITHMS.md §7.4's
+  // merge micro-batches, so a few per child already change a plan a lot: on docs/ALGORITHMS.md §7.4's
   // sanity model, 0.02 (about ten flips) ended 7% above what 0.005 reached with the same budget.
   double mutation_rate = -1;
   double shift_rate = 0.2;  // per chromosome row: move one cut by one sample

@@ -8,7 +8,7 @@
 //   LocalPipeline all ranks as threads of this process over the local transport, for tests and
 //                 single-process use: one call trains on every rank.
 //
-// Semantics (ALGORITHMS.md §1.8): micro-batch k is the sample range [begin_k, end_k) of the mini-batch
+// Semantics (docs/ALGORITHMS.md §1.8): micro-batch k is the sample range [begin_k, end_k) of the mini-batch
 // (sizes differ by at most one, the first N mod m larger); its loss is the loss function's mean over
 // the micro-batch times b_k / N, so the accumulated gradient is the full-batch gradient for any split.
 // The step's loss (sum of those terms) and the global gradient norm are all-reduced, so every rank
@@ -20,7 +20,7 @@
 // schedule this is exactly K calls of train_step (the flush separates the steps; tested bitwise), and
 // the reductions happen per step.
 //
-// Asynchronous schedules (ALGORITHMS.md §5, §6; weights.h has the versions and predictions):
+// Asynchronous schedules (docs/ALGORITHMS.md §5, §6; weights.h has the versions and predictions):
 //   pipedream  PipeDream's 1F1B without flush: every mini-batch is one micro-batch (microbatches = 1)
 //              and each stage steps after each backward. With weight_stashing (default) a forward uses
 //              the stage's newest weights and its backward the same version (§5.1.2): within a call,
@@ -140,7 +140,7 @@ struct PipelineOptions {
   // step bitwise the same weights. Evaluation (forward_only) runs on each stage's first replica. gpipe
   // or 1f1b only. Empty (or all ones): one rank per stage.
   std::vector<int> replication;
-  // UMPIPE (ALGORITHMS.md §7, docs/UMPIPE.md): when set, every training step runs these per-stage forward
+  // UMPIPE (docs/ALGORITHMS.md §7, docs/UMPIPE.md): when set, every training step runs these per-stage forward
   // and backward partitions of the mini-batch instead of the schedule's equal micro-batches: stage j on
   // rank j re-chunks the sample stream by its own rows, GPipe order, forward without a graph and each
   // backward chunk re-materialised from the stage's stashed inputs, losses scaled by b/N (so the

@@ -1,4 +1,4 @@
-// Zero-bubble backward splitting for linear layers (ALGORITHMS.md §4.4.1).
+// Zero-bubble backward splitting for linear layers (docs/ALGORITHMS.md §4.4.1).
 //
 // pipetrain::nn::Linear is a drop-in for torch::nn::Linear (same parameters, same initialisation, same
 // forward) whose backward can defer the weight gradient. While a WeightGradStore is active on the

@@ -1,4 +1,4 @@
-// Transparency check (ALGORITHMS.md §1.8, P-SYNC-1) on live ranks: one pipelined step against plain
+// Transparency check (docs/ALGORITHMS.md §1.8, P-SYNC-1) on live ranks: one pipelined step against plain
 // LibTorch gradient accumulation over the same micro-batches, on any transport. Each rank builds the
 // model twice from `factory` (which must be deterministic, e.g. seeded), runs one pipelined step on one
 // copy and the plain accumulation on the other, and compares the gradients of the parameters it holds.

@@ -1,4 +1,4 @@
-// Weight versions for asynchronous schedules (ALGORITHMS.md §5 PipeDream and 2BW, §6 SpecTrain and
+// Weight versions for asynchronous schedules (docs/ALGORITHMS.md §5 PipeDream and 2BW, §6 SpecTrain and
 // PipeOptim): which weights each pass of each micro-batch uses, and how a stage keeps them.
 //
 // A *version* of a stage is its weights after some number of its own optimizer steps. Versions are
