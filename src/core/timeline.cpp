@@ -1,5 +1,5 @@
 // Timeline metrics and writers (Chrome trace JSON, SVG Gantt chart, atomic file write).
-// See pipetrain/core/timeline.h for the contracts and DESIGN.md's glossary for the bubble conventions.
+// See pipetrain/core/timeline.h for the contracts and docs/ALGORITHMS.md §1.7 for the bubble conventions.
 #include "pipetrain/core/timeline.h"
 
 #include <fmt/format.h>

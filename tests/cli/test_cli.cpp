@@ -1,5 +1,5 @@
 // Checks the `pipetrain` command line as a user meets it: exit codes (0 success, 2 usage error with a
-// message naming the value and the fix), the simulate --json contract of DESIGN.md with numbers from
+// message naming the value and the fix), the simulate --json contract (README and docs/ARCHITECTURE.md) with numbers from
 // the closed forms, the trace and SVG files, CSV schedules written by hand, and --help examples.
 #include <gtest/gtest.h>
 #include <sys/wait.h>

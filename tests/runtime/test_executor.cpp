@@ -1,4 +1,4 @@
-// Checks the executor on the in-process transport. The main test is transparency (ALGORITHMS.md §1.8,
+// Checks the executor on the in-process transport. The main test is transparency (docs/ALGORITHMS.md §1.8,
 // P-SYNC-1): for every synchronous schedule, p in {1, 2, 4} and m in {1, 3, 8}, one pipelined step gives
 // the loss and every parameter gradient of plain LibTorch gradient accumulation over the same
 // micro-batches (same model, same seed), within fp32 relative 1e-5. Also: the fast and reference paths

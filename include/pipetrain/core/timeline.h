@@ -2,7 +2,7 @@
 // and the metrics and pictures made from them. Both sources produce the same Timeline type, so the
 // same writers draw them and predicted and measured runs can be compared side by side.
 //
-// Conventions (DESIGN.md glossary):
+// Conventions (docs/ALGORITHMS.md §1.7):
 //   busy_r   = sum of the durations of rank r's compute actions (F, B, W, BW)
 //   span_r   = last finish - first start on rank r
 //   bubble_r = span_r - busy_r                       (per-rank, zero-bubble convention)
