@@ -67,7 +67,7 @@ struct TrainFlags {
 constexpr int kMaxStepsPerCall = 256;
 
 bool is_async(const std::string& schedule) {
-  return schedule == "pipedream" || schedule == "2bw" || schedule == "spectrain";
+  return !schedule_traits(schedule).synchronous;
 }
 
 // The first step after `step` at which an asynchronous run drains its pipeline: the next evaluation,
@@ -472,7 +472,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
                                  : fmt::format("{} stages", f.pipe.stages),
                              transport->name(), o.threads,
                              async ? fmt::format("{} (weights: {}{})", f.pipe.schedule, to_string(rank.weight_policy()),
-                                                 f.pipe.schedule == "spectrain" || f.pipe.schedule == "pipedream"
+                                                 schedule_traits(f.pipe.schedule).one_microbatch_per_step
                                                      ? ", a step per micro-batch"
                                                      : "")
                                    : f.pipe.schedule,
@@ -786,7 +786,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
       f->model.prepare();
       f->pipe.prepare_umpipe(*cmd, f->batch_size);  // a plan's UMPIPE partitions: schedule gpipe, checked here
       // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
-      const bool one_per_step = f->pipe.schedule == "pipedream" || f->pipe.schedule == "spectrain";
+      const bool one_per_step = schedule_traits(f->pipe.schedule).one_microbatch_per_step;
       if (one_per_step && cmd->get_option("--microbatches")->count() == 0) f->pipe.microbatches = 1;
       if (f->steps_per_call < 0)
         throw UsageError("--steps-per-call must be >= 0 (0: up to the next evaluation or checkpoint), got " +

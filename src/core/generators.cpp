@@ -341,6 +341,24 @@ const std::vector<std::string>& schedule_names() {
   return names;
 }
 
+ScheduleTraits schedule_traits(const std::string& name) {
+  ScheduleTraits t;
+  if (name == "pipedream" || name == "spectrain") {
+    t.synchronous = false;
+    t.one_microbatch_per_step = true;
+  } else if (name == "2bw") {
+    t.synchronous = false;
+  } else if (name == "interleaved") {
+    t.virtual_stages = true;
+  } else if (name == "zb-h1" || name == "zb-h2" || name == "zb-auto") {
+    t.split_backward = true;
+  } else if (name != "gpipe" && name != "1f1b") {
+    generate(name, GeneratorOptions{});  // throws the list of valid names
+    throw UsageError("schedule '" + name + "' has no traits defined (core/generators.cpp schedule_traits)");
+  }
+  return t;
+}
+
 Schedule round_robin(const std::string& base, const std::vector<int>& replication, int m, int steps) {
   if (base != "gpipe" && base != "1f1b")
     throw UsageError("stage replication runs with --schedule gpipe or 1f1b (round robin over the replicas), not '" +

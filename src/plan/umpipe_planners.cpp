@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/random.h"
 #include "pipetrain/plan/umpipe.h"
 
 namespace pipetrain {
@@ -17,12 +18,9 @@ namespace {
 class Rng {
  public:
   explicit Rng(uint64_t seed) {
-    for (auto& word : s_) {
+    for (auto& word : s_) {  // splitmix64's stream from `seed`
+      word = splitmix64(seed);
       seed += 0x9e3779b97f4a7c15ULL;
-      uint64_t z = seed;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-      word = z ^ (z >> 31);
     }
   }
   uint64_t next() {

@@ -19,6 +19,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/lower.h"
+#include "pipetrain/core/random.h"
 #include "pipetrain/core/validate.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "umpipe_pass.h"
@@ -86,12 +87,7 @@ Timeline gather_timeline(const Timeline& mine, Transport& transport) {
 namespace {
 
 
-uint64_t mix(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+constexpr uint64_t mix(uint64_t x) { return splitmix64(x); }
 
 double heap_in_use() {
   const struct mallinfo2 m = mallinfo2();
@@ -111,13 +107,6 @@ std::string shape_text(const std::vector<int64_t>& shape, c10::ScalarType dtype)
   return out.str();
 }
 
-bool is_sync_schedule(const std::string& name) {
-  return name == "gpipe" || name == "1f1b" || name == "interleaved" || name == "zb-h1" || name == "zb-h2" ||
-         name == "zb-auto";
-}
-
-bool is_async_schedule(const std::string& name) { return name == "pipedream" || name == "2bw" || name == "spectrain"; }
-
 }  // namespace
 
 WeightPolicy weight_policy_of(const PipelineOptions& o) {
@@ -131,7 +120,7 @@ WeightPolicy weight_policy_of(const PipelineOptions& o) {
       throw UsageError("--no-stash applies to --schedule pipedream only, not '" + s +
                        "': drop --no-stash or use --schedule pipedream");
   }
-  if ((s == "pipedream" || s == "spectrain") && o.microbatches != 1)
+  if (schedule_traits(s).one_microbatch_per_step && o.microbatches != 1)
     throw UsageError(s + " steps after every micro-batch, so a mini-batch is one micro-batch: got " +
                      std::to_string(o.microbatches) + " micro-batches per step; use --microbatches 1 (the batch "
                      "size sets the mini-batch) or --schedule 2bw to accumulate micro-batches");
@@ -806,13 +795,7 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   d.transport = std::move(transport);
   d.options = std::move(options);
   const int p = d.transport->world_size();
-  if (!is_sync_schedule(d.options.schedule) && !is_async_schedule(d.options.schedule)) {
-    GeneratorOptions probe;
-    generate(d.options.schedule, probe);  // throws the list of valid names
-    throw UsageError("schedule '" + d.options.schedule + "' is not run by this executor: use gpipe, 1f1b, interleaved, "
-                     "zb-h1, zb-h2, zb-auto, pipedream, 2bw or spectrain");
-  }
-  d.async = is_async_schedule(d.options.schedule);
+  d.async = !schedule_traits(d.options.schedule).synchronous;  // throws for an unknown name
   if (d.async && d.options.data_parallel && d.options.data_parallel->world_size() > 1)
     throw UsageError("schedule '" + d.options.schedule + "' is asynchronous; data parallelism across pipelines "
                      "(replicas) runs with the synchronous schedules: use gpipe, 1f1b, interleaved or zb-*");

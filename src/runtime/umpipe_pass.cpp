@@ -11,6 +11,8 @@
 #include <chrono>
 #include <memory>
 #include <string>
+
+#include "pipetrain/core/generators.h"
 #include <utility>
 
 #include "pipetrain/core/error.h"
@@ -345,7 +347,7 @@ void check_umpipe_pipeline(const torch::nn::Sequential& model, const UmpipePlan&
                            const Schedule& schedule, int ranks) {
   const std::string& s = options.schedule;
   const std::string off = " (or train without UMPIPE: --umpipe off)";
-  if (s == "pipedream" || s == "2bw" || s == "spectrain")
+  if (!schedule_traits(s).synchronous)
     throw UsageError("schedule '" + s + "' is asynchronous, but UMPIPE runs synchronous steps in GPipe order: use "
                      "--schedule gpipe" + off);
   if (s != "gpipe")

@@ -3,7 +3,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include "pipetrain/core/random.h"
+#include "seeded.h"
+
 namespace pipetrain::zoo {
+
+at::Generator seeded_generator(uint64_t seed, uint64_t k) {
+  return at::make_generator<at::CPUGeneratorImpl>(splitmix64(splitmix64(seed) ^ k));
+}
 namespace {
 
 at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "pipetrain/core/error.h"
+#include "seeded.h"
 #include "pipetrain/zoo/data.h"
 
 namespace pipetrain::zoo {
@@ -27,18 +28,6 @@ const char* const kInstallFix =
     "--data-dir DIR holding train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
     "t10k-labels-idx1-ubyte (each plain or .gz)";
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-// ATen's CPU generator keeps only the low 32 bits of its seed, so (seed, epoch) is hashed rather than
-// combined linearly: every bit of both reaches those 32 bits.
-at::Generator generator(uint64_t seed, uint64_t k) {
-  return at::make_generator<at::CPUGeneratorImpl>(splitmix64(splitmix64(seed) ^ k));
-}
 
 std::string hex32(uint32_t v) {
   char buf[16];
@@ -233,7 +222,7 @@ class FashionMnist : public Dataset {
         return hit.second;
       }
     }
-    at::Generator g = generator(seed_, static_cast<uint64_t>(e));
+    at::Generator g = seeded_generator(seed_, static_cast<uint64_t>(e));
     torch::Tensor perm = torch::randperm(n_, g, torch::kLong);
     cache_.emplace_front(e, perm);
     if (cache_.size() > 4) cache_.pop_back();

@@ -18,22 +18,11 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/zoo/data.h"
+#include "seeded.h"
 
 namespace pipetrain::zoo {
 namespace {
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-// ATen's CPU generator keeps only the low 32 bits of its seed, so (seed, step) is hashed rather than
-// combined linearly: every bit of both reaches those 32 bits.
-at::Generator generator(uint64_t seed, uint64_t k) {
-  return at::make_generator<at::CPUGeneratorImpl>(splitmix64(splitmix64(seed) ^ k));
-}
 
 // "'a' (byte 0x61)", or just the byte for characters that do not print.
 std::string describe_char(unsigned char c) {
@@ -79,7 +68,7 @@ class Text : public Dataset {
   Batch batch(int64_t step, int64_t batch_size) override {
     if (step < 0) throw UsageError("batch step " + std::to_string(step) + " must be >= 0");
     if (batch_size < 1) throw UsageError("batch size " + std::to_string(batch_size) + " must be >= 1");
-    at::Generator g = generator(seed_, static_cast<uint64_t>(step));
+    at::Generator g = seeded_generator(seed_, static_cast<uint64_t>(step));
     // train_chars_ - seq_len_ windows of seq_len_ + 1 tokens fit inside the training part.
     torch::Tensor starts = torch::randint(train_chars_ - seq_len_, {batch_size}, g, torch::kLong);
     return windows(starts);

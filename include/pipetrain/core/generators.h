@@ -118,6 +118,23 @@ Schedule round_robin(const std::string& base, const std::vector<int>& replicatio
 // Names accepted by generate(), in the order shown to users.
 const std::vector<std::string>& schedule_names();
 
+// What a schedule name promises, defined once here for the generators, the executor and the command
+// line (none of them spells out lists of names).
+struct ScheduleTraits {
+  // Flushes after every step: each step's gradients are those of its own micro-batches, and the
+  // reductions (loss, global norm, clipping) happen at the step. False: pipedream, 2bw, spectrain,
+  // which step without a flush and use weight versions (runtime/weights.h).
+  bool synchronous = true;
+  // The mini-batch is one micro-batch and every stage steps after each backward (pipedream, spectrain).
+  bool one_microbatch_per_step = false;
+  // Several virtual stages (chunks) per rank (interleaved; --virtual V).
+  bool virtual_stages = false;
+  // The backward is split into B (input gradient) and W (weight gradient) actions (zb-*).
+  bool split_backward = false;
+};
+// Throws UsageError for an unknown name, as generate() does.
+ScheduleTraits schedule_traits(const std::string& name);
+
 // Builds the named schedule; throws UsageError for an unknown name (listing the valid ones) or bad
 // sizes (naming the value and the fix).
 Schedule generate(const std::string& name, const GeneratorOptions& options);

@@ -71,12 +71,13 @@
 #include "pipetrain/core/cost.h"
 #include "pipetrain/core/schedule.h"
 #include "pipetrain/core/timeline.h"
-#include "pipetrain/plan/umpipe.h"
 #include "pipetrain/runtime/stage.h"
 #include "pipetrain/runtime/transport.h"
 #include "pipetrain/runtime/weights.h"
 
 namespace pipetrain {
+
+struct UmpipePlan;  // plan/umpipe.h: per-stage sample partitions (PipelineOptions::umpipe)
 
 struct OptimizerOptions {
   std::string name = "sgd";     // sgd | adam | adamw
