@@ -846,8 +846,10 @@ void StoreClient::wait_for(const std::vector<std::string>& keys, milliseconds ti
   const bool forever = timeout == kNoTimeout;
   milliseconds pause{1};
   for (;;) {
-    check_abort();
+    // Keys already there are read even after a failure report: only real waiting ends with it (a rank
+    // that reads the rendezvous data another rank published just before failing finishes its part).
     if (check(keys)) return;
+    check_abort();
     if (!forever && Clock::now() - start >= timeout)
       throw std::runtime_error("timed out after " + std::to_string(timeout.count() / 1000) + " s waiting for " +
                                key_list(keys) + " in the rendezvous store at " + what_ +
