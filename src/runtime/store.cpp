@@ -364,6 +364,12 @@ bool StoreServer::flush(Connection& c) {
   return true;
 }
 
+std::size_t StoreServer::buffered_bytes() const {
+  std::size_t total = 0;
+  for (const auto& c : connections_) total += c->in.size() + c->out.size();
+  return total;
+}
+
 void StoreServer::reply(Connection& c, const std::string& body) {
   c.out += frame(body);
 }
@@ -379,6 +385,7 @@ bool StoreServer::read_from(Connection& c) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
       return false;
     }
+    if (buffered_bytes() + static_cast<std::size_t>(n) > kMaxBufferedBytes) return false;  // many clients at once
     c.in.append(buf, static_cast<std::size_t>(n));
     if (c.in.size() > limit) break;  // enough to judge: process() drops a frame that is too big
     if (static_cast<std::size_t>(n) < sizeof buf) break;
@@ -548,7 +555,7 @@ bool StoreServer::handle_request(Connection& c, const std::string& body) {
     default:
       return false;
   }
-  if (answer.size() + c.out.size() > kMaxOutput) return false;
+  if (answer.size() + c.out.size() > kMaxOutput || buffered_bytes() + answer.size() > kMaxBufferedBytes) return false;
   reply(c, answer);
   return true;
 }

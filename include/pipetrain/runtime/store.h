@@ -15,8 +15,9 @@
 // store then accepts any client without a token (rank 0 warns when it listens on a non-loopback address).
 // The token travels in clear text: it keeps out strays and other users' runs, not a network eavesdropper.
 // Everything read from the network is bounded (kMaxKeyBytes, kMaxValueBytes, kMaxKeys, kMaxStoredBytes,
-// kMaxKeysPerRequest, kMaxConnections, an unauthenticated connection's 10 s to say who it is), so a hostile
-// client cannot make the server allocate without limit; a client that breaks a limit is disconnected.
+// kMaxKeysPerRequest, kMaxConnections, kMaxBufferedBytes over all connections, 512 bytes and 10 s for an
+// unauthenticated connection to say who it is), so a hostile client cannot make the server allocate
+// without limit: a request over a limit is refused with the limit, a frame over it ends the connection.
 //
 // Failure board. Keys are the run's; kAbortKey ("pipetrain/abort" = "<rank>\n<message>", the first writer
 // wins) is the run's failure report. A client that connected as rank K and closes its connection without
@@ -56,6 +57,7 @@ constexpr std::size_t kMaxKeysPerRequest = 4096;         // in one check()/wait(
 constexpr std::size_t kMaxTokenBytes = 256;
 constexpr int kMaxConnections = 1024;                    // authenticated + not yet authenticated
 constexpr int kMaxPendingConnections = 64;               // not yet authenticated
+constexpr std::size_t kMaxBufferedBytes = 256u << 20;   // requests and answers in flight, all connections
 
 // The run's failure report: "<rank>\n<message>" (the first writer wins, by compareSet with {}).
 extern const std::string kAbortKey;
@@ -102,6 +104,7 @@ class StoreServer {
   bool handle_hello(Connection& c, const std::string& body);
   bool handle_request(Connection& c, const std::string& body);
   void reply(Connection& c, const std::string& bytes);
+  std::size_t buffered_bytes() const;  // in + out of every connection (server thread)
   bool flush(Connection& c);
   void connection_closed(Connection& c);
   bool store_value(const std::string& key, std::string value, std::string& error);  // mu_ held
