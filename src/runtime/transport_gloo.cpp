@@ -3,7 +3,9 @@
 //   - PIPETRAIN_LAUNCHER_STORE=HOST:PORT (pipetrain launch / launch_local set it): the launcher's; every
 //     rank joins it with PIPETRAIN_RUN_TOKEN.
 //   - TORCHELASTIC_USE_AGENT_STORE=True (torchrun): the agent's c10d::TCPStore at MASTER_ADDR:MASTER_PORT,
-//     joined as a client (no token: torchrun owns it), keys under pipetrain/attempt-N for restart N.
+//     joined as a client (no token: torchrun owns it), keys under pipetrain/attempt-N for restart N. That
+//     store cannot tell a lost connection, so a rank that dies during the rendezvous is noticed there by
+//     torchrun's agent (it stops the group), later by the Gloo connections and heartbeats as usual.
 //   - else (ranks started by hand): rank 0 hosts a StoreServer on MASTER_ADDR's address only (or
 //     PIPETRAIN_STORE_BIND's), port MASTER_PORT, and requires PIPETRAIN_RUN_TOKEN (empty when unset).
 // Joining: each rank connects twice (its main client and the watchdog's), writes its phase ("the
