@@ -167,8 +167,8 @@ std::string make_run_token() {
   }
   if (fd >= 0) ::close(fd);
   if (got < sizeof bytes)
-    throw std::runtime_error("cannot read a run token from /dev/urandom: " + errno_text(errno) +
-                             "; set PIPETRAIN_RUN_TOKEN yourself");
+    throw std::runtime_error("cannot read a run token from /dev/urandom (" + errno_text(errno) +
+                             "): the launcher needs it to keep other clients out of the ranks' store");
   static const char* hex = "0123456789abcdef";
   std::string token;
   for (unsigned char b : bytes) {

@@ -30,8 +30,8 @@
 
 namespace pipetrain {
 
-// The most ranks one launch starts: 1,000 already took 22 s to start and rendezvous on the 2-core test
-// machine, and one host rarely has more than 256 cores to give them.
+// The most ranks one launch starts. Without a limit `launch -n 100000 -- true` ran for ~10 minutes on the
+// 2-core test machine (1,000 ranks took 22 s); one host rarely has more than 256 cores to give ranks.
 constexpr int kMaxLocalRanks = 256;
 
 struct LaunchOptions {
