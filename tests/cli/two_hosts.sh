@@ -4,7 +4,8 @@
 # (the other host, for rank 1) and a PIPETRAIN_RUN_TOKEN. Run by tests/cli/test_two_hosts.cpp.
 #
 #   two_hosts.sh PIPETRAIN_BIN same    the losses equal a single-host run's, bitwise; rank 0's rendezvous
-#                                      store listens on 10.231.0.1 only (ss -ltn in A), not 0.0.0.0 or *
+#                                      store listens on 10.231.0.1 only (ss -ltn in A), not 0.0.0.0 or *;
+#                                      a rank 0 without PIPETRAIN_RUN_TOKEN warns that its store takes anyone
 #   two_hosts.sh PIPETRAIN_BIN netem   the same with 10 ms delay and 1% loss on the link (tc netem)
 #   two_hosts.sh PIPETRAIN_BIN cut     the link goes down mid-training: both ranks exit non-zero within
 #                                      20 s, each naming the other as the lost rank
@@ -92,6 +93,14 @@ case $MODE in
     [[ $(losses "$WORK/log0.jsonl" | wc -l) -eq $STEPS ]] || fail "rank 0 logged $(losses "$WORK/log0.jsonl" | wc -l) of $STEPS steps"
     diff <(losses "$WORK/ref.jsonl") <(losses "$WORK/log0.jsonl") >"$WORK/diff.txt" ||
       fail "the two-host losses differ from the single-host run's"
+    if [[ $MODE == same ]]; then
+      # Without PIPETRAIN_RUN_TOKEN the store takes any client: rank 0 says so when it is off loopback.
+      ip netns exec "$A" env -u PIPETRAIN_LAUNCHER_STORE -u PIPETRAIN_RUN_TOKEN RANK=0 WORLD_SIZE=2 \
+        MASTER_ADDR="$ADDR_A" MASTER_PORT=$((PORT + 1)) PIPETRAIN_RENDEZVOUS_TIMEOUT=1 \
+        timeout 30 "$BIN" "${TRAIN[@]}" --steps 1 >"$WORK/no-token.txt" 2>&1
+      grep -q "warning: PIPETRAIN_RUN_TOKEN is not set, so the rendezvous store at $ADDR_A:$((PORT + 1)) accepts any" \
+        "$WORK/no-token.txt" || fail "rank 0 without a token off loopback did not warn"
+    fi
     echo "PASS ($MODE): $STEPS losses equal the single-host run's; the store listens on $ADDR_A:$PORT only"
     ;;
   cut)
