@@ -309,7 +309,9 @@ void StoreServer::serve() {
   for (;;) {
     std::vector<pollfd> fds;
     fds.push_back({wake_fd_[0], POLLIN, 0});
-    fds.push_back({listen_fd_, POLLIN, 0});
+    // When full, new clients wait in the listen backlog (their connect retries), not refused: a burst of
+    // ranks joining at once, or a flood of strangers, only delays the rest.
+    fds.push_back({listen_fd_, static_cast<short>(room_for_client() ? POLLIN : 0), 0});
     for (auto& c : connections_) {
       // While answers wait to be read, the connection's requests wait too: a client cannot pile them up.
       const short events = c->out.empty() ? POLLIN : POLLOUT;
@@ -337,16 +339,16 @@ void StoreServer::serve() {
   }
 }
 
+bool StoreServer::room_for_client() const {
+  const auto pending =
+      std::count_if(connections_.begin(), connections_.end(), [](const auto& c) { return !c->authenticated; });
+  return static_cast<int>(connections_.size()) < kMaxConnections && pending < kMaxPendingConnections;
+}
+
 void StoreServer::accept_clients() {
-  for (;;) {
+  while (room_for_client()) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) return;  // EAGAIN: all taken; other errors: try at the next poll
-    const auto pending = std::count_if(connections_.begin(), connections_.end(),
-                                       [](const auto& c) { return !c->authenticated; });
-    if (static_cast<int>(connections_.size()) >= kMaxConnections || pending >= kMaxPendingConnections) {
-      ::close(fd);
-      continue;
-    }
     set_nodelay(fd);
     auto c = std::make_unique<Connection>();
     c->fd = fd;

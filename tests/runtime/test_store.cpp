@@ -246,5 +246,24 @@ TEST(Store, WhatAHostileClientSendsIsBounded) {
   EXPECT_EQ(text(good.get("after")), "ok");
 }
 
+TEST(Store, AFloodOfSilentConnectionsOnlyDelaysTheRanks) {
+  // More strangers than kMaxPendingConnections connect and say nothing: the server hangs up on each after
+  // 10 s, and a rank that comes meanwhile waits in the listen backlog instead of being refused.
+  StoreServer server("127.0.0.1", 0, "tok", 1);
+  std::vector<int> silent;
+  for (int i = 0; i < kMaxPendingConnections + 6; ++i) {
+    const int fd = raw_connect(server.port());
+    ASSERT_GE(fd, 0);
+    silent.push_back(fd);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  StoreClient rank("127.0.0.1", server.port(), "tok", 0, 1, milliseconds(30000));
+  rank.set("k", bytes("v"));
+  EXPECT_EQ(text(rank.get("k")), "v");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
+  EXPECT_TRUE(closed_by_peer(silent.front(), milliseconds(1000)));
+  for (int fd : silent) ::close(fd);
+}
+
 }  // namespace
 }  // namespace pipetrain

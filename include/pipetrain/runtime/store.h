@@ -99,6 +99,7 @@ class StoreServer {
   struct Connection;
   void serve();
   void accept_clients();
+  bool room_for_client() const;  // under kMaxConnections and kMaxPendingConnections
   bool read_from(Connection& c);  // false: drop the connection
   bool process(Connection& c);    // serves the whole frames read so far; false: drop the connection
   bool handle_hello(Connection& c, const std::string& body);
