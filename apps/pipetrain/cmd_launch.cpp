@@ -23,7 +23,7 @@ void add_launch_command(CLI::App& app, int& exit_code) {
   auto flags = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand(
       "launch", "start P local ranks of a command with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE set");
-  CLI::Option* n_option = cmd->add_option("-n,--nprocs", flags->nprocs, "number of ranks (processes) to start, >= 1");
+  CLI::Option* n_option = cmd->add_option("-n,--nprocs", flags->nprocs, "number of ranks (processes) to start, 1.." + std::to_string(kMaxLocalRanks));
   cmd->add_flag("--no-bind", flags->no_bind,
                 "do not pin rank r to the r-th CPU (ranks are pinned when there are at least as many CPUs)");
   cmd->add_flag("--no-prefix", flags->no_prefix,
@@ -37,7 +37,8 @@ void add_launch_command(CLI::App& app, int& exit_code) {
   cmd->positionals_at_end();  // from the command's name on, every argument is the command's, untouched
   cmd->footer(
       "Each rank gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and\n"
-      "LOCAL_WORLD_SIZE. When a rank fails the others get --grace seconds to stop, then are killed;\n"
+      "LOCAL_WORLD_SIZE, and the launcher hosts their rendezvous store on 127.0.0.1 (PIPETRAIN_LAUNCHER_STORE,\n"
+      "with a fresh PIPETRAIN_RUN_TOKEN). When a rank fails the others get --grace seconds to stop, then are killed;\n"
       "the exit code is 0 only if every rank exited 0.\n"
       "Examples:\n"
       "  pipetrain launch -n 4 -- build/pipetrain train --transport gloo --stages 4 ...\n"

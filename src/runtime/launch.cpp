@@ -26,10 +26,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/runtime/store.h"
 
 extern char** environ;
 
@@ -115,8 +117,11 @@ class Launcher {
   void begin_stopping(Clock::time_point now);
   // Kills and reaps whatever is still running; closes pipes. Safe to call twice.
   void cleanup() noexcept;
+  // Tells the ranks, through the store, that rank `c` failed (`how`: "exited with code 3", ...).
+  void report_to_store(const Child& c, const std::string& how);
 
   const LaunchOptions& options_;
+  std::unique_ptr<StoreServer> store_;  // the ranks' rendezvous store (options_.host_store)
   std::vector<Child> children_;
   bool piped_ = false;
   bool failed_ = false;
@@ -234,8 +239,10 @@ void Launcher::reap() {
     if (!c.killed_by_us) {
       if (WIFEXITED(status)) {
         report("rank " + std::to_string(c.rank) + " exited with code " + std::to_string(WEXITSTATUS(status)));
+        report_to_store(c, "it exited with code " + std::to_string(WEXITSTATUS(status)));
       } else if (WIFSIGNALED(status)) {
         report("rank " + std::to_string(c.rank) + " was killed by signal " + signal_name(WTERMSIG(status)));
+        report_to_store(c, "it was killed by signal " + signal_name(WTERMSIG(status)));
       }
     }
     if (!stopping_) {
@@ -246,14 +253,29 @@ void Launcher::reap() {
   }
 }
 
+void Launcher::report_to_store(const Child& c, const std::string& how) {
+  if (!store_) return;
+  // The first report wins: a rank that failed by itself has usually said why already.
+  store_->post_abort(c.rank, how + (store_->joined(c.rank) ? std::string() : " before it joined the rendezvous") +
+                                 " (seen by pipetrain launch)");
+}
+
 void Launcher::start(const std::vector<std::string>& argv) {
   const int nprocs = static_cast<int>(children_.size());
   const int port = options_.master_port > 0 ? options_.master_port : pick_free_port();
+  std::vector<std::string> store_env;
+  if (options_.host_store) {
+    const std::string token = make_run_token();
+    store_ = std::make_unique<StoreServer>("127.0.0.1", 0, token, nprocs);
+    store_env = {"PIPETRAIN_LAUNCHER_STORE=" + store_->address() + ":" + std::to_string(store_->port()),
+                 "PIPETRAIN_RUN_TOKEN=" + token};
+  }
 
   // Everything the children need is built before the first fork: between fork and exec a child of a
   // multi-threaded process may only call async-signal-safe functions.
-  std::vector<std::string> names = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                    "LOCAL_WORLD_SIZE"};
+  std::vector<std::string> names = {"MASTER_ADDR", "MASTER_PORT", "RANK",          "WORLD_SIZE",
+                                    "LOCAL_RANK",  "LOCAL_WORLD_SIZE", "PIPETRAIN_LAUNCHER_STORE",
+                                    "PIPETRAIN_RUN_TOKEN"};
   for (const auto& kv : options_.env) names.push_back(kv.first);
   std::vector<std::string> base;
   for (char** e = environ; e && *e; ++e) {
@@ -272,6 +294,7 @@ void Launcher::start(const std::vector<std::string>& argv) {
     env.push_back("WORLD_SIZE=" + std::to_string(nprocs));
     env.push_back("LOCAL_RANK=" + std::to_string(r));
     env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(nprocs));
+    for (const auto& kv : store_env) env.push_back(kv);
     for (const auto& kv : options_.env) env.push_back(kv.first + "=" + kv.second);
   }
   std::vector<std::vector<char*>> envps(nprocs);
@@ -509,6 +532,9 @@ int pick_free_port() {
 int launch_local(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options) {
   if (nprocs < 1)
     throw UsageError("-n " + std::to_string(nprocs) + " is not a number of ranks: give -n P with P >= 1");
+  if (nprocs > kMaxLocalRanks)
+    throw UsageError("-n " + std::to_string(nprocs) + " is more ranks than one host can serve: give -n P with P <= " +
+                     std::to_string(kMaxLocalRanks) + " (kMaxLocalRanks), or start the ranks on several hosts");
   if (argv.empty() || argv[0].empty())
     throw UsageError("missing the command to run: pipetrain launch -n " + std::to_string(nprocs) +
                      " -- COMMAND [ARGS...]");

@@ -1,5 +1,20 @@
-// The gloo transport: ranks are processes; c10d::ProcessGroupGloo moves the tensors, a c10d::TCPStore
-// hosted by rank 0 (at MASTER_ADDR:MASTER_PORT) is the rendezvous and the failure board.
+// The gloo transport: ranks are processes; c10d::ProcessGroupGloo moves the tensors, a rendezvous store
+// (runtime/store.h) is the rendezvous and the failure board. Whose store:
+//   - PIPETRAIN_LAUNCHER_STORE=HOST:PORT (pipetrain launch / launch_local set it): the launcher's; every
+//     rank joins it with PIPETRAIN_RUN_TOKEN.
+//   - TORCHELASTIC_USE_AGENT_STORE=True (torchrun): the agent's c10d::TCPStore at MASTER_ADDR:MASTER_PORT,
+//     joined as a client (no token: torchrun owns it), keys under pipetrain/attempt-N for restart N. That
+//     store cannot tell a lost connection, so a rank that dies during the rendezvous is noticed there by
+//     torchrun's agent (it stops the group), later by the Gloo connections and heartbeats as usual.
+//   - else (ranks started by hand): rank 0 hosts a StoreServer on MASTER_ADDR's address only (or
+//     PIPETRAIN_STORE_BIND's), port MASTER_PORT, and requires PIPETRAIN_RUN_TOKEN (empty when unset).
+// Joining: each rank connects twice (its main client and the watchdog's), writes its phase ("the
+// rendezvous", then "the run", then "shutdown ...") to the store, starts its watchdog, then connects Gloo
+// through the store. Gloo's waits for the other ranks' addresses poll the store and end with
+// RemoteFailure as soon as a failure is reported; the watchdog ends the process too, so a rank that dies
+// during the rendezvous (its store connection closes without a goodbye, or, before it ever connected,
+// the launcher reports its exit) stops the others within a second. A rank that fails here itself reports
+// why before it throws.
 //
 // Messages. Gloo cannot be trusted with a size mismatch: a message larger than the posted receive
 // throws inside Gloo's network thread (the process dies in std::terminate), a smaller one completes the
@@ -20,11 +35,13 @@
 //
 // Failure. A *watchdog thread* per rank polls the store: every 150 ms for the abort key
 // ("pipetrain/abort" = "<rank>\n<message>"; the first writer wins), every 1 s it bumps this rank's
-// heartbeat counter and reads the others'. A rank whose counter has not moved for
+// heartbeat counter and, once Gloo is connected, reads the others'. A rank whose counter has not moved for
 // PIPETRAIN_HEARTBEAT_TIMEOUT seconds (default 10) was killed or is hung (a stopped process; the
-// heartbeat runs on its own thread, so a rank busy computing still beats). A store call that fails means
-// rank 0, which hosts the store, is gone; a store call that blocks is caught by a second thread that
-// checks the watchdog's progress. On any of these the watchdog prints
+// heartbeat runs on its own thread, so a rank busy computing still beats). The store itself posts the
+// abort key when a rank's connection closes without a goodbye ("it went away ... during PHASE"), and the
+// launcher when a rank exits non-zero. A store call that fails means the store's host (rank 0, or the
+// launcher) is gone; a store call that blocks is caught by a second thread that checks the watchdog's
+// progress. On any of these the watchdog prints
 //   pipetrain rank R: stopping: rank K failed: <message>
 // and ends the process with std::_Exit(1): Gloo calls blocked in other threads cannot be interrupted.
 // The header threads and the rank's own thread do the same when a connection to a peer fails: if a
@@ -50,10 +67,12 @@
 // Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (or OMPI_COMM_WORLD_RANK/SIZE), GLOO_SOCKET_IFNAME
 // (the network interface for Gloo; default: the one that routes to MASTER_ADDR, loopback for 127.0.0.1),
 // PIPETRAIN_HEARTBEAT_TIMEOUT (seconds, default 10), PIPETRAIN_RENDEZVOUS_TIMEOUT (seconds all ranks get
-// to join, default 300). Gloo operations time out after 30 min.
+// to join, default 300), PIPETRAIN_RUN_TOKEN, PIPETRAIN_STORE_BIND, PIPETRAIN_LAUNCHER_STORE and
+// TORCHELASTIC_USE_AGENT_STORE (above), PIPETRAIN_RENDEZVOUS_FAULT (a test hook, rendezvous_fault()).
+// Gloo operations time out after 30 min.
 //
-// Note: LibTorch 1.13's TCPStore listens on every interface (it has no bind-address option); Gloo
-// itself listens only on the address chosen above.
+// Listening addresses: the store only on MASTER_ADDR's address (127.0.0.1 under pipetrain launch), never
+// the wildcard unless PIPETRAIN_STORE_BIND asks; Gloo only on the address chosen above.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -80,6 +99,7 @@
 #include <thread>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/runtime/store.h"
 #include "pipetrain/runtime/transport.h"
 
 namespace pipetrain {
@@ -97,7 +117,6 @@ constexpr milliseconds kDetachWait{10000};
 constexpr milliseconds kAbortLinger{5000};
 constexpr int kControlTag = 1 << 30;  // Gloo slot of the headers; user tags are 0 .. kControlTag-1
 
-const std::string kAbortKey = "pipetrain/abort";
 const std::string kAbortSeenKey = "pipetrain/abort_seen";
 const std::string kFinishedKey = "pipetrain/finished";
 const std::string kDetachedKey = "pipetrain/detached";
@@ -170,6 +189,27 @@ std::string local_address_towards(const std::string& host, int port) {
   }
   ::freeaddrinfo(res);
   return found;
+}
+
+// Test hook: PIPETRAIN_RENDEZVOUS_FAULT="RANK:POINT[:SECONDS]" makes rank RANK wait SECONDS (default 0)
+// and then SIGKILL itself at POINT of its rendezvous: "before-join" (before it connects to the store) or
+// "after-join" (joined the store, before Gloo connects). For the tests of a rank that dies during start-up.
+void rendezvous_fault(int rank, const std::string& point) {
+  const auto spec = getenv_string("PIPETRAIN_RENDEZVOUS_FAULT");
+  if (!spec) return;
+  const auto c1 = spec->find(':');
+  const auto c2 = c1 == std::string::npos ? std::string::npos : spec->find(':', c1 + 1);
+  const auto r = parse_integer(spec->substr(0, c1));
+  const std::string where = c1 == std::string::npos ? "" : spec->substr(c1 + 1, c2 == std::string::npos ? c2 : c2 - c1 - 1);
+  if (!r || (where != "before-join" && where != "after-join"))
+    throw UsageError("PIPETRAIN_RENDEZVOUS_FAULT='" + *spec +
+                     "' must read RANK:POINT[:SECONDS] with POINT before-join or after-join, e.g. 1:before-join:1");
+  if (*r != rank || where != point) return;
+  if (c2 != std::string::npos) {
+    const double s = std::strtod(spec->c_str() + c2 + 1, nullptr);
+    if (s > 0) std::this_thread::sleep_for(milliseconds(static_cast<long long>(s * 1000)));
+  }
+  ::kill(::getpid(), SIGKILL);
 }
 
 // --- messages ----------------------------------------------------------------------------------
@@ -320,6 +360,10 @@ class GlooTransport final : public Transport {
   enum class Store { kPublish, kAcknowledge, kLeave };
   // Ends the process after rank `failed_rank`'s failure (see the file comment).
   [[noreturn]] void stop_process(int failed_rank, std::string message, Store store);
+  // Joins (or, on rank 0, hosts and joins) the rendezvous store: store_ and watch_store_.
+  void connect_store(const Rendezvous& rv, milliseconds join_timeout);
+  // Tells the store what this rank is doing, for its report should the rank vanish.
+  void set_phase(const std::string& phase);
   void finish_barrier();
   void stop_threads();
   // Polls `key` (an add() counter) on the main store client until it reaches `target` or `limit` passes.
@@ -330,8 +374,9 @@ class GlooTransport final : public Transport {
   std::string store_address_;  // "addr:port", for messages
   milliseconds dead_after_;
 
-  c10::intrusive_ptr<c10d::TCPStore> store_;        // main client (the server too, on rank 0)
-  c10::intrusive_ptr<c10d::TCPStore> watch_store_;  // the watchdog's own connection
+  std::unique_ptr<StoreServer> server_;          // rank 0's, when it hosts the store (destroyed last)
+  c10::intrusive_ptr<c10d::Store> store_;        // main client
+  c10::intrusive_ptr<c10d::Store> watch_store_;  // the watchdog's own connection
   std::mutex store_mu_;                             // guards store_ (abort may come from any thread)
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
 
@@ -351,6 +396,7 @@ class GlooTransport final : public Transport {
   bool wd_stop_ = false;
   std::atomic<int64_t> wd_progress_ns_{0};
   std::atomic<bool> aborted_{false};  // this rank called abort()
+  std::atomic<bool> connected_{false};  // Gloo is connected: from now on heartbeats are judged
 
   std::vector<std::thread> header_threads_;
   std::thread watchdog_, monitor_;
@@ -373,32 +419,14 @@ GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_
   struct sigaction old {};
   if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
 
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<std::uint16_t>(rv.master_port);
-  so.isServer = rank_ == 0;
-  so.numWorkers = static_cast<std::size_t>(world_size_);
-  so.waitWorkers = true;
-  so.timeout = join_timeout;
-  const std::string join_hint = "start all WORLD_SIZE=" + std::to_string(world_size_) +
-                                " ranks with the same MASTER_ADDR and MASTER_PORT (pipetrain launch does), or "
-                                "raise PIPETRAIN_RENDEZVOUS_TIMEOUT (now " +
-                                std::to_string(join_timeout.count() / 1000) + " s)";
-  try {
-    store_ = c10::make_intrusive<c10d::TCPStore>(rv.master_addr, so);
-    c10d::TCPStoreOptions wo = so;
-    wo.isServer = false;
-    wo.numWorkers.reset();
-    wo.waitWorkers = false;
-    watch_store_ = c10::make_intrusive<c10d::TCPStore>(rv.master_addr, wo);
-  } catch (const std::exception& e) {
-    if (rank_ == 0)
-      throw std::runtime_error("rank 0 could not host the rendezvous store on port " + std::to_string(rv.master_port) +
-                               " (MASTER_PORT) or not every rank joined it: " + short_what(e) +
-                               ". If the port is taken pick another MASTER_PORT; else " + join_hint);
-    throw std::runtime_error("rank " + std::to_string(rank_) + " could not join the rendezvous store at " +
-                             store_address_ + " (MASTER_ADDR:MASTER_PORT): " + short_what(e) +
-                             ". Is rank 0 running? " + join_hint);
-  }
+  connect_store(rv, join_timeout);
+  set_phase("the rendezvous");
+  rendezvous_fault(rank_, "after-join");
+  // The watchdog runs from here on: a failure reported while Gloo connects (a rank that died during the
+  // rendezvous) stops this rank too. Heartbeats are judged only once Gloo is connected.
+  wd_progress_ns_ = Clock::now().time_since_epoch().count();
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+  monitor_ = std::thread([this] { monitor_loop(); });
 
   auto options = c10d::ProcessGroupGloo::Options::create(kOpTimeout);
   std::string device_address;
@@ -420,18 +448,133 @@ GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("pipetrain/gloo", store_);
     pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank_, world_size_, options);
   } catch (const std::exception& e) {
-    throw std::runtime_error("rank " + std::to_string(rank_) + " could not connect to the other ranks over Gloo on " +
-                             device_address + ": " + short_what(e) +
-                             ". Set GLOO_SOCKET_IFNAME to the network interface that reaches the other ranks");
+    // Another rank's failure (seen while waiting for its address) is the root cause; else this rank's
+    // own error, which the others must hear of, or they wait for it until the rendezvous times out.
+    std::optional<RemoteFailure> reported;
+    if (const auto* remote = dynamic_cast<const RemoteFailure*>(&e)) {
+      reported = *remote;
+    } else {
+      try {
+        std::lock_guard<std::mutex> lk(store_mu_);
+        if (store_->check({kAbortKey})) {
+          const auto raw = store_->get(kAbortKey);
+          const auto [failed, message] = parse_abort(std::string(raw.begin(), raw.end()));
+          reported = RemoteFailure(failed, message);
+        }
+      } catch (const RemoteFailure& remote) {  // the client's get() reports it so while it watches
+        reported = remote;
+      } catch (const std::exception&) {
+      }
+    }
+    if (reported && reported->failed_rank() == rank_) reported.reset();
+    const std::string own = "rank " + std::to_string(rank_) + " could not connect to the other ranks over Gloo on " +
+                            device_address + ": " + short_what(e) +
+                            ". Set GLOO_SOCKET_IFNAME to the network interface that reaches the other ranks";
+    if (!reported) abort(own);
+    stop_threads();
+    if (reported) throw *reported;
+    throw std::runtime_error(own);
   }
-  wd_progress_ns_ = Clock::now().time_since_epoch().count();
+  // From here on a failure report reaches this rank through the watchdog; the main client's get() must
+  // read the report itself (fail() does), not throw it.
+  if (auto* client = dynamic_cast<StoreClient*>(store_.get())) client->stop_waiting_on_abort(StoreClient::kNotWatching);
   header_work_.resize(world_size_);
   peer_error_.resize(world_size_);
   peer_gone_.resize(world_size_);
+  connected_ = true;
+  set_phase("the run");
   for (int peer = 0; peer < world_size_; ++peer)
     if (peer != rank_) header_threads_.emplace_back([this, peer] { header_loop(peer); });
-  watchdog_ = std::thread([this] { watchdog_loop(); });
-  monitor_ = std::thread([this] { monitor_loop(); });
+}
+
+void GlooTransport::set_phase(const std::string& phase) {
+  try {
+    std::lock_guard<std::mutex> lk(store_mu_);
+    store_->set(phase_key(rank_), bytes_of(phase));
+  } catch (const std::exception&) {
+    // Only for the store's report; a lost store shows elsewhere.
+  }
+}
+
+void GlooTransport::connect_store(const Rendezvous& rv, milliseconds join_timeout) {
+  const std::string join_hint = "start all WORLD_SIZE=" + std::to_string(world_size_) +
+                                " ranks with the same MASTER_ADDR and MASTER_PORT (pipetrain launch does), or "
+                                "raise PIPETRAIN_RENDEZVOUS_TIMEOUT (now " +
+                                std::to_string(join_timeout.count() / 1000) + " s)";
+  const std::string master = store_address_ + " (MASTER_ADDR:MASTER_PORT)";
+
+  // torchrun: its agent hosts a c10d::TCPStore on MASTER_ADDR:MASTER_PORT for the workers; join it.
+  if (getenv_string("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
+    const std::string attempt = getenv_string("TORCHELASTIC_RESTART_COUNT").value_or("0");
+    try {
+      c10d::TCPStoreOptions o;
+      o.port = static_cast<std::uint16_t>(rv.master_port);
+      o.isServer = false;
+      o.waitWorkers = false;
+      o.timeout = join_timeout;
+      auto prefix = "pipetrain/attempt-" + attempt;  // a restarted group must not read the last one's keys
+      store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, c10::make_intrusive<c10d::TCPStore>(rv.master_addr, o));
+      watch_store_ =
+          c10::make_intrusive<c10d::PrefixStore>(prefix, c10::make_intrusive<c10d::TCPStore>(rv.master_addr, o));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("rank " + std::to_string(rank_) + " could not join torchrun's store at " + master +
+                               " (TORCHELASTIC_USE_AGENT_STORE=True): " + short_what(e));
+    }
+    return;
+  }
+
+  const std::string token = getenv_string("PIPETRAIN_RUN_TOKEN").value_or("");
+  std::string host = rv.master_addr;
+  int port = rv.master_port;
+  std::string what = master;
+  if (const auto hosted = getenv_string("PIPETRAIN_LAUNCHER_STORE")) {
+    // pipetrain launch hosts the store (on another port than MASTER_PORT): every rank joins it.
+    const auto colon = hosted->rfind(':');
+    const auto p = colon == std::string::npos ? std::nullopt : parse_integer(hosted->substr(colon + 1));
+    if (!p || *p < 1 || *p > 65535 || colon == 0)
+      throw UsageError("PIPETRAIN_LAUNCHER_STORE=" + *hosted +
+                       " is not HOST:PORT: it is set by pipetrain launch; unset it when starting ranks by hand");
+    host = hosted->substr(0, colon);
+    port = static_cast<int>(*p);
+    what = *hosted + " (the launcher's store, PIPETRAIN_LAUNCHER_STORE)";
+    store_address_ = *hosted + " (the launcher's)";
+  } else if (rank_ == 0) {
+    // Rank 0 hosts the store, on MASTER_ADDR's address only (PIPETRAIN_STORE_BIND overrides it).
+    const auto bind = getenv_string("PIPETRAIN_STORE_BIND");
+    const std::string bind_address = bind && !bind->empty() ? *bind : rv.master_addr;
+    try {
+      server_ = std::make_unique<StoreServer>(bind_address, rv.master_port, token, world_size_);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(
+          "rank 0 could not host the rendezvous store at " + master + ": " + e.what() +
+          ". If the port is taken, pick another MASTER_PORT; MASTER_ADDR must be an address of rank 0's host (or set "
+          "PIPETRAIN_STORE_BIND to the address to listen on, e.g. 0.0.0.0 for every interface)");
+    }
+    const std::string bound = server_->address();
+    const bool loopback = bound.rfind("127.", 0) == 0 || bound == "::1";
+    if (bind && !bind->empty())
+      std::fprintf(stderr, "pipetrain rank 0: the rendezvous store listens on %s:%d (PIPETRAIN_STORE_BIND=%s)\n",
+                   bound.c_str(), server_->port(), bind->c_str());
+    if (token.empty() && !loopback)
+      std::fprintf(stderr,
+                   "pipetrain rank 0: warning: PIPETRAIN_RUN_TOKEN is not set, so the rendezvous store at %s:%d "
+                   "accepts any pipetrain rank that reaches it; set PIPETRAIN_RUN_TOKEN to the same secret on every "
+                   "rank (pipetrain launch does this for you)\n",
+                   bound.c_str(), server_->port());
+  }
+  rendezvous_fault(rank_, "before-join");
+  try {
+    auto main = c10::make_intrusive<StoreClient>(host, port, token, rank_, world_size_, join_timeout, what);
+    watch_store_ = c10::make_intrusive<StoreClient>(host, port, token, rank_, world_size_, join_timeout, what);
+    main->stop_waiting_on_abort(rank_);  // Gloo's rendezvous waits end at once when a rank failed
+    store_ = main;
+  } catch (const std::exception& e) {
+    const std::string text = e.what();
+    if (text.find("hosts another pipetrain run") != std::string::npos)
+      throw std::runtime_error("rank " + std::to_string(rank_) + ": " + text);
+    throw std::runtime_error("rank " + std::to_string(rank_) + " could not join the rendezvous store: " + text +
+                             ". Is rank 0 running? " + join_hint);
+  }
 }
 
 GlooTransport::~GlooTransport() {
@@ -485,6 +628,7 @@ bool GlooTransport::wait_for_count(const std::string& key, int64_t target, milli
 
 void GlooTransport::finish_barrier() {
   try {
+    set_phase("shutdown (the final barrier)");
     {
       std::lock_guard<std::mutex> lk(store_mu_);
       store_->add(kFinishedKey, 1);
@@ -516,7 +660,7 @@ void GlooTransport::stop_threads() {
 }
 
 void GlooTransport::lost_store(const std::string& why) {
-  stop_process(0, "lost the rendezvous store it hosts at " + store_address_ + " (rank 0 died?): " + why,
+  stop_process(0, "lost the rendezvous store at " + store_address_ + " (its host died?): " + why,
                Store::kLeave);
 }
 
@@ -528,7 +672,7 @@ void GlooTransport::stop_process(int failed_rank, std::string message, Store sto
       const bool on_watchdog = std::this_thread::get_id() == watchdog_.get_id();
       std::unique_lock<std::mutex> lk(store_mu_, std::defer_lock);
       if (!on_watchdog) lk.lock();
-      c10d::TCPStore& st = on_watchdog ? *watch_store_ : *store_;
+      c10d::Store& st = on_watchdog ? *watch_store_ : *store_;
       if (store == Store::kPublish) {
         const std::string value = std::to_string(failed_rank) + "\n" + message;
         const std::vector<uint8_t> raw = st.compareSet(kAbortKey, {}, bytes_of(value));
@@ -603,7 +747,10 @@ void GlooTransport::watchdog_poll(std::vector<int64_t>& beats, std::vector<Clock
       const std::string message = nl == std::string::npos ? value : value.substr(nl + 1);
       if (failed != rank_ && !aborted_) stop_process(failed, message, Store::kAcknowledge);
     }
-    if (now >= next_check) {
+    if (!connected_) {  // ranks may join late: heartbeats count from the moment Gloo is connected
+      next_check = now + kHeartbeatPeriod;
+      std::fill(changed.begin(), changed.end(), now);
+    } else if (now >= next_check) {
       next_check = now + kHeartbeatPeriod;
       for (int k = 0; k < world_size_; ++k) {
         if (k == rank_) continue;
@@ -640,7 +787,7 @@ void GlooTransport::monitor_loop() {
     const auto last = Clock::time_point(Clock::duration(wd_progress_ns_.load()));
     if (Clock::now() - last > limit)
       stop_process(0,
-                   "the rendezvous store it hosts at " + store_address_ + " has not answered for " +
+                   "the rendezvous store at " + store_address_ + " has not answered for " +
                        std::to_string(std::chrono::duration_cast<seconds>(limit).count()) +
                        " s (rank 0 hung, or its host is unreachable)",
                    Store::kLeave);

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <regex>
 #include <string>
 
 #include "run_command.h"
@@ -59,6 +60,28 @@ TEST(CliLaunch, UsageErrorsExit2WithTheFix) {
   r = run("launch -n 2 --grace -1 -- true");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(has(r, "--grace")) << r.out;
+}
+
+TEST(CliLaunch, TooManyRanksIsAUsageErrorNamingTheLimit) {
+  // 1,000 ranks took 22 s before this limit; now any -n above 256 is refused at once.
+  Result r = run("launch -n 100000 -- true");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "-n 100000 is more ranks than one host can serve: give -n P with P <= 256")) << r.out;
+  EXPECT_LT(r.seconds, 5) << r.out;
+  r = run("launch -n 257 -- true");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "-n 257 is more ranks")) << r.out;
+}
+
+TEST(CliLaunch, RanksGetAStoreAndAFreshTokenFromTheLauncher) {
+  const Result a = run("launch -n 2 -- sh -c 'echo store=$PIPETRAIN_LAUNCHER_STORE token=$PIPETRAIN_RUN_TOKEN'");
+  EXPECT_EQ(a.code, 0) << a.out;
+  const Result b = run("launch -n 1 -- sh -c 'echo token=$PIPETRAIN_RUN_TOKEN'");
+  const std::regex line(R"(\[rank 0\] store=127\.0\.0\.1:[0-9]+ token=([0-9a-f]{32}))");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(a.out, m, line)) << a.out;
+  EXPECT_TRUE(has(a, "[rank 1] store=127.0.0.1:")) << a.out;
+  EXPECT_FALSE(has(b, m[1].str())) << "the same token twice:\n" << a.out << b.out;
 }
 
 TEST(CliLaunch, HelpHasAnExample) {

@@ -231,6 +231,8 @@ std::string usage_error(int n, const std::vector<std::string>& argv) {
 TEST(Launch, UsageErrorsNameTheValueAndTheFix) {
   EXPECT_NE(usage_error(0, {"true"}).find("-n 0 is not a number of ranks: give -n P with P >= 1"), std::string::npos);
   EXPECT_NE(usage_error(2, {}).find("missing the command to run"), std::string::npos);
+  EXPECT_NE(usage_error(kMaxLocalRanks + 1, {"true"}).find("-n 257 is more ranks than one host can serve: give -n P with P <= 256"),
+            std::string::npos);
   EXPECT_NE(usage_error(2, {"no-such-command-pipetrain"}).find("command 'no-such-command-pipetrain' not found on PATH"),
             std::string::npos);
   EXPECT_NE(usage_error(2, {"/no/such/file"}).find("'/no/such/file' is not an executable file"), std::string::npos);

@@ -20,6 +20,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <functional>
 #include <map>
 #include <optional>
@@ -29,6 +31,7 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/launch.h"
+#include "pipetrain/runtime/store.h"
 
 namespace pipetrain {
 namespace {
@@ -581,6 +584,60 @@ TEST(GlooTransport, OneRankInProcess) {
   t->barrier();
   EXPECT_THROW(t->isend(x, 0, 0), std::invalid_argument);  // not a peer
   EXPECT_THROW(t->irecv(x, 1, 0), std::invalid_argument);
+}
+
+// The local addresses of the TCP sockets listening on `port`, as /proc/net/tcp{,6} write them:
+// "0100007F" is 127.0.0.1, "00000000" every IPv4 address, 32 zeros every IPv6 one.
+std::string listening_addresses(int port) {
+  std::string found;
+  char port_hex[8];
+  std::snprintf(port_hex, sizeof port_hex, "%04X", port);
+  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(file);
+    std::string line;
+    std::getline(in, line);
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const auto colon = local.find(':');
+      if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == port_hex)
+        found += local.substr(0, colon) + " ";
+    }
+  }
+  return found;
+}
+
+TEST(GlooTransport, Rank0HostsTheStoreOnMasterAddrOnly) {
+  // LibTorch 1.13's TCPStore listened on every interface here (the IPv6 or IPv4 wildcard).
+  EnvGuard env({{"PIPETRAIN_LAUNCHER_STORE", unset}, {"PIPETRAIN_STORE_BIND", unset}});
+  Rendezvous rv;
+  rv.master_addr = "127.0.0.1";
+  rv.master_port = pick_free_port();
+  auto t = make_gloo_transport(rv);
+  EXPECT_EQ(listening_addresses(rv.master_port), "0100007F ");
+}
+
+TEST(GlooTransport, ARankWithAnotherRunsTokenIsRefusedBeforeGloo) {
+  StoreServer other_run("127.0.0.1", 0, "token-of-run-a", 2);
+  const std::string address = "127.0.0.1:" + std::to_string(other_run.port());
+  EnvGuard env({{"PIPETRAIN_LAUNCHER_STORE", address}, {"PIPETRAIN_RUN_TOKEN", "token-of-run-b"}});
+  Rendezvous rv;
+  rv.rank = 1;
+  rv.world_size = 2;
+  try {
+    make_gloo_transport(rv);
+    ADD_FAILURE() << "a rank with another token joined";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 1: " + address), std::string::npos) << what;
+    EXPECT_NE(what.find("hosts another pipetrain run (its token differs): give this rank that run's "
+                        "PIPETRAIN_RUN_TOKEN, or start this run on a free MASTER_PORT"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_FALSE(other_run.joined(1));
+  EXPECT_FALSE(other_run.value(kAbortKey).has_value());  // the run is not disturbed
 }
 
 TEST(GlooTransport, Rank0ReportsAPortInUse) {

@@ -2,9 +2,16 @@
 // and torchrun do: P children of COMMAND with the rendezvous environment (MASTER_ADDR=127.0.0.1, a free
 // MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) that Rendezvous::from_environment() reads.
 //
+// The launcher hosts the ranks' rendezvous store itself (runtime/store.h; a thread bound to 127.0.0.1 on
+// a port of its own, so MASTER_PORT stays free for programs that host their own): the children get
+// PIPETRAIN_LAUNCHER_STORE=127.0.0.1:PORT and PIPETRAIN_RUN_TOKEN (a fresh secret from /dev/urandom that
+// the store requires of every client). When a rank fails, the launcher posts that as the run's failure
+// report in the store ("it was killed by signal 9 (SIGKILL) before it joined the rendezvous"), so the
+// other ranks stop within a second at any phase, even one that died before it ever connected.
+//
 // The launcher owns its children: it forwards their output line by line ("[rank R] ..."), reaps every
 // one (no zombies), and when one fails (non-zero exit or a signal) it says so, gives the others
-// `grace` to stop by themselves (the process transports' watchdogs make them exit within 30 s), then
+// `grace` to stop by themselves (the gloo transport's ranks exit within a second of the report), then
 // kills what is left. SIGINT, SIGTERM or SIGHUP sent to the launcher are passed on to the children, which
 // are then killed after `grace` too, or at once on a second signal (Ctrl-C twice). Each child runs in
 // its own process group with stdin from /dev/null; when a rank exits, whatever it started and left
@@ -23,7 +30,14 @@
 
 namespace pipetrain {
 
+// The most ranks one launch starts. Without a limit `launch -n 100000 -- true` ran for ~10 minutes on the
+// 2-core test machine (1,000 ranks took 22 s); one host rarely has more than 256 cores to give ranks.
+constexpr int kMaxLocalRanks = 256;
+
 struct LaunchOptions {
+  // Host the ranks' rendezvous store in the launcher (see above). Off: the ranks get no
+  // PIPETRAIN_LAUNCHER_STORE or PIPETRAIN_RUN_TOKEN, and rank 0 hosts the store at MASTER_PORT.
+  bool host_store = true;
   // Pin rank r to the r-th CPU this launcher may run on (sched_getaffinity), when there are at least as
   // many CPUs as ranks, as mpirun binds ranks to cores: a rank's memory and caches stay on its core.
   // (On the 2-core benchmark machine the gain was within run-to-run noise, docs/BENCHMARKS.md.)
@@ -49,7 +63,8 @@ struct LaunchOptions {
 
 // Runs `argv` (argv[0] is looked up on PATH unless it contains '/') as `nprocs` ranks and waits for all
 // of them. Returns 0 when every rank exited with code 0, else 1 (after reporting each failure on stderr
-// or to on_line). Throws UsageError when nprocs < 1, argv is empty or argv[0] is not an executable, and
+// or to on_line). Throws UsageError when nprocs < 1 or > kMaxLocalRanks, argv is empty or argv[0] is not an
+// executable, and
 // std::runtime_error when the children cannot be started (then none is left running).
 int launch_local(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options = {});
 

@@ -1,6 +1,7 @@
 // Transports move tensors between the ranks of a pipeline. One small interface, three implementations:
 //   local  (transport_local.cpp): ranks are threads of one process; for tests and single-process use.
-//   gloo   (transport_gloo.cpp):  ranks are processes; c10d's ProcessGroupGloo over a TCPStore rendezvous.
+//   gloo   (transport_gloo.cpp):  ranks are processes; c10d's ProcessGroupGloo over pipetrain's own
+//                                  rendezvous store (runtime/store.h), or torchrun's TCPStore under torchrun.
 //   mpi    (transport_mpi.cpp):   ranks are processes started by mpirun; Open MPI point-to-point (CPU).
 //
 // Contract shared by all of them (tested once for each in tests/runtime/test_transport.cpp):
@@ -12,7 +13,9 @@
 // - Failure: abort(message) tells every other rank that this rank failed. From then on, a blocked or new
 //   operation on any rank fails with RemoteFailure naming the failed rank and its message (the process
 //   transports may instead print that message and exit the process with code 1). A rank that dies
-//   without calling abort (killed) is detected too. Either way every rank stops within 30 s.
+//   without calling abort (killed) is detected too. Either way every rank stops within 30 s; the gloo
+//   transport's ranks within a second or two of a death (at any phase, the rendezvous included) and
+//   within its heartbeat timeout + 5 s of a hang or a silent network.
 // - A transport object belongs to its rank; only that rank's thread calls it (abort may be called from
 //   any thread).
 #pragma once
@@ -85,7 +88,15 @@ void run_on_threads(int n, const std::function<void(int)>& body,
 std::vector<std::shared_ptr<Transport>> make_local_transports(
     int world_size, std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
-// Where a multi-process rank finds its peers: the usual rendezvous variables.
+// Where a multi-process rank finds its peers: the usual rendezvous variables. The gloo transport also
+// reads these (transport_gloo.cpp has the details):
+//   PIPETRAIN_RUN_TOKEN       the run's secret; the store refuses clients without it. pipetrain launch sets a
+//                             fresh one; ranks started by hand without it use none (rank 0 warns when its
+//                             store listens on a non-loopback address). Set the same value on every rank.
+//   PIPETRAIN_STORE_BIND      the address rank 0's store listens on; default MASTER_ADDR's (0.0.0.0: every
+//                             interface, for hosts that reach rank 0 through NAT).
+//   PIPETRAIN_LAUNCHER_STORE  HOST:PORT of the store pipetrain launch hosts (set by it; rank 0 then hosts none).
+//   TORCHELASTIC_USE_AGENT_STORE=True (torchrun): join the agent's TCPStore at MASTER_ADDR:MASTER_PORT.
 struct Rendezvous {
   int rank = 0;
   int world_size = 1;
@@ -96,8 +107,11 @@ struct Rendezvous {
   static Rendezvous from_environment();
 };
 
-// Gloo over TCP (c10d::ProcessGroupGloo with a TCPStore hosted by rank 0). Starts a watchdog thread
-// that turns another rank's failure or death into RemoteFailure / a clean exit within 30 s.
+// Gloo over TCP (c10d::ProcessGroupGloo with the rendezvous store of runtime/store.h, hosted by the
+// launcher or rank 0). Starts a watchdog thread that turns another rank's failure or death into
+// RemoteFailure / a clean exit. Throws std::runtime_error when the store refuses this rank (another run's
+// token or world size: "ADDR:PORT (MASTER_ADDR:MASTER_PORT) hosts another pipetrain run ...") or the
+// rendezvous fails, and RemoteFailure when another rank failed during the rendezvous.
 std::shared_ptr<Transport> make_gloo_transport(const Rendezvous& rv);
 
 // Open MPI point-to-point (CPU tensors). Requires a process started by mpirun; initialises MPI.

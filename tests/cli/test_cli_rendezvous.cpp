@@ -1,0 +1,176 @@
+// Checks the rendezvous of multi-process runs as a user meets it (runtime/store.h, transport.h):
+// - a rank of `pipetrain train` (which starts its own ranks) that dies at any phase — before it joined
+//   the rendezvous, after joining but before Gloo connected, at its first transfer, mid-training — ends
+//   the whole run non-zero within 5 s of its death, with a message naming the lost rank (it took the
+//   launcher's 30 s grace before: rank 0's store waited for the missing rank);
+// - a stray rank pointed at another run's MASTER_PORT with another PIPETRAIN_RUN_TOKEN is refused with
+//   "... hosts another pipetrain run (its token differs)", and that run trains undisturbed;
+// - torchrun (Debian's python3-torch) starts `pipetrain train` with --no_python: the ranks join the
+//   agent's store instead of hosting one on its port.
+#include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "run_command.h"
+
+namespace {
+
+using pipetrain::testing::CommandResult;
+using pipetrain::testing::run_command;
+
+const std::string bin = PIPETRAIN_BIN;
+const std::string mlp = " train --model mlp --data synthetic --stages 2";
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Output lines with the second (since the start) each was read at.
+struct TimedResult {
+  int code = -1;
+  double seconds = 0;
+  std::vector<std::pair<double, std::string>> lines;
+  std::string out;
+  bool has(const std::string& t) const { return out.find(t) != std::string::npos; }
+  double time_of(const std::string& t) const {
+    for (const auto& [s, line] : lines)
+      if (line.find(t) != std::string::npos) return s;
+    return -1;
+  }
+};
+
+TimedResult run_timed(const std::string& shell) {
+  TimedResult r;
+  const auto t0 = std::chrono::steady_clock::now();
+  FILE* pipe = popen((shell + " 2>&1").c_str(), "r");
+  if (!pipe) return r;
+  char buf[8192];
+  while (std::fgets(buf, sizeof buf, pipe)) {
+    const double at = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.lines.emplace_back(at, buf);
+    r.out += buf;
+  }
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+// Runs the 2-stage mlp for 50 steps with `env` (a fault) and checks that it fails, names rank `lost` as
+// the failed one, and ends within 5 s of the launcher seeing the rank die.
+void expect_prompt_failure(const std::string& env, int lost, const std::string& lost_line) {
+  const TimedResult r = run_timed("env " + env + " timeout 120 " + bin + mlp + " --steps 50");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.code, 124) << "timed out\n" << r.out;
+  const double died = r.time_of(lost_line);
+  ASSERT_GE(died, 0) << "no '" << lost_line << "'\n" << r.out;
+  EXPECT_LT(r.seconds - died, 5.0) << "the run ended " << r.seconds - died << " s after rank " << lost << " died\n"
+                                   << r.out;
+  EXPECT_TRUE(r.has("rank " + std::to_string(lost) + " failed")) << r.out;
+  EXPECT_FALSE(r.has("did not stop within")) << r.out;  // nobody needed the launcher's kill
+}
+
+TEST(CliRendezvous, RankKilledBeforeJoiningEndsTheRunWithin5s) {
+  expect_prompt_failure("PIPETRAIN_RENDEZVOUS_FAULT=1:before-join:1", 1, "rank 1 was killed by signal 9");
+}
+
+TEST(CliRendezvous, RankKilledAfterJoiningBeforeGlooConnectsEndsTheRunWithin5s) {
+  expect_prompt_failure("PIPETRAIN_RENDEZVOUS_FAULT=1:after-join:1", 1, "rank 1 was killed by signal 9");
+}
+
+TEST(CliRendezvous, Rank0KilledDuringTheRendezvousEndsTheRunWithin5s) {
+  expect_prompt_failure("PIPETRAIN_RENDEZVOUS_FAULT=0:after-join:1", 0, "rank 0 was killed by signal 9");
+}
+
+TEST(CliRendezvous, RankKilledAtItsFirstTransferEndsTheRunWithin5s) {
+  expect_prompt_failure("PIPETRAIN_FAULT=1:1RF0:kill", 1, "rank 1 was killed by signal 9");
+}
+
+TEST(CliRendezvous, RankKilledMidTrainingEndsTheRunWithin5s) {
+  expect_prompt_failure("PIPETRAIN_FAULT=1:1F0:kill:20", 1, "rank 1 was killed by signal 9");
+  expect_prompt_failure("PIPETRAIN_FAULT=0:0F0:kill:20", 0, "rank 0 was killed by signal 9");
+}
+
+TEST(CliRendezvous, StrayRankWithAnotherTokenIsRefusedAndTheRunIsUndisturbed) {
+  const auto dir = pipetrain::testing::fresh_temp_dir("rendezvous", "stray");
+  const int port = free_port();
+  const std::string common = "-u PIPETRAIN_LAUNCHER_STORE MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+                             " WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=20 ";
+  const std::string train = " timeout 60 " + bin + mlp + " --steps 5";
+  const std::string d = dir.string();
+  // Rank 0 of run A; then a stray rank 1 with run B's token (it must be refused, not join run A); then
+  // run A's own rank 1. (Every rank gets --log: the ranks of one run must be given the same flags.)
+  const std::string script = "env " + common + "RANK=0 PIPETRAIN_RUN_TOKEN=run-a" + train + " --log " + d +
+                             "/log0.jsonl > " + d + "/rank0.txt 2>&1 & "
+                             "env " + common + "RANK=1 PIPETRAIN_RUN_TOKEN=run-b" + train + " --log " + d + "/log-stray.jsonl > " + d +
+                             "/stray.txt 2>&1; echo $? > " + d + "/stray.code; "
+                             "env " + common + "RANK=1 PIPETRAIN_RUN_TOKEN=run-a" + train + " --log " + d +
+                             "/log1.jsonl > " + d +
+                             "/rank1.txt 2>&1; echo $? > " + d + "/rank1.code; "
+                             "wait $!; echo $? > " + d + "/rank0.code";
+  const CommandResult r = run_command(script);
+  auto slurp = [&](const std::string& name) {
+    std::ifstream in(dir / name);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string stray = slurp("stray.txt");
+  EXPECT_EQ(slurp("stray.code"), "1\n") << stray;
+  EXPECT_NE(stray.find("127.0.0.1:" + std::to_string(port) +
+                       " (MASTER_ADDR:MASTER_PORT) hosts another pipetrain run (its token differs)"),
+            std::string::npos)
+      << stray;
+  EXPECT_EQ(stray.find("gloo"), std::string::npos) << stray;  // refused before Gloo
+  EXPECT_EQ(slurp("rank0.code"), "0\n") << slurp("rank0.txt");
+  EXPECT_EQ(slurp("rank1.code"), "0\n") << slurp("rank1.txt");
+  EXPECT_EQ(pipetrain::testing::log_losses(dir / "log0.jsonl").size(), 5u) << slurp("rank0.txt");
+  std::filesystem::remove_all(dir);
+}
+
+// torchrun's two ways: --standalone (a c10d rendezvous on port 29400; the workers get a free MASTER_PORT
+// that nobody listens on, TORCHELASTIC_USE_AGENT_STORE=False, so rank 0 hosts pipetrain's store there),
+// and the default static rendezvous (the agent hosts a TCPStore on MASTER_PORT and says
+// TORCHELASTIC_USE_AGENT_STORE=True: the ranks must join it, not host another on its port).
+void expect_torchrun_trains(const std::string& how, const std::string& name) {
+  if (run_command("command -v torchrun").code != 0)
+    GTEST_SKIP() << "torchrun not found (Debian: apt install python3-torch); the torchrun path is not tested";
+  const auto dir = pipetrain::testing::fresh_temp_dir("rendezvous", name);
+  // -r 1 -t 1 (stdout to a log file, teed to the console): without a redirect Debian's torchrun 1.13.1
+  // stops with "AttributeError: 'NoneType' object has no attribute 'get'".
+  const CommandResult r = run_command("cd " + dir.string() + " && timeout 120 torchrun " + how +
+                                      " --nproc_per_node 2 --no_python -r 1 -t 1 --log_dir " + dir.string() +
+                                      "/logs " + bin + mlp + " --steps 3 --log " + dir.string() + "/log.jsonl");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_FALSE(r.has("Address already in use")) << r.out;
+  EXPECT_EQ(pipetrain::testing::log_losses(dir / "log.jsonl").size(), 3u) << r.out;
+  EXPECT_TRUE(r.has("loss")) << r.out;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CliRendezvous, TorchrunStandaloneStartsTrainWithNoPython) { expect_torchrun_trains("--standalone", "standalone"); }
+
+TEST(CliRendezvous, TorchrunWithItsAgentStoreStartsTrainWithNoPython) {
+  expect_torchrun_trains("--master_addr 127.0.0.1 --master_port " + std::to_string(free_port()), "static");
+}
+
+}  // namespace
