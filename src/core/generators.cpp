@@ -6,6 +6,7 @@
 #include <queue>
 #include <sstream>
 
+#include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/simulate.h"
 
@@ -411,8 +412,8 @@ Schedule generate(const std::string& name, const GeneratorOptions& o) {
   }
   std::string list;
   for (const auto& n : schedule_names()) list += (list.empty() ? "" : ", ") + n;
-  throw UsageError("unknown schedule '" + name + "': valid schedules are " + list +
-                   " (umpipe is not implemented yet)");
+  throw UsageError("unknown schedule '" + name + "'" + did_you_mean(name, schedule_names()) + ": valid schedules are " +
+                   list + " (UMPIPE is not a schedule but a plan: pipetrain plan --planner umpipe, then train --plan FILE)");
 }
 
 }  // namespace pipetrain

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/read_file.h"
 
 namespace pipetrain {
 
@@ -120,10 +121,18 @@ Schedule from_csv(const std::string& text) {
     std::vector<Action> row;
     std::stringstream cells(line);
     std::string cell;
-    int col = 0;
+    int col = 0, empty_col = 0;
     while (std::getline(cells, cell, ',')) {
       ++col;
-      if (cell.find_first_not_of(" \t") == std::string::npos) continue;  // empty cell: nothing to do
+      if (cell.find_first_not_of(" \t") == std::string::npos) {  // trailing empty cells (padding) are fine
+        if (empty_col == 0) empty_col = col;
+        continue;
+      }
+      if (empty_col > 0)
+        throw UsageError("CSV line " + std::to_string(line_no) + " (rank " + std::to_string(rows.size()) + "), column " +
+                         std::to_string(empty_col) +
+                         ": empty cell between actions; a row lists its rank's actions in order, so remove the empty "
+                         "cell (empty cells as idle slots, PyTorch's format, are not supported)");
       try {
         row.push_back(parse_action(cell));
       } catch (const UsageError& e) {
@@ -213,11 +222,7 @@ Schedule from_csv(const std::string& text) {
 }
 
 Schedule load_csv_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw UsageError("cannot read schedule file '" + path + "': check the path");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return from_csv(text.str());
+  return from_csv(read_file_capped(path, "schedule file", kMaxScheduleFileBytes));
 }
 
 }  // namespace pipetrain
