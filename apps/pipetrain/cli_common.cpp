@@ -37,7 +37,7 @@ void ScheduleFlags::add_to(CLI::App& app) {
   app.add_option("--balance", balance,
                  "with --profile: uniform, parameters, time (default), memory, type:REGEX or layer counts 3,2,2");
   app.add_option("--balance-solver", balance_solver, "with --profile: min-max (default) or block-partition");
-  app.add_option("--pipedream-batch", pipedream_batch,
+  pipedream_batch_option = app.add_option("--pipedream-batch", pipedream_batch,
                  "with --profile of a PipeDream graph file: the batch it was profiled at (its format does not record "
                  "it; VGG-16's: 128)");
   app.add_option("--microbatch-size", microbatch_size, "with --profile: samples per micro-batch; default the profile's");
@@ -106,7 +106,9 @@ Schedule ScheduleFlags::build() const {
 }
 
 Profile ScheduleFlags::load_profile_flags() const {
-  if (pipedream_batch < 0) throw UsageError("--pipedream-batch must be >= 1, got " + std::to_string(pipedream_batch));
+  if (pipedream_batch < 0 || (pipedream_batch == 0 && pipedream_batch_option && pipedream_batch_option->count() > 0))
+    throw UsageError("--pipedream-batch must be >= 1 (the batch size the PipeDream graph was profiled at, e.g. 128), got " +
+                     std::to_string(pipedream_batch));
   Profile p = load_profile(profile);
   if (pipedream_batch > 0) {
     if (p.source.rfind("pipedream graph", 0) != 0)
@@ -224,7 +226,7 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
         throw UsageError("--config " + file + ": key '" + c.key + "' is not a flag of pipetrain " + args[1] +
                          did_you_mean(c.key, keys) + "; run 'pipetrain " + args[1] + " --help' for its flags");
       }
-      const bool flag_only = o->get_type_size_max() == 0;
+      const bool flag_only = o->get_items_expected_max() == 0;  // add_flag: expected(0)
       if (flag_only && !c.values.empty())
         throw UsageError("--config " + file + ": key '" + c.key + "' is an on/off flag, but its value is '" +
                          c.values.front() + "': give true or false");

@@ -40,6 +40,7 @@ struct ScheduleFlags {
   Profile load_profile_flags() const;  // --profile, with --pipedream-batch for PipeDream graph files
   CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
   CLI::Option* microbatches_option = nullptr;
+  CLI::Option* pipedream_batch_option = nullptr;  // tells "not given" from "0"
 
   void add_to(CLI::App& app);
   // Builds (or loads) and validates the schedule. Throws UsageError / ScheduleError on bad input.

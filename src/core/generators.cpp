@@ -102,7 +102,8 @@ std::vector<std::vector<Action>> greedy_zero_bubble(int p, int m, const CostMode
   int finished_ranks = 0;
 
   while (!events.empty() && finished_ranks < p) {
-    const auto [t, r] = events.top();
+    const double t = events.top().first;  // not a structured binding: the lambdas below capture r, which
+    const int r = events.top().second;     // C++17 (and clang) allow only for plain variables
     events.pop();
     const auto ur = static_cast<std::size_t>(r);
     if (free_at[ur] > t + eps || done[ur] == total_per_rank) continue;

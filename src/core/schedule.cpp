@@ -222,7 +222,12 @@ Schedule from_csv(const std::string& text) {
 }
 
 Schedule load_csv_file(const std::string& path) {
-  return from_csv(read_file_capped(path, "schedule file", kMaxScheduleFileBytes));
+  const std::string text = read_file_capped(path, "schedule file", kMaxScheduleFileBytes);
+  try {
+    return from_csv(text);
+  } catch (const UsageError& e) {
+    throw UsageError("schedule file '" + path + "': " + e.what());
+  }
 }
 
 }  // namespace pipetrain

@@ -218,6 +218,8 @@ TEST(Names, NearestNameSuggestsTypos) {
   EXPECT_EQ(nearest_name("--schedul", {"--stages", "--schedule", "--steps"}), "--schedule");
   EXPECT_EQ(nearest_name("zzzzzz", {"train", "plan"}), "");
   EXPECT_EQ(edit_distance("kitten", "sitting"), 3u);
+  EXPECT_EQ(edit_distance("plna", "plan"), 1u);  // a swap is one edit
+  EXPECT_EQ(nearest_name("plna", {"schedule", "simulate", "train", "plan"}), "plan");
   const std::string e = error_of([] {
     GeneratorOptions o;
     o.ranks = 2;

@@ -23,7 +23,8 @@ struct ConfigFlag {
 // "config" key (no nesting).
 std::vector<ConfigFlag> parse_config_text(const std::string& text, const std::string& origin);
 
-// Levenshtein distance (insert, delete, substitute, each 1).
+// Edit distance: insert, delete, substitute, or swap two neighbouring characters, each 1 (optimal
+// string alignment).
 std::size_t edit_distance(const std::string& a, const std::string& b);
 
 // The candidate nearest to `name` by edit distance, if it is close enough to be a likely typo (at most
