@@ -161,6 +161,16 @@ Schedule from_csv(const std::string& text) {
   s.microbatches = header_int(header, "microbatches", max_micro + 1, header_line);
   s.microbatches_per_step = header_int(header, "microbatches_per_step", s.microbatches, header_line);
   s.synchronous = header_int(header, "synchronous", 1, header_line) != 0;
+  // Stage and micro-batch numbers size per-stage and per-(stage, micro-batch) tables downstream: a stray
+  // 0F888888888 asked for 889 million stages (found by fuzz_schedule_csv).
+  constexpr long kMaxStages = 1 << 16, kMaxMicrobatches = 1 << 24, kMaxCells = 1L << 26;
+  if (s.stages > kMaxStages || s.microbatches > kMaxMicrobatches ||
+      static_cast<long>(s.stages) * s.microbatches > kMaxCells)
+    throw UsageError("CSV schedule has " + std::to_string(s.stages) + " stages and " + std::to_string(s.microbatches) +
+                     " micro-batches (from the header or the largest numbers in its actions): the limits are " +
+                     std::to_string(kMaxStages) + " stages, " + std::to_string(kMaxMicrobatches) +
+                     " micro-batches and " + std::to_string(kMaxCells) +
+                     " (stage, micro-batch) pairs; check the action numbers");
   if (s.stages < 1 || s.microbatches < 1 || s.microbatches_per_step < 1)
     throw UsageError("CSV schedule needs at least one stage and one micro-batch (got stages=" +
                      std::to_string(s.stages) + ", microbatches=" + std::to_string(s.microbatches) +

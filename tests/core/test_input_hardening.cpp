@@ -171,6 +171,16 @@ TEST(ScheduleCsvCells, EmptyCellBetweenActionsIsAnError) {
   EXPECT_EQ(from_csv("0F0,0BW0,,\n").actions[0].size(), 2u);
 }
 
+TEST(ScheduleCsvCells, HugeStageNumbersAreRefused) {
+  // Found by fuzz_schedule_csv: one action on stage 88888888 made the reader size tables for 89 million
+  // stages (a timeout, then out of memory).
+  const std::string e = error_of([] { from_csv("88888888B0,0W0\n"); });
+  EXPECT_NE(e.find("88888889 stages"), std::string::npos) << e;
+  EXPECT_NE(e.find("limits"), std::string::npos) << e;
+  EXPECT_NE(error_of([] { from_csv("# pipetrain schedule microbatches=2000000000\n0F0,0BW0\n"); }).find("2000000000 micro-batches"),
+            std::string::npos);
+}
+
 // --- C: PipeDream graphs and JSON numbers --------------------------------------------------------------
 
 TEST(PipeDreamGraph, HugeNodeIdIsNamed) {
