@@ -78,8 +78,8 @@ void add_demo_command(CLI::App& app, int& exit_code) {
       std::cout << fmt::format(
           "\nFor gpipe and 1f1b the makespan is steps*(m+p-1)*(F+B+W) and the bubble fraction (p-1)/(m+p-1); "
           "pipedream and 2bw skip the flush between steps.\n"
-          "* m=1: pipedream and spectrain step after every micro-batch, so the same m micro-batches are m steps of one "
-          "(their timelines say so in the title).\n"
+          "* m=1: pipedream and spectrain step after every micro-batch: their m x steps micro-batches are as many "
+          "steps of one (their timelines' titles give both counts).\n"
           "Timelines (SVG) and Chrome traces written to {}/<schedule>.svg and .trace.json\n",
           f->out);
       return kExitOk;
