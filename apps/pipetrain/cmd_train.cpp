@@ -83,6 +83,15 @@ int next_boundary(const TrainFlags& f, int step, int total, int eval_every) {
 }
 constexpr int kDefaultSteps = 600;  // the demo: about 1.5 minutes on 2 cores
 
+// The steps of --epochs E over `train_size` samples; refused past 1e9 (--epochs inf was -2147483648 steps).
+int steps_for_epochs(double epochs, int64_t train_size, int64_t batch_size) {
+  const double steps = std::ceil(epochs * static_cast<double>(train_size) / static_cast<double>(batch_size));
+  if (!(steps <= 1e9))
+    throw UsageError(fmt::format("--epochs {} is {} steps of --batch-size {}, over the limit of 1e9: give fewer epochs",
+                                 epochs, steps, batch_size));
+  return static_cast<int>(steps);
+}
+
 std::string comma_list(const std::vector<int>& v) {
   std::string s;
   for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
@@ -382,11 +391,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   total = f.steps > 0 ? f.steps : kDefaultSteps;
   if (f.steps == 0 && f.epochs > 0) {
     if (train_size == 0) throw UsageError("--epochs needs a finite data set; --data " + f.model.data + " is endless: use --steps");
-    const double steps = std::ceil(f.epochs * static_cast<double>(train_size) / static_cast<double>(f.batch_size));
-    if (!(steps <= 1e9))
-      throw UsageError(fmt::format("--epochs {} is {} steps of --batch-size {}, over the limit of 1e9: give fewer epochs",
-                                   f.epochs, steps, f.batch_size));
-    total = static_cast<int>(steps);
+    total = steps_for_epochs(f.epochs, train_size, f.batch_size);
   }
   if (!f.resume.empty()) load_checkpoint(rank, f.resume);
   const int start = rank.step();
