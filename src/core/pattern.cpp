@@ -260,6 +260,11 @@ class PatternCompiler {
       for (int c = lo; c <= hi; ++c) set[static_cast<std::size_t>(c)] = true;
     }
     ++at_;  // ']'
+    if (p_.icase_)  // fold before negating: [^a] matches neither a nor A
+      for (int c = 'a'; c <= 'z'; ++c) {
+        const bool any = set[static_cast<std::size_t>(c)] || set[static_cast<std::size_t>(c - 'a' + 'A')];
+        set[static_cast<std::size_t>(c)] = set[static_cast<std::size_t>(c - 'a' + 'A')] = any;
+      }
     if (negate) set.flip();
     auto n = std::make_unique<Node>();
     n->kind = Node::kClass;
@@ -373,13 +378,7 @@ class PatternCompiler {
 };
 
 Pattern::Pattern(const std::string& pattern, bool ignore_case) : pattern_(pattern), icase_(ignore_case) {
-  PatternCompiler(*this).run();
-  if (icase_)
-    for (auto& set : classes_)
-      for (int c = 'a'; c <= 'z'; ++c) {
-        const bool any = set[static_cast<std::size_t>(c)] || set[static_cast<std::size_t>(c - 'a' + 'A')];
-        set[static_cast<std::size_t>(c)] = set[static_cast<std::size_t>(c - 'a' + 'A')] = any;
-      }
+  PatternCompiler(*this).run();  // \d \w \s and their negations are the same in either case
 }
 
 bool Pattern::search(const std::string& text) const {

@@ -56,7 +56,8 @@ TEST(Pattern, AgreesWithStdRegexOnTheDocumentedSubset) {
   const std::vector<std::string> patterns = {
       "Block", "lock", "^Linear$", "^(embedding|head)$", "a.c", "[a-c]+x", "[^0-9]+", "\\d+", "\\w+Norm",
       "Conv[12]d", "(ab)*c", "a{2,3}", "a{2}b", "a{1,}b", "x?y", "(?:re)+lu", "^$", "\\.", "a|b|c", "[\\d_]+$",
-      "Re(LU|lu)?6?", "[A-Z][a-z]+[A-Z]", "(a|ab)(c|bcd)(d*)", "b+?", "\\s", "[-a]", "[a-]"};
+      "Re(LU|lu)?6?", "[A-Z][a-z]+[A-Z]", "(a|ab)(c|bcd)(d*)", "b+?", "\\s", "[-a]", "[a-]", "^[^a]+$", "[^B]lock",
+      "\\W", "^\\D+$"};
   const std::vector<std::string> texts = {"",       "Block",  "TransformerBlock", "Linear", "linear2", "abc",
                                           "aabbx",  "12_34",  "LayerNorm",        "Conv2d", "ababc",   "aaab",
                                           "y",      "ReLU6",  "relu",             "a.c",    "x y",     "embedding",
