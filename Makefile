@@ -2,7 +2,8 @@
 # Variables: TORCH_DIR=/path/to/share/cmake/Torch picks another LibTorch (e.g. a pip PyTorch's);
 #            BUILD_TYPE (Release), JOBS (all cores), CMAKE_ARGS (passed to cmake as they are);
 #            SANITIZE=address,undefined (or thread): `make test` builds in build-san-<list> with
-#            -fsanitize=<list> and runs the suite there; FUZZ_SECONDS (60): time per fuzz target.
+#            -fsanitize=<list> and runs the suite there; FUZZ_SECONDS (60): time per fuzz target;
+#            FUZZ_MAX_LEN (4096): largest fuzz input in bytes.
 comma      := ,
 BUILD_DIR  := build
 SANITIZE   ?=
@@ -11,6 +12,7 @@ BUILD_DIR  := build-san-$(subst $(comma),-,$(SANITIZE))
 CMAKE_ARGS += -DPIPETRAIN_SANITIZE=$(SANITIZE)
 endif
 FUZZ_SECONDS ?= 60
+FUZZ_MAX_LEN ?= 4096
 FUZZ_TARGETS := action schedule_csv profile_json pipedream plan config pattern
 BUILD_TYPE ?= Release
 JOBS       ?= $(shell nproc)
@@ -51,7 +53,7 @@ fuzz: fuzz-build
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  mkdir -p build-fuzz/corpus/$$t; \
 	  echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
-	  ./build-fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
+	  ./build-fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 -max_len=$(FUZZ_MAX_LEN) \
 	    -artifact_prefix=build-fuzz/crash-$$t- -print_final_stats=1 build-fuzz/corpus/$$t fuzz/corpus/$$t \
 	    2>build-fuzz/fuzz_$$t.log || { tail -40 build-fuzz/fuzz_$$t.log; echo "fuzz_$$t found a crash"; exit 1; }; \
 	  grep -E "stat::number_of_executed_units|stat::peak_rss_mb" build-fuzz/fuzz_$$t.log; \
