@@ -9,7 +9,7 @@ namespace pipetrain {
 
 namespace {
 constexpr std::size_t kMaxPattern = 1000;
-constexpr std::size_t kMaxStates = 10000;
+constexpr std::size_t kMaxStates = 2000;
 constexpr int kMaxRepeat = 100;
 
 // The parsed pattern.

@@ -9,7 +9,7 @@
 //   `?` after a quantifier is accepted and changes nothing, since only whether it matches is asked).
 // Not supported, and refused with a UsageError naming the construct: back-references (`\1`),
 // look-arounds (`(?=`, `(?!`, `(?<`), word boundaries (`\b`), and patterns over 1000 characters or that
-// expand past 10000 NFA states.
+// expand past 2000 NFA states (a search costs text length x states).
 #pragma once
 
 #include <string>
