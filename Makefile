@@ -1,7 +1,19 @@
-# make demo | make test | make build | make deps | make clean
+# make demo | make test | make build | make deps | make clean | make fuzz | make test-sanitize-core
 # Variables: TORCH_DIR=/path/to/share/cmake/Torch picks another LibTorch (e.g. a pip PyTorch's);
-#            BUILD_TYPE (Release), JOBS (all cores), CMAKE_ARGS (passed to cmake as they are).
+#            BUILD_TYPE (Release), JOBS (all cores), CMAKE_ARGS (passed to cmake as they are);
+#            SANITIZE=address,undefined (or thread): `make test` builds in build-san-<list> with
+#            -fsanitize=<list> and runs the suite there; FUZZ_SECONDS (60): time per fuzz target;
+#            FUZZ_MAX_LEN (4096): largest fuzz input in bytes.
+comma      := ,
 BUILD_DIR  := build
+SANITIZE   ?=
+ifneq ($(strip $(SANITIZE)),)
+BUILD_DIR  := build-san-$(subst $(comma),-,$(SANITIZE))
+CMAKE_ARGS += -DPIPETRAIN_SANITIZE=$(SANITIZE)
+endif
+FUZZ_SECONDS ?= 60
+FUZZ_MAX_LEN ?= 4096
+FUZZ_TARGETS := action schedule_csv profile_json pipedream plan config pattern
 BUILD_TYPE ?= Release
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
@@ -9,7 +21,7 @@ ifneq ($(strip $(TORCH_DIR)),)
 CMAKE_ARGS += -DTorch_DIR=$(TORCH_DIR)
 endif
 
-.PHONY: all deps build demo test clean
+.PHONY: all deps build demo test clean fuzz fuzz-build test-sanitize-core
 all: build
 
 deps:
@@ -29,6 +41,30 @@ demo: build
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j2
+
+# libFuzzer over the torch-free parsers (fuzz/): clang, ASan+UBSan, no LibTorch. Each target runs
+# FUZZ_SECONDS; new inputs go to build-fuzz/corpus/<target> (fuzz/corpus/<target> is the seed corpus,
+# read only); a crash leaves build-fuzz/crash-* and stops with its target's name.
+fuzz-build:
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPIPETRAIN_FUZZ=ON $(CMAKE_ARGS)
+	cmake --build build-fuzz -j$(JOBS) --target $(addprefix fuzz_,$(FUZZ_TARGETS))
+
+fuzz: fuzz-build
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build-fuzz/corpus/$$t; \
+	  echo "fuzz_$$t: $(FUZZ_SECONDS) s"; \
+	  ./build-fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 -max_len=$(FUZZ_MAX_LEN) \
+	    -artifact_prefix=build-fuzz/crash-$$t- -print_final_stats=1 build-fuzz/corpus/$$t fuzz/corpus/$$t \
+	    2>build-fuzz/fuzz_$$t.log || { tail -40 build-fuzz/fuzz_$$t.log; echo "fuzz_$$t found a crash"; exit 1; }; \
+	  grep -E "stat::number_of_executed_units|stat::peak_rss_mb" build-fuzz/fuzz_$$t.log; \
+	done
+
+# The torch-free tests under ASan+UBSan (a few minutes on 2 cores): CI's quick memory-safety check.
+test-sanitize-core:
+	cmake -S . -B build-san-core -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPIPETRAIN_CORE_ONLY=ON \
+	  -DPIPETRAIN_SANITIZE=address,undefined $(CMAKE_ARGS)
+	cmake --build build-san-core -j$(JOBS) --target test_core
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ASAN_OPTIONS=detect_leaks=1 ./build-san-core/test_core
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -5,7 +5,9 @@
 
 #include <iostream>
 
+#include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/read_file.h"
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/profile.h"
@@ -35,7 +37,7 @@ void ScheduleFlags::add_to(CLI::App& app) {
   app.add_option("--balance", balance,
                  "with --profile: uniform, parameters, time (default), memory, type:REGEX or layer counts 3,2,2");
   app.add_option("--balance-solver", balance_solver, "with --profile: min-max (default) or block-partition");
-  app.add_option("--pipedream-batch", pipedream_batch,
+  pipedream_batch_option = app.add_option("--pipedream-batch", pipedream_batch,
                  "with --profile of a PipeDream graph file: the batch it was profiled at (its format does not record "
                  "it; VGG-16's: 128)");
   app.add_option("--microbatch-size", microbatch_size, "with --profile: samples per micro-batch; default the profile's");
@@ -104,7 +106,9 @@ Schedule ScheduleFlags::build() const {
 }
 
 Profile ScheduleFlags::load_profile_flags() const {
-  if (pipedream_batch < 0) throw UsageError("--pipedream-batch must be >= 1, got " + std::to_string(pipedream_batch));
+  if (pipedream_batch < 0 || (pipedream_batch == 0 && pipedream_batch_option && pipedream_batch_option->count() > 0))
+    throw UsageError("--pipedream-batch must be >= 1 (the batch size the PipeDream graph was profiled at, e.g. 128), got " +
+                     std::to_string(pipedream_batch));
   Profile p = load_profile(profile);
   if (pipedream_batch > 0) {
     if (p.source.rfind("pipedream graph", 0) != 0)
@@ -180,7 +184,20 @@ void set_command_line(int argc, char** argv) {
 int cli_argc() { return g_argc; }
 char** cli_argv() { return g_argv; }
 
-std::vector<std::string> expand_config(const std::vector<std::string>& args) {
+std::vector<std::string> subcommand_names(const CLI::App& app) {
+  std::vector<std::string> out;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) out.push_back(sub->get_name());
+  return out;
+}
+
+std::vector<std::string> long_flag_names(const CLI::App& sub) {
+  std::vector<std::string> out{"--help", "--config"};
+  for (const CLI::Option* o : sub.get_options())
+    for (const std::string& n : o->get_lnames()) out.push_back("--" + n);
+  return out;
+}
+
+std::vector<std::string> expand_config(const std::vector<std::string>& args, const CLI::App* app) {
   std::string file;
   std::size_t at = 0;
   for (std::size_t i = 2; i < args.size(); ++i) {
@@ -194,36 +211,33 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args) {
     }
   }
   if (at == 0) return args;
-  std::ifstream in(file);
-  if (!in) throw UsageError("--config " + file + ": cannot read the file; pass an existing JSON file of flags");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw UsageError("--config " + file + " is not valid JSON: " + e.what());
-  }
-  if (!j.is_object())
-    throw UsageError("--config " + file + " must hold a JSON object of flags, e.g. {\"stages\": 4, \"schedule\": \"1f1b\"}");
   std::vector<std::string> flags;
-  auto value = [&](const std::string& key, const nlohmann::json& v) {
-    if (v.is_string()) return v.get<std::string>();
-    if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
-    if (v.is_number()) return v.dump();
-    throw UsageError("--config " + file + ": key '" + key + "' has value " + v.dump() +
-                     "; use a string, a number, true/false or an array of those");
-  };
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    const std::string flag = "--" + it.key();
-    if (it.key() == "config") throw UsageError("--config " + file + " names another config file; nest no config files");
-    if (it.value().is_boolean()) {
-      if (it.value().get<bool>()) flags.push_back(flag);
-    } else if (it.value().is_array()) {
-      flags.push_back(flag);
-      for (const auto& v : it.value()) flags.push_back(value(it.key(), v));
-    } else {
-      flags.push_back(flag);
-      flags.push_back(value(it.key(), it.value()));
+  const CLI::App* sub = nullptr;
+  if (app)
+    for (const CLI::App* s : app->get_subcommands([](const CLI::App*) { return true; }))
+      if (s->get_name() == args[1]) sub = s;
+  for (const ConfigFlag& c : parse_config_text(read_file_capped(file, "config file", kMaxConfigFileBytes), file)) {
+    if (sub) {  // each key must be a flag of the command, with as many values as it takes
+      const CLI::Option* o = sub->get_option_no_throw(c.flag);
+      if (!o || o->get_lnames().empty()) {
+        std::vector<std::string> keys;
+        for (const std::string& f : long_flag_names(*sub))
+          if (f != "--help" && f != "--config") keys.push_back(f.substr(2));
+        throw UsageError("--config " + file + ": key '" + c.key + "' is not a flag of pipetrain " + args[1] +
+                         did_you_mean(c.key, keys) + "; run 'pipetrain " + args[1] + " --help' for its flags");
+      }
+      const bool flag_only = o->get_items_expected_max() == 0;  // add_flag: expected(0)
+      if (flag_only && !c.values.empty())
+        throw UsageError("--config " + file + ": key '" + c.key + "' is an on/off flag, but its value is '" +
+                         c.values.front() + "': give true or false");
+      if (!flag_only && c.values.empty())
+        throw UsageError("--config " + file + ": key '" + c.key + "' needs a value (true is only for on/off flags)");
+      if (o->get_items_expected_max() == 1 && c.values.size() > 1)
+        throw UsageError("--config " + file + ": key '" + c.key + "' takes one value, but its value is an array of " +
+                         std::to_string(c.values.size()) + ": give a single value");
     }
+    flags.push_back(c.flag);
+    flags.insert(flags.end(), c.values.begin(), c.values.end());
   }
   std::vector<std::string> out(args.begin(), args.begin() + 2);
   out.insert(out.end(), flags.begin(), flags.end());

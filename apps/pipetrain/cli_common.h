@@ -40,6 +40,7 @@ struct ScheduleFlags {
   Profile load_profile_flags() const;  // --profile, with --pipedream-batch for PipeDream graph files
   CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
   CLI::Option* microbatches_option = nullptr;
+  CLI::Option* pipedream_batch_option = nullptr;  // tells "not given" from "0"
 
   void add_to(CLI::App& app);
   // Builds (or loads) and validates the schedule. Throws UsageError / ScheduleError on bad input.
@@ -71,7 +72,12 @@ char** cli_argv();
 // win (options take their last value). true adds a flag, false leaves it out; strings and numbers
 // become values; arrays become one value each. Throws UsageError on a missing file, invalid JSON, or a
 // value of another type, naming the file and the key.
-std::vector<std::string> expand_config(const std::vector<std::string>& args);
+// With `app`, each key is checked against the subcommand's flags (unknown keys get the nearest flag
+// name; an on/off flag must be true/false; a one-value flag no array).
+std::vector<std::string> expand_config(const std::vector<std::string>& args, const CLI::App* app = nullptr);
+// The subcommands' names and a subcommand's long flags ("--stages"), for suggestions.
+std::vector<std::string> subcommand_names(const CLI::App& app);
+std::vector<std::string> long_flag_names(const CLI::App& sub);
 
 // Runs `body`, mapping UsageError to exit 2 and any other exception to exit 1, with the message on
 // stderr prefixed by "pipetrain <command>: error: ".

@@ -64,7 +64,11 @@ void add_demo_command(CLI::App& app, int& exit_code) {
         if (name == "gpipe") gpipe_makespan = r.metrics.makespan;
         const RankMetrics& s0 = r.metrics.per_rank.front();
         std::cout << fmt::format("{:<16} {:>9.2f} {:>9.4f} {:>10.2f} {:>11} {:>9.2f} {:>8.2f}x\n",
-                                 name + (s.virtual_stages_per_rank() > 1 ? " v=2" : ""), r.metrics.makespan,
+                                 name + (s.virtual_stages_per_rank() > 1 ? " v=2" : "") +
+                                     (s.microbatches_per_step != f->microbatches
+                                          ? fmt::format(" m={}*", s.microbatches_per_step)
+                                          : ""),
+                                 r.metrics.makespan,
                                  r.metrics.bubble_fraction, r.metrics.max_bubble(), s0.peak_inflight,
                                  s0.peak_memory, gpipe_makespan > 0 ? gpipe_makespan / r.metrics.makespan : 1.0);
         const std::string base = (std::filesystem::path(f->out) / name).string();
@@ -74,6 +78,8 @@ void add_demo_command(CLI::App& app, int& exit_code) {
       std::cout << fmt::format(
           "\nFor gpipe and 1f1b the makespan is steps*(m+p-1)*(F+B+W) and the bubble fraction (p-1)/(m+p-1); "
           "pipedream and 2bw skip the flush between steps.\n"
+          "* m=1: pipedream and spectrain step after every micro-batch: their m x steps micro-batches are as many "
+          "steps of one (their timelines' titles give both counts).\n"
           "Timelines (SVG) and Chrome traces written to {}/<schedule>.svg and .trace.json\n",
           f->out);
       return kExitOk;

@@ -151,7 +151,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       "  pipetrain plan --profile gpt.json --ranks 4 --batch-size 64 --out plan.json\n"
       "  pipetrain train --plan plan.json --batch-size 64\n"
       "  pipetrain plan --profile vgg16.txt --ranks 8 --bandwidth 1.25 --memory 16   # PipeDream's profile");
-  cmd->callback([f, &exit_code] {
+  cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("plan", [&] {
       if (f->ranks < 1) throw UsageError("--ranks must be >= 1, got " + std::to_string(f->ranks));
       if (!(f->bandwidth_gbps > 0)) throw UsageError("--bandwidth must be > 0 GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
@@ -159,6 +159,11 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       for (int m : f->microbatch_counts)
         if (m < 1) throw UsageError("--microbatch-counts must be >= 1, got " + std::to_string(m));
       if (f->latency_us < 0) throw UsageError("--latency must be >= 0 us, got " + fmt::format("{}", f->latency_us));
+      if (cmd->get_option("--pipedream-batch")->count() > 0 && f->pipedream_batch < 1)
+        throw UsageError("--pipedream-batch must be >= 1 (the batch size the PipeDream graph was profiled at, e.g. "
+                         "128), got " + std::to_string(f->pipedream_batch));
+      if (!std::isfinite(f->bandwidth_gbps))
+        throw UsageError("--bandwidth must be a finite number of GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
       Profile prof = load_profile(f->profile);
       if (f->pipedream_batch > 0) {
         if (prof.source.rfind("pipedream graph", 0) != 0)
@@ -234,7 +239,24 @@ void add_plan_command(CLI::App& app, int& exit_code) {
           } catch (const std::exception&) {
             throw UsageError("--level " + lv + " must read MACHINES:GB/s, e.g. 4:100");
           }
+          if (po.levels.back().machines < 1 || !(po.levels.back().bandwidth > 0) ||
+              !std::isfinite(po.levels.back().bandwidth))
+            throw UsageError("--level " + lv + " needs MACHINES >= 1 and a finite GB/s > 0, e.g. 4:100");
         }
+        // The levels describe the devices PipeDream's planner places stages on; they must be the --ranks
+        // the straight pipelines are planned for, or the table would compare plans for different machines.
+        long devices = 1;
+        std::string product;
+        for (const NetworkLevel& l : po.levels) {
+          devices *= l.machines;
+          product += (product.empty() ? "" : " x ") + std::to_string(l.machines);
+          if (devices > 1 << 20) break;
+        }
+        if (devices != f->ranks)
+          throw UsageError("--level describes " + product + " = " + std::to_string(devices) + " devices but --ranks is " +
+                           std::to_string(f->ranks) + ": give --ranks " + std::to_string(devices) +
+                           " (the product of the levels' MACHINES) or levels whose MACHINES multiply to " +
+                           std::to_string(f->ranks));
       }
       po.cost_form = parse_planner_cost_form(f->cost_form);
       if (limit > 0) po.memory_limit_bytes = limit;

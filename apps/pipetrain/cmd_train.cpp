@@ -46,7 +46,7 @@ struct TrainFlags {
   double clip = 1.0;
   std::string lr_schedule = "cosine";  // constant | cosine | linear
   int warmup = -1;  // -1: 5% of the steps, at most 100
-  int eval_every = 0;        // 0: ten evaluations per run
+  int eval_every = -1;       // -1: ten evaluations per run; 0: none
   int64_t eval_samples = 0;  // 0: all of the held-out split (images), 256 windows (text)
   int64_t eval_batch = 0;    // 0: 4 x batch size
   std::string save, resume;
@@ -84,6 +84,15 @@ int next_boundary(const TrainFlags& f, int step, int total, int eval_every) {
   return b;
 }
 constexpr int kDefaultSteps = 600;  // the demo: about 1.5 minutes on 2 cores
+
+// The steps of --epochs E over `train_size` samples; refused past 1e9 (--epochs inf was -2147483648 steps).
+int steps_for_epochs(double epochs, int64_t train_size, int64_t batch_size) {
+  const double steps = std::ceil(epochs * static_cast<double>(train_size) / static_cast<double>(batch_size));
+  if (!(steps <= 1e9))
+    throw UsageError(fmt::format("--epochs {} is {} steps of --batch-size {}, over the limit of 1e9: give fewer epochs",
+                                 epochs, steps, batch_size));
+  return static_cast<int>(steps);
+}
 
 std::string comma_list(const std::vector<int>& v) {
   std::string s;
@@ -439,7 +448,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   total = f.steps > 0 ? f.steps : kDefaultSteps;
   if (f.steps == 0 && f.epochs > 0) {
     if (train_size == 0) throw UsageError("--epochs needs a finite data set; --data " + f.model.data + " is endless: use --steps");
-    total = static_cast<int>(std::ceil(f.epochs * static_cast<double>(train_size) / static_cast<double>(f.batch_size)));
+    total = steps_for_epochs(f.epochs, train_size, f.batch_size);
   }
   if (!f.resume.empty()) load_checkpoint(rank, f.resume);
   const int start = rank.step();
@@ -447,9 +456,10 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
     throw UsageError("checkpoint " + f.resume + " is at step " + std::to_string(start) + " and the run has " +
                      std::to_string(total) + " steps: pass --steps larger than " + std::to_string(start));
   const int64_t eval_count =
-      f.eval_samples > 0 ? std::min(f.eval_samples, eval_size) : (f.model.is_text() ? std::min<int64_t>(256, eval_size) : eval_size);
+      f.eval_every == 0 ? 0  // --eval-every 0: no evaluation
+      : f.eval_samples > 0 ? std::min(f.eval_samples, eval_size) : (f.model.is_text() ? std::min<int64_t>(256, eval_size) : eval_size);
   const int64_t eval_chunk = f.eval_batch > 0 ? f.eval_batch : 4 * f.batch_size;
-  const int eval_every = f.eval_every > 0 ? f.eval_every : std::max(1, total / 10);
+  const int eval_every = f.eval_every > 0 ? f.eval_every : f.eval_every == 0 ? total : std::max(1, total / 10);
   const bool text = f.model.model == "gpt";
   const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
 
@@ -722,9 +732,10 @@ void add_train_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--momentum", f->momentum, "SGD momentum, default 0.9");
   cmd->add_option("--weight-decay", f->weight_decay, "weight decay, default 0");
   cmd->add_option("--clip", f->clip, "clip gradients to this global norm; 0 = off; default 1");
-  cmd->add_option("--eval-every", f->eval_every, "evaluate on the held-out split every K steps; default: 10 times a run");
+  cmd->add_option("--eval-every", f->eval_every,
+                  "evaluate on the held-out split every K steps; 0 = never (no evaluation at all); default: 10 times a run");
   cmd->add_option("--eval-samples", f->eval_samples,
-                  "held-out samples per evaluation; default all (images) or 256 windows (text)");
+                  "held-out samples per evaluation (the first N); default all (images) or 256 windows (text)");
   cmd->add_option("--eval-batch", f->eval_batch, "samples per evaluation forward pass, default 4 x batch size");
   cmd->add_option("--save", f->save, "write a checkpoint to this folder at the end (and every --save-every steps)");
   cmd->add_option("--save-every", f->save_every, "also checkpoint every K steps; default 0 (only at the end)");
@@ -738,8 +749,9 @@ void add_train_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--svg", f->svg, "write the last step's measured timeline as an SVG");
   cmd->add_option("--log", f->log, "write one JSON object per step to this file (JSON lines)");
   cmd->add_option("--progress", f->progress,
-                  "bar (redrawn line), lines (one per step, with its time), quiet, or auto: bar on a terminal, else "
-                  "a line every 5% of the run; default auto")
+                  "bar (redrawn line), lines (one per step, with its time), quiet, or auto: bar when stdout is a "
+                  "terminal, else (also for ranks started as processes, whose output the launcher relays line by "
+                  "line) a line every 5% of the run; default auto")
       ->check(CLI::IsMember({"auto", "bar", "lines", "quiet"}));
   cmd->add_flag("--vertical-sync", f->vertical_sync,
                 "pipedream: every stage uses the weight version stage 0 used for the mini-batch (PipeDream's vertical "
@@ -762,16 +774,23 @@ void add_train_command(CLI::App& app, int& exit_code) {
       "  pipetrain train --model mlp --stages 4 --schedule 2bw --microbatches 4 --epochs 1\n"
       "  pipetrain train --text my.txt --layers 6 --steps 1000 --save ckpt --save-every 100\n"
       "  pipetrain train --resume ckpt --steps 2000 --stages 4   # continue, regrouped into 4 stages\n"
-      "  pipetrain train --config run.json --lr 1e-3           # flags from a file, one overridden\n"
+      "  pipetrain train --config flags.json --lr 1e-3         # flags from a file, one overridden\n"
       "  pipetrain launch -n 2 -- pipetrain train --stages 2 --transport gloo\n"
       "  mpirun -n 2 pipetrain train --stages 2 --transport mpi");
   cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("train", [&] {
       if (f->batch_size < 1) throw UsageError("--batch-size must be >= 1, got " + std::to_string(f->batch_size));
-      if (f->steps < 0) throw UsageError("--steps must be >= 1, got " + std::to_string(f->steps));
-      if (f->epochs < 0) throw UsageError("--epochs must be > 0, got " + fmt::format("{}", f->epochs));
-      if (f->steps > 0 && f->epochs > 0) throw UsageError("give --steps or --epochs, not both");
-      if (f->eval_every < 0) throw UsageError("--eval-every must be >= 1, got " + std::to_string(f->eval_every));
+      const bool steps_given = cmd->get_option("--steps")->count() > 0;
+      const bool epochs_given = cmd->get_option("--epochs")->count() > 0;
+      if (f->steps < 0 || (steps_given && f->steps == 0))
+        throw UsageError("--steps must be >= 1, got " + std::to_string(f->steps) + ": give the optimizer steps to run");
+      // 0, nan and inf used to run the default 600 steps (or -2147483648); 1e6 epochs is far past any run.
+      if (epochs_given && !(f->epochs > 0 && f->epochs <= 1e6))
+        throw UsageError("--epochs must be a number > 0 and at most 1e6, got " + fmt::format("{}", f->epochs) +
+                         ": give the passes over the training split, e.g. --epochs 2 (or use --steps)");
+      if (steps_given && epochs_given) throw UsageError("give --steps or --epochs, not both");
+      if (f->eval_every < -1 || (cmd->get_option("--eval-every")->count() > 0 && f->eval_every < 0))
+        throw UsageError("--eval-every must be >= 1 (or 0 for no evaluation), got " + std::to_string(f->eval_every));
       if (f->eval_samples < 0 || f->eval_batch < 0)
         throw UsageError("--eval-samples and --eval-batch must be >= 1 (or 0 for the default)");
       if (f->save_every < 0) throw UsageError("--save-every must be >= 0, got " + std::to_string(f->save_every));

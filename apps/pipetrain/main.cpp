@@ -1,9 +1,11 @@
 // pipetrain: plan, simulate and (later) train pipeline-parallel models. One file per subcommand.
+#include <algorithm>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "cli_common.h"
+#include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
 
 int main(int argc, char** argv) {
@@ -33,7 +35,7 @@ int main(int argc, char** argv) {
   // Flags from a --config file go in ahead of the command line's own.
   std::vector<std::string> args(argv, argv + argc);
   try {
-    args = expand_config(args);
+    args = expand_config(args, &app);
   } catch (const pipetrain::UsageError& e) {
     std::cerr << "pipetrain: error: " << e.what() << "\n";
     return kExitUsage;
@@ -48,6 +50,38 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);  // prints CLI11's message
+    // The nearest names for a mistyped subcommand or flag, and where a bad value came from.
+    const std::vector<std::string> commands = subcommand_names(app);
+    const std::vector<std::string> original(argv, argv + argc);
+    const CLI::App* sub = nullptr;
+    if (original.size() > 1) {
+      for (const CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; }))
+        if (s->get_name() == original[1]) sub = s;
+      if (!sub && original[1].rfind("-", 0) != 0) {
+        const std::string near = pipetrain::nearest_name(original[1], commands);
+        if (!near.empty()) std::cerr << "'" << original[1] << "' is not a command; did you mean '" << near << "'?\n";
+      }
+    }
+    if (sub) {
+      const std::vector<std::string> flags = long_flag_names(*sub);
+      for (std::size_t i = 2; i < original.size(); ++i) {
+        if (original[i] == "--") break;
+        if (original[i].rfind("--", 0) != 0) continue;
+        const std::string name = original[i].substr(0, original[i].find('='));
+        if (std::find(flags.begin(), flags.end(), name) != flags.end()) continue;
+        const std::string near = pipetrain::nearest_name(name, flags);
+        std::cerr << "pipetrain " << original[1] << " has no flag " << name
+                  << (near.empty() ? "" : "; did you mean " + near + "?") << "\n";
+      }
+      const std::string what = e.what();
+      for (std::size_t i = 2; i + 1 < args.size() && args.size() != original.size(); ++i)
+        if (args[i].rfind("--", 0) == 0 && args[i] != "--config" &&
+            what.find(args[i]) != std::string::npos && std::find(original.begin(), original.end(), args[i]) == original.end()) {
+          std::cerr << "the value of " << args[i] << " comes from key '" << args[i].substr(2)
+                    << "' of the --config file: fix it there\n";
+          break;
+        }
+    }
     std::cerr << "Commands are schedule, simulate, demo, info, launch, train, selftest, profile and plan; run 'pipetrain --help' for usage.\n";
     return kExitUsage;
   }

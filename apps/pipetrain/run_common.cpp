@@ -15,6 +15,7 @@
 
 #include <torch/cuda.h>
 
+#include "pipetrain/core/read_file.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/planner.h"
@@ -39,12 +40,22 @@ void ModelFlags::add_to(CLI::App& app) {
   app.add_option("--d-model", gpt.d_model, "gpt width, default 128");
   app.add_option("--heads", gpt.heads, "gpt attention heads, default 4");
   vocab_option = app.add_option("--vocab", gpt.vocab, "gpt vocabulary with synthetic data (text data sets it), default 96");
-  app.add_option("--seq-len", gpt.seq_len, "gpt context length, default 128");
+  app.add_option("--seq-len", gpt.seq_len, "gpt context length, default 64");
   app.add_option("--dropout", gpt.dropout, "gpt dropout, default 0");
   app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)");
   app.add_option("--width", cnn.width, "cnn channels of the first group (VGG-16: 64), resnet stem width; default 8 / 16");
   app.add_option("--blocks", resnet.blocks, "resnet residual blocks per stage, default 2");
-  app.add_option("--seed", seed, "seed for the model, the data order and dropout; default 0");
+  app.add_option("--seed", seed, "seed for the model, the data order and dropout, 0 to 2^64-1; default 0")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            // CLI11 reads -1 (and anything past 2^64) as 18446744073709551615: accept plain digits only.
+            const bool digits = !v.empty() && v.size() <= 20 &&
+                                v.find_first_not_of("0123456789") == std::string::npos;
+            if (!digits || (v.size() == 20 && v > "18446744073709551615"))
+              return "--seed " + v + " is not a whole number from 0 to 18446744073709551615 (2^64-1): give one in that range";
+            return {};
+          },
+          "SEED", "seed"));
 }
 
 void ModelFlags::prepare() {
@@ -272,8 +283,7 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
     if (plan_use != "pipeline" && plan_use != "pipedream")
       throw UsageError("--plan-use " + plan_use + " is not a part of a plan: use pipeline (the default) or pipedream");
     plan = load_plan(path);  // checks the file and its top-level plan
-    std::ifstream in(path);
-    const nlohmann::json file = nlohmann::json::parse(in, nullptr, false);
+    const nlohmann::json file = nlohmann::json::parse(read_file_capped(path, "plan", kMaxPlanFileBytes), nullptr, false);
     part = file;
     if (plan_use == "pipedream") {
       if (!file.is_object() || !file.contains("pipedream"))
@@ -463,6 +473,25 @@ bool measured_kind(const std::string& kind) { return kind == "time" || kind == "
 void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model) {
   parse_balance_solver(pipe.balance_solver);
   const int stages = pipe.stages * pipe.virtual_stages;
+  {  // each (virtual) stage needs a layer: the fix is more layers or fewer stages, said in the model's terms
+    const int layers = layer_count(model.factory()());
+    if (stages > layers) {
+      const std::string asked = pipe.virtual_stages > 1
+                                    ? fmt::format("--stages {} x --virtual {} = {} stages", pipe.stages,
+                                                  pipe.virtual_stages, stages)
+                                    : fmt::format("--stages {}", stages);
+      std::string more;
+      if (model.model == "gpt")
+        more = fmt::format("give the gpt --layers {} or more (it has --layers + 2 pipeline layers)", stages - 2);
+      else if (model.model == "mlp")
+        more = fmt::format("give the mlp --layers {} or more", stages);
+      else
+        more = "use a model with more layers";
+      throw UsageError(fmt::format("{} but the {} has {} pipeline layers, and every stage needs at least one: {}, or "
+                                   "use fewer stages",
+                                   asked, model.model, layers, more));
+    }
+  }
   if (!pipe.profile_file.empty()) {
     const Profile p = load_profile(pipe.profile_file);
     const int layers = layer_count(model.factory()());

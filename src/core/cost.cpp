@@ -45,13 +45,13 @@ void CostModel::check(int stages) const {
   if (static_cast<int>(stage.size()) != stages)
     throw UsageError("the cost model has " + std::to_string(stage.size()) + " stage entries but the schedule has " +
                      std::to_string(stages) + " stages: give one F:B:W triple, or one per stage");
-  auto bad = [](double x) { return !std::isfinite(x) || x < 0; };
+  auto bad = [](double x) { return !std::isfinite(x) || x < 0 || x > kMaxActionCost; };
   for (std::size_t s = 0; s < stage.size(); ++s) {
     const StageCost& c = stage[s];
-    if (bad(c.f) || bad(c.b) || bad(c.w) || bad(c.activation)) {
+    if (bad(c.f) || bad(c.b) || bad(c.w) || !std::isfinite(c.activation) || c.activation < 0) {
       std::ostringstream msg;
       msg << "stage " << s << " has a negative or non-finite cost (F=" << c.f << ", B=" << c.b << ", W=" << c.w
-          << ", activation=" << c.activation << "): costs must be finite and >= 0";
+          << ", activation=" << c.activation << "): costs must be finite, >= 0 and at most 1e12";
       throw UsageError(msg.str());
     }
   }
@@ -77,6 +77,11 @@ double parse_cost_number(const std::string& item, const std::string& whole) {
     if (used != item.size()) throw std::invalid_argument(item);
     if (!std::isfinite(v) || v < 0)
       throw UsageError("cost '" + item + "' in '" + whole + "' must be a finite number >= 0");
+    // A schedule's makespan sums many costs: 1e308 overflowed to infinity and the simulator then
+    // reported a deadlock. 1e12 time units per action is far past any real cost.
+    if (v > kMaxActionCost)
+      throw UsageError("cost '" + item + "' in '" + whole + "' is over the limit of 1e12 time units per action (sums "
+                       "of such costs overflow): rescale the costs, e.g. to milliseconds");
     return v;
   } catch (const UsageError&) {
     throw;

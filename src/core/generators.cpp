@@ -6,6 +6,7 @@
 #include <queue>
 #include <sstream>
 
+#include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/simulate.h"
 
@@ -101,7 +102,8 @@ std::vector<std::vector<Action>> greedy_zero_bubble(int p, int m, const CostMode
   int finished_ranks = 0;
 
   while (!events.empty() && finished_ranks < p) {
-    const auto [t, r] = events.top();
+    const double t = events.top().first;  // not a structured binding: the lambdas below capture r, which
+    const int r = events.top().second;     // C++17 (and clang) allow only for plain variables
     events.pop();
     const auto ur = static_cast<std::size_t>(r);
     if (free_at[ur] > t + eps || done[ur] == total_per_rank) continue;
@@ -429,8 +431,8 @@ Schedule generate(const std::string& name, const GeneratorOptions& o) {
   }
   std::string list;
   for (const auto& n : schedule_names()) list += (list.empty() ? "" : ", ") + n;
-  throw UsageError("unknown schedule '" + name + "': valid schedules are " + list +
-                   " (umpipe is not implemented yet)");
+  throw UsageError("unknown schedule '" + name + "'" + did_you_mean(name, schedule_names()) + ": valid schedules are " +
+                   list + " (UMPIPE is not a schedule but a plan: pipetrain plan --planner umpipe, then train --plan FILE)");
 }
 
 }  // namespace pipetrain

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/read_file.h"
 
 namespace pipetrain {
 
@@ -120,10 +121,18 @@ Schedule from_csv(const std::string& text) {
     std::vector<Action> row;
     std::stringstream cells(line);
     std::string cell;
-    int col = 0;
+    int col = 0, empty_col = 0;
     while (std::getline(cells, cell, ',')) {
       ++col;
-      if (cell.find_first_not_of(" \t") == std::string::npos) continue;  // empty cell: nothing to do
+      if (cell.find_first_not_of(" \t") == std::string::npos) {  // trailing empty cells (padding) are fine
+        if (empty_col == 0) empty_col = col;
+        continue;
+      }
+      if (empty_col > 0)
+        throw UsageError("CSV line " + std::to_string(line_no) + " (rank " + std::to_string(rows.size()) + "), column " +
+                         std::to_string(empty_col) +
+                         ": empty cell between actions; a row lists its rank's actions in order, so remove the empty "
+                         "cell (empty cells as idle slots, PyTorch's format, are not supported)");
       try {
         row.push_back(parse_action(cell));
       } catch (const UsageError& e) {
@@ -152,6 +161,16 @@ Schedule from_csv(const std::string& text) {
   s.microbatches = header_int(header, "microbatches", max_micro + 1, header_line);
   s.microbatches_per_step = header_int(header, "microbatches_per_step", s.microbatches, header_line);
   s.synchronous = header_int(header, "synchronous", 1, header_line) != 0;
+  // Stage and micro-batch numbers size per-stage and per-(stage, micro-batch) tables downstream: a stray
+  // 0F888888888 asked for 889 million stages (found by fuzz_schedule_csv).
+  constexpr long kMaxStages = 1 << 16, kMaxMicrobatches = 1 << 24, kMaxCells = 1L << 26;
+  if (s.stages > kMaxStages || s.microbatches > kMaxMicrobatches ||
+      static_cast<long>(s.stages) * s.microbatches > kMaxCells)
+    throw UsageError("CSV schedule has " + std::to_string(s.stages) + " stages and " + std::to_string(s.microbatches) +
+                     " micro-batches (from the header or the largest numbers in its actions): the limits are " +
+                     std::to_string(kMaxStages) + " stages, " + std::to_string(kMaxMicrobatches) +
+                     " micro-batches and " + std::to_string(kMaxCells) +
+                     " (stage, micro-batch) pairs; check the action numbers");
   if (s.stages < 1 || s.microbatches < 1 || s.microbatches_per_step < 1)
     throw UsageError("CSV schedule needs at least one stage and one micro-batch (got stages=" +
                      std::to_string(s.stages) + ", microbatches=" + std::to_string(s.microbatches) +
@@ -213,11 +232,12 @@ Schedule from_csv(const std::string& text) {
 }
 
 Schedule load_csv_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw UsageError("cannot read schedule file '" + path + "': check the path");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return from_csv(text.str());
+  const std::string text = read_file_capped(path, "schedule file", kMaxScheduleFileBytes);
+  try {
+    return from_csv(text);
+  } catch (const UsageError& e) {
+    throw UsageError("schedule file '" + path + "': " + e.what());
+  }
 }
 
 }  // namespace pipetrain

@@ -25,6 +25,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs) {
   out.timeline.schedule = s.name;
   out.timeline.ranks = s.ranks;
   out.timeline.microbatches = s.microbatches_per_step;
+  out.timeline.total_microbatches = s.microbatches;
   out.timeline.virtual_stages = s.virtual_stages_per_rank();
   out.timeline.unit = "units";
 

@@ -270,8 +270,13 @@ std::string gantt_svg(const Timeline& t, const Metrics& m) {
   out += fmt::format(
       "<text class=\"title\" x=\"{:.0f}\" y=\"26\" font-size=\"16\" font-weight=\"bold\" xml:space=\"preserve\">"
       "{}  p={}  m={}  v={}  bubble fraction={:.3f}  makespan={:g} {}</text>\n",
-      kLeft, xml_escape(t.schedule), t.ranks, t.microbatches, t.virtual_stages, m.bubble_fraction, m.makespan,
-      xml_escape(t.unit));
+      kLeft, xml_escape(t.schedule), t.ranks,
+      // PipeDream steps after every micro-batch: "m=1" alone read as one micro-batch in a chart of eight.
+      t.total_microbatches > t.microbatches && t.microbatches > 0
+          ? fmt::format("{} per step ({} micro-batches, {} steps)", t.microbatches, t.total_microbatches,
+                        t.total_microbatches / t.microbatches)
+          : std::to_string(t.microbatches),
+      t.virtual_stages, m.bubble_fraction, m.makespan, xml_escape(t.unit));
 
   // Rows: light background, label on the left, per-rank bubble on the right.
   for (int r = 0; r < t.ranks; ++r) {

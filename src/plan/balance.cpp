@@ -5,12 +5,13 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <regex>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/pattern.h"
 #include "pipetrain/plan/profile.h"
 
 namespace pipetrain {
@@ -56,25 +57,51 @@ std::vector<int> balance_min_max(const std::vector<double>& cost, int stages) {
     throw UsageError(std::to_string(stages) + " stages but the model has " + std::to_string(n) +
                      " layers: use --stages <= " + std::to_string(n));
   for (double c : cost)
-    if (!(c >= 0)) throw UsageError("layer costs must be >= 0 to balance by them");
+    if (!(c >= 0) || !std::isfinite(c)) throw UsageError("layer costs must be finite and >= 0 to balance by them");
   std::vector<double> prefix(static_cast<std::size_t>(n) + 1, 0.0);
   for (int i = 0; i < n; ++i) prefix[static_cast<std::size_t>(i) + 1] = prefix[static_cast<std::size_t>(i)] + cost[static_cast<std::size_t>(i)];
   const double inf = std::numeric_limits<double>::infinity();
   // best[q][j]: minimal bottleneck of the first j layers in q parts; cut[q][j]: start of the last part.
+  // For the last part [i, j), v(i) = max(best[q-1][i], prefix[j] - prefix[i]): the first term never
+  // falls as i grows (more layers in as many parts), the second never rises, so v falls then rises and
+  // the best i is where they cross: a binary search, O(p L log L) in all (the scan over every i was
+  // O(p L^2): 100k layers took minutes). Among i within the tolerance of the minimum the largest wins
+  // (the earlier parts as long as possible), as the scan from i = j - 1 downwards chose.
   std::vector<std::vector<double>> best(static_cast<std::size_t>(stages) + 1,
                                         std::vector<double>(static_cast<std::size_t>(n) + 1, inf));
   std::vector<std::vector<int>> cut(best.size(), std::vector<int>(static_cast<std::size_t>(n) + 1, 0));
   best[0][0] = 0;
-  for (int q = 1; q <= stages; ++q)
-    for (int j = q; j <= n - (stages - q); ++j)
-      for (int i = j - 1; i >= q - 1; --i) {  // last part is [i, j); prefer the longest earlier parts
-        const double v = std::max(best[static_cast<std::size_t>(q) - 1][static_cast<std::size_t>(i)],
-                                  prefix[static_cast<std::size_t>(j)] - prefix[static_cast<std::size_t>(i)]);
-        if (v < best[static_cast<std::size_t>(q)][static_cast<std::size_t>(j)] - 1e-12 * (1 + std::abs(v))) {
-          best[static_cast<std::size_t>(q)][static_cast<std::size_t>(j)] = v;
-          cut[static_cast<std::size_t>(q)][static_cast<std::size_t>(j)] = i;
-        }
+  auto tol = [](double v) { return 1e-12 * (1 + std::abs(v)); };
+  for (int q = 1; q <= stages; ++q) {
+    const std::vector<double>& prev = best[static_cast<std::size_t>(q) - 1];
+    for (int j = q; j <= n - (stages - q); ++j) {
+      const double pj = prefix[static_cast<std::size_t>(j)];
+      auto left = [&](int i) { return prev[static_cast<std::size_t>(i)]; };
+      auto right = [&](int i) { return pj - prefix[static_cast<std::size_t>(i)]; };
+      // The first i in [q-1, j-1] with left(i) >= right(i) (j if none).
+      int lo = q - 1, hi = j;
+      while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        if (left(mid) >= right(mid)) hi = mid;
+        else lo = mid + 1;
       }
+      const int cross = lo;
+      double v = inf;
+      if (cross < j) v = left(cross);                                   // v = left from cross on, rising
+      if (cross > q - 1) v = std::min(v, right(cross - 1));             // v = right before cross, falling
+      // The largest i with v(i) <= v + tol: past cross, v = left(i) rises, so the last such i there;
+      // else the largest before cross (right falls towards cross, so cross - 1).
+      int a = cross, z = j;  // last i in [cross, j) with left(i) <= v + tol
+      while (a < z) {
+        const int mid = a + (z - a) / 2;
+        if (left(mid) <= v + tol(v)) a = mid + 1;
+        else z = mid;
+      }
+      const int i = a > cross ? a - 1 : cross - 1;
+      best[static_cast<std::size_t>(q)][static_cast<std::size_t>(j)] = std::max(left(i), right(i));
+      cut[static_cast<std::size_t>(q)][static_cast<std::size_t>(j)] = i;
+    }
+  }
   std::vector<int> out(static_cast<std::size_t>(stages));
   for (int q = stages, j = n; q >= 1; --q) {
     const int i = cut[static_cast<std::size_t>(q)][static_cast<std::size_t>(j)];
@@ -219,16 +246,18 @@ std::vector<double> balance_costs(const Profile& profile, const std::string& kin
   } else if (kind.rfind("type:", 0) == 0) {
     const std::string pattern = kind.substr(5);
     if (pattern.empty()) throw UsageError("balance 'type:' needs a regular expression, e.g. type:Block");
-    std::regex re;
+    // Pattern never backtracks: linear in the type name for any pattern (std::regex took minutes on
+    // type:(a*)*b against 18-character names).
+    std::unique_ptr<Pattern> re;
     try {
-      re = std::regex(pattern, std::regex::ECMAScript | std::regex::icase);
-    } catch (const std::regex_error& e) {
-      throw UsageError("balance '" + kind + "': '" + pattern + "' is not a valid regular expression (" + e.what() +
-                       "); e.g. type:Block or type:^Linear$");
+      re = std::make_unique<Pattern>(pattern, true);
+    } catch (const UsageError& e) {
+      throw UsageError("balance '" + kind + "': not a valid regular expression: " + e.what() +
+                       "; e.g. type:Block or type:^Linear$");
     }
     bool any = false;
     for (const LayerProfile& l : profile.layers) {
-      const bool hit = std::regex_search(l.type, re);
+      const bool hit = re->search(l.type);
       any = any || hit;
       out.push_back(hit ? 1.0 : 0.0);
     }

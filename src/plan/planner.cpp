@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/read_file.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/profile.h"
@@ -169,6 +170,10 @@ class Dp {
     t.best.assign(size, kInf);
     t.cut.assign(size, -1);
     t.reps.assign(size, 0);
+    if (k == 0 && (paper_ || !(o_.activation_compression > 0))) {
+      fill_level0(t, c, b);
+      return memo_.emplace(key, std::move(t)).first->second;
+    }
     for (int i = b; i >= 0; --i)
       for (int x = i == 0 ? 0 : 1; x >= 0; --x)  // no stage precedes layer 0, so it always opens its range
         for (int m = 1; m <= t.M; ++m) {
@@ -194,6 +199,78 @@ class Dp {
           t.reps[u] = reps;
         }
     return memo_.emplace(key, std::move(t)).first->second;
+  }
+
+  // The level-0 table in O(b M^2 log b) instead of the loop above's O(b^2 M^2) (which took 200 s on
+  // 100k layers). For a stage i..j (j < b) on r of m units the loop minimises over j
+  //   v(j) = max(f(j), g(j)),  f(j) = the stage's own cost (compute, all-reduce, memory; nondecreasing
+  //   in j since every layer adds nonnegative time and bytes), g(j) = max(transfer after j, best of
+  //   j+1..b on m - r units), which depends on j and m - r only (the transfer term of the paper form,
+  //   or none in the reference form without compression; with compression it depends on r too, and
+  //   that case keeps the loop).
+  // min_j max(f(j), g(j)) = min_j max(f(j), min_{i<=j'<=j} g(j')), so only the positions where g sets
+  // a new minimum, scanning right from i ("records"), can be optimal; along them f rises and g falls,
+  // so the best record is found by binary search. The records from i are those from i + 1 that lie
+  // below g(i), plus i: a stack per m - r, updated in O(1) amortised as i decreases. Ties go, as in the
+  // loop, to the smallest j, then the smallest r.
+  void fill_level0(Table& t, Ctx c, int b) {
+    const int M = t.M;
+    // stacks[mm]: records of g for mm units, the smallest position at the back.
+    std::vector<std::vector<std::pair<int, double>>> stacks(static_cast<std::size_t>(M) + 1);
+    auto tolerance = [](double v) { return 1e-12 * std::max(1.0, std::abs(v)); };
+    for (int i = b; i >= 0; --i) {
+      if (i < b)
+        for (int mm = 1; mm < M; ++mm) {
+          double g = at(t, 1, i + 1, mm);
+          if (paper_) g = std::max(g, transfer_ms(0, out_[static_cast<std::size_t>(i)], 1.0));
+          auto& st = stacks[static_cast<std::size_t>(mm)];
+          while (!st.empty() && st.back().second >= g) st.pop_back();
+          st.emplace_back(i, g);
+        }
+      for (int x = i == 0 ? 0 : 1; x >= 0; --x)
+        for (int m = 1; m <= M; ++m) {
+          double best = kInf;
+          int cut = -1, reps = 0;
+          for (int r = 1; r <= (o_.straight_pipeline ? 1 : m); ++r) {
+            double v = kInf;
+            int j = -1;
+            if (r == m) {  // the last stage takes the units left: only j = b
+              v = stage_cost(0, c, i, b, r, m, x == 0, false);
+              j = b;
+            } else if (i < b) {
+              const auto& st = stacks[static_cast<std::size_t>(m - r)];
+              const int n = static_cast<int>(st.size());
+              auto rec = [&](int q) -> const std::pair<int, double>& { return st[static_cast<std::size_t>(n - 1 - q)]; };
+              auto f = [&](int q) { return stage_cost(0, c, i, rec(q).first, r, m, x == 0, false); };
+              int lo = 0, hi = n;  // the first record where f >= g
+              while (lo < hi) {
+                const int mid = (lo + hi) / 2;
+                if (f(mid) >= rec(mid).second) hi = mid;
+                else lo = mid + 1;
+              }
+              const int cross = lo;
+              if (cross < n) v = f(cross), j = rec(cross).first;
+              if (cross > 0 && rec(cross - 1).second <= v) v = rec(cross - 1).second, j = rec(cross - 1).first;
+              if (v < kInf) {  // the smallest j within the tolerance: the first record before cross with g <= v + tol
+                int a = 0, z = cross;
+                while (a < z) {
+                  const int mid = (a + z) / 2;
+                  if (rec(mid).second <= v + tolerance(v)) z = mid;
+                  else a = mid + 1;
+                }
+                if (a < cross) j = rec(a).first;
+                else j = rec(cross).first;
+              }
+            }
+            if (v == kInf) continue;
+            if (v < best - tolerance(v) || (v <= best + tolerance(best) && j < cut)) best = v, cut = j, reps = r;
+          }
+          const std::size_t u = idx(t, x, i, m);
+          t.best[u] = best;
+          t.cut[u] = cut;
+          t.reps[u] = reps;
+        }
+    }
   }
 
   void expand(int k, Ctx c, int a, int b, int m, int x, long outer, std::vector<FlatStage>& out) {
@@ -530,6 +607,9 @@ Plan plan_from_json_text(const std::string& text, const std::string& origin) {
     j = json::parse(text);
   } catch (const json::parse_error& e) {
     throw UsageError(origin + ": not valid JSON (" + e.what() + "); fix the syntax at the byte it names");
+  } catch (const json::exception& e) {  // e.g. out_of_range for 1e309
+    throw UsageError(origin + ": cannot read the JSON (" + e.what() +
+                     "); every number must be finite and fit a double (at most about 1.8e308)");
   }
   return plan_from_json(j, origin);
 }
@@ -537,11 +617,7 @@ Plan plan_from_json_text(const std::string& text, const std::string& origin) {
 void save_plan(const std::string& path, const Plan& plan) { write_file_atomic(path, plan_to_json_text(plan)); }
 
 Plan load_plan(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw UsageError("cannot open plan '" + path + "': check the path");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return plan_from_json_text(ss.str(), path);
+  return plan_from_json_text(read_file_capped(path, "plan", kMaxPlanFileBytes), path);
 }
 
 }  // namespace pipetrain

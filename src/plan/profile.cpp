@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/read_file.h"
 #include "pipetrain/core/timeline.h"
 
 namespace pipetrain {
@@ -111,13 +112,7 @@ std::vector<std::string> split_on(const std::string& s, const std::string& sep) 
   }
 }
 
-std::string read_whole_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw UsageError("cannot open profile '" + path + "': check the path");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+std::string read_whole_file(const std::string& path) { return read_file_capped(path, "profile", kMaxProfileFileBytes); }
 }  // namespace
 
 void normalise_bw_split(Profile& profile) {
@@ -284,6 +279,9 @@ Profile profile_from_json_text(const std::string& text, const std::string& origi
     j = json::parse(text);
   } catch (const json::parse_error& e) {
     throw UsageError(origin + ": not valid JSON (" + e.what() + "); fix the syntax at the byte it names");
+  } catch (const json::exception& e) {  // e.g. out_of_range for 1e309: a number no double holds
+    throw UsageError(origin + ": cannot read the JSON (" + e.what() +
+                     "); every number must be finite and fit a double (at most about 1.8e308)");
   }
   return profile_from_json(j, origin);
 }
@@ -323,7 +321,13 @@ PdNode parse_pd_node(const std::string& raw, const std::string& origin, int line
   if (n.id.empty() || n.desc.empty()) throw UsageError(fmt::format("{}: line {}: {}", origin, line, expected));
   if (n.id.rfind("node", 0) == 0 && n.id.size() > 4 &&
       std::all_of(n.id.begin() + 4, n.id.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }))
+  {
+    if (n.id.size() > 4 + 18)  // std::stol would throw a bare "stol"
+      throw UsageError(fmt::format("{}: line {}: node id {} has a number too large for 64 bits; number nodes "
+                                   "node0, node1, ... (at most 18 digits)",
+                                   origin, line, n.id));
     n.number = std::stol(n.id.substr(4));
+  }
   std::map<std::string, std::string> kv;
   for (const std::string& item : split_on(meta, ", ")) {
     const std::size_t eq = item.find('=');
@@ -429,10 +433,59 @@ Profile parse_pipedream_graph(const std::string& text, const PipeDreamOptions& o
       if (alive[w] && --indegree[w] == 0) ready.push(w);
   }
   if (order.size() != live) {
-    for (std::size_t v = 0; v < n; ++v)
-      if (alive[v] && indegree[v] > 0)
-        throw UsageError(fmt::format("{}: the graph has a cycle through node {} (line {}); a profile must be a DAG",
-                                     origin, nodes[v].id, nodes[v].line));
+    // Every node left has a predecessor left: walk back along those until a node repeats; the walk
+    // from its first visit is a cycle, named node by node.
+    std::size_t v = 0;
+    while (!(alive[v] && indegree[v] > 0)) ++v;
+    std::vector<std::size_t> walk;
+    std::vector<long> seen(n, -1);
+    while (seen[v] < 0) {
+      seen[v] = static_cast<long>(walk.size());
+      walk.push_back(v);
+      for (std::size_t u : in[v])
+        if (alive[u] && indegree[u] > 0) {
+          v = u;
+          break;
+        }
+    }
+    std::string ordered;  // walk is backwards along edges: print forwards, from v
+    std::vector<std::size_t> loop(walk.begin() + seen[v], walk.end());
+    std::reverse(loop.begin(), loop.end());
+    for (std::size_t u : loop) ordered += nodes[u].id + fmt::format(" (line {}) -> ", nodes[u].line);
+    ordered += nodes[loop.front()].id;
+    throw UsageError(fmt::format("{}: the graph has a cycle: {}; a profile must be a DAG: drop one of these edges",
+                                 origin, ordered));
+  }
+  // All layers must hang together: a graph whose edge lines were lost would otherwise fold into one
+  // layer, or split into unrelated pieces, without a word.
+  if (live > 1) {
+    std::vector<int> comp(n, -1);
+    int comps = 0;
+    std::vector<std::size_t> firsts;
+    for (std::size_t s0 = 0; s0 < n; ++s0) {
+      if (!alive[s0] || comp[s0] >= 0) continue;
+      firsts.push_back(s0);
+      std::vector<std::size_t> stack{s0};
+      comp[s0] = comps;
+      while (!stack.empty()) {
+        const std::size_t u = stack.back();
+        stack.pop_back();
+        for (const auto* adj : {&out[u], &in[u]})
+          for (std::size_t w : *adj)
+            if (alive[w] && comp[w] < 0) comp[w] = comps, stack.push_back(w);
+      }
+      ++comps;
+    }
+    if (comps > 1) {
+      std::string apart;
+      int shown = 0;
+      for (std::size_t v = 0; v < n && shown < 8; ++v)
+        if (alive[v] && comp[v] != comp[firsts[0]]) apart += (shown++ ? ", " : "") + nodes[v].id;
+      throw UsageError(fmt::format("{}: the graph falls into {} unconnected parts: node(s) {}{} have no edge path to "
+                                   "{} (line {}); add the missing edge lines ('\tnodeA -- nodeB') or remove those nodes",
+                                   origin, comps, apart, shown == 8 ? ", ..." : "", nodes[firsts[0]].id,
+                                   nodes[firsts[0]].line));
+    }
   }
   // A boundary after position c is kept iff exactly one tensor crosses it: the output of order[c].
   std::vector<std::size_t> pos(n, 0);

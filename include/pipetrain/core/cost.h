@@ -21,6 +21,10 @@ struct StageCost {
   double activation = 1.0;  // activation memory one micro-batch holds from F until its backward ends
 };
 
+// The largest time of one action a cost model accepts: the simulator sums many of them, and costs such
+// as 1e308 overflowed to infinity (reported as a deadlock).
+inline constexpr double kMaxActionCost = 1e12;
+
 struct CostModel {
   std::vector<StageCost> stage;     // one entry per virtual stage
   double comm = 0.0;                // time of one activation or gradient transfer between two ranks

@@ -28,6 +28,7 @@ struct Timeline {
   std::string schedule;     // schedule name, for titles
   int ranks = 0;            // p
   int microbatches = 0;     // m per step, for titles
+  int total_microbatches = 0;  // all micro-batches of the run (0: microbatches); titles show both when they differ
   int virtual_stages = 1;   // v
   std::string unit = "ms";  // time unit of start/end ("ms", "s", "units")
   std::vector<TimedAction> events;  // any order

@@ -62,7 +62,8 @@ std::vector<int> solve_balance(const std::vector<double>& cost, int stages, Bala
 //                count when the weights share one dtype)
 //   type:REGEX   1 if the layer's type matches REGEX, else 0 (DeepSpeed "type:..."): stages get equal
 //                numbers of matching layers, e.g. type:Block for transformer blocks. As DeepSpeed does,
-//                the match is a case-insensitive search (anywhere in the name); ECMAScript syntax. No
+//                the match is a case-insensitive search (anywhere in the name); the ECMAScript subset of
+//                core/pattern.h, matched without backtracking (linear in the name). No
 //                matching layer is an error listing the types present.
 //   time         forward_ms + backward_ms (torchgpipe balance_by_time)
 //   memory       activation_bytes + 2 * parameter_bytes + optimizer_bytes: one micro-batch's output
