@@ -307,7 +307,7 @@ std::optional<std::string> mpirun_path() {
   return std::nullopt;
 }
 
-// mpirun as one launched process (it starts the ranks); flags from docs/PEERS.md.
+// mpirun as one launched process (it starts the ranks); the flags are the ones Open MPI needs on one host as root (--allow-run-as-root, --oversubscribe, the vader shared-memory transport, loopback).
 Outcome run_mpi(const std::string& scenario, int nprocs = 2) {
   return run_ranks({*mpirun_path(), "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "--mca",
                     "oob_tcp_if_include", "lo", "-n", std::to_string(nprocs), "-x", kScenarioVar, "-x", kKindVar,
