@@ -174,3 +174,23 @@ TEST(CliRendezvous, TorchrunWithItsAgentStoreStartsTrainWithNoPython) {
 }
 
 }  // namespace
+
+// Ranks started by hand with different flags (here --log on rank 0 only, which adds collectives to
+// every step) waited for each other in different collectives forever. Now the first collective compares
+// the ranks' arguments and both stop non-zero (2, or 1 when the other's report reaches it first), naming
+// the rank.
+TEST(CliRendezvous, RanksStartedWithDifferentArgumentsAreRefusedNotHung) {
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) + " WORLD_SIZE=2 ";
+  const std::string log = (std::filesystem::temp_directory_path() /
+                           ("pipetrain-diffargs-" + std::to_string(::getpid()) + ".jsonl")).string();
+  const std::string cmd = "timeout 60 sh -c '" + env + "RANK=0 " + bin + mlp + " --steps 3 --log " + log +
+                          " & a=$!; " + env + "RANK=1 " + bin + mlp + " --steps 3; b=$?; wait $a; a=$?; echo codes $a $b'";
+  const CommandResult r = run_command(cmd);
+  std::smatch codes;
+  ASSERT_TRUE(std::regex_search(r.out, codes, std::regex("codes ([0-9]+) ([0-9]+)"))) << r.out;
+  EXPECT_NE(codes[1], "0") << r.out;
+  EXPECT_NE(codes[2], "0") << r.out;
+  EXPECT_TRUE(r.has("rank 1 was started with other arguments than rank 0")) << r.out;
+  EXPECT_LT(r.seconds, 30.0) << r.out;
+  std::filesystem::remove(log);
+}

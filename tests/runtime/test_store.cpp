@@ -6,6 +6,7 @@
 // does not; wait() ends with RemoteFailure once a failure is reported; and what a hostile client sends
 // is bounded: oversized frames and unauthenticated garbage end its connection, oversized values and too
 // many keys are refused, and the server goes on serving the others.
+#include "listening.h"
 #include "pipetrain/runtime/store.h"
 
 #include <arpa/inet.h>
@@ -31,33 +32,8 @@ using std::chrono::milliseconds;
 std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 
-// The local addresses of the TCP sockets listening on `port` (from /proc/net/tcp and tcp6), as the
-// kernel writes them: "0100007F" is 127.0.0.1, "00000000" every IPv4 address, 32 zeros every IPv6 one.
-std::vector<std::string> listening_addresses(int port) {
-  std::vector<std::string> found;
-  char port_hex[8];
-  std::snprintf(port_hex, sizeof port_hex, "%04X", port);
-  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(file);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state;
-      fields >> slot >> local >> remote >> state;
-      const auto colon = local.find(':');
-      if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == port_hex)
-        found.push_back(local.substr(0, colon));
-    }
-  }
-  return found;
-}
+using pipetrain::testing::listening_addresses;
 
-std::string joined(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v) s += x + " ";
-  return s;
-}
 
 std::string refusal(const std::string& host, int port, const std::string& token, int rank, int world) {
   try {
@@ -97,7 +73,7 @@ bool closed_by_peer(int fd, milliseconds limit) {
 TEST(Store, ListensOnlyOnTheAddressItIsGiven) {
   StoreServer server("127.0.0.1", 0, "t", 1);
   EXPECT_EQ(server.address(), "127.0.0.1");
-  EXPECT_EQ(joined(listening_addresses(server.port())), "0100007F ");
+  EXPECT_EQ(listening_addresses(server.port()), "0100007F ");
 }
 
 TEST(Store, MakeRunTokenIsFreshHex) {

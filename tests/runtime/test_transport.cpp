@@ -8,6 +8,7 @@
 // hangs (SIGSTOP: caught by the heartbeat) makes the others exit non-zero within 30 s with a message
 // naming it. In-process: Rendezvous::from_environment()'s errors, make_process_transport's names, a
 // one-rank gloo transport, and rank 0's error for a MASTER_PORT already in use.
+#include "listening.h"
 #include "pipetrain/runtime/transport.h"
 
 #include <ATen/ATen.h>
@@ -586,27 +587,7 @@ TEST(GlooTransport, OneRankInProcess) {
   EXPECT_THROW(t->irecv(x, 1, 0), std::invalid_argument);
 }
 
-// The local addresses of the TCP sockets listening on `port`, as /proc/net/tcp{,6} write them:
-// "0100007F" is 127.0.0.1, "00000000" every IPv4 address, 32 zeros every IPv6 one.
-std::string listening_addresses(int port) {
-  std::string found;
-  char port_hex[8];
-  std::snprintf(port_hex, sizeof port_hex, "%04X", port);
-  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(file);
-    std::string line;
-    std::getline(in, line);
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state;
-      fields >> slot >> local >> remote >> state;
-      const auto colon = local.find(':');
-      if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == port_hex)
-        found += local.substr(0, colon) + " ";
-    }
-  }
-  return found;
-}
+using pipetrain::testing::listening_addresses;
 
 TEST(GlooTransport, Rank0HostsTheStoreOnMasterAddrOnly) {
   // LibTorch 1.13's TCPStore listened on every interface here (the IPv6 or IPv4 wildcard).
