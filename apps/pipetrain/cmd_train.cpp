@@ -401,16 +401,20 @@ int stop_requested(Transport& world) {
   return g_stop_signal != 0 ? static_cast<int>(g_stop_signal) : SIGINT;  // ranks report their own, else SIGINT
 }
 
-// Ranks started by hand (torchrun, mpirun, RANK=... by hand) with different arguments would wait for
-// each other in different collectives: a hang. So the first collective of a run compares a hash of
-// every rank's arguments, and all ranks refuse the run together when one differs.
-void check_same_arguments(Transport& world) {
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a over the arguments, each ended by a NUL
-  for (int i = 1; i < cli_argc(); ++i)
-    for (const char* c = cli_argv()[i];; ++c) {
-      h = (h ^ static_cast<unsigned char>(*c)) * 0x100000001b3ULL;
-      if (*c == '\0') break;
-    }
+// Ranks started by hand (torchrun, mpirun, RANK=... by hand) with different settings would wait for
+// each other in different collectives: a hang (--log on one rank only adds collectives to every step).
+// So the first collective of a run compares a hash of every setting that shapes the run's collectives
+// and model; output files count only by whether they are given, so each rank may name its own.
+void check_same_settings(const TrainFlags& f, Transport& world) {
+  nlohmann::json j = run_json(f, 0);
+  const PipelineFlags& p = f.pipe;
+  j["pipeline"] = {p.stages, p.replicas, p.virtual_stages, p.balance, p.balance_solver, p.checkpoint,
+                   p.replication, p.plan_use, !p.plan_file.empty(), !p.profile_file.empty()};
+  j["run"] = {f.steps, f.epochs, f.eval_every, f.eval_samples, f.eval_batch, f.save_every, f.sample,
+              f.save_on_interrupt, f.memory, f.steps_per_call, f.vertical_sync, f.no_stash, !f.save.empty(),
+              !f.resume.empty(), !f.log.empty(), !f.trace.empty(), !f.svg.empty()};
+  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a
+  for (const unsigned char c : j.dump()) h = (h ^ c) * 0x100000001b3ULL;
   const int n = world.world_size();
   torch::Tensor t = torch::zeros({n, 2}, torch::kDouble);  // two 32-bit halves: exact in a double
   t[world.rank()][0] = static_cast<double>(h >> 32);
@@ -418,12 +422,13 @@ void check_same_arguments(Transport& world) {
   world.all_reduce_sum(t);
   for (int r = 1; r < n; ++r)
     if (!torch::equal(t[r], t[0]))
-      throw UsageError("rank " + std::to_string(r) + " was started with other arguments than rank 0: start every "
-                       "rank with the same command line (flags, values and their order)");
+      throw UsageError("rank " + std::to_string(r) + " was started with other settings than rank 0 (model, data, "
+                       "schedule, steps, or which of --log/--trace/--svg/--save are given): start every rank with "
+                       "the same flags; only output file names may differ");
 }
 
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
-  check_same_arguments(*world);
+  check_same_settings(f, *world);
   // With --replicas R the world holds R copies of the pipeline (hybrid data + pipeline parallelism):
   // `transport` is this rank's pipeline, `replica` its copy's index; copy k trains on the k-th 1/R of
   // every mini-batch and the stages average their gradients over the copies before stepping.

@@ -177,8 +177,8 @@ TEST(CliRendezvous, TorchrunWithItsAgentStoreStartsTrainWithNoPython) {
 
 // Ranks started by hand with different flags (here --log on rank 0 only, which adds collectives to
 // every step) waited for each other in different collectives forever. Now the first collective compares
-// the ranks' arguments and both stop non-zero (2, or 1 when the other's report reaches it first), naming
-// the rank.
+// the ranks' settings and both stop non-zero (2, or 1 when the other's report reaches it first), naming
+// the rank. (Different output file names are fine: the stray-rank and two-host tests use them.)
 TEST(CliRendezvous, RanksStartedWithDifferentArgumentsAreRefusedNotHung) {
   const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) + " WORLD_SIZE=2 ";
   const std::string log = (std::filesystem::temp_directory_path() /
@@ -190,7 +190,7 @@ TEST(CliRendezvous, RanksStartedWithDifferentArgumentsAreRefusedNotHung) {
   ASSERT_TRUE(std::regex_search(r.out, codes, std::regex("codes ([0-9]+) ([0-9]+)"))) << r.out;
   EXPECT_NE(codes[1], "0") << r.out;
   EXPECT_NE(codes[2], "0") << r.out;
-  EXPECT_TRUE(r.has("rank 1 was started with other arguments than rank 0")) << r.out;
+  EXPECT_TRUE(r.has("rank 1 was started with other settings than rank 0")) << r.out;
   EXPECT_LT(r.seconds, 30.0) << r.out;
   std::filesystem::remove(log);
 }
