@@ -1,7 +1,7 @@
 // Checks `pipetrain train` and `pipetrain selftest` across real processes: the transparency check over
 // Gloo (and Open MPI when mpirun is installed) for p in {1, 2, 4}; a short training run whose loss
-// falls; and failures — a rank that throws in forward, a rank killed with SIGKILL, ranks whose models
-// disagree on shapes, a world size other than the stage count — each of which must stop every rank
+// falls; and failures — a rank that throws in forward, a rank killed with SIGKILL, ranks started
+// with different models (refused before training), a world size other than the stage count — each of which must stop every rank
 // with a message naming the failed rank within 30 s. Bad input exits 2 with the fix.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
