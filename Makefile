@@ -40,7 +40,7 @@ demo: build
 	./$(BUILD_DIR)/pipetrain demo --out $(BUILD_DIR)/demo
 
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure -j2
+	cd $(BUILD_DIR) && LSAN_OPTIONS=suppressions=$(CURDIR)/scripts/lsan.supp ctest --output-on-failure -j2
 
 # libFuzzer over the torch-free parsers (fuzz/): clang, ASan+UBSan, no LibTorch. Each target runs
 # FUZZ_SECONDS; new inputs go to build-fuzz/corpus/<target> (fuzz/corpus/<target> is the seed corpus,

@@ -359,7 +359,16 @@ std::string rank_label(const Schedule& s, int rank) {
 // the step reached. The exit code is 128 + the signal, as a shell reports a run killed by it.
 volatile sig_atomic_t g_stop_signal = 0;
 volatile sig_atomic_t g_stop_signal_at = 0;  // CLOCK_MONOTONIC seconds of the first one
+// Set once the training loop runs (it reads g_stop_signal at every call). Before that (rendezvous,
+// building the model, the first evaluation) nothing would read the flag, so a signal keeps its
+// default effect: `timeout` or Ctrl-C during start-up ends the rank at once.
+volatile sig_atomic_t g_stop_cooperative = 0;
 extern "C" void on_stop_signal(int sig) {
+  if (!g_stop_cooperative) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
   timespec now {};
   ::clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
   if (g_stop_signal != 0) {
@@ -377,6 +386,7 @@ class StopSignalScope {
  public:
   StopSignalScope() {
     g_stop_signal = 0;
+    g_stop_cooperative = 0;
     struct sigaction sa {};
     sa.sa_handler = on_stop_signal;
     sigemptyset(&sa.sa_mask);
@@ -538,6 +548,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   // Synchronous schedules: a call per step. Asynchronous ones: a call per run of steps between
   // evaluations and checkpoints (next_boundary), during which the pipeline never drains.
   int last_saved = start;
+  g_stop_cooperative = 1;  // from here on the loop reads the flag (stop_requested)
   for (int step = start; step < total;) {
     if (const int sig = stop_requested(*world)) {
       const std::string name = sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "signal " + std::to_string(sig);
