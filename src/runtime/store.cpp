@@ -668,7 +668,8 @@ std::string key_list(const std::vector<std::string>& keys) {
 
 StoreClient::StoreClient(const std::string& host, int port, const std::string& token, int rank, int world_size,
                          milliseconds timeout, std::string what)
-    : c10d::Store(timeout), what_(what.empty() ? host + ":" + std::to_string(port) : std::move(what)) {
+    : c10d::Store(timeout), what_(what.empty() ? host + ":" + std::to_string(port) : std::move(what)),
+      wait_limit_(timeout) {
   if (token.size() > kMaxTokenBytes)
     throw std::runtime_error("PIPETRAIN_RUN_TOKEN has " + std::to_string(token.size()) + " bytes: use at most " +
                              std::to_string(kMaxTokenBytes));
@@ -830,7 +831,7 @@ int64_t StoreClient::getNumKeys() {
 void StoreClient::wait(const std::vector<std::string>& keys) { wait_for(keys, timeout_); }
 
 void StoreClient::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
-  wait_for(keys, timeout);
+  wait_for(keys, timeout == kNoTimeout ? wait_limit_ : std::min(timeout, wait_limit_));
 }
 
 void StoreClient::check_abort() {

@@ -194,3 +194,16 @@ TEST(CliRendezvous, RanksStartedWithDifferentArgumentsAreRefusedNotHung) {
   EXPECT_LT(r.seconds, 30.0) << r.out;
   std::filesystem::remove(log);
 }
+
+// A rank whose peers never come waited in Gloo's connect for Gloo's own 30-minute timeout (the store
+// waits took Gloo's timeout, not PIPETRAIN_RENDEZVOUS_TIMEOUT). Now it stops after the rendezvous
+// timeout, naming what it waited for.
+TEST(CliRendezvous, ALoneRankStopsAfterTheRendezvousTimeout) {
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
+                          " RANK=0 WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=2 ";
+  const CommandResult r = run_command("timeout 120 env " + env + bin + mlp + " --steps 1");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.code, 124) << "still waiting after 120 s: " << r.out;
+  EXPECT_LT(r.seconds, 30.0) << r.out;
+  EXPECT_TRUE(r.has("timed out after 2 s")) << r.out;
+}

@@ -165,6 +165,10 @@ class StoreClient : public c10d::Store {
   void wait_for(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
 
   std::string what_;
+  // The constructor's timeout (PIPETRAIN_RENDEZVOUS_TIMEOUT for the gloo transport): Gloo waits on the
+  // store only while its ranks connect, and passes its own operation timeout (30 min) to wait(keys,
+  // timeout); a wait never lasts longer than this, so a rank whose peers never come stops in time.
+  std::chrono::milliseconds wait_limit_;
   std::mutex mu_;
   int fd_ = -1;
   std::atomic<int> abort_watch_rank_{kNotWatching};
