@@ -300,14 +300,13 @@ std::string prepare_checkpoint_dir(const std::string& dir_text, const std::strin
 void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string& dir_text, const nlohmann::json& run) {
   const bool leader = transport.rank() == 0;
   std::string dir;
-  std::string manifest_run;  // `run`, as JSON text (checked before anything is written)
   // Rank 0 prepares the folder; the others wait for it (and learn of its failure through the abort).
   if (leader) {
     bool made_partial = false;
     try {
       dir = normalised_dir(dir_text, "--save");
       try {
-        manifest_run = run.dump(2);
+        (void)run.dump();  // JSON text holds only UTF-8: found here, before anything is written
       } catch (const nlohmann::json::exception& e) {
         throw UsageError(std::string("the run description cannot be stored in the checkpoint manifest (") + e.what() +
                          "): store byte strings as arrays of numbers");
@@ -366,7 +365,7 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
                                 {"file", layer_file(l)},
                                 {"bytes", static_cast<int64_t>(info[l][0].item<double>())},
                                 {"crc32", static_cast<uint32_t>(info[l][1].item<double>())}});
-        m["run"] = nlohmann::json::parse(manifest_run);
+        m["run"] = run;
         const std::string text = m.dump(2) + "\n";
         write_durable(partial / "manifest.json", text.data(), text.size());
         fs::remove(partial / kPartialMarker);
