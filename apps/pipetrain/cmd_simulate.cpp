@@ -52,6 +52,14 @@ Schedule load_torch_schedule(const ScheduleFlags& flags, const std::string& lett
   o.stage_rank = stage_rank;
   o.stages = static_cast<int>(stage_rank.size());
   TorchCsvRead r = load_torch_csv_file(flags.load, o);
+  // The file gives its own sizes; --stages and --microbatches, when given, must agree with them.
+  if (flags.stages_option && flags.stages_option->count() > 0 && flags.stages != r.schedule.ranks)
+    throw UsageError("--stages " + std::to_string(flags.stages) + " but " + flags.load + " has " +
+                     std::to_string(r.schedule.ranks) + " rows (ranks): drop --stages, the file gives it");
+  if (flags.microbatches_option && flags.microbatches_option->count() > 0 &&
+      flags.microbatches != r.schedule.microbatches)
+    throw UsageError("--microbatches " + std::to_string(flags.microbatches) + " but " + flags.load + " has " +
+                     std::to_string(r.schedule.microbatches) + " micro-batches: drop --microbatches, the file gives it");
   ValidateOptions vo;
   if (flags.memory_limit > 0) vo.memory_limit = flags.memory_limit;
   validate(r.schedule, vo);

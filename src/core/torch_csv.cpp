@@ -89,7 +89,7 @@ Cell parse_cell(const std::string& cell, int line, int col) {
   if (read_number(cell, pos, number, line, col, cell)) c.micro = static_cast<int>(number);
   if (pos < cell.size()) {
     if (cell[pos] == '_' && (c.word == Word::SendF || c.word == Word::SendB))
-      throw bad("is a batched send and receive (PyTorch 2.5's SEND_F_RECV_B / SEND_B_RECV_F): not supported; write "
+      throw bad("is a batched send and receive (older PyTorch's SEND_F_RECV_B / SEND_B_RECV_F): not supported; write "
                 "the send and the receive as two cells");
     throw bad("has '" + cell.substr(pos) + "' after its action: " + kForm);
   }

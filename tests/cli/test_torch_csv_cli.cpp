@@ -86,6 +86,9 @@ TEST(TorchCsvCli, BadFilesAndFlagsExitTwoWithTheCell) {
                     " --format torch --stage-rank 0,0,1,1");
   EXPECT_EQ(r.code, 2) << r.out;  // stage 1 is on rank 1's row: the validator marks the cell
   EXPECT_TRUE(r.has("1F0")) << r.out;
+  r = run_pipetrain("simulate --load " + pytorch_data("zb1p_2rank_2stagep_compute.csv") + " --format torch -p 4");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("has 2 rows (ranks)")) << r.out;
   r = run_pipetrain("schedule -s pipedream -p 2 -m 3 --format torch");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("one synchronous step")) << r.out;

@@ -16,7 +16,7 @@
 // UNSHARD, RESHARD and REDUCE_GRAD (FSDP and gradient-reduction steps, written without a micro-batch,
 // e.g. 0REDUCE_GRAD) are accepted and skipped, with a note. A paired cell such as (0F7;7B3)OVERLAP_F_B
 // (DualPipeV's forward of one stage overlapped with a backward of another) is refused: the IR has no
-// paired action yet. PyTorch 2.5's batched cells (0SEND_F1_2RECV_B0) are refused too.
+// paired action yet. Older batched cells (0SEND_F1_2RECV_B0, a send and a receive at once) are refused too.
 //
 // Letter detection (TorchLetters::detect): legacy when a cell uses BW, or uses W with no I anywhere
 // (a current-letter W must follow an I of its micro-batch); current otherwise. A file with both I and BW
