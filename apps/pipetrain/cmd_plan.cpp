@@ -37,6 +37,8 @@ struct PlanFlags {
   double bandwidth_gbps = 10;  // GB/s between ranks
   double latency_us = 50;      // per transfer (gloo on one host: about 60 us one-way)
   int pipedream_batch = 0;     // the batch size a PipeDream graph file was profiled at
+  bool pipedream_states = false;  // read a PipeDream graph one layer per node, as PipeDream's planner does
+  double activation_compression = 0;  // PipeDream's --activation_compression_ratio; 0: not given
   std::vector<std::string> levels;
   double memory_gib = 0;       // per rank; 0 = unlimited
   int64_t batch_size = 0;      // 0: 8 x the profile's micro-batch size
@@ -86,6 +88,13 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--ranks,-p", f->ranks, "ranks (devices) to plan for, default 2");
   cmd->add_option("--bandwidth", f->bandwidth_gbps, "GB/s between ranks, default 10");
   cmd->add_option("--latency", f->latency_us, "microseconds per transfer between ranks, default 50");
+  cmd->add_flag("--pipedream-states", f->pipedream_states,
+                "read a PipeDream graph file one layer per node, each carrying what crosses the cut after it, as "
+                "PipeDream's planner does (VGG-16: its 40 states; default: chains folded, 39 layers)");
+  cmd->add_option("--activation-compression", f->activation_compression,
+                  "PipeDream's planner: its --activation_compression_ratio (activations and gradients shrink by this "
+                  "ratio in transit, and each stage's cost counts its transfers as PipeDream's code does); default: "
+                  "not given");
   cmd->add_option("--pipedream-batch", f->pipedream_batch,
                   "the batch size a PipeDream graph file was profiled at (its format does not record it; VGG-16's: 128)");
   cmd->add_option("--level", f->levels,
@@ -133,12 +142,13 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       if (!std::isfinite(f->bandwidth_gbps))
         throw UsageError("--bandwidth must be a finite number of GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
       Profile prof = load_profile(f->profile);
-      if (f->pipedream_batch > 0) {
+      if (f->pipedream_batch > 0 || f->pipedream_states) {
+        const std::string flag = f->pipedream_batch > 0 ? "--pipedream-batch" : "--pipedream-states";
         if (prof.source.rfind("pipedream graph", 0) != 0)
-          throw UsageError("--pipedream-batch is for PipeDream graph files; " + f->profile +
-                           " is a JSON profile, which records its micro-batch size: drop --pipedream-batch");
+          throw UsageError(flag + " is for PipeDream graph files; " + f->profile + " is a JSON profile: drop " + flag);
         PipeDreamOptions po;
-        po.micro_batch_size = f->pipedream_batch;
+        if (f->pipedream_batch > 0) po.micro_batch_size = f->pipedream_batch;
+        po.planner_states = f->pipedream_states;
         prof = load_pipedream_graph(f->profile, po);
       }
       const int layers = static_cast<int>(prof.layers.size());
@@ -154,6 +164,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       so.balance_kinds = f->kinds;
       so.pipedream.levels = parse_levels(f->levels);
       so.pipedream.cost_form = parse_planner_cost_form(f->cost_form);
+      so.pipedream.activation_compression = f->activation_compression;
       so.replicated_may_win = f->planner != "umpipe";  // UMPIPE cuts one straight pipeline
       const PlanSearchResult res = search_plans(prof, so);
       const int64_t batch = res.batch_size;

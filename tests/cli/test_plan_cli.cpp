@@ -111,6 +111,23 @@ TEST(PlanCli, PipeDreamVgg16Profile) {
   EXPECT_LE(devices, 4) << r.out;
 }
 
+// With PipeDream's planner states and its activation compression ratio of 1, the PipeDream row is what
+// PipeDream's own planner prints on this profile (data/pipedream/vgg16-planner-expected.json).
+TEST(PlanCli, PipeDreamStatesReproducePipeDreamsPlanner) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  for (const auto& [ranks, row] : std::vector<std::pair<int, std::string>>{
+           {4, "205.52        -       24.322  17,23 x replication 3,1"},
+           {8, "103.83        -       26.758  24,16 x replication 7,1"}}) {
+    const CommandResult r =
+        run_pipetrain("plan --profile " + vgg.string() + " --pipedream-states --pipedream-batch 128 --ranks " +
+                      std::to_string(ranks) + " --bandwidth 1 --cost-form reference --activation-compression 1 "
+                      "--batch-size 128 --microbatch-counts 4");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_TRUE(r.has("(40 layers, profiled at micro-batch 128)")) << r.out;
+    EXPECT_TRUE(r.has(row)) << r.out;
+  }
+}
+
 TEST(PlanCli, MeasuredAndTypeBalancesInTrain) {
   for (const std::string kind : {"time", "memory", "type:Block"}) {
     const CommandResult r =
