@@ -234,8 +234,9 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
   app.add_option("--transport", transport,
-                 "local (threads in this process), gloo, mpi (under mpirun), or auto: mpi under mpirun, gloo "
-                 "otherwise; default auto");
+                 "local (threads in this process), shm (processes on this host, shared memory), gloo, mpi (under "
+                 "mpirun), or auto: mpi under mpirun, shm when started by pipetrain (launch), gloo otherwise; default "
+                 "auto");
   app.add_option("--threads", threads, "intra-op threads per rank; default: cores / ranks");
   app.add_option("--replicas", replicas,
                  "data parallelism across pipelines: R copies of the pipeline (R x stages ranks), each on 1/R of the "
@@ -564,8 +565,8 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
   if (flags.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(flags.replicas));
   const int world = flags.world_size();
   const std::string& t = flags.transport;
-  if (t != "local" && t != "gloo" && t != "mpi" && t != "auto")
-    throw UsageError("unknown transport '" + t + "': use local, gloo, mpi or auto");
+  if (t != "local" && t != "shm" && t != "gloo" && t != "mpi" && t != "auto")
+    throw UsageError("unknown transport '" + t + "': use local, shm, gloo, mpi or auto");
   if (t == "local") {
     auto transports = make_local_transports(world);
     std::vector<int> codes(static_cast<std::size_t>(world), 0);
@@ -582,7 +583,7 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
                        " pipetrain ...; or use --transport gloo");
     std::vector<std::string> args{"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    return launch_local(world, args);  // the ranks see no mpirun variables, so "auto" means gloo
+    return launch_local(world, args);  // the ranks see no mpirun variables, so "auto" means shm
   }
   auto transport = make_process_transport(t);
   if (transport->world_size() != world) {

@@ -270,14 +270,19 @@ std::shared_ptr<Transport> make_mpi_transport() {
 std::shared_ptr<Transport> make_process_transport(const std::string& name) {
   if (name == "gloo") return make_gloo_transport(Rendezvous::from_environment());
   if (name == "mpi") return make_mpi_transport();
+  if (name == "shm") return make_shm_transport(Rendezvous::from_environment());
   if (name == "auto") {
     if (std::getenv("OMPI_COMM_WORLD_SIZE")) return make_mpi_transport();
+    // pipetrain launch starts every rank on this host and names their segments' prefix.
+    if (std::getenv("PIPETRAIN_SHM_PREFIX") && std::getenv("PIPETRAIN_LAUNCHER_STORE"))
+      return make_shm_transport(Rendezvous::from_environment());
     return make_gloo_transport(Rendezvous::from_environment());
   }
   if (name == "local")
     throw UsageError("transport 'local' runs every rank as a thread of one process and is made with "
-                     "make_local_transports; for processes use gloo, mpi or auto");
-  throw UsageError("unknown transport '" + name + "': use gloo, mpi or auto ('local' is only for in-process runs)");
+                     "make_local_transports; for processes use shm, gloo, mpi or auto");
+  throw UsageError("unknown transport '" + name +
+                   "': use shm, gloo, mpi or auto ('local' is only for in-process runs)");
 }
 
 }  // namespace pipetrain
