@@ -134,8 +134,8 @@ int main(int argc, char** argv) {
     p.recv = [&](at::Tensor& x, int src, int tag) { t->recv(x, src, tag); };
   }
   if (p.rank == 0)
-    std::printf("%-9s %10s %12s %12s %10s %12s %8s\n", "transport", "bytes", "rtt_us", "one_way_us", "GB/s", "memcpy_GB/s",
-                "ratio");
+    std::printf("%-9s %10s %12s %12s %10s %12s %8s %12s\n", "transport", "bytes", "rtt_us", "one_way_us", "GB/s",
+                "memcpy_GB/s", "ratio", "max_rtt_us");
   for (long long bytes : sizes) {
     at::Tensor x = at::ones({bytes / 4}, at::kFloat);
     std::vector<double> rtt;
@@ -155,8 +155,8 @@ int main(int argc, char** argv) {
       const double m = median(rtt);
       const double gbs = static_cast<double>(bytes) / (m / 2) / 1e3;
       const double copy = memcpy_gbs(bytes, warmup, iters);
-      std::printf("%-9s %10lld %12.2f %12.2f %10.2f %12.2f %8.2f\n", transport.c_str(), bytes, m, m / 2, gbs, copy,
-                  gbs / copy);
+      std::printf("%-9s %10lld %12.2f %12.2f %10.2f %12.2f %8.2f %12.1f\n", transport.c_str(), bytes, m, m / 2, gbs, copy,
+                  gbs / copy, *std::max_element(rtt.begin(), rtt.end()));
       std::fflush(stdout);
     }
   }

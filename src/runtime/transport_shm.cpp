@@ -25,7 +25,7 @@
 // send each other large messages and then wait therefore never deadlock. A send completes once its last
 // byte is in the ring (isend of a message that fits returns with the work done).
 //
-// Waiting. A waiting rank spins for PIPETRAIN_SHM_SPIN_US (default 50 us) and then sleeps on a futex in
+// Waiting. A waiting rank spins for PIPETRAIN_SHM_SPIN_US (default 20 us) and then sleeps on a futex in
 // its control block ("bell"); a rank that writes into one of its rings, or frees space in one, rings the
 // bell with FUTEX_WAKE only when the other side says it sleeps, so a busy pair makes no system calls.
 //
@@ -52,7 +52,8 @@
 // (PIPETRAIN_LAUNCHER_STORE, PIPETRAIN_RUN_TOKEN, PIPETRAIN_STORE_BIND, PIPETRAIN_RENDEZVOUS_TIMEOUT),
 // PIPETRAIN_SHM_PREFIX (set by pipetrain launch), PIPETRAIN_SHM_RING_BYTES (ring size, a power of two
 // from 64 KiB; default 4 MiB, less when /dev/shm is small), PIPETRAIN_SHM_SPIN_US,
-// PIPETRAIN_HEARTBEAT_TIMEOUT, PIPETRAIN_SHM_FAULT (a test hook, shm_fault()).
+// PIPETRAIN_HEARTBEAT_TIMEOUT, PIPETRAIN_SHM_FAULT and PIPETRAIN_RENDEZVOUS_FAULT (test hooks,
+// shm_fault() and rendezvous_fault()).
 #include <ATen/ATen.h>
 
 #include <fcntl.h>
@@ -249,6 +250,28 @@ void shm_fault(int rank, const char* point) {
   if (*r == rank && where == point) ::kill(::getpid(), SIGKILL);
 }
 
+// The gloo transport's hook, PIPETRAIN_RENDEZVOUS_FAULT="RANK:POINT[:SECONDS]" (transport_gloo.cpp), at
+// the same points here: "before-join" (before this rank connects to the store) and "after-join" (joined,
+// before the segment), so the tests of a rank that dies during start-up cover the default transport too.
+void rendezvous_fault(int rank, const std::string& point) {
+  const auto spec = getenv_string("PIPETRAIN_RENDEZVOUS_FAULT");
+  if (!spec) return;
+  const auto c1 = spec->find(':');
+  const auto c2 = c1 == std::string::npos ? std::string::npos : spec->find(':', c1 + 1);
+  const auto r = parse_integer(spec->substr(0, c1));
+  const std::string where =
+      c1 == std::string::npos ? "" : spec->substr(c1 + 1, c2 == std::string::npos ? c2 : c2 - c1 - 1);
+  if (!r || (where != "before-join" && where != "after-join"))
+    throw UsageError("PIPETRAIN_RENDEZVOUS_FAULT='" + *spec +
+                     "' must read RANK:POINT[:SECONDS] with POINT before-join or after-join, e.g. 1:before-join:1");
+  if (*r != rank || where != point) return;
+  if (c2 != std::string::npos) {
+    const double sec = std::strtod(spec->c_str() + c2 + 1, nullptr);
+    if (sec > 0) std::this_thread::sleep_for(milliseconds(static_cast<long long>(sec * 1000)));
+  }
+  ::kill(::getpid(), SIGKILL);
+}
+
 uint64_t pid_namespace_id() {
   struct stat st {};
   return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
@@ -414,7 +437,7 @@ class ShmTransport final : public Transport {
   int rank_ = 0;
   int world_ = 1;
   milliseconds dead_after_{10000};
-  long spin_us_ = 50;  // PIPETRAIN_SHM_SPIN_US
+  long spin_us_ = 20;  // PIPETRAIN_SHM_SPIN_US
   std::string name_;  // the segment's name until it is unlinked
 
   // Store (rendezvous only).
@@ -459,11 +482,11 @@ ShmTransport::ShmTransport(const Rendezvous& rv) : rank_(rv.rank), world_(rv.wor
                      ": use 0.." + std::to_string(world_ - 1));
   dead_after_ = env_seconds("PIPETRAIN_HEARTBEAT_TIMEOUT", std::chrono::seconds(10));
   const milliseconds join_timeout = env_seconds("PIPETRAIN_RENDEZVOUS_TIMEOUT", std::chrono::seconds(300));
-  long spin_us = 50;
+  long spin_us = 20;
   if (const auto text = getenv_string("PIPETRAIN_SHM_SPIN_US")) {
     const auto v = parse_integer(*text);
     if (!v || *v < 0 || *v > 1000000)
-      throw UsageError("PIPETRAIN_SHM_SPIN_US=" + *text + " is not a spin time: use 0..1000000 microseconds (default 50)");
+      throw UsageError("PIPETRAIN_SHM_SPIN_US=" + *text + " is not a spin time: use 0..1000000 microseconds (default 20)");
     spin_us = static_cast<long>(*v);
   }
   spin_us_ = spin_us;
@@ -473,7 +496,9 @@ ShmTransport::ShmTransport(const Rendezvous& rv) : rank_(rv.rank), world_(rv.wor
   in_.resize(world_);
   if (world_ == 1) return;  // nothing to share
 
+  rendezvous_fault(rank_, "before-join");
   connect_store(rv, join_timeout);
+  rendezvous_fault(rank_, "after-join");
   try {
     create_or_open_segment(join_timeout);
   } catch (const RemoteFailure&) {
