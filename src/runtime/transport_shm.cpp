@@ -448,6 +448,7 @@ class ShmTransport final : public Transport {
   // Segment.
   Layout layout_{1, 0};
   char* base_ = nullptr;
+  int64_t mapped_ = 0;  // bytes mapped at base_
   SegmentHeader* header_ = nullptr;
 
   // The owner thread's state.
@@ -499,13 +500,24 @@ ShmTransport::ShmTransport(const Rendezvous& rv) : rank_(rv.rank), world_(rv.wor
   rendezvous_fault(rank_, "before-join");
   connect_store(rv, join_timeout);
   rendezvous_fault(rank_, "after-join");
+  // On a failure here the segment (if any) loses its name and this rank's mapping: nothing is left.
+  auto release = [this] {
+    if (!name_.empty()) ::shm_unlink(name_.c_str());
+    if (base_) ::munmap(base_, static_cast<std::size_t>(mapped_));
+    base_ = nullptr;
+    header_ = nullptr;
+    for (int fd : pidfds_)
+      if (fd >= 0) ::close(fd);
+  };
   try {
     create_or_open_segment(join_timeout);
   } catch (const RemoteFailure&) {
+    release();
     leave_store();
     throw;
   } catch (const std::exception& e) {
     report_to_store("rank " + std::to_string(rank_) + " could not join the shm transport: " + e.what());
+    release();
     leave_store();
     throw;
   }
@@ -600,6 +612,7 @@ void ShmTransport::create_or_open_segment(milliseconds join_timeout) {
     throw std::runtime_error("cannot map the shared-memory segment /dev/shm" + name_ + ": " + std::strerror(map_errno));
   }
   base_ = static_cast<char*>(p);
+  mapped_ = layout_.total;
   header_ = reinterpret_cast<SegmentHeader*>(base_);
   if (rank_ == 0) {
     new (header_) SegmentHeader();
@@ -685,7 +698,7 @@ ShmTransport::~ShmTransport() {
     stop_watchdog();
     for (int fd : pidfds_)
       if (fd >= 0) ::close(fd);
-    ::munmap(base_, static_cast<std::size_t>(layout_.total));
+    ::munmap(base_, static_cast<std::size_t>(mapped_));
   }
 }
 
