@@ -234,9 +234,8 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
   app.add_option("--transport", transport,
-                 "local (threads in this process), shm (processes on this host, shared memory), gloo, mpi (under "
-                 "mpirun), or auto: mpi under mpirun, shm when started by pipetrain (launch), gloo otherwise; default "
-                 "auto");
+                 "local (threads in this process), shm (processes on this host, over shared memory), gloo, mpi "
+                 "(under mpirun), or auto: mpi under mpirun, gloo otherwise; default auto");
   app.add_option("--threads", threads, "intra-op threads per rank; default: cores / ranks");
   app.add_option("--replicas", replicas,
                  "data parallelism across pipelines: R copies of the pipeline (R x stages ranks), each on 1/R of the "
@@ -583,7 +582,7 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
                        " pipetrain ...; or use --transport gloo");
     std::vector<std::string> args{"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    return launch_local(world, args);  // the ranks see no mpirun variables, so "auto" means shm
+    return launch_local(world, args);  // the ranks see no mpirun variables, so "auto" means gloo
   }
   auto transport = make_process_transport(t);
   if (transport->world_size() != world) {

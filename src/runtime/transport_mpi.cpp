@@ -273,9 +273,9 @@ std::shared_ptr<Transport> make_process_transport(const std::string& name) {
   if (name == "shm") return make_shm_transport(Rendezvous::from_environment());
   if (name == "auto") {
     if (std::getenv("OMPI_COMM_WORLD_SIZE")) return make_mpi_transport();
-    // pipetrain launch starts every rank on this host and names their segments' prefix.
-    if (std::getenv("PIPETRAIN_SHM_PREFIX") && std::getenv("PIPETRAIN_LAUNCHER_STORE"))
-      return make_shm_transport(Rendezvous::from_environment());
+    // shm would do for ranks of pipetrain launch (PIPETRAIN_SHM_PREFIX is set: all on this host), but it
+    // stays opt-in until it is measured to be no slower than gloo for whole training runs: on the loaded
+    // 2-core test machine, ranks bound to cores computed ~1.7x slower over shm (docs/BENCHMARKS.md, issue 15).
     return make_gloo_transport(Rendezvous::from_environment());
   }
   if (name == "local")

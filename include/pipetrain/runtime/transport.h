@@ -138,8 +138,8 @@ std::shared_ptr<Transport> make_group_transport(std::shared_ptr<Transport> base,
                                                 int collective_tag = 32767);
 
 // Picks by name: "local" is not valid here (it needs make_local_transports); "shm", "gloo", "mpi", or
-// "auto": mpi when launched by mpirun, shm when launched by pipetrain launch (all ranks on this host:
-// PIPETRAIN_SHM_PREFIX is set), else gloo. Throws UsageError listing the valid names otherwise.
+// "auto": mpi when launched by mpirun, else gloo (shm is chosen by name for now; see
+// transport_mpi.cpp). Throws UsageError listing the valid names otherwise.
 std::shared_ptr<Transport> make_process_transport(const std::string& name);
 
 }  // namespace pipetrain
