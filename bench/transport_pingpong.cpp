@@ -1,7 +1,10 @@
 // Point-to-point ping-pong between ranks 0 and 1 of a process transport (transport.h): for each message
 // size, the median round trip of --iters exchanges after --warmup, one thread per rank. Rank 0 prints
-// one line per size: round trip, one-way time (half of it) and one-way bandwidth.
+// one line per size: round trip, one-way time (half of it), one-way bandwidth, and this machine's memcpy
+// bandwidth at that size (median of --iters copies between two fresh buffers, measured on rank 0 in the
+// same run) with the ratio of the two.
 //
+//   build/pipetrain launch -n 2 -- build/bench/bench_transport --transport shm
 //   build/pipetrain launch -n 2 -- build/bench/bench_transport --transport gloo
 //   mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo
 //          -n 2 build/bench/bench_transport --transport mpi        (one command line)
@@ -20,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -40,9 +44,27 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
+// memcpy bandwidth (GB/s) between two buffers of `bytes`, median of `iters` copies after `warmup`.
+double memcpy_gbs(long long bytes, int warmup, int iters) {
+  if (bytes <= 0) return 0;
+  std::vector<char> a(static_cast<std::size_t>(bytes), 1), b(static_cast<std::size_t>(bytes), 2);
+  std::vector<double> us;
+  const long long reps = std::max(1LL, (1LL << 20) / bytes);  // small sizes: time a run of copies
+  for (int i = 0; i < warmup + iters; ++i) {
+    const auto t0 = Clock::now();
+    for (long long k = 0; k < reps; ++k) {
+      std::memcpy(b.data(), a.data(), a.size());
+      a[static_cast<std::size_t>(k) % a.size()] ^= b[0];
+    }
+    const double d = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / static_cast<double>(reps);
+    if (i >= warmup) us.push_back(d);
+  }
+  return static_cast<double>(bytes) / median(us) / 1e3;
+}
+
 int usage(const char* argv0) {
   std::fprintf(stderr,
-               "usage: %s --transport gloo|mpi|gloo-raw [--iters N (50)] [--warmup N (5)] [--sizes BYTES,...] [--quick]\n"
+               "usage: %s --transport shm|gloo|mpi|gloo-raw [--iters N (50)] [--warmup N (5)] [--sizes BYTES,...] [--quick]\n"
                "--quick (the `make test` run): sizes 4096,65536, 5 iterations, 1 warm-up (later flags still apply)\n"
                "run as two ranks, e.g. pipetrain launch -n 2 -- %s --transport gloo\n",
                argv0, argv0);
@@ -54,7 +76,7 @@ int usage(const char* argv0) {
 int main(int argc, char** argv) {
   std::string transport;
   int iters = 50, warmup = 5;
-  std::vector<long long> sizes = {4 << 10, 256 << 10, 4 << 20, 16 << 20};
+  std::vector<long long> sizes = {4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -111,7 +133,9 @@ int main(int argc, char** argv) {
     p.send = [&](at::Tensor& x, int dst, int tag) { t->send(x, dst, tag); };
     p.recv = [&](at::Tensor& x, int src, int tag) { t->recv(x, src, tag); };
   }
-  if (p.rank == 0) std::printf("%-9s %10s %12s %12s %10s\n", "transport", "bytes", "rtt_us", "one_way_us", "GB/s");
+  if (p.rank == 0)
+    std::printf("%-9s %10s %12s %12s %10s %12s %8s %12s\n", "transport", "bytes", "rtt_us", "one_way_us", "GB/s",
+                "memcpy_GB/s", "ratio", "max_rtt_us");
   for (long long bytes : sizes) {
     at::Tensor x = at::ones({bytes / 4}, at::kFloat);
     std::vector<double> rtt;
@@ -129,8 +153,10 @@ int main(int argc, char** argv) {
     }
     if (p.rank == 0) {
       const double m = median(rtt);
-      std::printf("%-9s %10lld %12.1f %12.1f %10.2f\n", transport.c_str(), bytes, m, m / 2,
-                  static_cast<double>(bytes) / (m / 2) / 1e3);
+      const double gbs = static_cast<double>(bytes) / (m / 2) / 1e3;
+      const double copy = memcpy_gbs(bytes, warmup, iters);
+      std::printf("%-9s %10lld %12.2f %12.2f %10.2f %12.2f %8.2f %12.1f\n", transport.c_str(), bytes, m, m / 2, gbs, copy,
+                  gbs / copy, *std::max_element(rtt.begin(), rtt.end()));
       std::fflush(stdout);
     }
   }

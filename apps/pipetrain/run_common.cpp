@@ -235,8 +235,8 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
   app.add_option("--transport", transport,
-                 "local (threads in this process), gloo, mpi (under mpirun), or auto: mpi under mpirun, gloo "
-                 "otherwise; default auto");
+                 "local (threads in this process), shm (processes on this host, over shared memory), gloo, mpi "
+                 "(under mpirun), or auto: mpi under mpirun, gloo otherwise; default auto");
   app.add_option("--threads", threads, "intra-op threads per rank; default: cores / ranks");
   app.add_option("--replicas", replicas,
                  "data parallelism across pipelines: R copies of the pipeline (R x stages ranks), each on 1/R of the "
@@ -568,8 +568,8 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
   if (flags.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(flags.replicas));
   const int world = flags.world_size();
   const std::string& t = flags.transport;
-  if (t != "local" && t != "gloo" && t != "mpi" && t != "auto")
-    throw UsageError("unknown transport '" + t + "': use local, gloo, mpi or auto");
+  if (t != "local" && t != "shm" && t != "gloo" && t != "mpi" && t != "auto")
+    throw UsageError("unknown transport '" + t + "': use local, shm, gloo, mpi or auto");
   if (t == "local") {
     auto transports = make_local_transports(world);
     std::vector<int> codes(static_cast<std::size_t>(world), 0);

@@ -9,11 +9,13 @@
 #include "pipetrain/runtime/launch.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -120,7 +122,12 @@ class Launcher {
   // Tells the ranks, through the store, that rank `c` failed (`how`: "exited with code 3", ...).
   void report_to_store(const Child& c, const std::string& how);
 
+  // Removes the shared-memory segments whose names start with shm_prefix_ (the shm transport's, left
+  // behind only by a rank killed during its rendezvous).
+  void remove_segments() noexcept;
+
   const LaunchOptions& options_;
+  std::string shm_prefix_;  // PIPETRAIN_SHM_PREFIX of the ranks (with host_store)
   std::unique_ptr<StoreServer> store_;  // the ranks' rendezvous store (options_.host_store)
   std::vector<Child> children_;
   bool piped_ = false;
@@ -267,15 +274,16 @@ void Launcher::start(const std::vector<std::string>& argv) {
   if (options_.host_store) {
     const std::string token = make_run_token();
     store_ = std::make_unique<StoreServer>("127.0.0.1", 0, token, nprocs);
+    shm_prefix_ = "pipetrain-" + std::to_string(::getpid()) + "-" + make_run_token().substr(0, 8);
     store_env = {"PIPETRAIN_LAUNCHER_STORE=" + store_->address() + ":" + std::to_string(store_->port()),
-                 "PIPETRAIN_RUN_TOKEN=" + token};
+                 "PIPETRAIN_RUN_TOKEN=" + token, "PIPETRAIN_SHM_PREFIX=" + shm_prefix_};
   }
 
   // Everything the children need is built before the first fork: between fork and exec a child of a
   // multi-threaded process may only call async-signal-safe functions.
   std::vector<std::string> names = {"MASTER_ADDR", "MASTER_PORT", "RANK",          "WORLD_SIZE",
                                     "LOCAL_RANK",  "LOCAL_WORLD_SIZE", "PIPETRAIN_LAUNCHER_STORE",
-                                    "PIPETRAIN_RUN_TOKEN"};
+                                    "PIPETRAIN_RUN_TOKEN", "PIPETRAIN_SHM_PREFIX"};
   for (const auto& kv : options_.env) names.push_back(kv.first);
   std::vector<std::string> base;
   for (char** e = environ; e && *e; ++e) {
@@ -460,6 +468,17 @@ int Launcher::run(const std::vector<std::string>& argv) {
   return failed_ ? 1 : 0;
 }
 
+void Launcher::remove_segments() noexcept {
+  if (shm_prefix_.empty()) return;
+  DIR* dir = ::opendir("/dev/shm");
+  if (!dir) return;
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(dir))
+    if (std::strncmp(e->d_name, shm_prefix_.c_str(), shm_prefix_.size()) == 0) names.emplace_back(e->d_name);
+  ::closedir(dir);
+  for (const auto& n : names) ::shm_unlink(("/" + n).c_str());
+}
+
 void Launcher::cleanup() noexcept {
   for (Child& c : children_) {
     if (c.running) {  // not reaped yet, so its pid and process group id are still its own
@@ -479,6 +498,7 @@ void Launcher::cleanup() noexcept {
         }
       }
   }
+  remove_segments();  // after the reaping: no rank can create one any more
 }
 
 // Installs the launcher's signal handlers and puts the old ones back.

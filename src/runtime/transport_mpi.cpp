@@ -290,14 +290,19 @@ std::shared_ptr<Transport> make_mpi_transport() {
 std::shared_ptr<Transport> make_process_transport(const std::string& name) {
   if (name == "gloo") return make_gloo_transport(Rendezvous::from_environment());
   if (name == "mpi") return make_mpi_transport();
+  if (name == "shm") return make_shm_transport(Rendezvous::from_environment());
   if (name == "auto") {
     if (std::getenv("OMPI_COMM_WORLD_SIZE")) return make_mpi_transport();
+    // shm would do for ranks of pipetrain launch (PIPETRAIN_SHM_PREFIX is set: all on this host), but it
+    // stays opt-in until it is measured to be no slower than gloo for whole training runs: on the loaded
+    // 2-core test machine, ranks bound to cores computed ~1.7x slower over shm (docs/BENCHMARKS.md, issue 15).
     return make_gloo_transport(Rendezvous::from_environment());
   }
   if (name == "local")
     throw UsageError("transport 'local' runs every rank as a thread of one process and is made with "
-                     "make_local_transports; for processes use gloo, mpi or auto");
-  throw UsageError("unknown transport '" + name + "': use gloo, mpi or auto ('local' is only for in-process runs)");
+                     "make_local_transports; for processes use shm, gloo, mpi or auto");
+  throw UsageError("unknown transport '" + name +
+                   "': use shm, gloo, mpi or auto ('local' is only for in-process runs)");
 }
 
 }  // namespace pipetrain

@@ -116,7 +116,7 @@ TEST(TrainCli, BadInputExitsTwo) {
            {"--stages 0", "stages must be >= 1"},
            {"--stages 9", "--stages 9 but the gpt has 4 pipeline layers"},
            {"--balance 3,3", "sums to 6 but the model has 4 layers"},
-           {"--transport tcp", "unknown transport 'tcp': use local, gloo, mpi or auto"},
+           {"--transport tcp", "unknown transport 'tcp': use local, shm, gloo, mpi or auto"},
            {"--schedule pipedream --microbatches 2", "use --microbatches 1"},
            {"--optimizer lion", "unknown optimizer"},
            {"--checkpoint sometimes", "use always, except_last or never"},

@@ -5,7 +5,8 @@
 // The launcher hosts the ranks' rendezvous store itself (runtime/store.h; a thread bound to 127.0.0.1 on
 // a port of its own, so MASTER_PORT stays free for programs that host their own): the children get
 // PIPETRAIN_LAUNCHER_STORE=127.0.0.1:PORT and PIPETRAIN_RUN_TOKEN (a fresh secret from /dev/urandom that
-// the store requires of every client). When a rank fails, the launcher posts that as the run's failure
+// the store requires of every client), and PIPETRAIN_SHM_PREFIX, the name prefix of the shm transport's
+// segment (the launcher removes any segment under it that a rank killed early left in /dev/shm). When a rank fails, the launcher posts that as the run's failure
 // report in the store ("it was killed by signal 9 (SIGKILL) before it joined the rendezvous"), so the
 // other ranks stop within a second at any phase, even one that died before it ever connected.
 //

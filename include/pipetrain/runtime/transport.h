@@ -1,10 +1,13 @@
-// Transports move tensors between the ranks of a pipeline. One small interface, three implementations:
+// Transports move tensors between the ranks of a pipeline. One small interface, four implementations:
 //   local  (transport_local.cpp): ranks are threads of one process; for tests and single-process use.
+//   shm    (transport_shm.cpp):   ranks are processes on one host; rings in one shared-memory segment,
+//                                  introduced through the rendezvous store (runtime/store.h).
 //   gloo   (transport_gloo.cpp):  ranks are processes; c10d's ProcessGroupGloo over pipetrain's own
 //                                  rendezvous store (runtime/store.h), or torchrun's TCPStore under torchrun.
 //   mpi    (transport_mpi.cpp):   ranks are processes started by mpirun; Open MPI point-to-point (CPU).
 //
-// Contract shared by all of them (tested once for each in tests/runtime/test_transport.cpp):
+// Contract shared by all of them (tested once for each in tests/runtime/test_transport.cpp and
+// test_transport_conformance.cpp):
 // - isend/irecv return at once; the tensors must stay alive (and, for isend, unchanged) until wait()
 //   returns. A receive's tensor is preallocated with the agreed shape and dtype; a message whose size
 //   differs is an error, never a hang or a silent truncation.
@@ -56,7 +59,7 @@ class Transport {
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
-  virtual std::string name() const = 0;  // "local", "gloo" or "mpi"
+  virtual std::string name() const = 0;  // "local", "shm", "gloo" or "mpi"
   // True when all ranks share one process (and so the global RNG): the executor then serialises
   // forwards that consume random numbers, to keep dropout masks deterministic.
   virtual bool shares_process() const { return false; }
@@ -114,6 +117,13 @@ struct Rendezvous {
 // rendezvous fails, and RemoteFailure when another rank failed during the rendezvous.
 std::shared_ptr<Transport> make_gloo_transport(const Rendezvous& rv);
 
+// Shared memory between processes of one host (transport_shm.cpp has the details): the ranks meet in the
+// same rendezvous store as gloo's (the launcher's, or one rank 0 hosts at MASTER_ADDR:MASTER_PORT), map one
+// segment that rank 0 creates, and remove its name once all have mapped it. Throws std::runtime_error when
+// a rank cannot map it (another host: use gloo) or /dev/shm has no room, RemoteFailure when another rank
+// failed during the rendezvous.
+std::shared_ptr<Transport> make_shm_transport(const Rendezvous& rv);
+
 // Open MPI point-to-point (CPU tensors). Requires a process started by mpirun; initialises MPI.
 std::shared_ptr<Transport> make_mpi_transport();
 
@@ -127,8 +137,9 @@ std::shared_ptr<Transport> make_mpi_transport();
 std::shared_ptr<Transport> make_group_transport(std::shared_ptr<Transport> base, const std::vector<int>& members,
                                                 int collective_tag = 32767);
 
-// Picks by name: "local" is not valid here (it needs make_local_transports); "gloo", "mpi", or "auto"
-// (mpi when launched by mpirun, else gloo). Throws UsageError listing the valid names otherwise.
+// Picks by name: "local" is not valid here (it needs make_local_transports); "shm", "gloo", "mpi", or
+// "auto": mpi when launched by mpirun, else gloo (shm is chosen by name for now; see
+// transport_mpi.cpp). Throws UsageError listing the valid names otherwise.
 std::shared_ptr<Transport> make_process_transport(const std::string& name);
 
 }  // namespace pipetrain

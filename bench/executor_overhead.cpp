@@ -1,0 +1,165 @@
+// Per-action overhead of the executor (issue 15): every schedule on a model of near-empty layers (a 1x1
+// linear layer each, on a [1, 1] micro-batch), so what a step costs is the executor's own work per
+// action plus the transport's per transfer. For each schedule it prints rank 0's median step time, its
+// actions per step (compute, sends, receives and the step, from the lowered schedule), the microseconds
+// per action (step time / actions), and the same run's compute alone (the layers' forward and backward,
+// timed outside the executor) so the difference is overhead.
+//
+//   build/bench/bench_executor_overhead --transport local                        (threads of one process)
+//   build/pipetrain launch -n 2 -- build/bench/bench_executor_overhead --transport shm
+//   ... --quick (the `make test` run): 3 schedules, 5 steps
+//
+// Options: --stages P (2; the number of ranks for local), --microbatches M (8), --steps N (200),
+// --warmup W (20). One intra-op thread per rank.
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/transport.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+torch::nn::Sequential tiny_model(int layers) {
+  torch::manual_seed(1);
+  torch::nn::Sequential m;
+  for (int i = 0; i < layers; ++i) m->push_back(torch::nn::Linear(1, 1));
+  return m;
+}
+
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
+
+struct Row {
+  double step_us = 0;
+  int actions = 0, transfers = 0;
+};
+
+// Runs `steps` steps of `schedule` on rank `t`'s pipeline; rank 0's median step and action counts.
+Row run_rank(const std::shared_ptr<pipetrain::Transport>& t, const std::string& schedule, int stages, int m, int steps,
+             int warmup) {
+  pipetrain::PipelineOptions o;
+  o.schedule = schedule;
+  o.microbatches = schedule == "pipedream" || schedule == "spectrain" ? 1 : m;
+  o.virtual_stages = schedule == "interleaved" ? 2 : 1;
+  o.threads = 1;
+  o.optimizer.lr = 1e-3;
+  const int layers = stages * o.virtual_stages;
+  pipetrain::PipelineRank rank(tiny_model(layers), mse, t, o);
+  const int64_t batch = o.microbatches;
+  const torch::Tensor x = torch::ones({batch, 1}), y = torch::zeros({batch, 1});
+  std::vector<double> us;
+  for (int k = 0; k < warmup + steps; ++k) {
+    t->barrier();
+    const auto t0 = Clock::now();
+    rank.train_step(x, y, batch);
+    const double d = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    if (k >= warmup) us.push_back(d);
+  }
+  Row r;
+  r.step_us = median(us);
+  for (const auto& a : rank.schedule().actions[static_cast<std::size_t>(t->rank())]) {
+    ++r.actions;
+    if (a.kind == pipetrain::ActionKind::SendAct || a.kind == pipetrain::ActionKind::SendGrad) ++r.transfers;
+  }
+  t->barrier();
+  return r;
+}
+
+// The layers' own compute for one step of rank 0 (its stage's forward and backward per micro-batch).
+double compute_us(int m, int steps) {
+  auto layer = torch::nn::Linear(1, 1);
+  const torch::Tensor x = torch::ones({1, 1});
+  std::vector<double> us;
+  for (int k = 0; k < steps; ++k) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < m; ++i) {
+      torch::Tensor in = x.clone().requires_grad_(true);
+      torch::Tensor out = layer->forward(in);
+      out.backward(torch::ones_like(out));
+    }
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  return median(us);
+}
+
+int usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s --transport local|shm|gloo|mpi [--stages P (2)] [--microbatches M (8)] [--steps N (200)] "
+               "[--warmup W (20)] [--quick]\nprocess transports run as ranks, e.g. pipetrain launch -n 2 -- %s "
+               "--transport shm\n",
+               argv0, argv0);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string transport;
+  int stages = 2, m = 8, steps = 200, warmup = 20;
+  std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "2bw", "pipedream"};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      schedules = {"gpipe", "1f1b", "zb-h1"};
+      steps = 5;
+      warmup = 1;
+      continue;
+    }
+    if (i + 1 >= argc) return usage(argv[0]);
+    const std::string v = argv[++i];
+    if (a == "--transport") transport = v;
+    else if (a == "--stages") stages = std::atoi(v.c_str());
+    else if (a == "--microbatches") m = std::atoi(v.c_str());
+    else if (a == "--steps") steps = std::atoi(v.c_str());
+    else if (a == "--warmup") warmup = std::atoi(v.c_str());
+    else return usage(argv[0]);
+  }
+  if (transport.empty() || steps < 1 || stages < 1 || m < 1) return usage(argv[0]);
+  at::set_num_threads(1);
+  std::vector<std::shared_ptr<pipetrain::Transport>> local;
+  std::shared_ptr<pipetrain::Transport> mine;
+  if (transport == "local") {
+    local = pipetrain::make_local_transports(stages);
+  } else {
+    mine = pipetrain::make_process_transport(transport);
+    stages = mine->world_size();
+  }
+  const bool leader = transport == "local" || mine->rank() == 0;
+  if (leader)
+    std::printf("%-9s %-12s %6s %3s %10s %8s %10s %12s %12s\n", "transport", "schedule", "stages", "m", "step_us",
+                "actions", "transfers", "us_per_action", "compute_us");
+  for (const std::string& s : schedules) {
+    Row row;
+    if (transport == "local") {
+      std::vector<Row> rows(static_cast<std::size_t>(stages));
+      pipetrain::run_on_threads(stages, [&](int r) {
+        rows[static_cast<std::size_t>(r)] = run_rank(local[static_cast<std::size_t>(r)], s, stages, m, steps, warmup);
+      });
+      row = rows[0];
+    } else {
+      row = run_rank(mine, s, stages, m, steps, warmup);
+    }
+    if (leader) {
+      const int mm = s == "pipedream" ? 1 : m;
+      const int per_rank = s == "interleaved" ? 2 : 1;
+      std::printf("%-9s %-12s %6d %3d %10.1f %8d %10d %12.2f %12.1f\n", transport.c_str(), s.c_str(), stages, mm,
+                  row.step_us, row.actions, row.transfers, row.step_us / std::max(1, row.actions),
+                  compute_us(mm * per_rank, std::max(steps, 20)));
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
