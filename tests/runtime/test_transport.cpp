@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+
+#include "mpi_env.h"
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -310,10 +312,13 @@ std::optional<std::string> mpirun_path() {
 
 // mpirun as one launched process (it starts the ranks); the flags are the ones Open MPI needs on one host as root (--allow-run-as-root, --oversubscribe, the vader shared-memory transport, loopback).
 Outcome run_mpi(const std::string& scenario, int nprocs = 2) {
-  return run_ranks({*mpirun_path(), "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "--mca",
-                    "oob_tcp_if_include", "lo", "-n", std::to_string(nprocs), "-x", kScenarioVar, "-x", kKindVar,
-                    self_exe(), "--gtest_filter=TransportChild.Run", "--gtest_brief=1", "--gtest_color=no"},
-                   1, {{kScenarioVar, scenario}, {kKindVar, "mpi"}});
+  std::vector<std::pair<std::string, std::string>> env{{kScenarioVar, scenario}, {kKindVar, "mpi"}};
+  pipetrain::testing::add_asan_mpi_env(env);
+  std::vector<std::string> argv{*mpirun_path(), "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
+                                "--mca", "oob_tcp_if_include", "lo", "-n", std::to_string(nprocs)};
+  for (const auto& kv : env) argv.insert(argv.end(), {"-x", kv.first});
+  argv.insert(argv.end(), {self_exe(), "--gtest_filter=TransportChild.Run", "--gtest_brief=1", "--gtest_color=no"});
+  return run_ranks(argv, 1, env);
 }
 
 #define SKIP_WITHOUT_MPIRUN() \

@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <dirent.h>
 #include <gtest/gtest.h>
+
+#include "mpi_env.h"
 #include <signal.h>
 #include <unistd.h>
 
@@ -331,6 +333,7 @@ class Conformance : public ::testing::TestWithParam<std::string> {
                                      "--gtest_color=no"};
     int procs = n;
     if (kind == "mpi") {
+      pipetrain::testing::add_asan_mpi_env(env);
       std::vector<std::string> mpi = {*mpirun_path(), "--allow-run-as-root", "--oversubscribe", "--mca", "btl",
                                       "self,vader", "--mca", "oob_tcp_if_include", "lo", "-n", std::to_string(n)};
       for (const auto& [k, v] : env) {
