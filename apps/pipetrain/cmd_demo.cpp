@@ -52,7 +52,7 @@ void add_demo_command(CLI::App& app, int& exit_code) {
         sf.steps = f->steps;
         sf.cost = f->cost;
         sf.comm = f->comm;
-        if (name == "interleaved") sf.virtual_stages = 2;
+        if (schedule_traits(name).virtual_stages) sf.virtual_stages = 2;
         Schedule s;
         try {
           s = sf.build();
@@ -64,7 +64,9 @@ void add_demo_command(CLI::App& app, int& exit_code) {
         if (name == "gpipe") gpipe_makespan = r.metrics.makespan;
         const RankMetrics& s0 = r.metrics.per_rank.front();
         std::cout << fmt::format("{:<16} {:>9.2f} {:>9.4f} {:>10.2f} {:>11} {:>9.2f} {:>8.2f}x\n",
-                                 name + (s.virtual_stages_per_rank() > 1 ? " v=2" : "") +
+                                 name + (schedule_traits(name).v_shape            ? " V"
+                                         : s.virtual_stages_per_rank() > 1 ? " v=2"
+                                                                           : "") +
                                      (s.microbatches_per_step != f->microbatches
                                           ? fmt::format(" m={}*", s.microbatches_per_step)
                                           : ""),

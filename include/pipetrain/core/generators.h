@@ -20,7 +20,8 @@ namespace pipetrain {
 struct GeneratorOptions {
   int ranks = 1;             // p: ranks (devices); one stage each, v stages for interleaved
   int microbatches = 1;      // m: micro-batches per optimizer step
-  int virtual_stages = 1;    // v: virtual stages (chunks) per rank; interleaved only
+  int virtual_stages = 1;    // v: virtual stages (chunks) per rank; the looped schedules (interleaved,
+                             // interleaved-zb, looped-bfs) only; the V shapes always hold 2 (1 or 2 accepted)
   int steps = 1;             // optimizer steps to lay out back to back
   double memory_limit = 0;   // zb-auto: activation memory limit per rank in micro-batches; 0 = p (1F1B's)
   CostModel costs;           // per-stage costs for zb-h2 / zb-auto; empty = F = B = W = 1
@@ -115,6 +116,69 @@ Schedule two_bw(int p, int m, int steps = 1);
 // empty replication, a count < 1, or another base.
 Schedule round_robin(const std::string& base, const std::vector<int>& replication, int m, int steps = 1);
 
+// ---- stage-to-rank placements ------------------------------------------------------------------------
+// Looped: stage s on rank s mod p, so rank r holds r, r+p, ..., r+(v-1)p and forwards go round the ranks v
+// times (interleaved, interleaved-zb, looped-bfs). Throws UsageError on p < 1 or v < 1.
+std::vector<int> looped_placement(int p, int v);
+// V-shaped: rank r holds stages r and 2p-1-r, so forwards go down the ranks and come back up; rank p-1
+// holds stages p-1 and p and passes the activation between them without a transfer, and rank 0 holds
+// both the first and the last stage (zb-v, v-half, v-min). Throws UsageError on p < 1.
+std::vector<int> v_placement(int p);
+
+// ---- schedules on a V placement (2p stages, 2 per rank) ---------------------------------------------
+// In the figures below a chunk costs half a stage (F = B = W = 1 per rank's whole slice, so 1/2 per
+// chunk, drawn at 4 characters per unit: one chunk pass is two characters); chunk 0 (stage r) and chunk 1
+// (stage 2p-1-r) print alike. Memory is counted in micro-batches of a whole rank's activations (both
+// chunks), the unit in which 1F1B peaks at p on rank 0, and is released by W (the zero-bubble
+// convention; docs/ALGORITHMS.md §4.6).
+//
+// ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §6; PyTorch's ScheduleZBVZeroBubble):
+// rank r warms up with 2(p-r)-1 forwards of its first chunk, then r pairs (second chunk, first chunk),
+// then p-r rounds of (F, B, W) on its second chunk; the steady state alternates F B W of chunk 0 and of
+// chunk 1; the cool-down runs the input gradients first and the deferred W last. Peak activation memory
+// p micro-batches (1F1B's); with F = B = W and m >= 2p no rank idles in the steady state.
+//   rank 0  f0f1f2f3f4f5f6f0f1b0w0f2b1w1f3b2w2f7b0w0f4b3w3f1b1w1f5b4w4f2b2w2f6b5w5f3b3w3f7b6w6f4b4w4b7w7f5b5w5f6b6w6f7b7w7S.
+//   rank 1  ..f0f1f2f3f4f0f5f1f2b0w0f3b1w1f6b0w0f4b2w2f7b1w1f5b3w3b2w2f6b4w4b3w3f7b5w5b4w4b6b5w5b7b6w6w7w6w7S..........
+//   rank 2  ....f0f1f2f0f3f1f4f2f5b0w0f3b1w1f6b0w0f4b2w2f7b1w1f5b3w3b2w2f6b4w4b3b5w5b4b6w6b5b7w7b6w6b7w7w4w5w6w7S......
+//   rank 3  ......f0f0f1f1f2b0w0f2b1w1f3b0w0f3b2w2f4b1w1f4b3w3f5b2w2f5b4w4f6b3w3f6b5w5f7b4w4f7b6w6b5b7w5b6w6b7w7S......
+Schedule zb_v(int p, int m, int steps = 1);
+
+// V-Half and V-Min (Qi, Wan, Amar, Lin, "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362):
+// every micro-batch repeats one building block, shifted by 6 chunk passes per micro-batch. Rank r runs
+// micro-batch i's passes at slots 6i + t with
+//   V-Half: t(F chunk 0) = 2r,  t(F chunk 1) = 3p-r-2,  t(B chunk 1) = 3p+g+2r-1,  t(B chunk 0) = 6p+g-r-2,
+//           g = 3 if p is even, else 0;
+//   V-Min:  t(F chunk 0) = r,   t(F chunk 1) = 2p-1-r,  t(B chunk 1) = 2p+g+r,     t(B chunk 0) = 4p+g-r-1,
+//           g = 2 if p is a multiple of 3, else 0;
+// and each W fills the first free slot after its B (oldest first). The order of the slots is the
+// schedule; the simulator then runs every pass as early as its inputs allow. A micro-batch stays on a
+// rank about 6p (V-Half) or 4p (V-Min) slots, so the peak activation memory is (p+2)/2, resp. (p+4)/3
+// micro-batches (integer division) instead of 1F1B's p, for a bubble of about p/(2m), resp. 2p/(3m),
+// of the step (1F1B: p/m).
+Schedule v_half(int p, int m, int steps = 1);
+Schedule v_min(int p, int m, int steps = 1);
+
+// ---- more schedules on a looped placement (p v stages) -----------------------------------------------
+// Interleaved zero bubble (PyTorch's ScheduleInterleavedZeroBubble, the ZB-H1 idea on interleaved 1F1B):
+// the chunk order of `interleaved`, with the backward split into B and W; rank r warms up with
+// (v-1)p + (p-1-r) chunk forwards (one per hop instead of interleaved's two, since B alone is on the
+// critical path) and runs each W right after its B except for the first r, which it postpones to the
+// cool-down. Needs m % p == 0. p=4, m=8, v=2 (chunk passes one unit, as in interleaved's figure):
+//   rank 0  f0f1f2f3f0f1f2....f3b0w0f4b1w1f5b2w2f6b3w3f7b0w0f4b1w1f5b2w2f6b3w3f7b4w4b5w5b6w6b7w7b4w4b5w5b6w6b7w7S
+//   rank 1  ..f0f1f2f3f0f1f2..b0f3b1w0f4b2w1f5b3w2f6b0w3f7b1w0f4b2w1f5b3w2f6b4w3f7b5w4b6w5b7w6b4w7b5w4b6w5b7w6w7S
+//   rank 2  ....f0f1f2f3f0f1b0f2b1f3b2w0f4b3w1f5b0w2f6b1w3f7b2w0f4b3w1f5b4w2f6b5w3f7b6w4b7w5b4w6b5w7b6w4b7w5w6w7S
+//   rank 3  ......f0f1f2f3f0b0f1b1f2b2f3b3w0f4b0w1f5b1w2f6b2w3f7b3w0f4b4w1f5b5w2f6b6w3f7b7w4b4w5b5w6b6w7b7w4w5w6w7S
+Schedule interleaved_zb(int p, int m, int v, int steps = 1);
+
+// Looped BFS (Lamy-Poirier, "Breadth-First Pipeline Parallelism", arXiv 2211.05953; PyTorch's
+// ScheduleLoopedBFS): GPipe per chunk on a looped placement. Rank r runs all m forwards of its first
+// chunk, then of its next, ...; then the fused backwards chunk by chunk from the last, newest micro-batch
+// first. Like GPipe it holds all m micro-batches at its peak; unlike interleaved it needs no m % p == 0.
+//   p=4, m=8, v=2:
+//   rank 0  f0f1f2f3f4f5f6f7f0f1f2f3f4f5f6f7......B7B6B5B4B3B2B1B0..B7B6B5B4B3B2B1B0S
+//   (one chunk pass is one unit in this sketch)
+Schedule looped_bfs(int p, int m, int v, int steps = 1);
+
 // Names accepted by generate(), in the order shown to users.
 const std::vector<std::string>& schedule_names();
 
@@ -129,11 +193,19 @@ struct ScheduleTraits {
   bool one_microbatch_per_step = false;
   // Several virtual stages (chunks) per rank (interleaved; --virtual V).
   bool virtual_stages = false;
-  // The backward is split into B (input gradient) and W (weight gradient) actions (zb-*).
+  // The backward is split into B (input gradient) and W (weight gradient) actions (zb-*, v-*,
+  // interleaved-zb).
   bool split_backward = false;
+  // V-shaped placement: two stages per rank, r and 2p-1-r (zb-v, v-half, v-min); --virtual is 2 or left out.
+  bool v_shape = false;
 };
 // Throws UsageError for an unknown name, as generate() does.
 ScheduleTraits schedule_traits(const std::string& name);
+
+// Stages per rank that `name` lays out for the requested --virtual: 2 for the V shapes (which accept 1, the
+// default, or 2), `virtual_stages` for the looped ones, 1 otherwise. Throws UsageError for --virtual on a
+// schedule without virtual stages, naming the schedules that have them.
+int stages_per_rank(const std::string& name, int virtual_stages);
 
 // Builds the named schedule; throws UsageError for an unknown name (listing the valid ones) or bad
 // sizes (naming the value and the fix).

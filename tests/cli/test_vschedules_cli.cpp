@@ -1,0 +1,35 @@
+// The schedules on V-shaped and looped placements across real processes: `pipetrain selftest` over Gloo
+// (two ranks, so four stages) checks that zb-v, v-half, v-min, interleaved-zb and looped-bfs give the
+// gradients of plain training; `pipetrain demo` lists them.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "run_command.h"
+
+namespace {
+
+using Result = pipetrain::testing::CommandResult;
+
+const std::string bin = PIPETRAIN_BIN;
+
+}  // namespace
+
+TEST(VSchedulesCli, SelftestOverGloo) {
+  const Result r = pipetrain::testing::run_command(
+      bin + " selftest --stages 2 --transport gloo --schedules zb-v v-half v-min interleaved-zb looped-bfs "
+            "--microbatch-counts 2 4");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("selftest over gloo: 10 passed, 0 failed")) << r.out;
+  for (const std::string s : {"zb-v", "v-half", "v-min", "interleaved-zb", "looped-bfs"})
+    EXPECT_NE(r.out.find(s + " "), std::string::npos) << s << "\n" << r.out;
+}
+
+TEST(VSchedulesCli, DemoShowsTheNewSchedules) {
+  const Result r = pipetrain::testing::run_command(bin + " demo --stages 4 --microbatches 8 --steps 1 --out " +
+                                                   ::testing::TempDir() + "vsched-demo");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const std::string s : {"zb-v V", "v-half V", "v-min V", "interleaved-zb v=2", "looped-bfs v=2"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  EXPECT_EQ(r.out.find("skipped"), std::string::npos) << r.out;
+}
