@@ -451,6 +451,76 @@ Schedule v_min(int p, int m, int steps) {
   });
 }
 
+Schedule dualpipev(int p, int m, int steps) {
+  check_sizes("dualpipev", p, m, 2, steps);
+  if (m < 2 * p)
+    throw UsageError("dualpipev needs at least two micro-batches per rank and V leg: m=" + fmt_int(m) + " < 2p=" +
+                     fmt_int(2 * p) + ": use --microbatches " + fmt_int(2 * p) + " or more");
+  Schedule s = skeleton("dualpipev", p, m, 2, steps, v_placement(p));
+  for (int r = 0; r < p; ++r) {
+    const int c0 = r, c1 = 2 * p - 1 - r;
+    std::vector<Action> ops;
+    int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+    std::deque<Action> pending_w;  // split backwards whose W has not run, oldest first
+    auto fwd = [&](int stage) { ops.push_back(F(stage, stage == c0 ? f0++ : f1++)); };
+    auto bwd = [&](int stage, bool split) {  // split: B now, its W queued (zero-bubble style)
+      const int i = stage == c0 ? b0++ : b1++;
+      if (!split) {
+        ops.push_back(BW(stage, i));
+        return;
+      }
+      ops.push_back(B(stage, i));
+      pending_w.push_back(W(stage, i));
+    };
+    auto weight = [&] {
+      ops.push_back(pending_w.front());
+      pending_w.pop_front();
+    };
+    for (int k = 0; k < 2 * (p - r - 1); ++k) fwd(c0);
+    for (int k = 0; k < r + 1; ++k) {
+      fwd(c0);
+      fwd(c1);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {
+      bwd(c1, true);
+      weight();
+      fwd(c1);
+    }
+    // The steady state pairs a forward with a backward of the other leg (the pair's two passes run one
+    // after the other here; DeepSeek overlaps them).
+    for (int k = 0; k < m - 2 * p + r + 1; ++k) {
+      fwd(c0);
+      bwd(c1, false);
+      fwd(c1);
+      bwd(c0, false);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {
+      bwd(c1, false);
+      fwd(c1);
+      bwd(c0, false);
+    }
+    bool split = false;  // the second half of these backwards defer their W
+    for (int k = 0; k < r + 1; ++k) {
+      if (k == (r + 1) / 2 && r % 2 == 1) split = true;
+      bwd(c1, split);
+      if (k == (r + 1) / 2 && r % 2 == 0) split = true;
+      bwd(c0, split);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {
+      weight();
+      bwd(c0, true);
+    }
+    while (!pending_w.empty()) weight();
+    auto& out = s.actions[static_cast<std::size_t>(r)];
+    for (int k = 0; k < steps; ++k) {
+      append_step(out, ops, m, k * m);
+      out.push_back(Step(c0, k));
+      out.push_back(Step(c1, k));
+    }
+  }
+  return s;
+}
+
 Schedule interleaved_zb(int p, int m, int v, int steps) {
   check_sizes("interleaved-zb", p, m, v, steps);
   check_rounds("interleaved-zb", p, m);
@@ -527,7 +597,7 @@ Schedule two_bw(int p, int m, int steps) {
 
 const std::vector<std::string>& schedule_names() {
   static const std::vector<std::string> names{"gpipe",  "1f1b",   "interleaved", "zb-h1",          "zb-h2",
-                                              "zb-auto", "zb-v",  "v-half",      "v-min",          "interleaved-zb",
+                                              "zb-auto", "zb-v",  "v-half",      "v-min",          "dualpipev", "interleaved-zb",
                                               "looped-bfs", "pipedream", "2bw", "spectrain"};
   return names;
 }
@@ -546,7 +616,7 @@ ScheduleTraits schedule_traits(const std::string& name) {
     t.split_backward = true;
   } else if (name == "zb-h1" || name == "zb-h2" || name == "zb-auto") {
     t.split_backward = true;
-  } else if (name == "zb-v" || name == "v-half" || name == "v-min") {
+  } else if (name == "zb-v" || name == "v-half" || name == "v-min" || name == "dualpipev") {
     t.split_backward = true;
     t.v_shape = true;
   } else if (name != "gpipe" && name != "1f1b") {
@@ -637,6 +707,7 @@ Schedule generate(const std::string& name, const GeneratorOptions& o) {
   if (name == "zb-v") return zb_v(o.ranks, o.microbatches, o.steps);
   if (name == "v-half") return v_half(o.ranks, o.microbatches, o.steps);
   if (name == "v-min") return v_min(o.ranks, o.microbatches, o.steps);
+  if (name == "dualpipev") return dualpipev(o.ranks, o.microbatches, o.steps);
   if (name == "interleaved-zb") return interleaved_zb(o.ranks, o.microbatches, o.virtual_stages, o.steps);
   if (name == "looped-bfs") return looped_bfs(o.ranks, o.microbatches, o.virtual_stages, o.steps);
   if (name == "pipedream") return pipedream(o.ranks, o.microbatches, o.steps);

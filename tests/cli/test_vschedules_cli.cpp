@@ -1,5 +1,5 @@
 // The schedules on V-shaped and looped placements across real processes: `pipetrain selftest` over Gloo
-// (two ranks, so four stages) checks that zb-v, v-half, v-min, interleaved-zb and looped-bfs give the
+// (two ranks, so four stages) checks that zb-v, v-half, v-min, dualpipev, interleaved-zb and looped-bfs give the
 // gradients of plain training; `pipetrain demo` lists them.
 #include <gtest/gtest.h>
 
@@ -17,11 +17,11 @@ const std::string bin = PIPETRAIN_BIN;
 
 TEST(VSchedulesCli, SelftestOverGloo) {
   const Result r = pipetrain::testing::run_command(
-      bin + " selftest --stages 2 --transport gloo --schedules zb-v v-half v-min interleaved-zb looped-bfs "
-            "--microbatch-counts 2 4");
+      bin + " selftest --stages 2 --transport gloo --schedules zb-v v-half v-min dualpipev "
+            "interleaved-zb looped-bfs --microbatch-counts 4 8");
   EXPECT_EQ(r.code, 0) << r.out;
-  EXPECT_TRUE(r.has("selftest over gloo: 10 passed, 0 failed")) << r.out;
-  for (const std::string s : {"zb-v", "v-half", "v-min", "interleaved-zb", "looped-bfs"})
+  EXPECT_TRUE(r.has("selftest over gloo: 12 passed, 0 failed")) << r.out;
+  for (const std::string s : {"zb-v", "v-half", "v-min", "dualpipev", "interleaved-zb", "looped-bfs"})
     EXPECT_NE(r.out.find(s + " "), std::string::npos) << s << "\n" << r.out;
 }
 
@@ -29,7 +29,7 @@ TEST(VSchedulesCli, DemoShowsTheNewSchedules) {
   const Result r = pipetrain::testing::run_command(bin + " demo --stages 4 --microbatches 8 --steps 1 --out " +
                                                    ::testing::TempDir() + "vsched-demo");
   EXPECT_EQ(r.code, 0) << r.out;
-  for (const std::string s : {"zb-v V", "v-half V", "v-min V", "interleaved-zb v=2", "looped-bfs v=2"})
+  for (const std::string s : {"zb-v V", "v-half V", "v-min V", "dualpipev V", "interleaved-zb v=2", "looped-bfs v=2"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   EXPECT_EQ(r.out.find("skipped"), std::string::npos) << r.out;
 }

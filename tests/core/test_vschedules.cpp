@@ -1,5 +1,5 @@
-// The schedules on V-shaped and looped placements (zb-v, v-half, v-min, interleaved-zb, looped-bfs): the
-// placements themselves, every generator validated, lowered and simulated over a grid of p, m (and v),
+// The schedules on V-shaped and looped placements (zb-v, v-half, v-min, dualpipev, interleaved-zb, looped-bfs):
+// the placements themselves, every generator validated, lowered and simulated over a grid of p, m (and v),
 // and the closed forms from the papers checked against the simulator.
 //
 // Memory convention (docs/ALGORITHMS.md §4.6): one unit is one micro-batch's activations of a whole rank's
@@ -19,7 +19,7 @@ using namespace pipetrain;
 
 namespace {
 
-const std::vector<std::string> kNew{"zb-v", "v-half", "v-min", "interleaved-zb", "looped-bfs"};
+const std::vector<std::string> kNew{"zb-v", "v-half", "v-min", "dualpipev", "interleaved-zb", "looped-bfs"};
 
 CostModel paper_costs(const Schedule& s, StageCost c = {}) {
   CostModel m = CostModel::uniform(s.stages, c, s.virtual_stages_per_rank());
@@ -53,7 +53,7 @@ TEST(Placement, LoopedAndV) {
 
 // Every V schedule puts stage s on rank v_placement(p)[s] and every action on its stage's rank.
 TEST(VSchedules, FollowTheVPlacement) {
-  for (const std::string name : {"zb-v", "v-half", "v-min"})
+  for (const std::string name : {"zb-v", "v-half", "v-min", "dualpipev"})
     for (int p : {1, 2, 3, 5}) {
       const Schedule s = make(name, p, 2 * p);
       EXPECT_EQ(s.stages, 2 * p) << name;
@@ -76,6 +76,7 @@ TEST(VSchedules, GridValidatesLowersAndSimulates) {
         for (int v : {1, 2, 3}) {
           if (v > 1 && !schedule_traits(name).virtual_stages) continue;
           if (name == "interleaved-zb" && m % p != 0) continue;
+          if (name == "dualpipev" && m < 2 * p) continue;
           for (int steps : {1, 2}) {
             GeneratorOptions o;
             o.ranks = p;
@@ -172,6 +173,31 @@ TEST(VSchedules, HalfAndMinBubbleIsBoundedAndConstantInM) {
   }
 }
 
+// DualPipeV against DeepSeek's bubble (PP/2-1)(F&B + B - 3W) for DualPipe on PP ranks, which a V on p
+// ranks halves to (p-1)(F&B + B - 3W) in chunk passes. Our pairs run their two passes one after the
+// other, so F&B = F + B + W (a full backward). With T_F >= T_B the simulator gives exactly that; with
+// T_B > T_F it idles less (the formula is then an upper bound). Peak memory: within 1F1B's p plus
+// one micro-batch (DeepSeek's count for DualPipe, PP+1), and p + 1/2 here.
+TEST(VSchedules, DualPipeVBubbleAndMemory) {
+  const StageCost costs[] = {{1, 1, 1, 1}, {2, 1, 0.5, 1}, {1, 0.5, 0.5, 1}, {1, 2, 1, 1}, {1, 1.5, 0.5, 1}};
+  for (const StageCost& c : costs)
+    for (int p : {1, 2, 3, 4, 6})
+      for (int m : {2 * p, 2 * p + 1, 5 * p}) {
+        const Schedule s = make("dualpipev", p, m);
+        const SimResult r = simulate(s, paper_costs(s, c));
+        const double f = c.f / 2, b = c.b / 2, w = c.w / 2;  // one chunk
+        const double formula = (p - 1) * ((f + b + w) + b - 3 * w);
+        const std::string what = "p=" + std::to_string(p) + " m=" + std::to_string(m) + " F:B:W=" +
+                                 std::to_string(c.f) + ":" + std::to_string(c.b) + ":" + std::to_string(c.w);
+        if (c.f >= c.b) {
+          EXPECT_NEAR(r.metrics.max_bubble(), formula, 1e-9) << what;
+        } else {
+          EXPECT_LE(r.metrics.max_bubble(), formula + 1e-9) << what;
+        }
+        EXPECT_DOUBLE_EQ(peak_memory(r), p + 0.5) << what;
+      }
+}
+
 // Interleaved zero bubble: each rank idles only (p-1) chunk forwards at F = B = W (a chunk is 1/v of a
 // rank's slice), far below interleaved 1F1B, with the same activation memory order.
 TEST(VSchedules, InterleavedZeroBubbleIdle) {
@@ -209,6 +235,7 @@ TEST(VSchedules, BadSizesAndVirtualAreUsageErrors) {
   };
   EXPECT_NE(message([] { make("zb-v", 2, 4, 3); }).find("holds two stages per rank"), std::string::npos);
   EXPECT_NO_THROW(make("v-min", 2, 4, 2));  // --virtual 2 is what a V holds anyway
+  EXPECT_NE(message([] { make("dualpipev", 3, 5); }).find("use --microbatches 6 or more"), std::string::npos);
   EXPECT_NE(message([] { make("interleaved-zb", 4, 6, 2); }).find("use --microbatches 4 or 8"), std::string::npos);
   EXPECT_NE(message([] { v_half(0, 4); }).find("stages must be >= 1, got 0"), std::string::npos);
   EXPECT_NE(message([] { looped_bfs(2, 4, 0); }).find("virtual stages must be >= 1"), std::string::npos);

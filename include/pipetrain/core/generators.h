@@ -158,6 +158,16 @@ Schedule zb_v(int p, int m, int steps = 1);
 Schedule v_half(int p, int m, int steps = 1);
 Schedule v_min(int p, int m, int steps = 1);
 
+// DualPipeV (DeepSeek-AI, DeepSeek-V3 technical report, arXiv 2412.19437; the "cut-in-half" DualPipe of
+// deepseek-ai/DualPipe): on the V placement, rank r runs 2(p-r-1) forwards of chunk 0, r+1 pairs of
+// forwards (chunk 0, chunk 1), p-r-1 rounds (B chunk 1, its W, F chunk 1), then the steady state of
+// m-2p+r+1 rounds of two pairs (F chunk 0 with the full backward of chunk 1; F chunk 1 with the backward
+// of chunk 0), p-r-1 rounds (backward chunk 1; F chunk 1 with backward chunk 0), r+1 rounds of backwards
+// of both chunks of which the second half split off their W, p-r-1 rounds (a deferred W; B chunk 0),
+// and the remaining W. Needs m >= 2p. DeepSeek overlaps each pair's forward and backward (their
+// communication with the other's compute); here a pair is two consecutive passes.
+Schedule dualpipev(int p, int m, int steps = 1);
+
 // ---- more schedules on a looped placement (p v stages) -----------------------------------------------
 // Interleaved zero bubble (PyTorch's ScheduleInterleavedZeroBubble, the ZB-H1 idea on interleaved 1F1B):
 // the chunk order of `interleaved`, with the backward split into B and W; rank r warms up with
@@ -194,9 +204,10 @@ struct ScheduleTraits {
   // Several virtual stages (chunks) per rank (interleaved; --virtual V).
   bool virtual_stages = false;
   // The backward is split into B (input gradient) and W (weight gradient) actions (zb-*, v-*,
-  // interleaved-zb).
+  // interleaved-zb; dualpipev in part).
   bool split_backward = false;
-  // V-shaped placement: two stages per rank, r and 2p-1-r (zb-v, v-half, v-min); --virtual is 2 or left out.
+  // V-shaped placement: two stages per rank, r and 2p-1-r (zb-v, v-half, v-min, dualpipev); --virtual is 2 or
+  // left out.
   bool v_shape = false;
 };
 // Throws UsageError for an unknown name, as generate() does.
