@@ -486,18 +486,19 @@ Schedule dualpipev(int p, int m, int steps) {
       weight();
       fwd(c1);
     }
-    // The steady state pairs a forward with a backward of the other leg (the pair's two passes run one
-    // after the other here; DeepSeek overlaps them).
+    // The steady state pairs a forward with a backward of the other leg: one paired slot (action.h).
+    auto pair = [&](int f_stage, int b_stage, bool paired) {
+      fwd(f_stage);
+      ops.back().paired = paired;
+      bwd(b_stage, false);
+    };
     for (int k = 0; k < m - 2 * p + r + 1; ++k) {
-      fwd(c0);
-      bwd(c1, false);
-      fwd(c1);
-      bwd(c0, false);
+      pair(c0, c1, !(k == 0 && r == p - 1));  // the turn's first round runs unpaired, as DeepSeek's does
+      pair(c1, c0, true);
     }
     for (int k = 0; k < p - r - 1; ++k) {
       bwd(c1, false);
-      fwd(c1);
-      bwd(c0, false);
+      pair(c1, c0, true);
     }
     bool split = false;  // the second half of these backwards defer their W
     for (int k = 0; k < r + 1; ++k) {

@@ -246,3 +246,86 @@ TEST(VSchedules, BadSizesAndVirtualAreUsageErrors) {
   EXPECT_EQ(stages_per_rank("looped-bfs", 3), 3);
   EXPECT_EQ(stages_per_rank("1f1b", 1), 1);
 }
+
+// ---- paired slots (a forward and a backward of another stage as one cell) --------------------------
+
+TEST(PairedSlots, CellTextRoundTrip) {
+  const std::vector<Action> cell = parse_cell(" (0F7;7BW3) ");
+  ASSERT_EQ(cell.size(), 2u);
+  EXPECT_EQ(cell[0], (Action{ActionKind::F, 0, 7}));
+  EXPECT_TRUE(cell[0].paired);
+  EXPECT_EQ(cell[1], (Action{ActionKind::BW, 7, 3}));
+  EXPECT_FALSE(cell[1].paired);
+  EXPECT_EQ(parse_cell("1B2"), (std::vector<Action>{{ActionKind::B, 1, 2}}));
+  std::vector<Action> row{{ActionKind::F, 1, 0}};
+  row.insert(row.end(), cell.begin(), cell.end());
+  EXPECT_EQ(cell_texts(row), (std::vector<std::string>{"1F0", "(0F7;7BW3)"}));
+  for (const std::string bad : {"(0F7)", "(0F7;7BW3", "(0F7;7BW3;1F1)", "(0F7;x)"})
+    EXPECT_THROW(parse_cell(bad), UsageError) << bad;
+}
+
+// DualPipeV pairs F of one leg with the full backward of the other in its steady state: per rank r,
+// 2(m-2p+r+1) pairs (one fewer on the turn rank p-1, whose first round runs unpaired) plus p-r-1.
+TEST(PairedSlots, DualPipeVHasItsPairsAndTheyLowerAndValidate) {
+  for (int p : {1, 2, 3, 4})
+    for (int m : {2 * p, 3 * p + 1}) {
+      const Schedule s = make("dualpipev", p, m);
+      for (int r = 0; r < p; ++r) {
+        int pairs = 0;
+        for (const std::string& cell : cell_texts(s.actions[static_cast<std::size_t>(r)])) pairs += cell[0] == '(';
+        EXPECT_EQ(pairs, 2 * (m - 2 * p + r + 1) - (r == p - 1 ? 1 : 0) + (p - r - 1)) << "p=" << p << " m=" << m;
+      }
+      const Schedule lowered = insert_communication(s, CostModel::uniform(s.stages, StageCost{1, 2, 1, 1}, 2, 0.3));
+      ASSERT_NO_THROW(validate(lowered)) << "p=" << p << " m=" << m;
+      int kept = 0;
+      for (const auto& row : lowered.actions)
+        for (const Action& a : row) kept += a.paired;
+      int made = 0;
+      for (const auto& row : s.actions)
+        for (const Action& a : row) made += a.paired;
+      EXPECT_EQ(kept, made);
+    }
+  EXPECT_NE(rank_line(make("dualpipev", 2, 4), 0).find("(0F3;3BW1)"), std::string::npos)
+      << rank_line(make("dualpipev", 2, 4), 0);
+}
+
+// The simulator charges both passes of a pair, one after the other: the same timeline as without pairs.
+TEST(PairedSlots, SimulatorChargesBothPasses) {
+  const Schedule paired = make("dualpipev", 3, 8);
+  Schedule plain = paired;
+  for (auto& row : plain.actions)
+    for (Action& a : row) a.paired = false;
+  for (const StageCost& c : {StageCost{1, 1, 1, 1}, StageCost{1, 2, 0.5, 1}}) {
+    const SimResult a = simulate(paired, paper_costs(paired, c)), b = simulate(plain, paper_costs(plain, c));
+    EXPECT_DOUBLE_EQ(a.metrics.makespan, b.metrics.makespan);
+    double busy = 0;
+    for (const RankMetrics& rm : a.metrics.per_rank) busy += rm.busy;
+    EXPECT_NEAR(busy, 3 * (c.f + c.b + c.w) / 2 * 8 * 2, 1e-9);  // every pass of both chunks charged once
+  }
+}
+
+TEST(PairedSlots, ValidatorRefusesMalformedPairs) {
+  auto with_pair = [](int rank, std::size_t pos) {
+    Schedule s = make("1f1b", 2, 2);
+    s.actions[static_cast<std::size_t>(rank)][pos].paired = true;
+    return s;
+  };
+  auto message = [](const Schedule& s) {
+    try {
+      validate(s);
+    } catch (const ScheduleError& e) {
+      return std::string(e.what());
+    }
+    return std::string("valid");
+  };
+  // 1F1B p=2 m=2, rank 0: 0F0 0F1 0BW0 0BW1 0S0; rank 1: 1F0 1BW0 1F1 1BW1 1S0.
+  EXPECT_NE(message(with_pair(0, 2)).find("a pair is a forward and a backward"), std::string::npos);
+  EXPECT_NE(message(with_pair(0, 0)).find("of another stage"), std::string::npos);  // 0F0 with 0F1
+  EXPECT_NE(message(with_pair(1, 0)).find("of another stage"), std::string::npos);  // 1F0 with its own 1BW0
+  Schedule dangling = make("1f1b", 1, 1);
+  dangling.actions[0] = {{ActionKind::BW, 0, 0}, {ActionKind::F, 0, 0, true}};
+  EXPECT_NE(message(dangling).find("nothing closes"), std::string::npos);
+  // A well-formed pair across the V's two stages validates.
+  Schedule v = make("zb-v", 1, 2);
+  EXPECT_NO_THROW(validate(v));
+}

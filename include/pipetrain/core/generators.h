@@ -173,9 +173,8 @@ Schedule v_min(int p, int m, int steps = 1);
 // m-2p+r+1 rounds of two pairs (F chunk 0 with the full backward of chunk 1; F chunk 1 with the backward
 // of chunk 0), p-r-1 rounds (backward chunk 1; F chunk 1 with backward chunk 0), r+1 rounds of backwards
 // of both chunks of which the second half split off their W, p-r-1 rounds (a deferred W; B chunk 0),
-// and the remaining W. Needs m >= 2p. DeepSeek overlaps each pair's forward and backward (their
-// communication with the other's compute); here a pair is two consecutive passes (`B` is a fused
-// backward of a chunk):
+// and the remaining W. Needs m >= 2p. Each pair is one paired slot (action.h), written (0F4;7BW0); the
+// simulator charges both passes, one after the other (DeepSeek overlaps them). `B` is a fused backward:
 //   rank 0  f0f1f2f3f4f5f6f0b0w0f1b1w1f2b2w2f3f7B3--f4B0--B4--f5..B1--B5--f6..B2--B6--f7..B3--B7--b4w4b5w5b6w6b7w7S
 //   rank 1  ..f0f1f2f3f4f0f5f1b0w0f2b1w1f3f6B2--f4B0--f7B3--f5B1--B4--f6..B2--B5--f7..B3--B6--B4--b7b5w7b6w5b7w6w7S
 //   rank 2  ....f0f1f2f0f3f1f4f2b0w0f3f5B1--f4B0--f6B2--f5B1--f7B3--f6B2--B4--f7..B3--B5--B4--B6--b5b7b6w5b7w7w6w7S
