@@ -3,6 +3,7 @@
 // gradients of plain training; `pipetrain demo` lists them.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 
 #include "run_command.h"
@@ -26,9 +27,13 @@ TEST(VSchedulesCli, SelftestOverGloo) {
 }
 
 TEST(VSchedulesCli, DemoShowsTheNewSchedules) {
-  const Result r = pipetrain::testing::run_command(bin + " demo --stages 4 --microbatches 8 --steps 1 --out " +
-                                                   ::testing::TempDir() + "vsched-demo");
+  const std::filesystem::path dir = pipetrain::testing::fresh_temp_dir("vsched", "demo");
+  const Result r =
+      pipetrain::testing::run_command(bin + " demo --stages 4 --microbatches 8 --steps 1 --out " + dir.string());
   EXPECT_EQ(r.code, 0) << r.out;
+  for (const std::string s : {"zb-v", "v-half", "v-min", "dualpipev", "interleaved-zb", "looped-bfs"})
+    EXPECT_TRUE(std::filesystem::exists(dir / (s + ".svg"))) << s;
+  std::filesystem::remove_all(dir);
   for (const std::string s : {"zb-v V", "v-half V", "v-min V", "dualpipev V", "interleaved-zb v=2", "looped-bfs v=2"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
   EXPECT_EQ(r.out.find("skipped"), std::string::npos) << r.out;
