@@ -24,6 +24,7 @@
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/planner.h"
+#include "pipetrain/plan/search.h"
 #include "pipetrain/plan/profile.h"
 #include "pipetrain/plan/umpipe.h"
 
@@ -52,60 +53,27 @@ struct PlanFlags {
   std::string out;
 };
 
-struct Candidate {
-  std::string kind, solver, schedule;
-  int m = 0;
-  std::vector<int> balance;
-  std::vector<int> replication;  // empty: a straight pipeline
-  double makespan = 0, bubble = 0, peak_bytes = 0;
-  bool fits = true;
-};
-
-// Simulates one candidate. With `replication` (one count per stage) the schedule is 1F1B-RR over the
-// replicas (round_robin) and each replicated stage's step carries a ring all-reduce of its parameters.
-Candidate evaluate(const Profile& prof, const std::vector<int>& balance, const std::string& schedule, int m,
-                   double micro, double bandwidth_bytes_per_ms, double latency_ms, double memory_limit,
-                   const std::vector<int>& replication = {}) {
-  Candidate c;
-  c.schedule = schedule;
-  c.m = m;
-  c.balance = balance;
-  c.replication = replication;
-  const int p = static_cast<int>(balance.size());
-  StageCostOptions so;
-  so.micro_batch = micro;
-  so.bandwidth_bytes_per_ms = bandwidth_bytes_per_ms;
-  so.latency_ms = latency_ms;
-  CostModel costs = stage_costs(prof, balance, so);
-  const std::vector<double> static_bytes = stage_static_bytes(prof, balance);
-  Schedule sch;
-  if (replication.empty()) {
-    GeneratorOptions g;
-    g.ranks = p;
-    g.microbatches = m;
-    g.costs = costs;
-    sch = generate(schedule, g);
-  } else {
-    sch = round_robin(schedule, replication, m);
-    costs.stage_step = replica_allreduce_ms(prof, balance, replication, bandwidth_bytes_per_ms, latency_ms);
-  }
-  const SimResult r = simulate(sch, costs);
-  c.makespan = r.metrics.makespan;
-  c.bubble = r.metrics.bubble_fraction;
-  for (int rank = 0; rank < sch.ranks; ++rank) {
-    const int stage = sch.first_stage_of(rank);
-    const double bytes =
-        static_bytes[static_cast<std::size_t>(stage)] + r.metrics.per_rank[static_cast<std::size_t>(rank)].peak_memory;
-    c.peak_bytes = std::max(c.peak_bytes, bytes);
-  }
-  c.fits = memory_limit <= 0 || c.peak_bytes <= memory_limit;
-  return c;
-}
-
 std::string list(const std::vector<int>& v) {
   std::string s;
   for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
   return s;
+}
+
+// --level MACHINES:GB/s, innermost first, as PipeDream's planner's network levels (bytes per second).
+std::vector<NetworkLevel> parse_levels(const std::vector<std::string>& levels) {
+  std::vector<NetworkLevel> out;
+  for (const std::string& lv : levels) {
+    const auto colon = lv.find(':');
+    try {
+      if (colon == std::string::npos) throw std::invalid_argument(lv);
+      out.push_back(NetworkLevel{std::stoi(lv.substr(0, colon)), std::stod(lv.substr(colon + 1)) * 1e9});
+    } catch (const std::exception&) {
+      throw UsageError("--level " + lv + " must read MACHINES:GB/s, e.g. 4:100");
+    }
+    if (out.back().machines < 1 || !(out.back().bandwidth > 0) || !std::isfinite(out.back().bandwidth))
+      throw UsageError("--level " + lv + " needs MACHINES >= 1 and a finite GB/s > 0, e.g. 4:100");
+  }
+  return out;
 }
 
 }  // namespace
@@ -174,135 +142,39 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         prof = load_pipedream_graph(f->profile, po);
       }
       const int layers = static_cast<int>(prof.layers.size());
-      if (f->ranks > layers)
-        throw UsageError(std::to_string(f->ranks) + " ranks but the profile has " + std::to_string(layers) +
-                         " layers: a straight pipeline needs --ranks <= " + std::to_string(layers));
-      const int64_t batch = f->batch_size > 0 ? f->batch_size : 8LL * prof.micro_batch_size;
-      const double bw = f->bandwidth_gbps * 1e9 / 1e3;  // bytes per ms
       const double limit = f->memory_gib * 1073741824.0;
-
-      // Straight pipelines.
-      std::vector<Candidate> all;
-      for (const std::string& kind : f->kinds)
-        for (const std::string solver : {"min-max", "block-partition"}) {
-          if (kind == "uniform" && solver != std::string("min-max")) continue;
-          std::vector<int> balance;
-          try {
-            balance = plan_balance(prof, f->ranks, kind, parse_balance_solver(solver));
-          } catch (const UsageError&) {
-            if (solver == std::string("block-partition")) continue;  // torchgpipe's heuristic may find none
-            throw;
-          }
-          for (const std::string& schedule : f->schedules)
-            for (int m : f->microbatch_counts) {
-              if (m > batch) continue;
-              Candidate c = evaluate(prof, balance, schedule, m, static_cast<double>(batch) / m, bw, f->latency_us / 1e3, limit);
-              c.kind = kind;
-              c.solver = solver;
-              all.push_back(c);
-            }
-        }
-      auto better = [](const Candidate& a, const Candidate& b) {
-        if (a.fits != b.fits) return a.fits;
-        return a.makespan < b.makespan - 1e-9 || (std::abs(a.makespan - b.makespan) <= 1e-9 && a.m < b.m);
-      };
-      if (all.empty()) throw UsageError("no candidate: check --schedules, --microbatch-counts and --batch-size");
-      const Candidate best = *std::min_element(all.begin(), all.end(), better);
-      const Candidate* uniform_1f1b = nullptr;
-      for (const Candidate& c : all)
-        if (c.kind == "uniform" && c.schedule == "1f1b" && (!uniform_1f1b || better(c, *uniform_1f1b))) uniform_1f1b = &c;
-
-      // Data parallelism on the same ranks: every rank runs the whole model on batch / ranks samples
-      // (serially in one pass), then a ring all-reduce of the gradients: 2 (R-1)/R x parameter bytes.
-      double compute = 0, params = 0, dp_static = 0, dp_act = 0;
-      for (const LayerProfile& l : prof.layers) {
-        const double share = static_cast<double>(batch) / f->ranks;
-        compute += layer_time_at(l, prof.micro_batch_size, share, true) +
-                   layer_time_at(l, prof.micro_batch_size, share, false);
-        params += l.parameter_bytes;
-        dp_static += 2 * l.parameter_bytes + l.optimizer_bytes;
-        dp_act += l.activation_bytes * share / prof.micro_batch_size;
-      }
-      const double dp_time = compute + ring_allreduce_ms(params, f->ranks, bw, 0.0);
-      const bool dp_fits = limit <= 0 || dp_static + dp_act <= limit;
-
-      // PipeDream's planner (replication), on the same devices.
-      PlannerOptions po;
-      if (f->levels.empty()) {
-        po.levels.push_back(NetworkLevel{f->ranks, f->bandwidth_gbps * 1e9});
-      } else {
-        for (const std::string& lv : f->levels) {
-          const auto colon = lv.find(':');
-          try {
-            if (colon == std::string::npos) throw std::invalid_argument(lv);
-            po.levels.push_back(NetworkLevel{std::stoi(lv.substr(0, colon)), std::stod(lv.substr(colon + 1)) * 1e9});
-          } catch (const std::exception&) {
-            throw UsageError("--level " + lv + " must read MACHINES:GB/s, e.g. 4:100");
-          }
-          if (po.levels.back().machines < 1 || !(po.levels.back().bandwidth > 0) ||
-              !std::isfinite(po.levels.back().bandwidth))
-            throw UsageError("--level " + lv + " needs MACHINES >= 1 and a finite GB/s > 0, e.g. 4:100");
-        }
-        // The levels describe the devices PipeDream's planner places stages on; they must be the --ranks
-        // the straight pipelines are planned for, or the table would compare plans for different machines.
-        long devices = 1;
-        std::string product;
-        for (const NetworkLevel& l : po.levels) {
-          devices *= l.machines;
-          product += (product.empty() ? "" : " x ") + std::to_string(l.machines);
-          if (devices > 1 << 20) break;
-        }
-        if (devices != f->ranks)
-          throw UsageError("--level describes " + product + " = " + std::to_string(devices) + " devices but --ranks is " +
-                           std::to_string(f->ranks) + ": give --ranks " + std::to_string(devices) +
-                           " (the product of the levels' MACHINES) or levels whose MACHINES multiply to " +
-                           std::to_string(f->ranks));
-      }
-      po.cost_form = parse_planner_cost_form(f->cost_form);
-      if (limit > 0) po.memory_limit_bytes = limit;
-      po.allow_fewer_machines = true;
-      std::unique_ptr<Plan> pd;
-      std::string pd_error;
-      try {
-        pd = std::make_unique<Plan>(plan_pipedream(prof, po));
-      } catch (const UsageError& e) {
-        pd_error = e.what();
-      }
-
-      // PipeDream's plan run synchronously as 1F1B-RR (stage replication in the runtime), simulated like
-      // the straight pipelines; micro-batch counts that every replica count divides.
-      std::unique_ptr<Candidate> rr;
-      if (pd && std::any_of(pd->replication.begin(), pd->replication.end(), [](int r) { return r > 1; }) &&
-          pd->balance.size() > 1) {
-        int lcm = 1;
-        for (int r : pd->replication) lcm = std::lcm(lcm, r);
-        for (int m : f->microbatch_counts) {
-          const int mm = (m + lcm - 1) / lcm * lcm;
-          if (mm > batch) continue;
-          Candidate c = evaluate(prof, pd->balance, "1f1b", mm, static_cast<double>(batch) / mm, bw, f->latency_us / 1e3,
-                                 limit, pd->replication);
-          c.kind = "pipedream";
-          c.solver = "planner";
-          if (!rr || better(c, *rr)) rr = std::make_unique<Candidate>(c);
-        }
-      }
-      // The replicated plan is chosen when it is faster and fits (not for UMPIPE, which cuts one pipeline).
-      const bool choose_rr = rr && f->planner != "umpipe" && better(*rr, best);
+      PlanSearchOptions so;
+      so.ranks = f->ranks;
+      so.bandwidth_bytes_per_ms = f->bandwidth_gbps * 1e9 / 1e3;
+      so.latency_ms = f->latency_us / 1e3;
+      so.memory_limit_bytes = limit;
+      so.batch_size = f->batch_size;
+      so.schedules = f->schedules;
+      so.microbatch_counts = f->microbatch_counts;
+      so.balance_kinds = f->kinds;
+      so.pipedream.levels = parse_levels(f->levels);
+      so.pipedream.cost_form = parse_planner_cost_form(f->cost_form);
+      so.replicated_may_win = f->planner != "umpipe";  // UMPIPE cuts one straight pipeline
+      const PlanSearchResult res = search_plans(prof, so);
+      const int64_t batch = res.batch_size;
+      const PlanCandidate& best = res.best_straight;
+      const PlanCandidate& top = res.chosen();
       std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {} GB/s, {}, mini-batch {}\n",
                                prof.model, layers, prof.micro_batch_size, f->ranks, f->bandwidth_gbps,
                                limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
       std::cout << fmt::format("  {:<34} {:>14} {:>8} {:>12}  {}\n", "", "ms/mini-batch", "bubble", "peak GiB", "balance");
-      auto row = [&](const std::string& name, const Candidate& c) {
+      auto row = [&](const std::string& name, const PlanCandidate& c) {
         std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {}{}\n", name, c.makespan, c.bubble,
                                  c.peak_bytes / 1073741824.0, list(c.balance), c.fits ? "" : "  (over the memory limit)");
       };
-      row(fmt::format("{}: {} m={}, {} ({})", choose_rr ? "best straight" : "chosen", best.schedule, best.m, best.kind,
-                      best.solver),
+      row(fmt::format("{}: {} m={}, {} ({})", res.chose_replicated ? "best straight" : "chosen", best.schedule, best.m,
+                      best.kind, best.solver),
           best);
-      if (uniform_1f1b) row(fmt::format("uniform balance, 1f1b m={}", uniform_1f1b->m), *uniform_1f1b);
-      std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {}\n", "data parallelism", dp_time, "-",
-                               (dp_static + dp_act) / 1073741824.0, dp_fits ? "all layers on every rank" : "over the memory limit");
-      if (pd) {
+      if (res.uniform_1f1b) row(fmt::format("uniform balance, 1f1b m={}", res.uniform_1f1b->m), *res.uniform_1f1b);
+      std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {}\n", "data parallelism", res.data_parallel_ms, "-",
+                               res.data_parallel_bytes / 1073741824.0,
+                               res.data_parallel_fits ? "all layers on every rank" : "over the memory limit");
+      if (const auto& pd = res.pipedream) {
         const double per_batch = pd->time_ms * static_cast<double>(batch) / prof.micro_batch_size;
         std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {} x replication {} ({} cost form, {:.2f}x over its "
                                  "data parallelism)\n",
@@ -310,17 +182,16 @@ void add_plan_command(CLI::App& app, int& exit_code) {
                                  *std::max_element(pd->stage_memory_bytes.begin(), pd->stage_memory_bytes.end()) / 1073741824.0,
                                  list(pd->balance), list(pd->replication), f->cost_form, pd->speedup);
       } else {
-        std::cout << "  PipeDream planner: no feasible plan: " << pd_error << "\n";
+        std::cout << "  PipeDream planner: no feasible plan: " << res.pipedream_error << "\n";
       }
-      if (rr)
+      if (const auto& rr = res.replicated)
         std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {} x replication {}{}\n",
-                                 fmt::format("{}its plan as 1F1B-RR m={}", choose_rr ? "chosen: " : "", rr->m), rr->makespan,
-                                 rr->bubble, rr->peak_bytes / 1073741824.0, list(rr->balance), list(rr->replication),
-                                 rr->fits ? " (synchronous, simulated)" : "  (over the memory limit)");
-      const Candidate& top = choose_rr ? *rr : best;
-      if (uniform_1f1b && top.makespan > 0)
+                                 fmt::format("{}its plan as 1F1B-RR m={}", res.chose_replicated ? "chosen: " : "", rr->m),
+                                 rr->makespan, rr->bubble, rr->peak_bytes / 1073741824.0, list(rr->balance),
+                                 list(rr->replication), rr->fits ? " (synchronous, simulated)" : "  (over the memory limit)");
+      if (res.uniform_1f1b && top.makespan > 0)
         std::cout << fmt::format("  the chosen plan is {:.2f}x the throughput of uniform 1f1b and {:.2f}x data parallelism\n",
-                                 uniform_1f1b->makespan / top.makespan, dp_time / top.makespan);
+                                 res.uniform_1f1b->makespan / top.makespan, res.data_parallel_ms / top.makespan);
       // UMPIPE: unequal micro-batches per stage on the chosen balance (GPipe order).
       nlohmann::json umpipe;
       if (f->planner == "umpipe") {
@@ -382,37 +253,9 @@ void add_plan_command(CLI::App& app, int& exit_code) {
                        "re-materialises, so train --plan refuses these partitions (run it with --umpipe off)\n";
       }
       if (!f->out.empty()) {
-        Plan chosen;
-        chosen.model = prof.model;
-        chosen.layers = layers;
-        chosen.options = po;
-        chosen.balance = top.balance;
-        chosen.replication = top.replication.empty() ? std::vector<int>(top.balance.size(), 1) : top.replication;
-        chosen.time_ms = top.makespan;
-        chosen.data_parallel_time_ms = dp_time;
-        chosen.speedup = top.makespan > 0 ? dp_time / top.makespan : 0;
-        chosen.data_parallel_fits = dp_fits;
-        // Per stage: compute per micro-batch (F + B + W from the simulator's costs) and static bytes.
-        StageCostOptions so;
-        so.micro_batch = static_cast<double>(batch) / top.m;
-        for (const StageCost& c : stage_costs(prof, top.balance, so).stage) chosen.stage_time_ms.push_back(c.f + c.b + c.w);
-        chosen.stage_memory_bytes = stage_static_bytes(prof, top.balance);
-        chosen.stage_in_flight.assign(top.balance.size(), 1);
-        nlohmann::json j = plan_to_json(chosen);
-        j["schedule"] = top.schedule;
-        j["microbatches"] = top.m;
-        j["batch_size"] = batch;
-        j["balance_kind"] = top.kind;
-        j["balance_solver"] = top.solver;
-        j["predicted_bubble_fraction"] = top.bubble;
-        if (pd) j["pipedream"] = plan_to_json(*pd);
-        if (rr) {  // how train --plan-use pipedream runs it: synchronous 1F1B-RR with this m
-          j["pipedream"]["schedule"] = "1f1b";
-          j["pipedream"]["microbatches"] = rr->m;
-          j["pipedream"]["simulated_time_ms"] = rr->makespan;
-        }
-        if (!umpipe.is_null()) j["umpipe"] = umpipe;
-        write_file_atomic(f->out, j.dump(2) + "\n");
+        PlanFile file = plan_file_for(prof, res);
+        file.umpipe = umpipe;
+        write_plan_file(f->out, file);
         std::cout << "plan written to " << f->out << " (run it with pipetrain train --plan " << f->out << ")\n";
       }
       return 0;

@@ -6,6 +6,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/core/torch_csv.h"
 
 namespace pipetrain::cli {
 
@@ -14,12 +15,19 @@ void add_schedule_command(CLI::App& app, int& exit_code) {
   auto lower = std::make_shared<bool>(false);
   auto format = std::make_shared<std::string>("text");
   auto out = std::make_shared<std::string>();
+  auto letters = std::make_shared<std::string>("current");
   CLI::App* cmd = app.add_subcommand("schedule", "print a schedule: one line per rank with its actions");
   flags->add_to(*cmd);
   cmd->add_flag("--lower", *lower, "insert the send and receive actions (deadlock-free on blocking transports)");
-  cmd->add_option("--format", *format, "text (one line per rank) or csv (loadable with --load)")
-      ->check(CLI::IsMember({"text", "csv"}));
-  cmd->add_option("--out", *out, "write the CSV form to this file as well");
+  cmd->add_option("--format", *format,
+                  "text (one line per rank), csv (loadable with --load) or torch (PyTorch's schedule CSV, which its "
+                  "_load_csv reads: compute only, or with communication after --lower)")
+      ->check(CLI::IsMember({"text", "csv", "torch"}));
+  cmd->add_option("--letters", *letters,
+                  "with --format torch: current (I input gradient, B full backward; default) or legacy (B input "
+                  "gradient, BW full backward: PyTorch before the I letter)")
+      ->check(CLI::IsMember({"current", "legacy"}));
+  cmd->add_option("--out", *out, "write the CSV form (PyTorch's with --format torch) to this file as well");
   cmd->footer(
       "Actions read <stage><KIND><micro-batch>: F forward, B input gradient, W weight gradient, BW fused "
       "backward, SF/RF send/receive activation, SB/RB send/receive gradient, S optimizer step.\n"
@@ -27,13 +35,23 @@ void add_schedule_command(CLI::App& app, int& exit_code) {
       "  pipetrain schedule --schedule 1f1b --stages 4 --microbatches 8\n"
       "  pipetrain schedule --schedule interleaved --stages 2 --microbatches 4 --virtual 2 --lower\n"
       "  pipetrain schedule --schedule zb-h1 -p 4 -m 8 --format csv > zb.csv\n"
-      "  pipetrain schedule --load zb.csv");
+      "  pipetrain schedule --load zb.csv\n"
+      "  pipetrain schedule -s interleaved -p 2 -m 4 -v 2 --format torch > il.csv   (for PyTorch's _load_csv)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("schedule", [&] {
       Schedule s = flags->build();
       if (*lower) s = insert_communication(s, flags->costs(s));
-      if (!out->empty()) write_file_atomic(*out, to_csv(s));
-      if (*format == "csv") {
+      if (*format != "torch" && *letters != "current") throw UsageError("--letters applies to --format torch");
+      std::string torch_text;
+      if (*format == "torch") {
+        TorchCsvWriteOptions w;
+        w.letters = parse_torch_letters(*letters);
+        torch_text = to_torch_csv(s, w);
+      }
+      if (!out->empty()) write_file_atomic(*out, *format == "torch" ? torch_text : to_csv(s));
+      if (*format == "torch") {
+        std::cout << torch_text;
+      } else if (*format == "csv") {
         std::cout << to_csv(s);
       } else {
         for (int r = 0; r < s.ranks; ++r) std::cout << "rank " << r << ": " << rank_line(s, r) << "\n";

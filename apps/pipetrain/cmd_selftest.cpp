@@ -61,7 +61,7 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
             o.microbatches = m;
             o.virtual_stages = schedule_traits(schedule).virtual_stages ? 2 : 1;
             if ((schedule == "interleaved" || schedule == "interleaved-zb") && m % f->pipe.stages != 0) continue;
-            const VerifyResult r = verify_transparency(f->model.factory(), f->model.loss(), t, o, batch);
+            const VerifyResult r = verify_transparency(f->model.factory(), f->model.loss(), t, o, batch.input, batch.target);
             const bool ok = r.ok(f->tolerance);
             failures += !ok;
             ++checked;

@@ -6,8 +6,11 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
+#include "pipetrain/core/error.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/core/torch_csv.h"
+#include "pipetrain/core/validate.h"
 
 namespace pipetrain::cli {
 
@@ -34,6 +37,39 @@ nlohmann::json metrics_json(const Schedule& s, const SimResult& r) {
   return j;
 }
 
+// --load FILE --format torch: PyTorch's schedule CSV, validated as a generated schedule is.
+Schedule load_torch_schedule(const ScheduleFlags& flags, const std::string& letters, const std::vector<int>& stage_rank,
+                             std::vector<std::string>& notes) {
+  if (flags.load.empty())
+    throw UsageError("--format torch reads the file given by --load: add --load FILE.csv (a schedule PyTorch dumped "
+                     "with _dump_csv)");
+  if (!flags.schedule.empty())
+    throw UsageError("give either --schedule " + flags.schedule + " or --load " + flags.load + ", not both");
+  if (!flags.replication.empty())
+    throw UsageError("--replication applies to a generated schedule; PyTorch's schedule CSV gives every stage one rank");
+  TorchCsvReadOptions o;
+  o.letters = parse_torch_letters(letters);
+  o.stage_rank = stage_rank;
+  o.stages = static_cast<int>(stage_rank.size());
+  TorchCsvRead r = load_torch_csv_file(flags.load, o);
+  // The file gives its own sizes; --stages and --microbatches, when given, must agree with them.
+  if (flags.stages_option && flags.stages_option->count() > 0 && flags.stages != r.schedule.ranks)
+    throw UsageError("--stages " + std::to_string(flags.stages) + " but " + flags.load + " has " +
+                     std::to_string(r.schedule.ranks) + " rows (ranks): drop --stages, the file gives it");
+  if (flags.microbatches_option && flags.microbatches_option->count() > 0 &&
+      flags.microbatches != r.schedule.microbatches)
+    throw UsageError("--microbatches " + std::to_string(flags.microbatches) + " but " + flags.load + " has " +
+                     std::to_string(r.schedule.microbatches) + " micro-batches: drop --microbatches, the file gives it");
+  ValidateOptions vo;
+  if (flags.memory_limit > 0) vo.memory_limit = flags.memory_limit;
+  validate(r.schedule, vo);
+  notes = std::move(r.notes);
+  notes.push_back(std::string("read with PyTorch's ") + to_string(r.letters) + " letters, " +
+                  (r.with_communication ? "with communication" : "compute only") + "; " +
+                  std::to_string(r.schedule.stages) + " stages on " + std::to_string(r.schedule.ranks) + " ranks");
+  return std::move(r.schedule);
+}
+
 }  // namespace
 
 void print_metrics_table(std::ostream& out, const Schedule& s, const SimResult& r) {
@@ -54,8 +90,21 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
   auto ascii = std::make_shared<bool>(false);
   auto trace = std::make_shared<std::string>();
   auto svg = std::make_shared<std::string>();
+  auto format = std::make_shared<std::string>("csv");
+  auto letters = std::make_shared<std::string>("detect");
+  auto stage_rank = std::make_shared<std::vector<int>>();
   CLI::App* cmd = app.add_subcommand("simulate", "predict a schedule's timeline, bubble and memory");
   flags->add_to(*cmd);
+  cmd->add_option("--format", *format,
+                  "format of the --load file: csv (pipetrain's, default) or torch (PyTorch's _dump_csv output)")
+      ->check(CLI::IsMember({"csv", "torch"}));
+  cmd->add_option("--letters", *letters,
+                  "with --format torch: detect (default), current (I input gradient, B full backward) or legacy "
+                  "(B input gradient, BW full backward)")
+      ->check(CLI::IsMember({"detect", "current", "legacy"}));
+  cmd->add_option("--stage-rank", *stage_rank,
+                  "with --format torch: the rank of every stage, e.g. 0,1,1,0 (default: the row that names it)")
+      ->delimiter(',');
   cmd->add_flag("--json", *json, "print one JSON object instead of the table");
   cmd->add_flag("--ascii", *ascii, "also print a text timeline (one line per stage)");
   cmd->add_option("--trace", *trace, "write a Chrome trace (open in Perfetto or chrome://tracing)");
@@ -67,16 +116,23 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       "  pipetrain simulate --schedule 1f1b --stages 4 --microbatches 8\n"
       "  pipetrain simulate --schedule zb-h1 --stages 4 --microbatches 8 --cost 1:1:1 --json\n"
       "  pipetrain simulate --schedule interleaved -p 4 -m 8 -v 2 --cost 2:2:2 --svg il.svg --trace il.json\n"
-      "  pipetrain simulate --schedule zb-auto -p 4 -m 12 --cost 1:1.5:1,1:1:1,1:1:1,2:2:1 --memory-limit 5");
+      "  pipetrain simulate --schedule zb-auto -p 4 -m 12 --cost 1:1.5:1,1:1:1,1:1:1,2:2:1 --memory-limit 5\n"
+      "  pipetrain simulate --load zb1p.csv --format torch --ascii   (a schedule PyTorch dumped with _dump_csv)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("simulate", [&] {
-      const Schedule s = flags->build();
+      if (*format != "torch" && (*letters != "detect" || !stage_rank->empty()))
+        throw UsageError("--letters and --stage-rank apply to --format torch");
+      std::vector<std::string> notes;
+      const Schedule s = *format == "torch" ? load_torch_schedule(*flags, *letters, *stage_rank, notes) : flags->build();
       const SimResult r = simulate(s, flags->costs(s));
       if (!trace->empty()) write_file_atomic(*trace, chrome_trace_json(r.timeline));
       if (!svg->empty()) write_file_atomic(*svg, gantt_svg(r.timeline, r.metrics));
       if (*json) {
-        std::cout << metrics_json(s, r).dump(2) << "\n";
+        nlohmann::json j = metrics_json(s, r);
+        if (*format == "torch") j["notes"] = notes;
+        std::cout << j.dump(2) << "\n";
       } else {
+        for (const std::string& n : notes) std::cout << "note: " << n << "\n";
         print_metrics_table(std::cout, s, r);
         if (*ascii) std::cout << ascii_gantt(r.timeline);
         if (!trace->empty()) std::cout << "trace written to " << *trace << "\n";

@@ -21,6 +21,7 @@
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/planner.h"
 #include "pipetrain/plan/profile.h"
+#include "pipetrain/plan/search.h"
 #include "pipetrain/runtime/launch.h"
 #include "pipetrain/runtime/profiler.h"
 
@@ -279,20 +280,24 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   plan_file = path;
   auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
   // The part of the file that runs: its top level (the chosen plan), or the PipeDream planner's section.
+  PlanFile file;
   Plan plan;
-  nlohmann::json part;
+  std::string file_schedule;
+  int file_microbatches = 0;
   try {
     if (plan_use != "pipeline" && plan_use != "pipedream")
       throw UsageError("--plan-use " + plan_use + " is not a part of a plan: use pipeline (the default) or pipedream");
-    plan = load_plan(path);  // checks the file and its top-level plan
-    const nlohmann::json file = nlohmann::json::parse(read_file_capped(path, "plan", kMaxPlanFileBytes), nullptr, false);
-    part = file;
+    file = read_plan_file(path);  // checks the file, its plan and its sections
+    plan = file.plan;
+    file_schedule = file.schedule;
+    file_microbatches = file.microbatches;
     if (plan_use == "pipedream") {
-      if (!file.is_object() || !file.contains("pipedream"))
+      if (!file.pipedream)
         throw UsageError(path + " holds no PipeDream plan (no \"pipedream\" section): make it with pipetrain plan, "
                          "which writes one when the PipeDream planner finds a feasible plan, or drop --plan-use");
-      part = file["pipedream"];
-      plan = plan_from_json(part, path + " (pipedream)");
+      plan = *file.pipedream;
+      file_schedule = file.pipedream_schedule;
+      file_microbatches = file.pipedream_microbatches;
     }
   } catch (const std::exception& e) {  // parse time: report as a usage error (exit 2)
     throw CLI::ValidationError("--plan", e.what());
@@ -341,16 +346,15 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   // The schedule and micro-batches the file records (pipetrain plan writes them for both parts). A
   // replicated plan without them runs 1F1B-RR with a multiple of every replica count (equal shares)
   // that is at least twice the ranks, so the pipeline fills.
-  const bool has = part.is_object();
   if (!given("--schedule")) {
-    if (has && part.contains("schedule") && part["schedule"].is_string())
-      schedule = part["schedule"];
+    if (!file_schedule.empty())
+      schedule = file_schedule;
     else if (unequal)
       schedule = "1f1b";
   }
   if (!given("--microbatches")) {
-    if (has && part.contains("microbatches") && part["microbatches"].is_number_integer())
-      microbatches = part["microbatches"];
+    if (file_microbatches > 0)
+      microbatches = file_microbatches;
     else if (unequal)
       microbatches = (2 * workers + lcm - 1) / lcm * lcm;
   }
@@ -359,9 +363,9 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   umpipe_section = nlohmann::json();
   plan_batch_size = 0;
   plan_balance = plan.balance;
-  if (has) {
-    if (part.contains("batch_size") && part["batch_size"].is_number_integer()) plan_batch_size = part["batch_size"];
-    if (plan_use != "pipedream" && part.contains("umpipe") && part["umpipe"].is_object()) umpipe_section = part["umpipe"];
+  if (plan_use != "pipedream") {
+    plan_batch_size = file.batch_size;
+    umpipe_section = file.umpipe;
   }
 }
 

@@ -132,7 +132,8 @@ Schedule from_csv(const std::string& text) {
         throw UsageError("CSV line " + std::to_string(line_no) + " (rank " + std::to_string(rows.size()) + "), column " +
                          std::to_string(empty_col) +
                          ": empty cell between actions; a row lists its rank's actions in order, so remove the empty "
-                         "cell (empty cells as idle slots, PyTorch's format, are not supported)");
+                         "cell; a schedule PyTorch dumped, whose empty cells are idle slots, reads with --format torch "
+                         "(core/torch_csv.h)");
       try {
         row.push_back(parse_action(cell));
       } catch (const UsageError& e) {

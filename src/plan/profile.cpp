@@ -511,6 +511,16 @@ Profile parse_pipedream_graph(const std::string& text, const PipeDreamOptions& o
     cur.parameter_bytes += node.params;
     cur.activation_bytes = node.act;
     const long here = static_cast<long>(c);
+    if (options.planner_states) {  // every cut is a state; what crosses it is every output used later
+      double crossing = 0;
+      for (std::size_t u = 0; u <= c; ++u)
+        if (last_use[u] > here) crossing += nodes[order[u]].act;
+      if (c + 1 < order.size()) cur.activation_bytes = crossing;
+      cur.optimizer_bytes = cur.parameter_bytes * options.optimizer_bytes_per_parameter_byte;
+      p.layers.push_back(cur);
+      cur = LayerProfile{};
+      continue;
+    }
     const bool clean = c + 1 == order.size() || (last_use[c] > here && reach_before <= here);
     reach_before = std::max(reach_before, last_use[c]);
     if (clean) {

@@ -1,5 +1,7 @@
 #include "umpipe_pass.h"
 
+#include "pass_util.h"
+
 #include <torch/autograd.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/dropout.h>
@@ -21,32 +23,19 @@ namespace pipetrain {
 namespace {
 
 constexpr int kHeaderTag = kUmpipeTagBase;
-constexpr int kHeaderLen = 10;  // dtype, trailing rank, up to 8 trailing sizes
+constexpr int kHeaderLen = detail::kTensorHeaderLen;  // dtype, trailing rank, up to 8 trailing sizes
+using detail::heap_in_use;
+using detail::now_ms;
+using detail::shape_text;
 
 int activation_tag(int chunk) { return kUmpipeTagBase + 1 + 2 * chunk; }
 int gradient_tag(int chunk) { return kUmpipeTagBase + 2 + 2 * chunk; }
-
-double now_ms() {  // the executor's clock, so timelines of both merge
-  using namespace std::chrono;
-  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
-}
-
-double heap_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<double>(m.uordblks + m.hblkhd);
-}
 
 std::vector<int64_t> boundaries(const std::vector<int>& sizes) {
   std::vector<int64_t> ends;
   int64_t at = 0;
   for (int b : sizes) ends.push_back(at += b);
   return ends;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape, c10::ScalarType dtype) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "] " + c10::toString(dtype);
 }
 
 std::vector<int64_t> with_rows(int64_t rows, const std::vector<int64_t>& trailing) {

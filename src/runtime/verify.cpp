@@ -8,8 +8,8 @@ namespace pipetrain {
 
 VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
-                                 const zoo::Batch& batch) {
-  const int64_t n = batch.input.size(0);
+                                 const torch::Tensor& input, const torch::Tensor& target) {
+  const int64_t n = input.size(0);
   // Pipelined step: capture this rank's gradients, by parameter name, before the optimizer touches them.
   torch::nn::Sequential model = factory();
   std::map<const void*, std::string> names;
@@ -21,14 +21,14 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
   };
   options.optimizer.clip_grad_norm = 0;
   PipelineRank rank(model, loss, transport, options);
-  const StepStats stats = rank.train_step(batch.input, batch.target, n);
+  const StepStats stats = rank.train_step(input, target, n);
 
   // Plain accumulation over the same micro-batches, with the forward RNG left alone (use models without
   // dropout for an exact comparison).
   torch::nn::Sequential ref = factory();
   double ref_loss = 0;
   for (const auto& [b, e] : split_equal(n, options.microbatches)) {
-    torch::Tensor l = loss(ref->forward(batch.input.slice(0, b, e)), batch.target.slice(0, b, e)) *
+    torch::Tensor l = loss(ref->forward(input.slice(0, b, e)), target.slice(0, b, e)) *
                       (static_cast<double>(e - b) / static_cast<double>(n));
     l.backward();
     ref_loss += l.item<double>();

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "pipetrain/core/random.h"
+#include "pipetrain/runtime/trainer.h"
 #include "seeded.h"
 
 namespace pipetrain::zoo {
@@ -70,6 +71,22 @@ std::unique_ptr<Dataset> make_synthetic_tokens(int64_t vocab, int64_t seq_len, u
 
 std::unique_ptr<Dataset> make_synthetic_classes(int64_t features, int64_t classes, uint64_t seed) {
   return std::make_unique<SyntheticClasses>(features, classes, seed);
+}
+
+TrainData train_data(Dataset& d) {
+  TrainData t;
+  t.train_size = d.train_size();
+  t.eval_size = d.eval_size();
+  t.batch = [&d](int step, int64_t batch_size) {
+    Batch b = d.batch(step, batch_size);
+    return std::make_pair(b.input, b.target);
+  };
+  if (t.eval_size > 0)
+    t.eval_batch = [&d](int64_t begin, int64_t count) {
+      Batch b = d.eval_batch(begin, count);
+      return std::make_pair(b.input, b.target);
+    };
+  return t;
 }
 
 }  // namespace pipetrain::zoo

@@ -39,8 +39,8 @@ TEST(TrainCli, SelftestOverGlooForOneTwoFourStages) {
 
 TEST(TrainCli, SelftestOverMpi) {
   if (run("command -v mpirun").code != 0) GTEST_SKIP() << "mpirun not installed";
-  const Result r = run("mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo "
-                       "-n 2 " + bin + " selftest --stages 2 --transport mpi");
+  const Result r = run(pipetrain::testing::asan_mpi_env() + "mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca "
+                       "oob_tcp_if_include lo -n 2 " + bin + " selftest --stages 2 --transport mpi");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("selftest over mpi:") && r.has(" 0 failed")) << r.out;
 }

@@ -172,7 +172,7 @@ TEST(TrainMain, BadCheckpointsAreRefusedAndNothingIsOverwritten) {
   std::ofstream(layer, std::ios::binary | std::ios::trunc) << bytes;
   r = run_pipetrain("train" + common + " --resume " + ckpt);
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_TRUE(r.has("is at step 2 and the run has 2 steps: pass --steps larger than 2")) << r.out;
+  EXPECT_TRUE(r.has("is at step 2 and the run has 2 steps: give more than 2 steps (--steps)")) << r.out;
   fs::remove_all(dir);
 }
 

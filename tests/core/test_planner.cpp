@@ -683,3 +683,46 @@ TEST(Planner, Vgg16OnFourAndEightDevices) {
     EXPECT_GT(plan.replication.front(), 1) << M;  // the convolutions, few weights, are replicated
   }
 }
+
+// PipeDream's own planner (msr-fiddle/pipedream optimizer_graph_hierarchical.py, activation
+// compression ratio 1, 1 GB/s) on the vendored VGG-16 profile, as derived in data/pipedream/README.md:
+// its 40 states, its time per mini-batch, and every split and replication vector it can print (its
+// Python sets iterate in memory order, so on ties it prints one of several equally good plans). The
+// reference form over PipeDream's states must give the same time and one of those plans, and each of
+// PipeDream's plans must cost exactly that time by planner.h's formulas (the evaluator above).
+TEST(Planner, Vgg16ReferenceFormMatchesPipeDreamStateForState) {
+  const std::string dir = std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/";
+  std::ifstream in(dir + "vgg16-planner-expected.json");
+  ASSERT_TRUE(in.good()) << "data/pipedream/vgg16-planner-expected.json is missing; it is part of the repository";
+  const nlohmann::json expected = nlohmann::json::parse(in);
+  PipeDreamOptions po;
+  po.model = "vgg16";
+  po.micro_batch_size = 128;
+  po.planner_states = true;
+  const Profile p = load_pipedream_graph(vgg16_path(), po);
+  ASSERT_EQ(p.layers.size(), expected.at("states").get<std::size_t>());
+  // The state PipeDream adds over the folded profile: the cut between Size and View carries pool5's
+  // output and Size's 4 bytes.
+  EXPECT_EQ(p.layers[31].name, "node33");
+  EXPECT_DOUBLE_EQ(p.layers[31].activation_bytes, 12845056.0 + 4.0);
+  EXPECT_DOUBLE_EQ(p.layers[30].activation_bytes, 12845056.0);
+  const double bw = expected.at("bandwidth_bytes_per_s").get<double>();
+  ASSERT_EQ(expected.at("cases").size(), 4u);
+  for (const nlohmann::json& c : expected.at("cases")) {
+    SCOPED_TRACE(c.at("arguments").get<std::string>());
+    PlannerOptions o = flat(c.at("machines").get<int>(), bw, PlannerCostForm::reference);
+    o.activation_compression = expected.at("activation_compression_ratio").get<double>();
+    o.straight_pipeline = c.at("straight_pipeline").get<bool>();
+    const double want_ms = 1000.0 * c.at("time_per_minibatch_s").get<double>();
+    const Plan plan = plan_pipedream(p, o);
+    EXPECT_NEAR(plan.time_ms, want_ms, 1e-9 * want_ms);
+    bool listed = false;
+    for (const nlohmann::json& q : c.at("plans")) {
+      const auto balance = q.at("balance").get<std::vector<int>>();
+      const auto replication = q.at("replication").get<std::vector<int>>();
+      listed |= balance == plan.balance && replication == plan.replication;
+      EXPECT_NEAR(evaluate(p, o, flat_plan(balance, replication)), want_ms, 1e-9 * want_ms);
+    }
+    EXPECT_TRUE(listed) << "the planner's plan is not one PipeDream prints: " << plan_to_json_text(plan);
+  }
+}

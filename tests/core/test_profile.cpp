@@ -339,3 +339,44 @@ TEST(PipeDreamProfile, Vgg16MatchesTheFileByIndependentArithmetic) {
   // Its parameters: 138,357,544 weights of 4 bytes (VGG-16's well-known count, 1000 classes).
   EXPECT_NEAR(pp, 138357544.0 * 4, 0.5);
 }
+
+TEST(PipeDreamProfile, PlannerStatesKeepOneLayerPerNodeWithWhatCrossesEachCut) {
+  // The diamond above with planner_states: one layer per node; each cut carries every output still
+  // needed later: after a, a's (10); after b, a's and b's (10 + 20); after c, b's and c's (20 + 30);
+  // after d, d's (40); e, the last, its own (50).
+  const std::string text = node(1, "A(x)", 1, 1, "10", 1) + node(2, "B(x)", 2, 2, "20", 2) +
+                           node(3, "C(x)", 3, 3, "30", 3) + node(4, "D(x)", 4, 4, "40", 4) +
+                           node(5, "E(x)", 5, 5, "50", 5) +
+                           "\tnode1 -- node2\n\tnode1 -- node3\n\tnode2 -- node4\n\tnode3 -- node4\n\tnode4 -- node5\n";
+  PipeDreamOptions o;
+  o.planner_states = true;
+  o.optimizer_bytes_per_parameter_byte = 2;
+  const Profile p = parse_pipedream_graph(text, o);
+  ASSERT_EQ(p.layers.size(), 5u);
+  const double crossing[] = {10, 30, 50, 40, 50};
+  for (std::size_t l = 0; l < 5; ++l) {
+    EXPECT_EQ(p.layers[l].name, "node" + std::to_string(l + 1));
+    EXPECT_DOUBLE_EQ(p.layers[l].forward_ms, static_cast<double>(l + 1));
+    EXPECT_DOUBLE_EQ(p.layers[l].activation_bytes, crossing[l]) << l;
+    EXPECT_DOUBLE_EQ(p.layers[l].optimizer_bytes, 2.0 * static_cast<double>(l + 1));
+  }
+  // VGG-16: PipeDream's 40 states; the totals are those of the folded 39 layers, and the one extra layer
+  // is Size, whose cut carries pool5's output as well as its own 4 bytes.
+  const Profile folded = load_pipedream_graph(vgg16_path());
+  const Profile states = load_pipedream_graph(vgg16_path(), o);
+  ASSERT_EQ(states.layers.size(), 40u);
+  double tf = 0, ts = 0, wf = 0, ws = 0;
+  for (const LayerProfile& l : folded.layers) tf += l.forward_ms + l.backward_ms, wf += l.parameter_bytes;
+  for (const LayerProfile& l : states.layers) ts += l.forward_ms + l.backward_ms, ws += l.parameter_bytes;
+  EXPECT_NEAR(ts, tf, 1e-12 * tf);
+  EXPECT_NEAR(ws, wf, 1e-12 * wf);
+  for (std::size_t l = 0; l < 31; ++l) {
+    EXPECT_EQ(states.layers[l].name, folded.layers[l].name);
+    EXPECT_DOUBLE_EQ(states.layers[l].activation_bytes, folded.layers[l].activation_bytes);
+  }
+  EXPECT_EQ(states.layers[31].type, "Size");
+  EXPECT_DOUBLE_EQ(states.layers[31].activation_bytes, states.layers[30].activation_bytes + 4);
+  EXPECT_EQ(folded.layers[31].name, "node33+node34");
+  for (std::size_t l = 32; l < 40; ++l)
+    EXPECT_DOUBLE_EQ(states.layers[l].activation_bytes, folded.layers[l - 1].activation_bytes);
+}

@@ -15,4 +15,5 @@ cmake -S "$examples" -B "$work/build" "${args[@]}" >/dev/null
 cmake --build "$work/build" -j2
 "$work/build/compare_schedules"
 "$work/build/my_mlp"
+"$work/build/my_trainer"
 echo "examples built against the installed package and ran"

@@ -112,7 +112,8 @@ TEST(Zoo, VerifyDetectsADifferentModel) {
   auto transports = make_local_transports(1);
   PipelineOptions o;
   o.microbatches = 2;
-  const VerifyResult r = verify_transparency(factory, zoo::cross_entropy, transports[0], o, data->batch(0, 6));
+  const zoo::Batch b6 = data->batch(0, 6);
+  const VerifyResult r = verify_transparency(factory, zoo::cross_entropy, transports[0], o, b6.input, b6.target);
   EXPECT_FALSE(r.ok(1e-3));
   EXPECT_GT(r.max_grad_error, 1e-3);
 }
@@ -345,7 +346,7 @@ TEST(Zoo, CnnAndResNetArePipelineTransparent) {
     o.schedule = schedule;
     o.microbatches = 4;
     run_on_threads(2,
-                   [&](int r) { results[r] = verify_transparency(factory, zoo::cross_entropy, transports[r], o, b); });
+                   [&](int r) { results[r] = verify_transparency(factory, zoo::cross_entropy, transports[r], o, b.input, b.target); });
     for (const VerifyResult& r : results) EXPECT_TRUE(r.ok(1e-4)) << schedule << ": grad error " << r.max_grad_error;
   };
   check(seeded_small_cnn, "zb-h1");

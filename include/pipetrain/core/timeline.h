@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "pipetrain/core/action.h"
+#include "pipetrain/core/cost.h"
 
 namespace pipetrain {
 
@@ -77,5 +78,10 @@ namespace pipetrain {
 // 'B' fused backward, 'S' step) and micro-batch number, padded with '-'; idle time is '.'. Used for
 // terminal output and for the pictures in the generators' header comments.
 std::string ascii_gantt(const Timeline& t, double chars_per_unit = 2.0);
+
+// A cost model from a measured timeline: per stage the mean time of its forwards, and of its fused
+// backwards (b, w = 0) or else its input- and weight-gradient backwards; transfers and steps cost 0.
+// The simulator given it predicts what the run would take with free communication and no overhead.
+CostModel measured_costs(const Timeline& t, int stages);
 
 }  // namespace pipetrain

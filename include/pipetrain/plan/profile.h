@@ -79,6 +79,14 @@ struct PipeDreamOptions {
   int micro_batch_size = 1;  // the profiled mini-batch (PipeDream's VGG-16 profile: 128)
   int threads = 1;
   double optimizer_bytes_per_parameter_byte = 0;  // e.g. 2 for Adam; PipeDream does not record it
+  // One layer per node, as the states PipeDream's planner optimises over, instead of folding side
+  // branches (below). Each layer's activation_bytes is then what crosses the cut after it: the outputs
+  // of every node up to it that a later node consumes (VGG-16's Size layer carries pool5's output and
+  // its own 4 bytes, PipeDream's antichain {pool5, Size}). VGG-16 gives 40 layers, PipeDream's 40 states.
+  // Used to compare plans with PipeDream's state for state (data/pipedream/README.md); it matches
+  // PipeDream's states when they form a chain, as in every profile PipeDream ships for a chain-like model.
+  // A range's activation sum then counts a branch's input twice (the memory estimates only).
+  bool planner_states = false;
 };
 
 // Reads PipeDream's profile text format (docs/ALGORITHMS.md §2.1): node lines
@@ -94,7 +102,8 @@ struct PipeDreamOptions {
 //    so side branches fold into the layer that consumes them (VGG-16: Size fuses with View) and a
 //    residual block becomes one layer. A merged layer sums times and parameter bytes, takes the output
 //    bytes of its last node as activation_bytes, is named "nodeA+nodeB" and typed "TypeA+TypeB";
-//    activations of its inner nodes other than the last are not counted (4 bytes in VGG-16).
+//    activations of its inner nodes other than the last are not counted (4 bytes in VGG-16);
+//  - with PipeDreamOptions::planner_states, nothing is folded: one layer per node (see there).
 // The type is the description up to its first '(' (e.g. "Conv2d"). No layer has a B/W split.
 // Errors (UsageError) name `origin`, the line number and the expected form.
 Profile parse_pipedream_graph(const std::string& text, const PipeDreamOptions& options = {},

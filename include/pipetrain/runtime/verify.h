@@ -9,7 +9,6 @@
 #include <memory>
 
 #include "pipetrain/runtime/executor.h"
-#include "pipetrain/zoo/data.h"
 
 namespace pipetrain {
 
@@ -23,6 +22,6 @@ struct VerifyResult {
 
 VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
-                                 const zoo::Batch& batch);
+                                 const torch::Tensor& input, const torch::Tensor& target);
 
 }  // namespace pipetrain

@@ -20,6 +20,10 @@
 #include <memory>
 #include <string>
 
+namespace pipetrain {
+struct TrainData;  // runtime/trainer.h
+}
+
 namespace pipetrain::zoo {
 
 struct Batch {
@@ -47,6 +51,9 @@ class Dataset {
   // Text data only: the character vocabulary (token id k is vocabulary()[k]); empty otherwise.
   virtual std::string vocabulary() const { return {}; }
 };
+
+// The data set as the library's Trainer reads it (runtime/trainer.h); `d` must outlive the result.
+TrainData train_data(Dataset& d);
 
 // Token sequences from a fixed random "grammar": each next token follows the previous one by a random
 // but fixed transition table 90% of the time, else is uniform. Targets are the inputs shifted by one.
