@@ -22,7 +22,7 @@ void ScheduleFlags::add_to(CLI::App& app) {
   app.add_option("--load", load, "read the schedule from a CSV file (one row per rank) instead");
   stages_option = app.add_option("--stages,-p", stages, "number of pipeline stages (ranks), >= 1");
   microbatches_option = app.add_option("--microbatches,-m", microbatches, "micro-batches per optimizer step, >= 1");
-  app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved only), default 1");
+  app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved, interleaved-zb, looped-bfs), default 1");
   app.add_option("--steps", steps, "optimizer steps to lay out back to back, default 1");
   app.add_option("--replication", replication,
                  "replicas per stage, e.g. 3,1: PipeDream's 1F1B-RR, micro-batches round robin over a stage's replicas "

@@ -39,9 +39,9 @@ void add_demo_command(CLI::App& app, int& exit_code) {
       std::cout << fmt::format("Simulated pipeline: p={} stages, m={} micro-batches per step, {} steps, "
                                "cost F:B:W={}, comm={}\n\n",
                                f->stages, f->microbatches, f->steps, f->cost, f->comm);
-      std::cout << fmt::format("{:<16} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9}\n", "schedule", "makespan",
+      std::cout << fmt::format("{:<19} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9}\n", "schedule", "makespan",
                                "bubble", "max stage", "peak in", "peak mem", "speed-up");
-      std::cout << fmt::format("{:<16} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9}\n", "", "", "fraction",
+      std::cout << fmt::format("{:<19} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9}\n", "", "", "fraction",
                                "bubble", "flight (s0)", "(s0)", "vs gpipe");
       double gpipe_makespan = 0;
       for (const std::string& name : schedule_names()) {
@@ -52,19 +52,21 @@ void add_demo_command(CLI::App& app, int& exit_code) {
         sf.steps = f->steps;
         sf.cost = f->cost;
         sf.comm = f->comm;
-        if (name == "interleaved") sf.virtual_stages = 2;
+        if (schedule_traits(name).virtual_stages) sf.virtual_stages = 2;
         Schedule s;
         try {
           s = sf.build();
         } catch (const std::exception& e) {
-          std::cout << fmt::format("{:<16} skipped: {}\n", name, e.what());
+          std::cout << fmt::format("{:<19} skipped: {}\n", name, e.what());
           continue;
         }
         const SimResult r = simulate(s, sf.costs(s));
         if (name == "gpipe") gpipe_makespan = r.metrics.makespan;
         const RankMetrics& s0 = r.metrics.per_rank.front();
-        std::cout << fmt::format("{:<16} {:>9.2f} {:>9.4f} {:>10.2f} {:>11} {:>9.2f} {:>8.2f}x\n",
-                                 name + (s.virtual_stages_per_rank() > 1 ? " v=2" : "") +
+        std::cout << fmt::format("{:<19} {:>9.2f} {:>9.4f} {:>10.2f} {:>11} {:>9.2f} {:>8.2f}x\n",
+                                 name + (schedule_traits(name).v_shape            ? " V"
+                                         : s.virtual_stages_per_rank() > 1 ? " v=2"
+                                                                           : "") +
                                      (s.microbatches_per_step != f->microbatches
                                           ? fmt::format(" m={}*", s.microbatches_per_step)
                                           : ""),

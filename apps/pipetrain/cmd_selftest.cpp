@@ -59,8 +59,8 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
             PipelineOptions o = f->pipe.options(f->model.seed);
             o.schedule = schedule;
             o.microbatches = m;
-            o.virtual_stages = schedule == "interleaved" ? 2 : 1;
-            if (schedule == "interleaved" && m % f->pipe.stages != 0) continue;
+            o.virtual_stages = schedule_traits(schedule).virtual_stages ? 2 : 1;
+            if ((schedule == "interleaved" || schedule == "interleaved-zb") && m % f->pipe.stages != 0) continue;
             const VerifyResult r = verify_transparency(f->model.factory(), f->model.loss(), t, o, batch.input, batch.target);
             const bool ok = r.ok(f->tolerance);
             failures += !ok;

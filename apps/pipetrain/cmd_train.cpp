@@ -135,7 +135,13 @@ std::pair<std::string, std::string> generate_text(const TrainFlags& f, PipelineR
 
 // "stage S" for a rank, or "rank R (stage S replica Q)" when stages are replicated (1F1B-RR).
 std::string rank_label(const Schedule& s, int rank) {
-  if (!s.replicated()) return fmt::format("stage {}", rank);
+  if (!s.replicated()) {
+    std::vector<int> mine;  // several with virtual stages (interleaved, V shapes)
+    for (int st = 0; st < s.stages; ++st)
+      if (s.rank_of(st) == rank) mine.push_back(st);
+    if (mine.size() == 1) return fmt::format("stage {}", mine[0]);
+    return fmt::format("rank {} (stages {})", rank, fmt::join(mine, ", "));
+  }
   const int st = s.first_stage_of(rank);
   const auto& reps = s.stage_replicas[static_cast<std::size_t>(st)];
   return fmt::format("rank {} (stage {} replica {})", rank, st, std::find(reps.begin(), reps.end(), rank) - reps.begin());

@@ -17,6 +17,7 @@
 
 #include "pipetrain/core/read_file.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/generators.h"
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/planner.h"
 #include "pipetrain/plan/profile.h"
@@ -198,10 +199,11 @@ nlohmann::json ModelFlags::data_json() const {
 
 void PipelineFlags::add_to(CLI::App& app) {
   stages_option = app.add_option("--stages,-p", stages, "pipeline stages = ranks, default 2");
-  app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-auto, or the asynchronous pipedream, 2bw, spectrain; "
+  app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-auto, zb-v, v-half, v-min, interleaved-zb, looped-bfs, or "
+                 "the asynchronous pipedream, 2bw, spectrain; "
                  "default 1f1b");
   app.add_option("--microbatches,-m", microbatches, "micro-batches per step, default 4");
-  app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved), default 1");
+  app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved, interleaved-zb, looped-bfs), default 1");
   app.add_option("--balance", balance,
                  "uniform, parameters, time, memory (measured), type:REGEX (layers whose type matches), or layer "
                  "counts per stage such as 3,2,2; default uniform");
@@ -476,13 +478,13 @@ bool measured_kind(const std::string& kind) { return kind == "time" || kind == "
 
 void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model) {
   parse_balance_solver(pipe.balance_solver);
-  const int stages = pipe.stages * pipe.virtual_stages;
+  const int stages = pipe.stages * stages_per_rank(pipe.schedule, pipe.virtual_stages);
   {  // each (virtual) stage needs a layer: the fix is more layers or fewer stages, said in the model's terms
     const int layers = layer_count(model.factory()());
     if (stages > layers) {
-      const std::string asked = pipe.virtual_stages > 1
-                                    ? fmt::format("--stages {} x --virtual {} = {} stages", pipe.stages,
-                                                  pipe.virtual_stages, stages)
+      const std::string asked = stages > pipe.stages
+                                    ? fmt::format("--stages {} x {} stages per rank = {} stages", pipe.stages,
+                                                  stages / pipe.stages, stages)
                                     : fmt::format("--stages {}", stages);
       std::string more;
       if (model.model == "gpt")
@@ -511,7 +513,7 @@ void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model) {
 
 std::string resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
                             Transport& transport) {
-  const int stages = pipe.stages * pipe.virtual_stages;
+  const int stages = pipe.stages * stages_per_rank(pipe.schedule, pipe.virtual_stages);
   const BalanceSolver solver = parse_balance_solver(pipe.balance_solver);
   std::vector<int> balance;
   if (!pipe.profile_file.empty()) {

@@ -84,4 +84,37 @@ Action parse_action(std::string_view text) {
   return fail();
 }
 
+std::vector<std::string> cell_texts(const std::vector<Action>& row) {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < row.size(); ++i) {
+    if (!row[i].paired) {
+      out.push_back(to_string(row[i]));
+      continue;
+    }
+    std::size_t j = i + 1;  // the pair closes at the next compute action
+    while (j < row.size() && !is_compute(row[j].kind)) ++j;
+    if (j == row.size()) {  // a dangling pair (the validator names it); print what is there
+      out.push_back(to_string(row[i]));
+      continue;
+    }
+    for (std::size_t k = i + 1; k < j; ++k) out.push_back(to_string(row[k]));  // transfers between them
+    out.push_back("(" + to_string(row[i]) + ";" + to_string(row[j]) + ")");
+    i = j;
+  }
+  return out;
+}
+
+std::vector<Action> parse_cell(std::string_view text) {
+  const std::string_view t = trim(text);
+  if (t.empty() || t.front() != '(') return {parse_action(t)};
+  const std::size_t semi = t.find(';');
+  if (t.back() != ')' || semi == std::string_view::npos || t.find(';', semi + 1) != std::string_view::npos)
+    throw UsageError("malformed paired cell '" + std::string(t) +
+                     "': expected (<forward>;<backward>) such as (0F7;7BW3), a forward and a backward of another stage");
+  Action first = parse_action(t.substr(1, semi - 1));
+  const Action second = parse_action(t.substr(semi + 1, t.size() - semi - 2));
+  first.paired = true;
+  return {first, second};
+}
+
 }  // namespace pipetrain

@@ -1,6 +1,7 @@
 #include "pipetrain/core/generators.h"
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <limits>
 #include <queue>
@@ -35,7 +36,7 @@ void check_sizes(const char* name, int p, int m, int v, int steps) {
                      " actions, more than the " + fmt_int(kMaxActions) + " supported: use fewer");
 }
 
-Schedule skeleton(const char* name, int p, int m, int v, int steps) {
+Schedule skeleton(const char* name, int p, int m, int v, int steps, std::vector<int> placement = {}) {
   Schedule s;
   s.name = name;
   s.ranks = p;
@@ -43,8 +44,7 @@ Schedule skeleton(const char* name, int p, int m, int v, int steps) {
   s.microbatches = m * steps;
   s.microbatches_per_step = m;
   s.synchronous = true;
-  s.stage_rank.resize(static_cast<std::size_t>(p * v));
-  for (int st = 0; st < p * v; ++st) s.stage_rank[static_cast<std::size_t>(st)] = st % p;
+  s.stage_rank = placement.empty() ? looped_placement(p, v) : std::move(placement);
   s.actions.resize(static_cast<std::size_t>(p));
   return s;
 }
@@ -189,6 +189,25 @@ Schedule greedy_schedule(const char* name, int p, int m, const CostModel& costs,
   return best;
 }
 
+// The interleaved schedules walk the micro-batches in rounds of p.
+void check_rounds(const char* name, int p, int m) {
+  if (m % p == 0) return;
+  const int lo = std::max(p, m / p * p), hi = (m / p + 1) * p;
+  throw UsageError(std::string(name) + " needs the micro-batches to be a multiple of the stages: m=" + fmt_int(m) +
+                   " is not divisible by p=" + fmt_int(p) + ": use --microbatches " + fmt_int(lo) +
+                   (lo != hi ? " or " + fmt_int(hi) : std::string()));
+}
+
+// Appends one step's actions of `ops` (micro-batches numbered from 0) to `out`, keeping those below m and
+// shifting them to the step's first micro-batch `base`.
+void append_step(std::vector<Action>& out, const std::vector<Action>& ops, int m, int base) {
+  for (Action a : ops)
+    if (a.index < m) {
+      a.index += base;
+      out.push_back(a);
+    }
+}
+
 CostModel costs_or_unit(const CostModel& costs, int p) {
   if (costs.stage.empty()) return CostModel::uniform(p, StageCost{});
   CostModel c = costs;
@@ -226,12 +245,7 @@ Schedule one_f_one_b(int p, int m, int steps) {
 
 Schedule interleaved(int p, int m, int v, int steps) {
   check_sizes("interleaved", p, m, v, steps);
-  if (m % p != 0) {
-    const int lo = std::max(p, m / p * p), hi = (m / p + 1) * p;
-    throw UsageError("interleaved needs the micro-batches to be a multiple of the stages: m=" + fmt_int(m) +
-                     " is not divisible by p=" + fmt_int(p) + ": use --microbatches " + fmt_int(lo) +
-                     (lo != hi ? " or " + fmt_int(hi) : std::string()));
-  }
+  check_rounds("interleaved", p, m);
   Schedule s = skeleton("interleaved", p, m, v, steps);
   const int tasks = m * v;  // chunk-tasks per rank per step, each direction
   for (int k = 0; k < steps; ++k)
@@ -312,6 +326,251 @@ Schedule zb_auto(int p, int m, const CostModel& costs, double memory_limit, int 
   return greedy_schedule("zb-auto", p, m, c, limit, policies, steps);
 }
 
+std::vector<int> looped_placement(int p, int v) {
+  if (p < 1 || v < 1)
+    throw UsageError("a looped placement needs p >= 1 ranks and v >= 1 stages per rank, got p=" + fmt_int(p) +
+                     " v=" + fmt_int(v));
+  std::vector<int> out(static_cast<std::size_t>(p) * static_cast<std::size_t>(v));
+  for (std::size_t st = 0; st < out.size(); ++st) out[st] = static_cast<int>(st % static_cast<std::size_t>(p));
+  return out;
+}
+
+std::vector<int> v_placement(int p) {
+  if (p < 1) throw UsageError("a V-shaped placement needs p >= 1 ranks, got p=" + fmt_int(p));
+  std::vector<int> out(2 * static_cast<std::size_t>(p));
+  for (int st = 0; st < 2 * p; ++st) out[static_cast<std::size_t>(st)] = st < p ? st : 2 * p - 1 - st;
+  return out;
+}
+
+Schedule zb_v(int p, int m, int steps) {
+  check_sizes("zb-v", p, m, 2, steps);
+  Schedule s = skeleton("zb-v", p, m, 2, steps, v_placement(p));
+  // The phases below need at least 2p-1 micro-batches to fill the V; with fewer, the order is laid out for
+  // 2p-1 and the passes of the missing micro-batches are dropped (the rest keep a valid order).
+  const int n = std::max(2 * p - 1, m);
+  for (int r = 0; r < p; ++r) {
+    const int c0 = r, c1 = 2 * p - 1 - r;  // the rank's two stages: going down, coming back up
+    std::vector<Action> ops;
+    int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+    auto fbw = [&](int stage, int& f, int& b, bool forward) {
+      if (forward) ops.push_back(F(stage, f++));
+      ops.push_back(B(stage, b));
+      ops.push_back(W(stage, b++));
+    };
+    for (int k = 0; k < 2 * (p - r) - 1; ++k) ops.push_back(F(c0, f0++));
+    for (int k = 0; k < r; ++k) {
+      ops.push_back(F(c1, f1++));
+      ops.push_back(F(c0, f0++));
+    }
+    for (int k = 0; k < p - r; ++k) fbw(c1, f1, b1, true);
+    while (f1 < f0 || f0 < n) {
+      fbw(c0, f0, b0, f0 < n);
+      fbw(c1, f1, b1, true);
+    }
+    int w0 = b0, w1 = b1;
+    for (int k = 0; k < r; ++k) {
+      ops.push_back(B(c0, b0++));
+      ops.push_back(B(c1, b1++));
+    }
+    for (int k = 0; k < p - r; ++k) {
+      ops.push_back(B(c0, b0++));
+      ops.push_back(W(c0, w0++));
+    }
+    while (w1 < b1) ops.push_back(W(c1, w1++));
+    while (w0 < b0) ops.push_back(W(c0, w0++));
+    auto& out = s.actions[static_cast<std::size_t>(r)];
+    for (int k = 0; k < steps; ++k) {
+      append_step(out, ops, m, k * m);
+      out.push_back(Step(c0, k));
+      out.push_back(Step(c1, k));
+    }
+  }
+  return s;
+}
+
+namespace {
+
+// A V schedule built from one building block: `slot(r)` gives rank r's slots of micro-batch 0's passes
+// {F chunk 0, F chunk 1, B chunk 1, B chunk 0}; micro-batch i runs 6 slots later than i-1. Each W takes
+// the first free slot after its B (oldest B first); the slot order is the rank's order.
+template <class SlotFn>
+Schedule v_building_block(const char* name, int p, int m, int steps, SlotFn slot) {
+  check_sizes(name, p, m, 2, steps);
+  Schedule s = skeleton(name, p, m, 2, steps, v_placement(p));
+  for (int r = 0; r < p; ++r) {
+    const int c0 = r, c1 = 2 * p - 1 - r;
+    const std::array<int, 4> t = slot(r);
+    const std::array<Action, 4> pass{F(c0, 0), F(c1, 0), B(c1, 0), B(c0, 0)};
+    const int horizon = 6 * m + *std::max_element(t.begin(), t.end()) + 1;
+    std::vector<int> at(static_cast<std::size_t>(horizon), -1);  // slot -> 4 * micro-batch + pass
+    for (int i = 0; i < m; ++i)
+      for (int k = 0; k < 4; ++k) {
+        int& cell = at[static_cast<std::size_t>(6 * i + t[static_cast<std::size_t>(k)])];
+        if (cell >= 0)
+          throw std::logic_error(std::string(name) + ": two passes share a slot on rank " + fmt_int(r) + " (a bug)");
+        cell = 4 * i + k;
+      }
+    std::vector<Action> ops;
+    std::deque<Action> pending_w;
+    for (int slot_index = 0; slot_index < horizon; ++slot_index) {
+      const int cell = at[static_cast<std::size_t>(slot_index)];
+      if (cell >= 0) {
+        Action a = pass[static_cast<std::size_t>(cell % 4)];
+        a.index = cell / 4;
+        ops.push_back(a);
+        if (a.kind == ActionKind::B) pending_w.push_back(W(a.stage, a.index));
+      } else if (!pending_w.empty()) {
+        ops.push_back(pending_w.front());
+        pending_w.pop_front();
+      }
+    }
+    ops.insert(ops.end(), pending_w.begin(), pending_w.end());
+    auto& out = s.actions[static_cast<std::size_t>(r)];
+    for (int k = 0; k < steps; ++k) {
+      append_step(out, ops, m, k * m);
+      out.push_back(Step(c0, k));
+      out.push_back(Step(c1, k));
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
+Schedule v_half(int p, int m, int steps) {
+  const int g = p % 2 == 0 ? 3 : 0;
+  return v_building_block("v-half", p, m, steps, [&](int r) {
+    return std::array<int, 4>{2 * r, 3 * p - r - 2, 3 * p + g + 2 * r - 1, 6 * p + g - r - 2};
+  });
+}
+
+Schedule v_min(int p, int m, int steps) {
+  const int g = p % 3 == 0 ? 2 : 0;
+  return v_building_block("v-min", p, m, steps, [&](int r) {
+    return std::array<int, 4>{r, 2 * p - 1 - r, 2 * p + g + r, 4 * p + g - r - 1};
+  });
+}
+
+Schedule dualpipev(int p, int m, int steps) {
+  check_sizes("dualpipev", p, m, 2, steps);
+  if (m < 2 * p)
+    throw UsageError("dualpipev needs at least two micro-batches per rank and V leg: m=" + fmt_int(m) + " < 2p=" +
+                     fmt_int(2 * p) + ": use --microbatches " + fmt_int(2 * p) + " or more");
+  Schedule s = skeleton("dualpipev", p, m, 2, steps, v_placement(p));
+  for (int r = 0; r < p; ++r) {
+    const int c0 = r, c1 = 2 * p - 1 - r;
+    std::vector<Action> ops;
+    int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+    std::deque<Action> pending_w;  // split backwards whose W has not run, oldest first
+    auto fwd = [&](int stage) { ops.push_back(F(stage, stage == c0 ? f0++ : f1++)); };
+    auto bwd = [&](int stage, bool split) {  // split: B now, its W queued (zero-bubble style)
+      const int i = stage == c0 ? b0++ : b1++;
+      if (!split) {
+        ops.push_back(BW(stage, i));
+        return;
+      }
+      ops.push_back(B(stage, i));
+      pending_w.push_back(W(stage, i));
+    };
+    auto weight = [&] {
+      ops.push_back(pending_w.front());
+      pending_w.pop_front();
+    };
+    for (int k = 0; k < 2 * (p - r - 1); ++k) fwd(c0);
+    for (int k = 0; k < r + 1; ++k) {
+      fwd(c0);
+      fwd(c1);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {
+      bwd(c1, true);
+      weight();
+      fwd(c1);
+    }
+    // The steady state pairs a forward with a backward of the other leg: one paired slot (action.h).
+    auto pair = [&](int f_stage, int b_stage, bool paired) {
+      fwd(f_stage);
+      ops.back().paired = paired;
+      bwd(b_stage, false);
+    };
+    for (int k = 0; k < m - 2 * p + r + 1; ++k) {
+      pair(c0, c1, !(k == 0 && r == p - 1));  // the turn's first round runs unpaired, as DeepSeek's does
+      pair(c1, c0, true);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {
+      bwd(c1, false);
+      pair(c1, c0, true);
+    }
+    bool split = false;  // the second half of these backwards defer their W
+    for (int k = 0; k < r + 1; ++k) {
+      if (k == (r + 1) / 2 && r % 2 == 1) split = true;
+      bwd(c1, split);
+      if (k == (r + 1) / 2 && r % 2 == 0) split = true;
+      bwd(c0, split);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {
+      weight();
+      bwd(c0, true);
+    }
+    while (!pending_w.empty()) weight();
+    auto& out = s.actions[static_cast<std::size_t>(r)];
+    for (int k = 0; k < steps; ++k) {
+      append_step(out, ops, m, k * m);
+      out.push_back(Step(c0, k));
+      out.push_back(Step(c1, k));
+    }
+  }
+  return s;
+}
+
+Schedule interleaved_zb(int p, int m, int v, int steps) {
+  check_sizes("interleaved-zb", p, m, v, steps);
+  check_rounds("interleaved-zb", p, m);
+  Schedule s = skeleton("interleaved-zb", p, m, v, steps);
+  const int tasks = m * v;
+  for (int k = 0; k < steps; ++k)
+    for (int r = 0; r < p; ++r) {
+      auto& out = s.actions[static_cast<std::size_t>(r)];
+      auto chunk_fwd = [&](int j) { return (j % (p * v)) / p; };
+      auto micro = [&](int j) { return k * m + (j / (p * v)) * p + (j % p); };
+      auto bwd_stage = [&](int j) { return (v - 1 - chunk_fwd(j)) * p + r; };
+      const int warmup = std::min((v - 1) * p + (p - 1 - r), tasks);
+      std::deque<int> pending_w;  // backward tasks whose W has not run, oldest first
+      auto backward = [&](int j) {
+        out.push_back(B(bwd_stage(j), micro(j)));
+        pending_w.push_back(j);
+        if (j >= r) {  // the first r W passes wait for the cool-down
+          out.push_back(W(bwd_stage(pending_w.front()), micro(pending_w.front())));
+          pending_w.pop_front();
+        }
+      };
+      for (int j = 0; j < warmup; ++j) out.push_back(F(chunk_fwd(j) * p + r, micro(j)));
+      for (int j = 0; j < tasks - warmup; ++j) {
+        const int jf = j + warmup;
+        out.push_back(F(chunk_fwd(jf) * p + r, micro(jf)));
+        backward(j);
+      }
+      for (int j = tasks - warmup; j < tasks; ++j) backward(j);
+      for (int j : pending_w) out.push_back(W(bwd_stage(j), micro(j)));
+      for (int c = 0; c < v; ++c) out.push_back(Step(c * p + r, k));
+    }
+  return s;
+}
+
+Schedule looped_bfs(int p, int m, int v, int steps) {
+  check_sizes("looped-bfs", p, m, v, steps);
+  Schedule s = skeleton("looped-bfs", p, m, v, steps);
+  for (int k = 0; k < steps; ++k)
+    for (int r = 0; r < p; ++r) {
+      auto& out = s.actions[static_cast<std::size_t>(r)];
+      for (int c = 0; c < v; ++c)
+        for (int i = 0; i < m; ++i) out.push_back(F(c * p + r, k * m + i));
+      for (int c = v - 1; c >= 0; --c)
+        for (int i = m - 1; i >= 0; --i) out.push_back(BW(c * p + r, k * m + i));
+      for (int c = 0; c < v; ++c) out.push_back(Step(c * p + r, k));
+    }
+  return s;
+}
+
 Schedule pipedream(int p, int m, int steps) {
   check_sizes("pipedream", p, m, 1, steps);
   Schedule s = skeleton("pipedream", p, m, 1, steps);
@@ -338,8 +597,9 @@ Schedule two_bw(int p, int m, int steps) {
 }
 
 const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names{"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2",
-                                              "zb-auto", "pipedream", "2bw", "spectrain"};
+  static const std::vector<std::string> names{"gpipe",  "1f1b",   "interleaved", "zb-h1",          "zb-h2",
+                                              "zb-auto", "zb-v",  "v-half",      "v-min",          "dualpipev", "interleaved-zb",
+                                              "looped-bfs", "pipedream", "2bw", "spectrain"};
   return names;
 }
 
@@ -350,15 +610,40 @@ ScheduleTraits schedule_traits(const std::string& name) {
     t.one_microbatch_per_step = true;
   } else if (name == "2bw") {
     t.synchronous = false;
-  } else if (name == "interleaved") {
+  } else if (name == "interleaved" || name == "looped-bfs") {
     t.virtual_stages = true;
+  } else if (name == "interleaved-zb") {
+    t.virtual_stages = true;
+    t.split_backward = true;
   } else if (name == "zb-h1" || name == "zb-h2" || name == "zb-auto") {
     t.split_backward = true;
+  } else if (name == "zb-v" || name == "v-half" || name == "v-min" || name == "dualpipev") {
+    t.split_backward = true;
+    t.v_shape = true;
   } else if (name != "gpipe" && name != "1f1b") {
     generate(name, GeneratorOptions{});  // throws the list of valid names
     throw UsageError("schedule '" + name + "' has no traits defined (core/generators.cpp schedule_traits)");
   }
   return t;
+}
+
+int stages_per_rank(const std::string& name, int virtual_stages) {
+  const ScheduleTraits t = schedule_traits(name);
+  if (t.v_shape) {
+    if (virtual_stages != 1 && virtual_stages != 2)
+      throw UsageError("--schedule " + name + " holds two stages per rank (a V), not --virtual " +
+                       fmt_int(virtual_stages) + ": drop --virtual (or give 2)");
+    return 2;
+  }
+  if (t.virtual_stages) return virtual_stages;
+  if (virtual_stages != 1) {
+    std::string list;
+    for (const auto& n : schedule_names())
+      if (schedule_traits(n).virtual_stages) list += (list.empty() ? "" : ", ") + n;
+    throw UsageError("--virtual " + fmt_int(virtual_stages) + " applies only to --schedule " + list + ", not '" + name +
+                     "': drop --virtual or use one of those");
+  }
+  return 1;
 }
 
 Schedule round_robin(const std::string& base, const std::vector<int>& replication, int m, int steps) {
@@ -412,15 +697,20 @@ Schedule round_robin(const std::string& base, const std::vector<int>& replicatio
 }
 
 Schedule generate(const std::string& name, const GeneratorOptions& o) {
-  if (o.virtual_stages != 1 && name != "interleaved")
-    throw UsageError("--virtual " + fmt_int(o.virtual_stages) + " applies only to --schedule interleaved, not '" +
-                     name + "': drop --virtual or use interleaved");
+  if (o.virtual_stages != 1 && std::find(schedule_names().begin(), schedule_names().end(), name) != schedule_names().end())
+    stages_per_rank(name, o.virtual_stages);  // throws for --virtual on a schedule without virtual stages
   if (name == "gpipe") return gpipe(o.ranks, o.microbatches, o.steps);
   if (name == "1f1b") return one_f_one_b(o.ranks, o.microbatches, o.steps);
   if (name == "interleaved") return interleaved(o.ranks, o.microbatches, o.virtual_stages, o.steps);
   if (name == "zb-h1") return zb_h1(o.ranks, o.microbatches, o.steps);
   if (name == "zb-h2") return zb_h2(o.ranks, o.microbatches, o.costs, o.steps);
   if (name == "zb-auto") return zb_auto(o.ranks, o.microbatches, o.costs, o.memory_limit, o.steps);
+  if (name == "zb-v") return zb_v(o.ranks, o.microbatches, o.steps);
+  if (name == "v-half") return v_half(o.ranks, o.microbatches, o.steps);
+  if (name == "v-min") return v_min(o.ranks, o.microbatches, o.steps);
+  if (name == "dualpipev") return dualpipev(o.ranks, o.microbatches, o.steps);
+  if (name == "interleaved-zb") return interleaved_zb(o.ranks, o.microbatches, o.virtual_stages, o.steps);
+  if (name == "looped-bfs") return looped_bfs(o.ranks, o.microbatches, o.virtual_stages, o.steps);
   if (name == "pipedream") return pipedream(o.ranks, o.microbatches, o.steps);
   if (name == "2bw") return two_bw(o.ranks, o.microbatches, o.steps);
   if (name == "spectrain") {  // PipeDream's action list; the runtime predicts weights instead of stashing

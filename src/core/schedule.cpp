@@ -30,9 +30,9 @@ int Schedule::first_stage_of(int rank) const {
 
 std::string rank_line(const Schedule& s, int rank) {
   std::string out;
-  for (const Action& a : s.actions.at(static_cast<std::size_t>(rank))) {
+  for (const std::string& cell : cell_texts(s.actions.at(static_cast<std::size_t>(rank)))) {
     if (!out.empty()) out += ' ';
-    out += to_string(a);
+    out += cell;
   }
   return out;
 }

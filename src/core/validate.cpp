@@ -162,6 +162,32 @@ Where locate(const Schedule& s) {
   return where;
 }
 
+// Paired slots: a pair opens at a forward and closes at the rank's next compute action, which must be a
+// backward (BW or B) of another stage.
+void check_pairs(const Schedule& s) {
+  for (int r = 0; r < s.ranks; ++r) {
+    const auto& row = s.actions[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < row.size(); ++i) {
+      if (!row[i].paired) continue;
+      const std::string text = to_string(row[i]);
+      const int pos = static_cast<int>(i);
+      if (row[i].kind != ActionKind::F)
+        fail(s, text + " opens a paired slot, but a pair is a forward and a backward: pair a forward with the backward "
+                       "that follows it",
+             {{r, pos}});
+      std::size_t j = i + 1;
+      while (j < row.size() && !is_compute(row[j].kind)) ++j;
+      if (j == row.size())
+        fail(s, text + " opens a paired slot that nothing closes: follow it with a backward of another stage", {{r, pos}});
+      const Action& b = row[j];
+      if ((b.kind != ActionKind::BW && b.kind != ActionKind::B) || b.stage == row[i].stage)
+        fail(s, "the paired slot (" + text + ";" + to_string(b) + ") must pair a forward with a backward (BW or B) of "
+                    "another stage",
+             {{r, pos}, {r, static_cast<int>(j)}});
+    }
+  }
+}
+
 void check_complete(const Schedule& s, const Where& where) {
   auto has = [&](ActionKind k, int st, int i) { return where.count({Action{k, st, i}, -1}) > 0; };
   auto at = [&](ActionKind k, int st, int i) { return where.at({Action{k, st, i}, -1}); };
@@ -352,6 +378,7 @@ void check_memory(const Schedule& s, const ValidateOptions& o) {
 void validate(const Schedule& s, const ValidateOptions& o) {
   check_structure(s);
   const auto where = locate(s);
+  check_pairs(s);
   check_complete(s, where);
   check_local_order(s, where);
   dry_run(s);

@@ -623,7 +623,7 @@ struct PipelineRank::Impl {
     stats.timeline.schedule = schedule.name;
     stats.timeline.ranks = schedule.ranks;
     stats.timeline.microbatches = m;
-    stats.timeline.virtual_stages = options.virtual_stages;
+    stats.timeline.virtual_stages = schedule.virtual_stages_per_rank();
     stats.timeline.unit = "ms";
   }
 
@@ -802,15 +802,17 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   d.policy = weight_policy_of(d.options);
   if (d.options.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(d.options.prefetch));
   check_replication(d.options, p);
-  const int total_stages =
-      d.options.replication.empty() ? p * d.options.virtual_stages : static_cast<int>(d.options.replication.size());
   if (d.options.virtual_stages < 1)
     throw UsageError("virtual stages must be >= 1, got " + std::to_string(d.options.virtual_stages));
+  // Stages per rank: --virtual for the looped schedules, always 2 for the V shapes (generators.h).
+  const int per_rank = stages_per_rank(d.options.schedule, d.options.virtual_stages);
+  const int total_stages =
+      d.options.replication.empty() ? p * per_rank : static_cast<int>(d.options.replication.size());
   if (total_stages > layer_count(model) && !d.options.replication.empty())
     throw UsageError(std::to_string(total_stages) + " replicated stages but the model has " +
                      std::to_string(layer_count(model)) + " layers: replicate fewer stages");
   if (total_stages > layer_count(model))
-    throw UsageError(std::to_string(p) + " ranks x " + std::to_string(d.options.virtual_stages) +
+    throw UsageError(std::to_string(p) + " ranks x " + std::to_string(per_rank) +
                      " virtual stages = " + std::to_string(total_stages) + " stages but the model has " +
                      std::to_string(layer_count(model)) + " layers: use fewer stages (ranks) or virtual stages");
   d.balance = choose_balance(model, total_stages, d.options.balance);

@@ -14,12 +14,19 @@
 //   1S0   stage 1 applies optimizer step 0
 //
 // parse_action(to_string(a)) == a for every valid action. Values are plain data; any thread may use them.
+//
+// Paired slots (PyTorch's OVERLAP_F_B, DualPipe's overlapped forward and backward): a forward marked
+// `paired` and the next compute action on its rank, a backward (BW or B) of another stage, form one cell
+// of the schedule, written `(0F7;7BW3)`. The simulator charges both passes and the runtime runs both (its
+// fast path overlaps the pair's transfers with their compute). Pairing is a property of the slot, not of
+// the work: ==, < and the hash ignore it, so a schedule with and without pairs does the same work.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace pipetrain {
 
@@ -39,6 +46,7 @@ struct Action {
   ActionKind kind = ActionKind::F;
   int stage = 0;  // virtual stage, numbered from the input side
   int index = 0;  // micro-batch, or step number for Step
+  bool paired = false;  // opens a paired slot with the rank's next compute action (see above)
 
   friend bool operator==(const Action& a, const Action& b) {
     return a.kind == b.kind && a.stage == b.stage && a.index == b.index;
@@ -59,7 +67,15 @@ bool is_compute(ActionKind kind);
 // True for SendAct, RecvAct, SendGrad, RecvGrad.
 bool is_comm(ActionKind kind);
 
+// The text form of one action; a paired action prints like an unpaired one (see cell_texts).
 std::string to_string(const Action& a);
+
+// A rank's actions as schedule cells: one per action, except a pair, which is one cell `(a;b)`.
+std::vector<std::string> cell_texts(const std::vector<Action>& row);
+
+// Parses one cell: an action, or a pair `(<forward>;<backward>)` whose first action comes back `paired`.
+// Throws UsageError naming the text and the accepted forms.
+std::vector<Action> parse_cell(std::string_view text);
 
 // Parses the text form; surrounding spaces are ignored. Throws UsageError naming the text and the
 // accepted form on anything else.

@@ -20,7 +20,8 @@ namespace pipetrain {
 struct GeneratorOptions {
   int ranks = 1;             // p: ranks (devices); one stage each, v stages for interleaved
   int microbatches = 1;      // m: micro-batches per optimizer step
-  int virtual_stages = 1;    // v: virtual stages (chunks) per rank; interleaved only
+  int virtual_stages = 1;    // v: virtual stages (chunks) per rank; the looped schedules (interleaved,
+                             // interleaved-zb, looped-bfs) only; the V shapes always hold 2 (1 or 2 accepted)
   int steps = 1;             // optimizer steps to lay out back to back
   double memory_limit = 0;   // zb-auto: activation memory limit per rank in micro-batches; 0 = p (1F1B's)
   CostModel costs;           // per-stage costs for zb-h2 / zb-auto; empty = F = B = W = 1
@@ -115,6 +116,94 @@ Schedule two_bw(int p, int m, int steps = 1);
 // empty replication, a count < 1, or another base.
 Schedule round_robin(const std::string& base, const std::vector<int>& replication, int m, int steps = 1);
 
+// ---- stage-to-rank placements ------------------------------------------------------------------------
+// Looped: stage s on rank s mod p, so rank r holds r, r+p, ..., r+(v-1)p and forwards go round the ranks v
+// times (interleaved, interleaved-zb, looped-bfs). Throws UsageError on p < 1 or v < 1.
+std::vector<int> looped_placement(int p, int v);
+// V-shaped: rank r holds stages r and 2p-1-r, so forwards go down the ranks and come back up; rank p-1
+// holds stages p-1 and p and passes the activation between them without a transfer, and rank 0 holds
+// both the first and the last stage (zb-v, v-half, v-min, dualpipev). Throws UsageError on p < 1.
+std::vector<int> v_placement(int p);
+
+// ---- schedules on a V placement (2p stages, 2 per rank) ---------------------------------------------
+// In the figures of the schedules with two or more stages per rank (here and below, p = 4, m = 8) a chunk
+// costs its share of the rank's slice (F = B = W = 1 per rank, so 1/2 per chunk of two), drawn at 4
+// characters per unit: one chunk pass is two characters, and a rank's chunks print alike. Memory is
+// counted in micro-batches of a whole rank's activations (both chunks), the unit in which 1F1B peaks at p
+// on rank 0, and is released by W (the zero-bubble convention; docs/ALGORITHMS.md §4.6).
+//
+// ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §6; PyTorch's ScheduleZBVZeroBubble):
+// rank r warms up with 2(p-r)-1 forwards of its first chunk, then r pairs (second chunk, first chunk),
+// then p-r rounds of (F, B, W) on its second chunk; the steady state alternates F B W of chunk 0 and of
+// chunk 1; the cool-down runs the input gradients first and the deferred W last. Peak activation memory
+// p micro-batches (1F1B's); with F = B = W and m >= 2p no rank idles in the steady state.
+//   rank 0  f0f1f2f3f4f5f6f0b0w0f1b1w1f2b2w2f3b3w3f7b0w0f4b4w4b1w1f5b5w5b2w2f6b6w6b3w3f7b7w7b4w4b5w5b6w6b7w7S.....
+//   rank 1  ..f0f1f2f3f4f0f5f1b0w0f2b1w1f3b2w2f6b0w0f4b3w3f7b1w1f5b4w4b2w2f6b5w5b3w3f7b6w6b4b7b5w4b6w5b7w6w7w7S...
+//   rank 2  ....f0f1f2f0f3f1f4f2b0w0f3b1w1f5b0w0f4b2w2f6b1w1f5b3w3f7b2w2f6b4w4b3w3f7b5w5b4b6b5b7b6w4b7w5w6w7w6w7S.
+//   rank 3  ......f0f0f1f1f2f2f3f3b0w0f4b0w0f4b1w1f5b1w1f5b2w2f6b2w2f6b3w3f7b3w3f7b4w4b4b5b5b6b6b7b7w4w5w6w7w5w6w7S
+Schedule zb_v(int p, int m, int steps = 1);
+
+// V-Half and V-Min (Qi, Wan, Amar, Lin, "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362):
+// every micro-batch repeats one building block, shifted by 6 chunk passes per micro-batch. Rank r runs
+// micro-batch i's passes at slots 6i + t with
+//   V-Half: t(F chunk 0) = 2r,  t(F chunk 1) = 3p-r-2,  t(B chunk 1) = 3p+g+2r-1,  t(B chunk 0) = 6p+g-r-2,
+//           g = 3 if p is even, else 0;
+//   V-Min:  t(F chunk 0) = r,   t(F chunk 1) = 2p-1-r,  t(B chunk 1) = 2p+g+r,     t(B chunk 0) = 4p+g-r-1,
+//           g = 2 if p is a multiple of 3, else 0;
+// and each W fills the first free slot after its B (oldest first). The order of the slots is the
+// schedule; the simulator then runs every pass as early as its inputs allow. A micro-batch stays on a
+// rank about 6p (V-Half) or 4p (V-Min) slots, so the peak activation memory is (p+2)/2, resp. (p+4)/3
+// micro-batches (integer division) instead of 1F1B's p, for a bubble of about p/(2m), resp. 2p/(3m),
+// of the step (1F1B: p/m). V-Half:
+//   rank 0  f0f1..........f0f2b0w0f1f3b1w1..f2f4..b0b2w0f3w2f5b1b3w1f4w3f6b2b4w2f5w4f7b3b5w3f6w5..b4b6w4f7w6b5b7w5w7..b6w6......b7w7S
+//   rank 1  ..f0f1......f0....f2f1b0w0f3..f2b1w1b0w0f4f3b2w2b1w1f5f4b3w3b2w2f6f5b4w4b3w3f7f6b5w5b4w4f7b6w6b5w5..b7w7b6w6......b7w7S.
+//   rank 2  ....f0....f0f1....f1f2..b0w0f2f3b0b1w0f3w1f4b1b2w1f4w2f5b2b3w2f5w3f6b3b4w3f6w4f7b4b5w4f7w5..b5b6w5w6..b6b7w6w7..b7w7S...
+//   rank 3  ......f0f0....f1f1....f2f2b0w0b0w0f3f3b1w1b1w1f4f4b2w2b2w2f5f5b3w3b3w3f6f6b4w4b4w4f7f7b5w5b5w5..b6w6b6w6..b7w7b7w7S.....
+Schedule v_half(int p, int m, int steps = 1);
+// V-Min:
+//   rank 0  f0f1..........f0b0w0f2....f1b1b0w1w0f3f2b2b1w2w1f4f3b3b2w3w2f5f4b4b3w4w3f6f5b5b4w5w4f7f6b6b5w6w5..f7b7b6w7w6......b7w7S
+//   rank 1  ..f0........f0f1..b0w0..f1f2b0b1w0w1f2f3b1b2w1w2f3f4b2b3w2w3f4f5b3b4w3w4f5f6b4b5w4w5f6f7b5b6w5w6f7..b6b7w6w7....b7w7S.
+//   rank 2  ....f0....f0....f1..b0f1w0b0f2w0b1f2w1b1f3w1b2f3w2b2f4w2b3f4w3b3f5w3b4f5w4b4f6w4b5f6w5b5f7w5b6f7w6b6w6..b7w7..b7w7S...
+//   rank 3  ......f0f0........f1f1b0b0w0w0f2f2b1b1w1w1f3f3b2b2w2w2f4f4b3b3w3w3f5f5b4b4w4w4f6f6b5b5w5w5f7f7b6b6w6w6....b7b7w7w7S...
+Schedule v_min(int p, int m, int steps = 1);
+
+// DualPipeV (DeepSeek-AI, DeepSeek-V3 technical report, arXiv 2412.19437; the "cut-in-half" DualPipe of
+// deepseek-ai/DualPipe): on the V placement, rank r runs 2(p-r-1) forwards of chunk 0, r+1 pairs of
+// forwards (chunk 0, chunk 1), p-r-1 rounds (B chunk 1, its W, F chunk 1), then the steady state of
+// m-2p+r+1 rounds of two pairs (F chunk 0 with the full backward of chunk 1; F chunk 1 with the backward
+// of chunk 0), p-r-1 rounds (backward chunk 1; F chunk 1 with backward chunk 0), r+1 rounds of backwards
+// of both chunks of which the second half split off their W, p-r-1 rounds (a deferred W; B chunk 0),
+// and the remaining W. Needs m >= 2p. Each pair is one paired slot (action.h), written (0F4;7BW0); the
+// simulator charges both passes, one after the other (DeepSeek overlaps them). `B` is a fused backward:
+//   rank 0  f0f1f2f3f4f5f6f0b0w0f1b1w1f2b2w2f3f7B3--f4B0--B4--f5..B1--B5--f6..B2--B6--f7..B3--B7--b4w4b5w5b6w6b7w7S
+//   rank 1  ..f0f1f2f3f4f0f5f1b0w0f2b1w1f3f6B2--f4B0--f7B3--f5B1--B4--f6..B2--B5--f7..B3--B6--B4--b7b5w7b6w5b7w6w7S
+//   rank 2  ....f0f1f2f0f3f1f4f2b0w0f3f5B1--f4B0--f6B2--f5B1--f7B3--f6B2--B4--f7..B3--B5--B4--B6--b5b7b6w5b7w7w6w7S
+//   rank 3  ......f0f0f1f1f2f2f3f3f4B0--f4B0--f5B1--f5B1--f6B2--f6B2--f7B3--f7B3--B4--B4--B5--B5--b6b6b7b7w6w6w7w7S
+Schedule dualpipev(int p, int m, int steps = 1);
+
+// ---- more schedules on a looped placement (p v stages) -----------------------------------------------
+// Interleaved zero bubble (PyTorch's ScheduleInterleavedZeroBubble, the ZB-H1 idea on interleaved 1F1B):
+// the chunk order of `interleaved`, with the backward split into B and W; rank r warms up with
+// (v-1)p + (p-1-r) chunk forwards (one per hop instead of interleaved's two, since B alone is on the
+// critical path) and runs each W right after its B except for the first r, which it postpones to the
+// cool-down. Needs m % p == 0. p=4, m=8, v=2:
+//   rank 0  f0f1f2f3f0f1f2f3......b0w0f4b1w1f5b2w2f6b3w3f7b0w0f4b1w1f5b2w2f6b3w3f7b4w4b5w5b6w6b7w7b4w4b5w5b6w6b7w7S
+//   rank 1  ..f0f1f2f3f0f1f2....b0f3b1w0f4b2w1f5b3w2f6b0w3f7b1w0f4b2w1f5b3w2f6b4w3f7b5w4b6w5b7w6b4w7b5w4b6w5b7w6w7S
+//   rank 2  ....f0f1f2f3f0f1..b0f2b1f3b2w0f4b3w1f5b0w2f6b1w3f7b2w0f4b3w1f5b4w2f6b5w3f7b6w4b7w5b4w6b5w7b6w4b7w5w6w7S
+//   rank 3  ......f0f1f2f3f0b0f1b1f2b2f3b3w0f4b0w1f5b1w2f6b2w3f7b3w0f4b4w1f5b5w2f6b6w3f7b7w4b4w5b5w6b6w7b7w4w5w6w7S
+Schedule interleaved_zb(int p, int m, int v, int steps = 1);
+
+// Looped BFS (Lamy-Poirier, "Breadth-First Pipeline Parallelism", arXiv 2211.05953; PyTorch's
+// ScheduleLoopedBFS): GPipe per chunk on a looped placement. Rank r runs all m forwards of its first
+// chunk, then of its next, ...; then the fused backwards chunk by chunk from the last, newest micro-batch
+// first. Like GPipe it holds all m micro-batches at its peak; unlike interleaved it needs no m % p == 0.
+//   p=4, m=8, v=2:
+//   rank 0  f0f1f2f3f4f5f6f7f0f1f2f3f4f5f6f7..................B7--B6--B5--B4--B3--B2--B1--B0--B7--B6--B5--B4--B3--B2--B1--B0--S
+//   rank 1  ..f0f1f2f3f4f5f6f7f0f1f2f3f4f5f6f7............B7--B6--B5--B4--B3--B2--B1--B0--B7--B6--B5--B4--B3--B2--B1--B0--S...
+//   rank 2  ....f0f1f2f3f4f5f6f7f0f1f2f3f4f5f6f7......B7--B6--B5--B4--B3--B2--B1--B0--B7--B6--B5--B4--B3--B2--B1--B0--S.......
+//   rank 3  ......f0f1f2f3f4f5f6f7f0f1f2f3f4f5f6f7B7--B6--B5--B4--B3--B2--B1--B0--B7--B6--B5--B4--B3--B2--B1--B0--S...........
+Schedule looped_bfs(int p, int m, int v, int steps = 1);
+
 // Names accepted by generate(), in the order shown to users.
 const std::vector<std::string>& schedule_names();
 
@@ -129,11 +218,20 @@ struct ScheduleTraits {
   bool one_microbatch_per_step = false;
   // Several virtual stages (chunks) per rank (interleaved; --virtual V).
   bool virtual_stages = false;
-  // The backward is split into B (input gradient) and W (weight gradient) actions (zb-*).
+  // The backward is split into B (input gradient) and W (weight gradient) actions (zb-*, v-*,
+  // interleaved-zb; dualpipev in part).
   bool split_backward = false;
+  // V-shaped placement: two stages per rank, r and 2p-1-r (zb-v, v-half, v-min, dualpipev); --virtual is 2 or
+  // left out.
+  bool v_shape = false;
 };
 // Throws UsageError for an unknown name, as generate() does.
 ScheduleTraits schedule_traits(const std::string& name);
+
+// Stages per rank that `name` lays out for the requested --virtual: 2 for the V shapes (which accept 1, the
+// default, or 2), `virtual_stages` for the looped ones, 1 otherwise. Throws UsageError for --virtual on a
+// schedule without virtual stages, naming the schedules that have them.
+int stages_per_rank(const std::string& name, int virtual_stages);
 
 // Builds the named schedule; throws UsageError for an unknown name (listing the valid ones) or bad
 // sizes (naming the value and the fix).

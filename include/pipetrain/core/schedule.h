@@ -54,7 +54,7 @@ struct Schedule {
   friend bool operator==(const Schedule& a, const Schedule& b);
 };
 
-// Rank r's actions as one line of text, separated by single spaces.
+// Rank r's actions as one line of text, one cell (an action or a pair `(a;b)`) per word.
 std::string rank_line(const Schedule& s, int rank);
 
 // CSV form, one row per rank (row r is rank r), one action per cell, e.g.

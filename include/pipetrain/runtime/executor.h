@@ -96,7 +96,7 @@ struct PipelineOptions {
   int microbatches = 4;                   // m per step (pipedream and spectrain: 1)
   bool weight_stashing = true;            // pipedream: false = the stale no-stash baseline (§5.1)
   bool vertical_sync = false;             // pipedream: every stage uses stage 0's version (§5.1.3)
-  int virtual_stages = 1;                 // v (interleaved)
+  int virtual_stages = 1;                 // v (interleaved, interleaved-zb, looped-bfs; the V shapes hold 2)
   std::string balance = "uniform";        // uniform | parameters | "3,2,2" (one count per (virtual) stage)
   Checkpoint checkpoint = Checkpoint::Never;  // re-materialisation mode (torchgpipe's default is except_last)
   OptimizerOptions optimizer;
