@@ -37,6 +37,7 @@ struct Cell {
   int stage = 0;
   Word word = Word::F;
   int micro = -1;  // -1: none written
+  bool paired = false;  // the forward of an OVERLAP_F_B pair (the next cell in the row is its backward)
 };
 
 std::string where(int line, int col) { return "line " + std::to_string(line) + ", cell " + std::to_string(col); }
@@ -59,15 +60,10 @@ bool read_number(const std::string& s, std::size_t& pos, long& out, int line, in
   return pos > start;
 }
 
-Cell parse_cell(const std::string& cell, int line, int col) {
+Cell parse_one(const std::string& cell, int line, int col) {
   auto bad = [&](const std::string& why) {
     return UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + cell + "' " + why);
   };
-  if (cell.front() == '(')
-    throw bad(
-        "is a paired cell (two actions overlapped in one slot, as DualPipeV's OVERLAP_F_B): pipetrain's schedule IR "
-        "has no paired action yet, so such a schedule cannot be read; write the pair as two cells (forward, then "
-        "backward) to read it unpaired");
   Cell c;
   c.line = line;
   c.col = col;
@@ -96,6 +92,24 @@ Cell parse_cell(const std::string& cell, int line, int col) {
   if (ignored(c.word)) return c;
   if (c.micro < 0) throw bad("has no micro-batch number: write it after the kind, e.g. " + cell + "0");
   return c;
+}
+
+// One cell: an action, or a pair "(<forward>;<backward>)OVERLAP_F_B" (DualPipeV's overlapped slot),
+// returned as the forward marked `paired` followed by the backward.
+std::vector<Cell> parse_cell(const std::string& cell, int line, int col) {
+  if (cell.front() != '(') return {parse_one(cell, line, col)};
+  const std::size_t semi = cell.find(';'), close = cell.find(')');
+  const std::string tail = close == std::string::npos ? "" : cell.substr(close + 1);
+  if (semi == std::string::npos || close == std::string::npos || semi > close || tail != "OVERLAP_F_B")
+    throw UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + cell +
+                     "' is not a paired cell: write (<forward>;<backward>)OVERLAP_F_B, e.g. (0F7;7B3)OVERLAP_F_B");
+  Cell f = parse_one(cell.substr(1, semi - 1), line, col);
+  Cell b = parse_one(cell.substr(semi + 1, close - semi - 1), line, col);
+  if (f.word != Word::F || (b.word != Word::B && b.word != Word::I && b.word != Word::BW))
+    throw UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + cell +
+                     "' pairs other than a forward and a backward: OVERLAP_F_B is (<stage>F<mb>;<stage>B<mb>)");
+  f.paired = true;
+  return {f, b};
 }
 
 // Splits one CSV line into cells (Python csv quoting: "a,b" and "" inside quotes), trimming spaces.
@@ -182,12 +196,13 @@ TorchCsvRead from_torch_csv(const std::string& text, const TorchCsvReadOptions& 
     for (const std::string& cell : split_cells(line, line_no)) {
       ++col;
       if (cell.empty()) continue;  // an idle slot
-      Cell c = parse_cell(cell, line_no, col);
-      if (ignored(c.word)) {
-        ++skipped;
-        continue;
+      for (const Cell& c : parse_cell(cell, line_no, col)) {
+        if (ignored(c.word)) {
+          ++skipped;
+          continue;
+        }
+        row.push_back(c);
       }
-      row.push_back(c);
     }
     rows.push_back(std::move(row));
   }
@@ -273,6 +288,7 @@ TorchCsvRead from_torch_csv(const std::string& text, const TorchCsvReadOptions& 
       const ActionKind k = kind_of(c.word, letters);
       out.with_communication |= is_comm(k);
       s.actions[r].push_back(Action{k, c.stage, c.micro});
+      s.actions[r].back().paired = c.paired;
     }
   if (skipped > 0)
     out.notes.push_back("skipped " + std::to_string(skipped) +
@@ -335,9 +351,23 @@ std::string to_torch_csv(const Schedule& s, const TorchCsvWriteOptions& options)
 
   std::vector<std::vector<std::string>> cells(static_cast<std::size_t>(s.ranks));
   if (lowered || !options.idle_cells) {
-    for (int r = 0; r < s.ranks; ++r)
+    // A paired forward and the rank's next compute action share one cell, (F;B)OVERLAP_F_B, when nothing
+    // runs between them (in a lowered schedule the forward's sends come first: then two cells).
+    for (int r = 0; r < s.ranks; ++r) {
+      std::vector<Action> row;
       for (const Action& a : s.actions[static_cast<std::size_t>(r)])
-        if (a.kind != ActionKind::Step) cells[static_cast<std::size_t>(r)].push_back(torch_cell(a, options.letters));
+        if (a.kind != ActionKind::Step) row.push_back(a);
+      auto& out = cells[static_cast<std::size_t>(r)];
+      for (std::size_t i = 0; i < row.size(); ++i) {
+        if (row[i].paired && row[i].kind == ActionKind::F && i + 1 < row.size() && is_compute(row[i + 1].kind)) {
+          out.push_back("(" + torch_cell(row[i], options.letters) + ";" + torch_cell(row[i + 1], options.letters) +
+                        ")OVERLAP_F_B");
+          ++i;
+        } else {
+          out.push_back(torch_cell(row[i], options.letters));
+        }
+      }
+    }
   } else {
     // Lock step: an action's column is one past its rank's previous action and one past the column of
     // every action on another rank that made a token it needs. Placed by a dry run over the ranks, as

@@ -22,6 +22,7 @@
 #include "pipetrain/core/random.h"
 #include "pipetrain/core/validate.h"
 #include "pipetrain/runtime/split_linear.h"
+#include "pass_util.h"
 #include "umpipe_pass.h"
 
 namespace pipetrain {
@@ -89,23 +90,9 @@ namespace {
 
 constexpr uint64_t mix(uint64_t x) { return splitmix64(x); }
 
-double heap_in_use() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<double>(m.uordblks + m.hblkhd);
-}
-
-double now_ms() {
-  using namespace std::chrono;
-  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
-}
-
-std::string shape_text(const std::vector<int64_t>& shape, c10::ScalarType dtype) {
-  std::ostringstream out;
-  out << "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "] " << c10::toString(dtype);
-  return out.str();
-}
+using detail::heap_in_use;
+using detail::now_ms;
+using detail::shape_text;
 
 }  // namespace
 
@@ -143,7 +130,7 @@ WeightPolicy weight_policy_of(const PipelineOptions& o) {
 
 namespace {
 
-constexpr int kHeaderLen = 10;  // dtype, ndim, up to 8 dims
+constexpr int kHeaderLen = detail::kTensorHeaderLen;  // dtype, ndim, up to 8 dims
 
 }  // namespace
 

@@ -72,9 +72,9 @@ TEST(TorchCsvCli, WrittenScheduleSimulatesAsTheGeneratedOne) {
 }
 
 TEST(TorchCsvCli, BadFilesAndFlagsExitTwoWithTheCell) {
+  // PyTorch's DualPipeV dump, with paired cells, loads, validates and simulates.
   auto r = run_pipetrain("simulate --load " + pytorch_data("dualpipev_4rank_10mb.csv") + " --format torch");
-  EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_TRUE(r.has("line 1, cell 18: '(0F7;7B3)OVERLAP_F_B' is a paired cell")) << r.out;
+  EXPECT_EQ(r.code, 0) << r.out;
   r = run_pipetrain("simulate --load " + pytorch_data("zb1p_2rank_2stagep_compute.csv") +
                     " --format torch --letters legacy");
   EXPECT_EQ(r.code, 2) << r.out;

@@ -209,11 +209,34 @@ TEST(TorchCsv, PyTorchWrittenFilesLoadAndValidate) {
   }
 }
 
-TEST(TorchCsv, PairedCellsAreRefusedNamingTheCell) {
-  const std::string e = error_of(slurp(pytorch_data("dualpipev_4rank_10mb.csv")));
-  EXPECT_NE(e.find("line 1, cell 18"), std::string::npos) << e;
-  EXPECT_NE(e.find("'(0F7;7B3)OVERLAP_F_B'"), std::string::npos) << e;
-  EXPECT_NE(e.find("no paired action yet"), std::string::npos) << e;
+TEST(TorchCsv, PairedCellsReadAsPairsAndWriteBack) {
+  // PyTorch's DualPipeV dump: 4 ranks, a V placement (rank r holds stages r and 7 - r), paired slots.
+  const std::string text = slurp(pytorch_data("dualpipev_4rank_10mb.csv"));
+  const TorchCsvRead r = from_torch_csv(text);
+  const Schedule& s = r.schedule;
+  EXPECT_EQ(s.stage_rank, (std::vector<int>{0, 1, 2, 3, 3, 2, 1, 0}));
+  const auto& row0 = s.actions[0];
+  // Cell 18 of line 1, (0F7;7B3)OVERLAP_F_B: the forward opens the pair, the full backward follows.
+  ASSERT_GT(row0.size(), 18u);
+  EXPECT_EQ(row0[17], (Action{ActionKind::F, 0, 7}));
+  EXPECT_TRUE(row0[17].paired);
+  EXPECT_EQ(row0[18], (Action{ActionKind::BW, 7, 3}));
+  EXPECT_FALSE(row0[18].paired);
+  int pairs = 0;
+  for (const auto& row : s.actions)
+    for (const Action& a : row) pairs += a.paired;
+  EXPECT_GT(pairs, 8);
+  validate(s);  // pairs are a forward and a backward of another stage, in data order
+  // Written back compactly (without idle cells), the first row is PyTorch's own, pairs included.
+  TorchCsvWriteOptions w;
+  w.idle_cells = false;
+  const std::string back = to_torch_csv(s, w);
+  EXPECT_EQ(back.substr(0, back.find('\n')), text.substr(0, text.find('\n')));
+  // Malformed pairs are refused naming the cell.
+  for (const char* bad : {"(0F0;0B0", "(0F0)OVERLAP_F_B", "(0F0;1B0)OVERLAP", "(0B0;1F0)OVERLAP_F_B"}) {
+    const std::string e = error_of(bad);
+    EXPECT_NE(e.find(std::string("'") + bad + "'"), std::string::npos) << e;
+  }
 }
 
 TEST(TorchCsv, SkipsShardingCellsAndReadsCsvQuoting) {

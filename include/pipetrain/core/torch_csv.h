@@ -15,8 +15,10 @@
 // is stage 0 sending micro-batch 1's activation, 1RECV_B0 stage 1 receiving micro-batch 0's gradient).
 // UNSHARD, RESHARD and REDUCE_GRAD (FSDP and gradient-reduction steps, written without a micro-batch,
 // e.g. 0REDUCE_GRAD) are accepted and skipped, with a note. A paired cell such as (0F7;7B3)OVERLAP_F_B
-// (DualPipeV's forward of one stage overlapped with a backward of another) is refused: the IR has no
-// paired action yet. Older batched cells (0SEND_F1_2RECV_B0, a send and a receive at once) are refused too.
+// (DualPipeV's forward of one stage overlapped with a backward of another) reads as the forward marked
+// `paired` followed by the backward (action.h); the compact writer (with communication, or without idle
+// cells) writes such pairs back as one cell, the lock-step writer as two. Older batched cells
+// (0SEND_F1_2RECV_B0, a send and a receive at once) are refused.
 //
 // Letter detection (TorchLetters::detect): legacy when a cell uses BW, or uses W with no I anywhere
 // (a current-letter W must follow an I of its micro-batch); current otherwise. A file with both I and BW
