@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 #include <set>
 
@@ -24,6 +25,14 @@ namespace pipetrain {
 namespace fs = std::filesystem;
 
 namespace {
+
+// LibTorch's pickler keeps process-wide caches (type names among them) that it fills without a lock:
+// ThreadSanitizer reports a race when two in-process ranks (the local transport's threads) load their
+// layers at the same time. Pickling is serialised per process; ranks in separate processes are unaffected.
+std::mutex& pickle_mutex() {
+  static std::mutex mu;
+  return mu;
+}
 
 constexpr const char* kFormat = "pipetrain-checkpoint";
 constexpr int kVersion = 1;
@@ -339,7 +348,10 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
       for (int layer : rank.owned_layers()) {
         c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
         for (const auto& [name, t] : rank.layer_state(layer)) dict.insert(name, t);
-        const std::vector<char> bytes = torch::pickle_save(dict);
+        const std::vector<char> bytes = [&] {
+          std::lock_guard<std::mutex> lk(pickle_mutex());
+          return torch::pickle_save(dict);
+        }();
         written.push_back(partial / layer_file(layer));
         write_durable(written.back(), bytes.data(), bytes.size());
         info[layer][0] = static_cast<double>(bytes.size());
@@ -504,7 +516,9 @@ void load_checkpoint(PipelineRank& rank, const std::string& dir) {
     const fs::path path = fs::path(dir) / entry.at("file").get<std::string>();
     c10::IValue v;
     try {
-      v = torch::pickle_load(read_layer_file(dir, entry));
+      const std::vector<char> bytes = read_layer_file(dir, entry);
+      std::lock_guard<std::mutex> lk(pickle_mutex());
+      v = torch::pickle_load(bytes);
     } catch (const c10::Error& e) {
       throw UsageError("checkpoint file " + path.string() + " cannot be read: " + e.what_without_backtrace());
     }
