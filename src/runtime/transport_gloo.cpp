@@ -101,12 +101,19 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/store.h"
 #include "pipetrain/runtime/transport.h"
+#include "transport_util.h"
 
 namespace pipetrain {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
+using detail::byte_size;
+using detail::cpu_contiguous;
+using detail::env_seconds;
+using detail::getenv_string;
+using detail::parse_integer;
+using detail::rendezvous_fault;
 using std::chrono::seconds;
 
 constexpr milliseconds kAbortPollPeriod{150};
@@ -123,32 +130,6 @@ const std::string kDetachedKey = "pipetrain/detached";
 std::string heartbeat_key(int rank) { return "pipetrain/heartbeat/" + std::to_string(rank); }
 
 // --- environment -------------------------------------------------------------------------------
-
-std::optional<std::string> getenv_string(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v) return std::nullopt;
-  return std::string(v);
-}
-
-std::optional<long long> parse_integer(const std::string& text) {
-  long long value = 0;
-  const char* end = text.data() + text.size();
-  auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  if (ec != std::errc() || ptr != end || text.empty()) return std::nullopt;
-  return value;
-}
-
-// Seconds from an environment variable, or `fallback` when unset.
-milliseconds env_seconds(const char* name, milliseconds fallback) {
-  const auto text = getenv_string(name);
-  if (!text) return fallback;
-  char* end = nullptr;
-  const double s = std::strtod(text->c_str(), &end);
-  if (text->empty() || *end != '\0' || !(s > 0) || s > 1e7)
-    throw UsageError(std::string(name) + "=" + *text + " is not a number of seconds: set it to a number > 0 (default " +
-                     std::to_string(fallback.count() / 1000) + ")");
-  return milliseconds(static_cast<long long>(s * 1000));
-}
 
 // The text of an exception without c10's backtrace or Gloo's "[file.cc:line] " prefix.
 std::string short_what(const std::exception& e) {
@@ -191,27 +172,6 @@ std::string local_address_towards(const std::string& host, int port) {
   return found;
 }
 
-// Test hook: PIPETRAIN_RENDEZVOUS_FAULT="RANK:POINT[:SECONDS]" makes rank RANK wait SECONDS (default 0)
-// and then SIGKILL itself at POINT of its rendezvous: "before-join" (before it connects to the store) or
-// "after-join" (joined the store, before Gloo connects). For the tests of a rank that dies during start-up.
-void rendezvous_fault(int rank, const std::string& point) {
-  const auto spec = getenv_string("PIPETRAIN_RENDEZVOUS_FAULT");
-  if (!spec) return;
-  const auto c1 = spec->find(':');
-  const auto c2 = c1 == std::string::npos ? std::string::npos : spec->find(':', c1 + 1);
-  const auto r = parse_integer(spec->substr(0, c1));
-  const std::string where = c1 == std::string::npos ? "" : spec->substr(c1 + 1, c2 == std::string::npos ? c2 : c2 - c1 - 1);
-  if (!r || (where != "before-join" && where != "after-join"))
-    throw UsageError("PIPETRAIN_RENDEZVOUS_FAULT='" + *spec +
-                     "' must read RANK:POINT[:SECONDS] with POINT before-join or after-join, e.g. 1:before-join:1");
-  if (*r != rank || where != point) return;
-  if (c2 != std::string::npos) {
-    const double s = std::strtod(spec->c_str() + c2 + 1, nullptr);
-    if (s > 0) std::this_thread::sleep_for(milliseconds(static_cast<long long>(s * 1000)));
-  }
-  ::kill(::getpid(), SIGKILL);
-}
-
 // --- messages ----------------------------------------------------------------------------------
 
 constexpr int kMaxDims = 6;
@@ -226,26 +186,12 @@ struct Header {
 static_assert(sizeof(Header) == 72, "the header is part of the wire format");
 constexpr uint32_t kMagic = 0x50504c54;  // "PPLT"
 
-int64_t byte_size(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
-
-std::string describe(c10::ScalarType dtype, const int64_t* sizes, int ndim, int64_t nbytes) {
-  std::string s = std::string(c10::toString(dtype)) + " [";
-  for (int i = 0; i < ndim; ++i) {
-    if (i == kMaxDims) {
-      s += ", ...";
-      break;
-    }
-    s += (i ? ", " : "") + std::to_string(sizes[i]);
-  }
-  return s + "] (" + std::to_string(nbytes) + " bytes)";
-}
-
 std::string describe(const at::Tensor& t) {
-  return describe(t.scalar_type(), t.sizes().data(), static_cast<int>(t.dim()), byte_size(t));
+  return detail::describe(t.scalar_type(), t.sizes().data(), static_cast<int>(t.dim()), byte_size(t), kMaxDims);
 }
 
 std::string describe(const Header& h) {
-  return describe(static_cast<c10::ScalarType>(h.dtype), h.sizes, h.ndim, h.nbytes);
+  return detail::describe(static_cast<c10::ScalarType>(h.dtype), h.sizes, h.ndim, h.nbytes, kMaxDims);
 }
 
 Header header_for(const at::Tensor& t, int tag) {
@@ -257,12 +203,6 @@ Header header_for(const at::Tensor& t, int tag) {
   h.nbytes = byte_size(t);
   for (int i = 0; i < std::min<int>(h.ndim, kMaxDims); ++i) h.sizes[i] = t.size(i);
   return h;
-}
-
-// A CPU, contiguous view of `t` (itself when it already is one; else a copy).
-at::Tensor cpu_contiguous(const at::Tensor& t) {
-  at::Tensor c = t.device().is_cpu() ? t : t.to(at::kCPU);
-  return c.is_contiguous() ? c : c.contiguous();
 }
 
 std::atomic<bool> g_exiting{false};  // one thread ends the process; the others wait for it

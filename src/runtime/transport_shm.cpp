@@ -83,6 +83,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/store.h"
 #include "pipetrain/runtime/transport.h"
+#include "transport_util.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -93,6 +94,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
+using detail::byte_size;
+using detail::cpu_contiguous;
+using detail::env_seconds;
+using detail::getenv_string;
+using detail::parse_integer;
+using detail::rendezvous_fault;
 
 constexpr uint64_t kSegmentMagic = 0x3130484d53505050ull;  // "PPPSMH01"
 constexpr uint32_t kMsgMagic = 0x4d485350;                // "PSHM"
@@ -164,57 +171,14 @@ struct MsgHeader {
 };
 static_assert(sizeof(MsgHeader) == kAlign, "a header is one aligned slot of the ring");
 
-int64_t byte_size(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
-
-std::string describe(c10::ScalarType dtype, const int64_t* sizes, int ndim, int64_t nbytes) {
-  std::string s = std::string(c10::toString(dtype)) + " [";
-  for (int i = 0; i < ndim; ++i) {
-    if (i == kMaxDims) {
-      s += ", ...";
-      break;
-    }
-    s += (i ? ", " : "") + std::to_string(sizes[i]);
-  }
-  return s + "] (" + std::to_string(nbytes) + " bytes)";
-}
 std::string describe(const at::Tensor& t) {
-  return describe(t.scalar_type(), t.sizes().data(), static_cast<int>(t.dim()), byte_size(t));
+  return detail::describe(t.scalar_type(), t.sizes().data(), static_cast<int>(t.dim()), byte_size(t), kMaxDims);
 }
 std::string describe(const MsgHeader& h) {
-  return describe(static_cast<c10::ScalarType>(h.dtype), h.sizes, h.ndim, h.nbytes);
-}
-
-at::Tensor cpu_contiguous(const at::Tensor& t) {
-  at::Tensor c = t.device().is_cpu() ? t : t.to(at::kCPU);
-  return c.is_contiguous() ? c : c.contiguous();
+  return detail::describe(static_cast<c10::ScalarType>(h.dtype), h.sizes, h.ndim, h.nbytes, kMaxDims);
 }
 
 // --- environment -------------------------------------------------------------------------------
-
-std::optional<std::string> getenv_string(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v) return std::nullopt;
-  return std::string(v);
-}
-
-std::optional<long long> parse_integer(const std::string& text) {
-  long long value = 0;
-  const char* end = text.data() + text.size();
-  auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  if (ec != std::errc() || ptr != end || text.empty()) return std::nullopt;
-  return value;
-}
-
-milliseconds env_seconds(const char* name, milliseconds fallback) {
-  const auto text = getenv_string(name);
-  if (!text) return fallback;
-  char* end = nullptr;
-  const double s = std::strtod(text->c_str(), &end);
-  if (text->empty() || *end != '\0' || !(s > 0) || s > 1e7)
-    throw UsageError(std::string(name) + "=" + *text + " is not a number of seconds: set it to a number > 0 (default " +
-                     std::to_string(fallback.count() / 1000) + ")");
-  return milliseconds(static_cast<long long>(s * 1000));
-}
 
 // The ring size: PIPETRAIN_SHM_RING_BYTES, else 4 MiB, or less so that all rings take at most a quarter
 // of /dev/shm's free space (Docker's default /dev/shm is 64 MiB).
@@ -248,28 +212,6 @@ void shm_fault(int rank, const char* point) {
   if (!r || (where != "created" && where != "attached"))
     throw UsageError("PIPETRAIN_SHM_FAULT='" + *spec + "' must read RANK:POINT with POINT created or attached");
   if (*r == rank && where == point) ::kill(::getpid(), SIGKILL);
-}
-
-// The gloo transport's hook, PIPETRAIN_RENDEZVOUS_FAULT="RANK:POINT[:SECONDS]" (transport_gloo.cpp), at
-// the same points here: "before-join" (before this rank connects to the store) and "after-join" (joined,
-// before the segment), so the tests of a rank that dies during start-up cover the default transport too.
-void rendezvous_fault(int rank, const std::string& point) {
-  const auto spec = getenv_string("PIPETRAIN_RENDEZVOUS_FAULT");
-  if (!spec) return;
-  const auto c1 = spec->find(':');
-  const auto c2 = c1 == std::string::npos ? std::string::npos : spec->find(':', c1 + 1);
-  const auto r = parse_integer(spec->substr(0, c1));
-  const std::string where =
-      c1 == std::string::npos ? "" : spec->substr(c1 + 1, c2 == std::string::npos ? c2 : c2 - c1 - 1);
-  if (!r || (where != "before-join" && where != "after-join"))
-    throw UsageError("PIPETRAIN_RENDEZVOUS_FAULT='" + *spec +
-                     "' must read RANK:POINT[:SECONDS] with POINT before-join or after-join, e.g. 1:before-join:1");
-  if (*r != rank || where != point) return;
-  if (c2 != std::string::npos) {
-    const double sec = std::strtod(spec->c_str() + c2 + 1, nullptr);
-    if (sec > 0) std::this_thread::sleep_for(milliseconds(static_cast<long long>(sec * 1000)));
-  }
-  ::kill(::getpid(), SIGKILL);
 }
 
 uint64_t pid_namespace_id() {

@@ -1,0 +1,91 @@
+// Internal to pipetrain_runtime: pieces the process transports (gloo, shm) share: environment
+// parsing, the start-up fault hook for tests, and how a message's tensor is described in errors.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <chrono>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "pipetrain/core/error.h"
+
+namespace pipetrain::detail {
+
+inline std::optional<std::string> getenv_string(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) return std::nullopt;
+  return std::string(v);
+}
+
+// The whole text as a decimal integer, or nothing.
+inline std::optional<long long> parse_integer(const std::string& text) {
+  long long value = 0;
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr != end || text.empty()) return std::nullopt;
+  return value;
+}
+
+// Seconds from an environment variable, or `fallback` when unset; a bad value is a UsageError.
+inline std::chrono::milliseconds env_seconds(const char* name, std::chrono::milliseconds fallback) {
+  const auto text = getenv_string(name);
+  if (!text) return fallback;
+  char* end = nullptr;
+  const double s = std::strtod(text->c_str(), &end);
+  if (text->empty() || *end != '\0' || !(s > 0) || s > 1e7)
+    throw UsageError(std::string(name) + "=" + *text + " is not a number of seconds: set it to a number > 0 (default " +
+                     std::to_string(fallback.count() / 1000) + ")");
+  return std::chrono::milliseconds(static_cast<long long>(s * 1000));
+}
+
+// Test hook: PIPETRAIN_RENDEZVOUS_FAULT="RANK:POINT[:SECONDS]" makes rank RANK wait SECONDS (default 0)
+// and then SIGKILL itself at POINT of its rendezvous: "before-join" (before it connects to the store) or
+// "after-join" (joined the store, before the transport connects). For the tests of a rank that dies
+// during start-up.
+inline void rendezvous_fault(int rank, const std::string& point) {
+  const auto spec = getenv_string("PIPETRAIN_RENDEZVOUS_FAULT");
+  if (!spec) return;
+  const auto c1 = spec->find(':');
+  const auto c2 = c1 == std::string::npos ? std::string::npos : spec->find(':', c1 + 1);
+  const auto r = parse_integer(spec->substr(0, c1));
+  const std::string where =
+      c1 == std::string::npos ? "" : spec->substr(c1 + 1, c2 == std::string::npos ? c2 : c2 - c1 - 1);
+  if (!r || (where != "before-join" && where != "after-join"))
+    throw UsageError("PIPETRAIN_RENDEZVOUS_FAULT='" + *spec +
+                     "' must read RANK:POINT[:SECONDS] with POINT before-join or after-join, e.g. 1:before-join:1");
+  if (*r != rank || where != point) return;
+  if (c2 != std::string::npos) {
+    const double s = std::strtod(spec->c_str() + c2 + 1, nullptr);
+    if (s > 0) std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<long long>(s * 1000)));
+  }
+  ::kill(::getpid(), SIGKILL);
+}
+
+inline int64_t byte_size(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+// "Float [8, 16] (512 bytes)": a message's tensor in errors; at most `max_dims` sizes are shown.
+inline std::string describe(c10::ScalarType dtype, const int64_t* sizes, int ndim, int64_t nbytes, int max_dims) {
+  std::string s = std::string(c10::toString(dtype)) + " [";
+  for (int i = 0; i < ndim; ++i) {
+    if (i == max_dims) {
+      s += ", ...";
+      break;
+    }
+    s += (i ? ", " : "") + std::to_string(sizes[i]);
+  }
+  return s + "] (" + std::to_string(nbytes) + " bytes)";
+}
+
+// A CPU, contiguous view of `t` (itself when it already is one; else a copy).
+inline at::Tensor cpu_contiguous(const at::Tensor& t) {
+  at::Tensor c = t.device().is_cpu() ? t : t.to(at::kCPU);
+  return c.is_contiguous() ? c : c.contiguous();
+}
+
+}  // namespace pipetrain::detail
