@@ -68,10 +68,14 @@ Trainer::Trainer(PipelineRank& rank, std::shared_ptr<Transport> world, std::shar
                  const TrainData* data, TrainerOptions options, TrainerCallbacks callbacks)
     : rank_(rank), world_(std::move(world)), pipeline_(std::move(pipeline)), data_(data), o_(std::move(options)),
       cb_(std::move(callbacks)) {
-  if (!world_ || !pipeline_) throw std::invalid_argument("Trainer: the world and pipeline transports must be given");
+  if (!world_ || !pipeline_)
+    throw std::invalid_argument("Trainer: the world and pipeline transports must be given (pass the same one twice "
+                                "for a single pipeline)");
   if (world_->world_size() % pipeline_->world_size() != 0)
-    throw std::invalid_argument(fmt::format("Trainer: the world's {} ranks are not whole copies of the {}-rank pipeline",
-                                            world_->world_size(), pipeline_->world_size()));
+    throw std::invalid_argument(fmt::format(
+        "Trainer: the world's {} ranks are not whole copies of the {}-rank pipeline: give a pipeline transport whose "
+        "size divides the world's (make_group_transport over one copy's ranks), or the world itself",
+        world_->world_size(), pipeline_->world_size()));
   const int copies = world_->world_size() / pipeline_->world_size();
   if (o_.batch_size <= 0 || o_.batch_size % copies != 0)
     throw UsageError(fmt::format("batch size {} must be a positive multiple of the {} copies of the pipeline",

@@ -114,6 +114,8 @@ using detail::env_seconds;
 using detail::getenv_string;
 using detail::parse_integer;
 using detail::rendezvous_fault;
+using detail::find_or_host_store;
+using detail::StoreSite;
 using std::chrono::seconds;
 
 constexpr milliseconds kAbortPollPeriod{150};
@@ -463,45 +465,13 @@ void GlooTransport::connect_store(const Rendezvous& rv, milliseconds join_timeou
     return;
   }
 
-  const std::string token = getenv_string("PIPETRAIN_RUN_TOKEN").value_or("");
-  std::string host = rv.master_addr;
-  int port = rv.master_port;
-  std::string what = master;
-  if (const auto hosted = getenv_string("PIPETRAIN_LAUNCHER_STORE")) {
-    // pipetrain launch hosts the store (on another port than MASTER_PORT): every rank joins it.
-    const auto colon = hosted->rfind(':');
-    const auto p = colon == std::string::npos ? std::nullopt : parse_integer(hosted->substr(colon + 1));
-    if (!p || *p < 1 || *p > 65535 || colon == 0)
-      throw UsageError("PIPETRAIN_LAUNCHER_STORE=" + *hosted +
-                       " is not HOST:PORT: it is set by pipetrain launch; unset it when starting ranks by hand");
-    host = hosted->substr(0, colon);
-    port = static_cast<int>(*p);
-    what = *hosted + " (the launcher's store, PIPETRAIN_LAUNCHER_STORE)";
-    store_address_ = *hosted + " (the launcher's)";
-  } else if (rank_ == 0) {
-    // Rank 0 hosts the store, on MASTER_ADDR's address only (PIPETRAIN_STORE_BIND overrides it).
-    const auto bind = getenv_string("PIPETRAIN_STORE_BIND");
-    const std::string bind_address = bind && !bind->empty() ? *bind : rv.master_addr;
-    try {
-      server_ = std::make_unique<StoreServer>(bind_address, rv.master_port, token, world_size_);
-    } catch (const std::exception& e) {
-      throw std::runtime_error(
-          "rank 0 could not host the rendezvous store at " + master + ": " + e.what() +
-          ". If the port is taken, pick another MASTER_PORT; MASTER_ADDR must be an address of rank 0's host (or set "
-          "PIPETRAIN_STORE_BIND to the address to listen on, e.g. 0.0.0.0 for every interface)");
-    }
-    const std::string bound = server_->address();
-    const bool loopback = bound.rfind("127.", 0) == 0 || bound == "::1";
-    if (bind && !bind->empty())
-      std::fprintf(stderr, "pipetrain rank 0: the rendezvous store listens on %s:%d (PIPETRAIN_STORE_BIND=%s)\n",
-                   bound.c_str(), server_->port(), bind->c_str());
-    if (token.empty() && !loopback)
-      std::fprintf(stderr,
-                   "pipetrain rank 0: warning: PIPETRAIN_RUN_TOKEN is not set, so the rendezvous store at %s:%d "
-                   "accepts any pipetrain rank that reaches it; set PIPETRAIN_RUN_TOKEN to the same secret on every "
-                   "rank (pipetrain launch does this for you)\n",
-                   bound.c_str(), server_->port());
-  }
+  StoreSite site = find_or_host_store(rv, rank_, world_size_);
+  server_ = std::move(site.server);
+  if (site.launcher) store_address_ = site.host + ":" + std::to_string(site.port) + " (the launcher's)";
+  const std::string& token = site.token;
+  const std::string& host = site.host;
+  const int port = site.port;
+  const std::string& what = site.what;
   rendezvous_fault(rank_, "before-join");
   try {
     auto main = c10::make_intrusive<StoreClient>(host, port, token, rank_, world_size_, join_timeout, what);

@@ -468,32 +468,15 @@ ShmTransport::ShmTransport(const Rendezvous& rv) : rank_(rv.rank), world_(rv.wor
 }
 
 void ShmTransport::connect_store(const Rendezvous& rv, milliseconds join_timeout) {
-  const std::string token = getenv_string("PIPETRAIN_RUN_TOKEN").value_or("");
-  std::string host = rv.master_addr;
-  int port = rv.master_port;
-  std::string what = rv.master_addr + ":" + std::to_string(rv.master_port) + " (MASTER_ADDR:MASTER_PORT)";
   if (getenv_string("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True")
     throw UsageError("the shm transport does not join torchrun's store: under torchrun use --transport gloo, or start "
                      "the ranks with pipetrain launch");
-  if (const auto hosted = getenv_string("PIPETRAIN_LAUNCHER_STORE")) {
-    const auto colon = hosted->rfind(':');
-    const auto p = colon == std::string::npos ? std::nullopt : parse_integer(hosted->substr(colon + 1));
-    if (!p || *p < 1 || *p > 65535 || colon == 0)
-      throw UsageError("PIPETRAIN_LAUNCHER_STORE=" + *hosted +
-                       " is not HOST:PORT: it is set by pipetrain launch; unset it when starting ranks by hand");
-    host = hosted->substr(0, colon);
-    port = static_cast<int>(*p);
-    what = *hosted + " (the launcher's store, PIPETRAIN_LAUNCHER_STORE)";
-  } else if (rank_ == 0) {
-    const auto bind = getenv_string("PIPETRAIN_STORE_BIND");
-    try {
-      server_ = std::make_unique<StoreServer>(bind && !bind->empty() ? *bind : rv.master_addr, rv.master_port, token,
-                                              world_);
-    } catch (const std::exception& e) {
-      throw std::runtime_error("rank 0 could not host the rendezvous store at " + what + ": " + e.what() +
-                               ". If the port is taken, pick another MASTER_PORT");
-    }
-  }
+  detail::StoreSite site = detail::find_or_host_store(rv, rank_, world_);
+  server_ = std::move(site.server);
+  const std::string& token = site.token;
+  const std::string& host = site.host;
+  const int port = site.port;
+  const std::string& what = site.what;
   try {
     auto client = c10::make_intrusive<StoreClient>(host, port, token, rank_, world_, join_timeout, what);
     client->stop_waiting_on_abort(rank_);  // a rank that fails during the rendezvous ends the waits

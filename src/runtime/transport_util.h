@@ -89,3 +89,25 @@ inline at::Tensor cpu_contiguous(const at::Tensor& t) {
 }
 
 }  // namespace pipetrain::detail
+
+#include "pipetrain/runtime/store.h"
+#include "pipetrain/runtime/transport.h"
+
+namespace pipetrain::detail {
+
+// Where a rank of a process transport finds pipetrain's rendezvous store: the launcher's
+// (PIPETRAIN_LAUNCHER_STORE, set by pipetrain launch), else the one rank 0 hosts on MASTER_ADDR:MASTER_PORT
+// (bound to MASTER_ADDR, or PIPETRAIN_STORE_BIND). On rank 0 without a launcher `server` is that store,
+// started here; rank 0 warns when it listens beyond loopback without a run token. Throws UsageError for a
+// malformed PIPETRAIN_LAUNCHER_STORE, runtime_error when the store cannot be hosted.
+struct StoreSite {
+  std::string host;
+  int port = 0;
+  std::string token;  // PIPETRAIN_RUN_TOKEN, or empty
+  std::string what;   // the store as error messages name it
+  bool launcher = false;  // the launcher's store (PIPETRAIN_LAUNCHER_STORE)
+  std::unique_ptr<StoreServer> server;
+};
+StoreSite find_or_host_store(const Rendezvous& rv, int rank, int world_size);
+
+}  // namespace pipetrain::detail
