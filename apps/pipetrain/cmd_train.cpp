@@ -257,6 +257,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   const int64_t share = f.batch_size / f.pipe.replicas;  // samples per copy and step
   const bool leader = world->rank() == 0;
   PipelineOptions o = f.pipe.options(f.model.seed, world->rank());
+  o.tied = f.model.ties();
   o.balance = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world);
   o.data_parallel = f.pipe.replica_group(world);
   o.optimizer.name = f.optimizer;
@@ -485,6 +486,10 @@ void add_train_command(CLI::App& app, int& exit_code) {
         throw UsageError("--steps-per-call applies to the asynchronous schedules (pipedream, 2bw, spectrain), not '" +
                          f->pipe.schedule + "', which flushes after every step: drop --steps-per-call");
       PipelineOptions o = f->pipe.options(f->model.seed);
+      if (f->model.gpt.tie_embeddings && (is_async(f->pipe.schedule) || !f->pipe.replication.empty()))
+        throw UsageError("--tie-embeddings sums the tied copies' gradients at the flush: it runs with the synchronous "
+                         "schedules (gpipe, 1f1b, interleaved, zb-*) without --replication, not --schedule " +
+                         f->pipe.schedule + (f->pipe.replication.empty() ? "" : " --replication " + f->pipe.replication));
       auto model = f->model.factory()();
       check_balance_flags(f->pipe, f->model);
       if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));

@@ -44,6 +44,9 @@ void ModelFlags::add_to(CLI::App& app) {
   vocab_option = app.add_option("--vocab", gpt.vocab, "gpt vocabulary with synthetic data (text data sets it), default 96");
   app.add_option("--seq-len", gpt.seq_len, "gpt context length, default 64");
   app.add_option("--dropout", gpt.dropout, "gpt dropout, default 0");
+  app.add_flag("--tie-embeddings", gpt.tie_embeddings,
+               "gpt: the output head's weight is the token embedding (one weight, a copy on each stage that "
+               "holds it, gradients summed at every step; synchronous schedules)");
   app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)");
   app.add_option("--width", cnn.width, "cnn channels of the first group (VGG-16: 64), resnet stem width; default 8 / 16");
   app.add_option("--blocks", resnet.blocks, "resnet residual blocks per stage, default 2");
@@ -75,6 +78,9 @@ void ModelFlags::prepare() {
     throw UsageError("--data fashion-mnist holds images: use --model mlp, cnn or resnet (the gpt takes text)");
   if (is_text() && vocab_option && vocab_option->count() > 0)
     throw UsageError("--vocab is set by the text's characters with --data " + data + ": drop --vocab");
+  if (gpt.tie_embeddings && model != "gpt")
+    throw UsageError("--tie-embeddings ties the gpt's token embedding and output head; the " + model +
+                     " has no embedding: drop --tie-embeddings");
   if (cnn.width != zoo::CnnConfig{}.width) resnet.width = cnn.width;
   if (mlp.hidden != zoo::MlpConfig{}.hidden) cnn.hidden = mlp.hidden;
   if (layers < 0) throw UsageError("--layers must be >= 1, got " + std::to_string(layers));
@@ -170,8 +176,14 @@ nlohmann::json ModelFlags::model_json() const {
   if (model == "resnet")
     return {{"name", model}, {"width", resnet.width}, {"stages", resnet.stages}, {"blocks", resnet.blocks},
             {"classes", resnet.classes}};
-  return {{"name", model}, {"layers", gpt.layers}, {"d_model", gpt.d_model}, {"heads", gpt.heads},
-          {"vocab", gpt.vocab}, {"seq_len", gpt.seq_len}, {"dropout", gpt.dropout}};
+  nlohmann::json j{{"name", model},    {"layers", gpt.layers},   {"d_model", gpt.d_model}, {"heads", gpt.heads},
+                   {"vocab", gpt.vocab}, {"seq_len", gpt.seq_len}, {"dropout", gpt.dropout}};
+  if (gpt.tie_embeddings) j["tie_embeddings"] = true;  // absent when off, as in checkpoints made before the flag
+  return j;
+}
+
+std::vector<std::vector<ParameterRef>> ModelFlags::ties() const {
+  return model == "gpt" ? zoo::gpt_ties(gpt) : std::vector<std::vector<ParameterRef>>{};
 }
 
 namespace {

@@ -39,6 +39,7 @@ struct ModelFlags {
   // A factory that builds the same model on every call (seeded).
   std::function<torch::nn::Sequential()> factory() const;
   LossFn loss() const;
+  std::vector<std::vector<ParameterRef>> ties() const;  // PipelineOptions::tied for the model
   std::unique_ptr<zoo::Dataset> dataset() const;
   std::string describe() const;
   bool is_text() const { return data == "kjv" || data == "text"; }

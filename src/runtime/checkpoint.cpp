@@ -511,7 +511,7 @@ void load_checkpoint(PipelineRank& rank, const std::string& dir) {
   if (m.at("layers").get<int>() != layers)
     throw UsageError("checkpoint " + dir + " holds " + std::to_string(m.at("layers").get<int>()) +
                      " layers but this model has " + std::to_string(layers) + ": it was saved from another model");
-  for (int layer : rank.local_layers()) {
+  auto read_state = [&](int layer) {
     const nlohmann::json& entry = m.at("files").at(static_cast<std::size_t>(layer));
     const fs::path path = fs::path(dir) / entry.at("file").get<std::string>();
     c10::IValue v;
@@ -525,6 +525,22 @@ void load_checkpoint(PipelineRank& rank, const std::string& dir) {
     if (!v.isGenericDict()) throw UsageError("checkpoint file " + path.string() + " does not hold a tensor dictionary");
     std::vector<std::pair<std::string, torch::Tensor>> state;
     for (const auto& item : v.toGenericDict()) state.emplace_back(item.key().toStringRef(), item.value().toTensor());
+    return state;
+  };
+  for (int layer : rank.local_layers()) {
+    std::vector<std::pair<std::string, torch::Tensor>> state = read_state(layer);
+    // A tied parameter stored with another layer: its tensors (parameter and optimizer state) under
+    // this layer's name for it.
+    for (const auto& [name, source] : rank.tied_sources(layer)) {
+      if (source.layer < 0 || source.layer >= layers)
+        throw UsageError("tied parameter " + name + " of layer " + std::to_string(layer) + " is stored with layer " +
+                         std::to_string(source.layer) + ", which checkpoint " + dir + " does not have");
+      const std::string param = "param/" + source.name, optim = "optim/" + source.name + "/";
+      for (auto& [key, t] : read_state(source.layer)) {
+        if (key == param) state.emplace_back("param/" + name, t);
+        if (key.rfind(optim, 0) == 0) state.emplace_back("optim/" + name + "/" + key.substr(optim.size()), t);
+      }
+    }
     rank.load_layer_state(layer, state);
   }
   rank.set_step(m.at("step").get<int>());

@@ -8,6 +8,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -22,6 +23,7 @@
 #include "pipetrain/core/random.h"
 #include "pipetrain/core/validate.h"
 #include "pipetrain/runtime/split_linear.h"
+#include "bundle_wire.h"
 #include "pass_util.h"
 #include "umpipe_pass.h"
 
@@ -130,7 +132,64 @@ WeightPolicy weight_policy_of(const PipelineOptions& o) {
 
 namespace {
 
-constexpr int kHeaderLen = detail::kTensorHeaderLen;  // dtype, ndim, up to 8 dims
+using detail::BundleLayout;
+
+// Whether each entry of a stage's output gets a gradient back (bundle.h): floating-point entries the
+// stage computed, or received with a gradient and passed on; never the very tensor the stage received
+// without one (a mask or ids passed along).
+std::vector<char> gradient_entries(const Bundle& in, const std::vector<char>& in_grad, const Bundle& out) {
+  std::vector<char> flags;
+  flags.reserve(out.size());
+  for (const auto& [name, t] : out.items()) {
+    bool grad = t.defined() && t.is_floating_point();
+    for (std::size_t k = 0; grad && k < in.size(); ++k)
+      if (in.items()[k].second.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) grad = k < in_grad.size() && in_grad[k];
+    flags.push_back(grad ? 1 : 0);
+  }
+  return flags;
+}
+
+// The tensors of each tie group (PipelineOptions::tied) in `model`, checked: two or more members, each
+// an existing parameter of its layer, all of one shape and dtype, each its own tensor, none in two groups.
+std::vector<std::vector<torch::Tensor>> resolve_ties(const torch::nn::Sequential& model,
+                                                     const std::vector<std::vector<ParameterRef>>& groups) {
+  std::vector<std::vector<torch::Tensor>> out;
+  std::vector<const void*> seen;  // storages of the members so far
+  const int layers = layer_count(model);
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const std::string group = "tie group " + std::to_string(g);
+    if (groups[g].size() < 2)
+      throw UsageError(group + " has " + std::to_string(groups[g].size()) +
+                       " member(s): a tie joins two or more parameters of different layers");
+    std::vector<torch::Tensor> members;
+    for (const ParameterRef& ref : groups[g]) {
+      const std::string what = group + " member " + std::to_string(ref.layer) + ":" + ref.name;
+      if (ref.layer < 0 || ref.layer >= layers)
+        throw UsageError(what + ": the model has layers 0.." + std::to_string(layers - 1));
+      auto params = model->ptr(static_cast<std::size_t>(ref.layer))->named_parameters(true);
+      const torch::Tensor* found = params.find(ref.name);
+      if (!found) {
+        std::string names;
+        for (const auto& item : params) names += (names.empty() ? "" : ", ") + item.key();
+        throw UsageError(what + ": layer " + std::to_string(ref.layer) + " has no parameter '" + ref.name +
+                         "'; it has: " + (names.empty() ? "none" : names));
+      }
+      const torch::Tensor t = *found;
+      if (!members.empty() && (t.sizes() != members.front().sizes() || t.scalar_type() != members.front().scalar_type()))
+        throw UsageError(what + " is " + shape_text(t.sizes().vec(), t.scalar_type()) + " but the group's first member is " +
+                         shape_text(members.front().sizes().vec(), members.front().scalar_type()) +
+                         ": tied parameters must have one shape and dtype");
+      const void* storage = t.storage().data();
+      if (std::find(seen.begin(), seen.end(), storage) != seen.end())
+        throw UsageError(what + " is a tensor already tied (the same tensor as another member, or listed twice): give "
+                         "each layer its own parameter and list each once; pipetrain keeps the copies equal");
+      seen.push_back(storage);
+      members.push_back(t);
+    }
+    out.push_back(std::move(members));
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -159,20 +218,20 @@ struct PipelineRank::Impl {
   bool forward_mode = false;                // forward_only(): no graph, no loss, outputs kept
   std::map<int, Schedule> forward_schedules;  // lowered forward-only schedules by micro-batch count
 
-  // Shapes agreed at first use, per (boundary stage, direction, micro-batch size, peer rank): with
-  // replicated stages one boundary has several peers, and each needs the header once.
-  struct Agreed {
-    std::vector<int64_t> shape;
-    c10::ScalarType dtype;
-  };
-  std::map<std::tuple<int, int, int64_t, int>, Agreed> agreed;
+  // Bundle layouts agreed at first use, per (boundary stage, direction, micro-batch size, peer rank):
+  // with replicated stages one boundary has several peers, and each needs the header once. With
+  // variable_shapes every transfer carries its header instead.
+  std::map<std::tuple<int, int, int64_t, int, bool>, BundleLayout> agreed;  // ..., forward-only pass
 
   // Per-step state of one (stage, micro-batch).
   struct Slot {
-    torch::Tensor input;      // the stage input (a leaf that requires grad when it is floating point)
-    torch::Tensor output;     // forward output (with graph unless checkpointed); last stage: scaled loss
-    torch::Tensor input_grad; // dL/d input, made by B or BW
-    torch::Tensor recv_grad;  // dL/d output, received from the next stage
+    Bundle input;               // the stage input; entries that carry a gradient are leaves requiring grad
+    std::vector<char> in_grad;  // per input entry: carries a gradient (gets one sent back)
+    Bundle output;              // forward output (with graph unless checkpointed)
+    std::vector<char> out_grad; // per output entry: gets a gradient back from the next stage
+    torch::Tensor loss;         // last stage: the micro-batch's scaled loss
+    Bundle input_grad;          // dL/d input of the entries that carry a gradient, made by B or BW
+    Bundle recv_grad;           // dL/d output of the entries that carry a gradient, received
     bool checkpointed = false;
     uint64_t seed = 0;
     int pending_input = -1;  // fast path: key in `posted` of the input's receive, waited for by F
@@ -181,10 +240,23 @@ struct PipelineRank::Impl {
     std::vector<torch::Tensor> scratch;  // predicted weights (spectrain), from F to BW
   };
   std::map<std::pair<int, int>, Slot> slots;
+
+  // Tied weights (PipelineOptions::tied): the copies this rank holds. One copy per group (that of the
+  // group's lowest layer, on one rank) counts in the global norm and is what checkpoints store.
+  struct TiedCopy {
+    int group = 0;
+    int layer = 0;
+    std::string name;
+    torch::Tensor param;
+    bool primary = false;
+  };
+  std::vector<TiedCopy> tied_copies;
+  std::vector<int64_t> tied_numel;  // per group
   UmpipeLinks umpipe_links;  // UMPIPE: activation shapes agreed with the neighbouring stages, kept across steps
 
   struct PendingRecv {
     torch::Tensor buffer;
+    const BundleLayout* layout = nullptr;  // an entry of `agreed`
     std::unique_ptr<Work> work;
   };
   std::map<int, PendingRecv> posted;  // posted, unconsumed receives by action position (nodes stay put)
@@ -192,7 +264,8 @@ struct PipelineRank::Impl {
   std::vector<std::pair<torch::Tensor, std::unique_ptr<Work>>> pending_sends;
 
   // Call inputs.
-  torch::Tensor input, target;
+  Bundle input;
+  torch::Tensor target;
   int64_t batch_size = 0;
   std::vector<std::pair<int64_t, int64_t>> ranges;  // per micro-batch of the call
   std::vector<int64_t> step_sizes;                  // samples per mini-batch (step) of the call
@@ -245,12 +318,12 @@ struct PipelineRank::Impl {
   // seed, and then puts the generator back as the caller left it: the caller's stream of random numbers
   // (batches drawn with torch::randn after torch::manual_seed, say) is the same with or without the
   // pipeline (PipelineRank's contract, executor.h).
-  torch::Tensor run_forward(int s, int i, const torch::Tensor& x) {
+  Bundle run_forward(int s, int i, const Bundle& x) {
     Slot& sl = slot(s, i);
     if (!options.deterministic_rng) return stage_of(s).forward(x);
     std::unique_lock<std::mutex> lock(default_generator_mutex(), std::defer_lock);
     if (transport->shares_process()) lock.lock();
-    auto gen = at::globalContext().defaultGenerator(x.device());
+    auto gen = at::globalContext().defaultGenerator(options.device);
     torch::Tensor saved;
     {
       std::lock_guard<std::mutex> g(gen.mutex());
@@ -271,20 +344,25 @@ struct PipelineRank::Impl {
   // ---- actions -----------------------------------------------------------------------------------
   void forward(int s, int i) {
     Slot& sl = slot(s, i);
-    torch::Tensor x;
+    Bundle x;
     if (s == 0) {
-      if (!input.defined())
+      if (input.empty() || !input.items().front().second.defined())
         throw UsageError("rank " + std::to_string(rank()) + " holds stage 0 but train_step got no input batch");
-      x = input.slice(0, ranges[static_cast<std::size_t>(i)].first, ranges[static_cast<std::size_t>(i)].second)
+      x = input.slice(ranges[static_cast<std::size_t>(i)].first, ranges[static_cast<std::size_t>(i)].second)
               .to(options.device);
+      sl.in_grad.assign(x.size(), 0);
     } else if (pass->rank_of(s - 1, i) == rank()) {
-      x = slot(s - 1, i).output.detach();
+      x = slot(s - 1, i).output;
+      sl.in_grad = slot(s - 1, i).out_grad;
     } else {
       x = sl.input.to(options.device);  // received by RF (transports deliver host tensors)
-      if (!x.defined()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
+      if (x.empty()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
     }
-    x = x.detach();
-    if (s > 0 && x.is_floating_point() && !forward_mode) x.requires_grad_(true);
+    for (std::size_t k = 0; k < x.size(); ++k) {
+      torch::Tensor& t = x.items()[k].second;
+      t = t.detach();
+      if (sl.in_grad[k] && !forward_mode) t.requires_grad_(true);
+    }
     sl.input = x;
     // The step of micro-batch i and its index within the step: a call of K steps draws the same
     // masks as K calls of one step.
@@ -294,7 +372,7 @@ struct PipelineRank::Impl {
     sl.checkpointed = !forward_mode && checkpointed(i) && s != last_stage();
     PassWeightsScope scope;
     const PassWeights* pw = enter_weights(s, i, true, scope);
-    torch::Tensor out;
+    Bundle out;
     if (sl.checkpointed) {
       torch::NoGradGuard no_grad;
       out = run_forward(s, i, x);
@@ -302,8 +380,12 @@ struct PipelineRank::Impl {
       out = run_forward(s, i, x);
     }
     finish_weights(s, i, true, pw, scope);
-    if (s == last_stage() && !forward_mode) out = scaled_loss(out, i);
-    sl.output = out;
+    if (s == last_stage() && !forward_mode) {
+      sl.loss = scaled_loss(out.at(kMainTensor), i);
+      return;
+    }
+    if (!forward_mode) sl.out_grad = gradient_entries(sl.input, sl.in_grad, out);
+    sl.output = std::move(out);
   }
 
   torch::Tensor scaled_loss(const torch::Tensor& out, int i) {
@@ -322,33 +404,48 @@ struct PipelineRank::Impl {
 
   void backward(int s, int i, bool split) {
     Slot& sl = slot(s, i);
-    torch::Tensor out = sl.output;
+    Bundle out = sl.output;
     PassWeightsScope scope;
     const PassWeights* pw = enter_weights(s, i, false, scope);
     if (sl.checkpointed) {  // re-materialise with the forward's RNG seed, so dropout masks match
       out = run_forward(s, i, sl.input);
     }
-    torch::Tensor grad;
-    if (s != last_stage()) {
-      grad = pass->rank_of(s + 1, i) == rank() ? slot(s + 1, i).input_grad : sl.recv_grad.to(options.device);
-      if (!grad.defined()) throw std::logic_error("backward of stage " + std::to_string(s) + " has no output gradient");
+    std::vector<torch::Tensor> roots, grads;
+    if (s == last_stage()) {
+      if (sl.loss.requires_grad()) roots.push_back(sl.loss);
+    } else {
+      const bool local = pass->rank_of(s + 1, i) == rank();
+      const Bundle& g = local ? slot(s + 1, i).input_grad : sl.recv_grad;
+      for (std::size_t k = 0; k < out.size(); ++k) {
+        if (!sl.out_grad[k]) continue;
+        const auto& [name, t] = out.items()[k];
+        if (!g.has(name))
+          throw std::logic_error("backward of stage " + std::to_string(s) + " has no gradient for '" + name + "'");
+        if (!t.requires_grad()) continue;  // computed without a path to a parameter or an input
+        roots.push_back(t);
+        grads.push_back(local ? g.at(name) : g.at(name).to(options.device));
+      }
     }
-    if (out.requires_grad()) {
+    if (!roots.empty()) {
       std::unique_ptr<WeightGradStore::Scope> scope;
       if (split) scope = std::make_unique<WeightGradStore::Scope>(&sl.deferred);
-      if (grad.defined())
-        torch::autograd::backward({out}, {grad});
-      else
-        torch::autograd::backward({out});
+      torch::autograd::backward(roots, grads);
     }
     finish_weights(s, i, false, pw, scope);
     if (s > 0) {
-      sl.input_grad = sl.input.grad().defined() ? sl.input.grad() : torch::zeros_like(sl.input);
+      Bundle g;
+      for (std::size_t k = 0; k < sl.input.size(); ++k) {
+        if (!sl.in_grad[k]) continue;
+        const auto& [name, t] = sl.input.items()[k];
+        g.set(name, t.grad().defined() ? t.grad() : torch::zeros_like(t));
+      }
+      sl.input_grad = std::move(g);
     }
-    sl.input = torch::Tensor();   // W keeps what it needs in its own queue
-    sl.output = torch::Tensor();  // frees the graph and the activations
-    sl.recv_grad = torch::Tensor();
-    if (s + 1 <= last_stage() && pass->rank_of(s + 1, i) == rank()) slot(s + 1, i).input_grad = torch::Tensor();
+    sl.input = Bundle();   // W keeps what it needs in its own queue
+    sl.output = Bundle();  // frees the graph and the activations
+    sl.loss = torch::Tensor();
+    sl.recv_grad = Bundle();
+    if (s + 1 <= last_stage() && pass->rank_of(s + 1, i) == rank()) slot(s + 1, i).input_grad = Bundle();
   }
 
   void weight(int s, int i) { slot(s, i).deferred.run(); }
@@ -365,29 +462,25 @@ struct PipelineRank::Impl {
   }
 
   // ---- communication --------------------------------------------------------------------------------
-  // dir 0: activation of stage `boundary` going to boundary+1; dir 1: input gradient of stage
-  // `boundary` going to boundary-1.
-  void send(int boundary, int dir, int i, torch::Tensor t, int dst) {
-    t = t.detach().contiguous();
-    const auto key = std::make_tuple(boundary, dir, micro_size(i), dst);
+  // dir 0: activations of stage `boundary` going to boundary+1; dir 1: input gradients of stage
+  // `boundary` going to boundary-1. `grad` flags the entries that get a gradient back (dir 0).
+  void send(int boundary, int dir, int i, const Bundle& b, const std::vector<char>& grad, int dst) {
+    const auto key = std::make_tuple(boundary, dir, micro_size(i), dst, forward_mode);
     auto it = agreed.find(key);
-    if (it == agreed.end()) {
-      if (t.dim() > kHeaderLen - 2)
-        throw UsageError("stage " + std::to_string(boundary) + " sends a tensor with " + std::to_string(t.dim()) +
-                         " dimensions; at most " + std::to_string(kHeaderLen - 2) + " are supported");
-      torch::Tensor header = torch::zeros({kHeaderLen}, torch::kLong);
-      header[0] = static_cast<int64_t>(t.scalar_type());
-      header[1] = t.dim();
-      for (int d = 0; d < t.dim(); ++d) header[d + 2] = t.size(d);
-      transport->send(header, dst, tag(boundary, i, dir, 1));
-      agreed[key] = Agreed{t.sizes().vec(), t.scalar_type()};
-    } else if (t.sizes().vec() != it->second.shape || t.scalar_type() != it->second.dtype) {
-      throw std::runtime_error(std::string(dir == 0 ? "activation" : "gradient") + " of stage " + std::to_string(boundary) +
-                               " for micro-batch " + std::to_string(i) + " has shape " +
-                               shape_text(t.sizes().vec(), t.scalar_type()) + " but the shape agreed at first use is " +
-                               shape_text(it->second.shape, it->second.dtype) +
-                               ": a stage's output shape must not change between micro-batches of the same size");
+    if (options.variable_shapes || it == agreed.end()) {
+      BundleLayout l = detail::layout_of(b, grad);
+      transport->send(detail::encode_header(l), dst, tag(boundary, i, dir, 1));
+      if (!options.variable_shapes) agreed.emplace(key, std::move(l));
+    } else if (!detail::matches(it->second, b, grad)) {
+      throw std::runtime_error(std::string(dir == 0 ? "activations" : "gradients") + " of stage " +
+                               std::to_string(boundary) + " for micro-batch " + std::to_string(i) + " are " +
+                               detail::describe(detail::layout_of(b, grad)) + " but what was agreed at first use is " +
+                               detail::describe(it->second) +
+                               ": a stage's outputs must keep their names, dtypes and shapes between micro-batches of "
+                               "the same size, unless the pipeline runs with variable shapes (variable_shapes, "
+                               "--variable-length)");
     }
+    torch::Tensor t = detail::pack(b, options.variable_shapes ? detail::layout_of(b, grad) : agreed.at(key));
     if (t.device() != torch::kCPU && transport->name() != "nccl") t = t.cpu();
     if (options.reference) {
       transport->send(t, dst, tag(boundary, i, dir, 0));
@@ -397,19 +490,33 @@ struct PipelineRank::Impl {
     }
   }
 
-  // Returns the agreed buffer for a receive, receiving the header first if the shape is not agreed yet.
-  torch::Tensor recv_buffer(int boundary, int dir, int i, int src, bool may_block) {
-    const auto key = std::make_tuple(boundary, dir, micro_size(i), src);
+  // The layout of a receive, receiving its header first if it is not agreed yet (always, with
+  // variable shapes); null when that would block and `may_block` is false.
+  const BundleLayout* recv_layout(int boundary, int dir, int i, int src, bool may_block) {
+    const auto key = std::make_tuple(boundary, dir, micro_size(i), src, forward_mode);
     auto it = agreed.find(key);
-    if (it == agreed.end()) {
-      if (!may_block) return torch::Tensor();
-      torch::Tensor header = torch::zeros({kHeaderLen}, torch::kLong);
-      transport->recv(header, src, tag(boundary, i, dir, 1));
-      const auto* h = header.data_ptr<int64_t>();
-      std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
-      it = agreed.emplace(key, Agreed{shape, static_cast<c10::ScalarType>(h[0])}).first;
+    if (it != agreed.end() && !options.variable_shapes) return &it->second;
+    if (!may_block) return nullptr;
+    torch::Tensor header = torch::zeros({detail::kBundleHeaderLen}, torch::kLong);
+    transport->recv(header, src, tag(boundary, i, dir, 1));
+    BundleLayout l = detail::decode_header(header);
+    if (it == agreed.end())
+      it = agreed.emplace(key, std::move(l)).first;
+    else
+      it->second = std::move(l);  // variable shapes: this transfer's layout, used at once
+    return &it->second;
+  }
+
+  // Stores a received bundle where the consuming action looks for it.
+  void deliver(const Action& a, const torch::Tensor& buffer, const BundleLayout& l) {
+    Slot& sl = slot(a.stage, a.index);
+    if (a.kind == ActionKind::RecvAct) {
+      sl.input = detail::unpack(buffer, l);
+      sl.in_grad.clear();
+      for (const auto& e : l.entries) sl.in_grad.push_back(e.grad ? 1 : 0);
+    } else {
+      sl.recv_grad = detail::unpack(buffer, l);
     }
-    return torch::empty(it->second.shape, torch::TensorOptions().dtype(it->second.dtype));
   }
 
   // Runs a receive action. On the fast path a receive that was posted ahead is not waited for here:
@@ -425,9 +532,10 @@ struct PipelineRank::Impl {
     const int boundary = act ? a.stage - 1 : a.stage + 1;
     const int dir = act ? 0 : 1;
     const int src = pass->rank_of(boundary, a.index);
-    torch::Tensor buf = recv_buffer(boundary, dir, a.index, src, true);
+    const BundleLayout* l = recv_layout(boundary, dir, a.index, src, true);
+    torch::Tensor buf = detail::empty_buffer(*l);
     transport->recv(buf, src, tag(boundary, a.index, dir, 0));
-    (act ? sl.input : sl.recv_grad) = buf;
+    deliver(a, buf, *l);
     return true;
   }
 
@@ -441,16 +549,17 @@ struct PipelineRank::Impl {
     const double t0 = now_ms();
     auto it = posted.find(pending);
     it->second.work->wait();
-    (a.kind == ActionKind::F ? sl.input : sl.recv_grad) = it->second.buffer;
-    posted.erase(it);
     pending = -1;
     const Action recv{a.kind == ActionKind::F ? ActionKind::RecvAct : ActionKind::RecvGrad, a.stage, a.index};
+    deliver(recv, it->second.buffer, *it->second.layout);
+    posted.erase(it);
     timeline.events.push_back(TimedAction{rank(), recv, t0, now_ms()});
   }
 
   // Fast path: keeps up to `prefetch` receives posted and not yet consumed, walking the rank's list in
   // order from `prefetch_cursor` (so each step costs O(actions), not O(actions x window)). A receive
-  // whose shape is not agreed yet stops the walk: its header must be received in order, at its action.
+  // whose layout is not agreed yet (always, with variable shapes) stops the walk: its header must be
+  // received in order, at its action.
   void prefetch_from(const std::vector<Action>& actions, std::size_t pos) {
     prefetch_cursor = std::max(prefetch_cursor, pos);
     while (prefetch_cursor < actions.size() && posted.size() < static_cast<std::size_t>(options.prefetch)) {
@@ -460,10 +569,11 @@ struct PipelineRank::Impl {
         const int boundary = act ? a.stage - 1 : a.stage + 1;
         const int dir = act ? 0 : 1;
         const int src = pass->rank_of(boundary, a.index);
-        torch::Tensor buf = recv_buffer(boundary, dir, a.index, src, false);
-        if (!buf.defined()) return;
+        const BundleLayout* l = recv_layout(boundary, dir, a.index, src, false);
+        if (!l) return;
         PendingRecv& p = posted[static_cast<int>(prefetch_cursor)];
-        p.buffer = buf;
+        p.buffer = detail::empty_buffer(*l);
+        p.layout = l;
         p.work = transport->irecv(p.buffer, src, tag(boundary, a.index, dir, 0));
       }
       ++prefetch_cursor;
@@ -495,13 +605,43 @@ struct PipelineRank::Impl {
     if (options.data_parallel && options.data_parallel->world_size() > 1)
       all_reduce_gradients(*options.data_parallel, params, &step_loss[uk]);
     if (stage_replicas) all_reduce_gradients(*stage_replicas, params, nullptr);
-    torch::Tensor t = torch::tensor({step_loss[uk], norm_leader ? squared_norm(params) : 0.0}, torch::kDouble);
+    sum_tied_gradients();
+    std::vector<torch::Tensor> counted;  // each tied weight once
+    for (const auto& p : params)
+      if (std::none_of(tied_copies.begin(), tied_copies.end(), [&](const TiedCopy& c) {
+            return !c.primary && c.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+          }))
+        counted.push_back(p);
+    torch::Tensor t = torch::tensor({step_loss[uk], norm_leader ? squared_norm(counted) : 0.0}, torch::kDouble);
     transport->all_reduce_sum(t);
     step_loss[uk] = t[0].item<double>();
     step_sq[uk] = t[1].item<double>();
     clip_to(params, std::sqrt(step_sq[uk]), options.optimizer.clip_grad_norm);
     step_reduced[uk] = 1;
     if (options.on_gradients) options.on_gradients(rank(), params);
+  }
+
+  // Tied weights: every copy's gradient becomes the sum over all copies of its group (one all-reduce
+  // over the pipeline's ranks; ranks without a copy add zeros), so all copies step the same.
+  void sum_tied_gradients() {
+    if (options.tied.empty()) return;
+    std::vector<int64_t> offset(tied_numel.size() + 1, 0);
+    for (std::size_t g = 0; g < tied_numel.size(); ++g) offset[g + 1] = offset[g] + tied_numel[g];
+    torch::Tensor flat = torch::zeros({offset.back()}, torch::kDouble);
+    for (const auto& c : tied_copies)
+      if (c.param.grad().defined())
+        flat.slice(0, offset[static_cast<std::size_t>(c.group)], offset[static_cast<std::size_t>(c.group) + 1])
+            .add_(c.param.grad().detach().reshape({-1}).to(torch::kCPU, torch::kDouble));
+    transport->all_reduce_sum(flat);
+    torch::NoGradGuard no_grad;
+    for (auto& c : tied_copies) {
+      const auto g = static_cast<std::size_t>(c.group);
+      torch::Tensor sum = flat.slice(0, offset[g], offset[g + 1]).view(c.param.sizes()).to(c.param.device(), c.param.scalar_type());
+      if (c.param.grad().defined())
+        c.param.mutable_grad().copy_(sum);
+      else
+        c.param.mutable_grad() = sum.clone();
+    }
   }
 
   // One all-reduce of this rank's gradients over a stage's replicas. Hybrid parallelism (`loss` given:
@@ -567,12 +707,14 @@ struct PipelineRank::Impl {
       case ActionKind::B: backward(a.stage, a.index, true); break;
       case ActionKind::BW: backward(a.stage, a.index, false); break;
       case ActionKind::W: weight(a.stage, a.index); break;
-      case ActionKind::SendAct:
-        send(a.stage, 0, a.index, slot(a.stage, a.index).output, pass->rank_of(a.stage + 1, a.index));
+      case ActionKind::SendAct: {
+        const Slot& sl = slot(a.stage, a.index);
+        send(a.stage, 0, a.index, sl.output, sl.out_grad, pass->rank_of(a.stage + 1, a.index));
         break;
+      }
       case ActionKind::SendGrad:
-        send(a.stage, 1, a.index, slot(a.stage, a.index).input_grad, pass->rank_of(a.stage - 1, a.index));
-        slot(a.stage, a.index).input_grad = torch::Tensor();
+        send(a.stage, 1, a.index, slot(a.stage, a.index).input_grad, {}, pass->rank_of(a.stage - 1, a.index));
+        slot(a.stage, a.index).input_grad = Bundle();
         break;
       case ActionKind::RecvAct:
       case ActionKind::RecvGrad: return receive(a, pos);
@@ -583,7 +725,7 @@ struct PipelineRank::Impl {
 
   // ---- passes --------------------------------------------------------------------------------------
   // `steps` mini-batches of `m` micro-batches each over the batch of n samples.
-  void begin_pass(const torch::Tensor& in, const torch::Tensor& tgt, int64_t n, int steps, int m) {
+  void begin_pass(const Bundle& in, const torch::Tensor& tgt, int64_t n, int steps, int m) {
     if (steps > n)
       throw UsageError("a call of " + std::to_string(steps) + " steps needs at least one sample per step but the " +
                        "batch has " + std::to_string(n) + ": pass more samples or fewer steps");
@@ -822,6 +964,19 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
                      "TORCH_DIR=...) on a machine with a GPU, or use the cpu device");
   if (!d.options.device.is_cpu() && !d.options.device.is_cuda())
     throw UsageError("device " + d.options.device.str() + " is not supported: use cpu or cuda[:N]");
+  std::vector<std::vector<torch::Tensor>> tied;
+  if (!d.options.tied.empty()) {
+    if (d.async)
+      throw UsageError("tied weights need a synchronous schedule (their copies are summed at the flush); '" +
+                       d.options.schedule + "' has none: use gpipe, 1f1b, interleaved or a zero-bubble schedule");
+    if (!d.options.replication.empty())
+      throw UsageError("tied weights and stage replication (1F1B-RR) do not combine: drop one of them");
+    if (d.options.umpipe) throw UsageError("tied weights and UMPIPE do not combine: drop one of them");
+    tied = resolve_ties(model, d.options.tied);
+    torch::NoGradGuard no_grad;  // the copies start equal
+    for (auto& group : tied)
+      for (std::size_t k = 1; k < group.size(); ++k) group[k].copy_(group.front());
+  }
   const auto all = cut(model, d.balance);
   for (int s = 0; s < total_stages; ++s)
     if (d.schedule.holds(d.transport->rank(), s)) {
@@ -833,6 +988,20 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
         d.norm_leader = d.schedule.rank_of(s) == d.transport->rank();
       }
     }
+  for (std::size_t g = 0; g < tied.size(); ++g) {
+    const auto& refs = d.options.tied[g];
+    const auto lowest = std::min_element(refs.begin(), refs.end(),
+                                         [](const ParameterRef& a, const ParameterRef& b) { return a.layer < b.layer; });
+    d.tied_numel.push_back(tied[g].front().numel());
+    for (std::size_t k = 0; k < refs.size(); ++k) {
+      const bool held = std::any_of(d.stages.begin(), d.stages.end(), [&](const auto& item) {
+        return refs[k].layer >= item.second.first_layer() && refs[k].layer < item.second.first_layer() + item.second.num_layers();
+      });
+      if (held)
+        d.tied_copies.push_back(Impl::TiedCopy{static_cast<int>(g), refs[k].layer, refs[k].name, tied[g][k],
+                                               &refs[k] == &*lowest});
+    }
+  }
   const OptimizerOptions& o = d.options.optimizer;
   if (o.name != "sgd" && o.name != "adam" && o.name != "adamw")
     throw UsageError("unknown optimizer '" + o.name + "': use sgd, adam or adamw");
@@ -871,10 +1040,19 @@ PipelineRank::~PipelineRank() = default;
 PipelineRank::PipelineRank(PipelineRank&&) noexcept = default;
 
 StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size) {
+  return train_steps(Bundle(input), target, batch_size, 1);
+}
+
+StepStats PipelineRank::train_step(const Bundle& input, const torch::Tensor& target, int64_t batch_size) {
   return train_steps(input, target, batch_size, 1);
 }
 
 StepStats PipelineRank::train_steps(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size,
+                                    int steps) {
+  return train_steps(Bundle(input), target, batch_size, steps);
+}
+
+StepStats PipelineRank::train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size,
                                     int steps) {
   Impl& d = *impl_;
   if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
@@ -889,7 +1067,10 @@ StepStats PipelineRank::train_steps(const torch::Tensor& input, const torch::Ten
                         d.options.device,  d.options.threads,  d.options.measure_memory,
                         d.step,            &d.options.before_action, d.umpipe_links,
                         d.stats.timeline};
-    const UmpipePassResult r = run_umpipe_pass(c, input, target, batch_size);
+    if (input.size() > 1)
+      throw UsageError("UMPIPE pipelines one tensor per boundary; the input bundle has " + describe(input));
+    const UmpipePassResult r =
+        run_umpipe_pass(c, input.empty() ? torch::Tensor() : input.items().front().second, target, batch_size);
     d.step_loss[0] += r.loss;
     d.stats.peak_heap_growth = r.peak_heap_growth;
     try {  // the flush of a synchronous step: global loss and norm, clipping, the optimizer step
@@ -920,7 +1101,7 @@ StepStats PipelineRank::train_steps(const torch::Tensor& input, const torch::Ten
   return d.stats;
 }
 
-torch::Tensor PipelineRank::forward_only(const torch::Tensor& input, int64_t batch_size, int microbatches) {
+torch::Tensor PipelineRank::forward_only(const Bundle& input, int64_t batch_size, int microbatches) {
   Impl& d = *impl_;
   if (d.options.threads > 0) at::set_num_threads(d.options.threads);
   const int m = microbatches > 0 ? microbatches
@@ -943,11 +1124,11 @@ torch::Tensor PipelineRank::forward_only(const torch::Tensor& input, int64_t bat
   d.run_list(plan.actions[static_cast<std::size_t>(d.rank())]);
   if (d.schedule.rank_of(d.last_stage()) != d.rank()) return torch::Tensor();
   std::vector<torch::Tensor> outs;
-  for (int i = 0; i < m; ++i) outs.push_back(d.slot(d.last_stage(), i).output);
+  for (int i = 0; i < m; ++i) outs.push_back(d.slot(d.last_stage(), i).output.at(kMainTensor));
   return torch::cat(outs, 0);
 }
 
-EvalStats PipelineRank::evaluate(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size,
+EvalStats PipelineRank::evaluate(const Bundle& input, const torch::Tensor& target, int64_t batch_size,
                                  int microbatches) {
   Impl& d = *impl_;
   torch::Tensor out = forward_only(input, batch_size, microbatches);
@@ -1009,6 +1190,10 @@ std::vector<std::pair<std::string, torch::Tensor>> PipelineRank::layer_state(int
   auto module = st.layer(layer - st.first_layer());
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (const auto& item : module->named_parameters(true)) {
+    if (std::any_of(d.tied_copies.begin(), d.tied_copies.end(), [&](const Impl::TiedCopy& c) {
+          return !c.primary && c.layer == layer && c.name == item.key();
+        }))
+      continue;  // stored with its group's lowest layer
     out.emplace_back("param/" + item.key(), item.value().detach().cpu().clone());
     auto* state = d.optim_state(s, item.value());
     if (!state) continue;
@@ -1027,6 +1212,19 @@ std::vector<std::pair<std::string, torch::Tensor>> PipelineRank::layer_state(int
   }
   for (const auto& item : module->named_buffers(true))
     out.emplace_back("buffer/" + item.key(), item.value().detach().cpu().clone());
+  return out;
+}
+
+std::vector<std::pair<std::string, ParameterRef>> PipelineRank::tied_sources(int layer) const {
+  const Impl& d = *impl_;
+  std::vector<std::pair<std::string, ParameterRef>> out;
+  for (const auto& c : d.tied_copies) {
+    if (c.primary || c.layer != layer) continue;
+    const auto& refs = d.options.tied[static_cast<std::size_t>(c.group)];
+    const auto lowest = std::min_element(refs.begin(), refs.end(),
+                                         [](const ParameterRef& a, const ParameterRef& b) { return a.layer < b.layer; });
+    out.emplace_back(c.name, *lowest);
+  }
   return out;
 }
 
@@ -1128,12 +1326,16 @@ StepStats LocalPipeline::train_step(const torch::Tensor& input, const torch::Ten
 }
 
 StepStats LocalPipeline::train_steps(const torch::Tensor& input, const torch::Tensor& target, int steps) {
+  return train_steps(Bundle(input), target, input.size(0), steps);
+}
+
+StepStats LocalPipeline::train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps) {
   const int p = static_cast<int>(ranks_.size());
   std::vector<StepStats> stats(static_cast<std::size_t>(p));
   run_on_threads(p, [&](int r) {
     at::init_num_threads();
     stats[static_cast<std::size_t>(r)] =
-        ranks_[static_cast<std::size_t>(r)]->train_steps(input, target, input.size(0), steps);
+        ranks_[static_cast<std::size_t>(r)]->train_steps(input, target, batch_size, steps);
   });
   StepStats out = stats[0];
   for (int r = 1; r < p; ++r) {

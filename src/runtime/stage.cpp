@@ -36,15 +36,22 @@ std::vector<double> layer_parameter_counts(const torch::nn::Sequential& model) {
   return out;
 }
 
+namespace {
+
+// A module's type name without namespace or "Impl".
+std::string type_name_of(const torch::nn::Module& module) {
+  std::string n = module.name();
+  const auto colon = n.rfind("::");
+  if (colon != std::string::npos) n = n.substr(colon + 2);
+  if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n = n.substr(0, n.size() - 4);
+  return n;
+}
+
+}  // namespace
+
 std::vector<std::string> layer_type_names(const torch::nn::Sequential& model) {
   std::vector<std::string> out;
-  for (std::size_t i = 0; i < model->size(); ++i) {
-    std::string n = model->ptr(i)->name();
-    const auto colon = n.rfind("::");
-    if (colon != std::string::npos) n = n.substr(colon + 2);
-    if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n = n.substr(0, n.size() - 4);
-    out.push_back(n);
-  }
+  for (std::size_t i = 0; i < model->size(); ++i) out.push_back(type_name_of(*model->ptr(i)));
   return out;
 }
 
@@ -93,10 +100,35 @@ Stage::Stage(const torch::nn::Sequential& model, int first_layer, int num_layers
     : first_(first_layer), count_(num_layers) {
   // AnyModule copies share the underlying module, so the stage trains the model's own parameters.
   auto it = model->begin() + first_layer;
-  for (int i = first_layer; i < first_layer + num_layers; ++i, ++it) slice_->push_back(std::to_string(i), *it);
+  for (int i = first_layer; i < first_layer + num_layers; ++i, ++it) {
+    slice_->push_back(std::to_string(i), *it);
+    bundle_layers_.push_back(std::dynamic_pointer_cast<BundleModule>(it->ptr()));
+  }
 }
 
-torch::Tensor Stage::forward(const torch::Tensor& input) { return slice_->forward(input); }
+Bundle Stage::forward(Bundle b) {
+  int k = 0;
+  for (auto it = slice_->begin(); it != slice_->end(); ++it, ++k) {
+    const auto& bundle_layer = bundle_layers_[static_cast<std::size_t>(k)];
+    auto context = [&] {
+      return "layer " + std::to_string(first_ + k) + " (" + type_name_of(*it->ptr()) + ") on " + describe(b);
+    };
+    if (!bundle_layer && !b.has(kMainTensor))
+      throw UsageError(context() + ": a one-tensor layer reads the entry \"" + std::string(kMainTensor) +
+                       "\", which the bundle lacks; name the activation \"x\" or make the layer a BundleModule");
+    try {
+      if (bundle_layer)
+        b = bundle_layer->forward(std::move(b));
+      else
+        b.set(kMainTensor, it->forward<torch::Tensor>(b.at(kMainTensor)));
+    } catch (const c10::Error& e) {
+      throw std::runtime_error(context() + ": " + e.what_without_backtrace());
+    }
+  }
+  return b;
+}
+
+torch::Tensor Stage::forward(const torch::Tensor& input) { return forward(Bundle(input)).at(kMainTensor); }
 
 std::vector<torch::Tensor> Stage::parameters() const { return slice_->parameters(); }
 

@@ -225,7 +225,18 @@ torch::nn::Sequential make_gpt(const GptConfig& c) {
   m->push_back("embed", Embedding(c));
   for (int l = 0; l < c.layers; ++l) m->push_back("block" + std::to_string(l), Block(c));
   m->push_back("head", Head(c));
+  if (c.tie_embeddings) {
+    torch::NoGradGuard no_grad;
+    for (auto* name : {"tokens.weight", "positions.weight"}) m->ptr(0)->named_parameters()[name].normal_(0.0, 0.02);
+    m->ptr(static_cast<std::size_t>(c.layers) + 1)->named_parameters()["out.weight"].copy_(
+        m->ptr(0)->named_parameters()["tokens.weight"]);
+  }
   return m;
+}
+
+std::vector<std::vector<ParameterRef>> gpt_ties(const GptConfig& c) {
+  if (!c.tie_embeddings) return {};
+  return {{{0, "tokens.weight"}, {c.layers + 1, "out.weight"}}};
 }
 
 torch::nn::Sequential make_cnn(const CnnConfig& c) {

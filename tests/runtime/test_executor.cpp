@@ -330,8 +330,8 @@ TEST(Executor, DriftingShapeIsAnErrorNamingStageAndShapes) {
   o.balance = "2,1";
   LocalPipeline pipe(model, mse, 2, o);
   const std::string msg = step_error(pipe, d);
-  EXPECT_NE(msg.find("activation of stage 0 for micro-batch 1 has shape [3, 8] Float but the shape agreed at "
-                     "first use is [3, 4] Float"),
+  EXPECT_NE(msg.find("activations of stage 0 for micro-batch 1 are {x: [3, 8] Float (grad)} but what was agreed "
+                     "at first use is {x: [3, 4] Float (grad)}"),
             std::string::npos)
       << msg;
 }

@@ -50,9 +50,15 @@
 // and receive blocking, exactly where the lowered schedule puts it; the default fast path sends without
 // waiting and keeps up to `prefetch` receives posted ahead of need. Tests check they give identical numbers.
 //
+// Bundles (bundle.h): a stage maps a bundle of named tensors to a bundle; a model of plain one-tensor
+// layers passes the single entry "x". Every entry crosses the boundary; only those that carry a gradient
+// get one back (never a mask or ids passed along). The input batch is a bundle cut along dimension 0.
+//
 // Shapes: the first transfer over a stage boundary (per direction and micro-batch size) carries a small
-// header with dtype and shape; later transfers are checked against it, so a drifting shape is an error
-// naming the stage, micro-batch and both shapes, never a hang.
+// header with the entries' names, dtypes and shapes; later transfers are checked against it, so a
+// drifting shape is an error naming the stage, micro-batch and both layouts, never a hang. With
+// variable_shapes every transfer carries its header, so shapes (a sequence length, say) may differ
+// between micro-batches and steps; such receives are not posted ahead of their action.
 //
 // Failure: an exception on a rank aborts the transport with a message naming the rank, the action and
 // the error; the other ranks stop with RemoteFailure (or exit, for process transports).
@@ -71,6 +77,7 @@
 #include "pipetrain/core/cost.h"
 #include "pipetrain/core/schedule.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/runtime/bundle.h"
 #include "pipetrain/runtime/stage.h"
 #include "pipetrain/runtime/transport.h"
 #include "pipetrain/runtime/weights.h"
@@ -112,6 +119,9 @@ struct PipelineOptions {
   // tensors are moved there; transfers go through host memory (gloo, mpi, local).
   torch::Device device = torch::kCPU;
   bool measure_memory = false;            // sample the heap after every action (StepStats::peak_heap_growth)
+  // Shapes may change between micro-batches and steps (variable sequence lengths): every transfer carries
+  // its layout (see the file comment). Off: shapes are agreed once and checked.
+  bool variable_shapes = false;
   CostModel costs;                        // per-stage costs for zb-h2/zb-auto and lowering; empty = unit
   double memory_limit = 0;                // zb-auto's limit in micro-batches (0 = p)
   // If set, the learning rate of global step k (0-based, counting every step since construction or
@@ -150,6 +160,15 @@ struct PipelineOptions {
   // that are compositions of the batch size, and per-sample, deterministic layers (no BatchNorm, no
   // dropout): the constructor refuses others with UsageError. Evaluation (forward_only) is unaffected.
   std::shared_ptr<const UmpipePlan> umpipe;
+  // Tied weights (DeepSpeed's TiedLayerSpec, Megatron's embedding group): each group lists parameters of
+  // different layers that are one weight, such as a language model's token embedding and output head.
+  // Each member is its own tensor of the same shape (not one tensor shared by two modules); the
+  // constructor copies the first member's values into the others. Every stage holding a member keeps
+  // its copy; at the flush the copies' gradients are summed over the group (one all-reduce per step)
+  // before the global norm (which counts the weight once) and the step, so the copies stay bitwise
+  // equal. Checkpoints store the weight once, with its lowest layer. Synchronous schedules without
+  // stage replication or UMPIPE; the constructor refuses the rest with UsageError naming the fix.
+  std::vector<std::vector<ParameterRef>> tied;
 };
 
 // How the passes of `options.schedule` choose their weights (weights.h): Current for synchronous
@@ -235,21 +254,24 @@ class PipelineRank {
   // One optimizer step. `input` is needed on the rank of stage 0 and `target` on the rank of the last
   // stage (others may pass undefined tensors); every rank passes the same `batch_size`.
   StepStats train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size);
+  // The same with a bundle of inputs (bundle.h), each entry cut into micro-batches along dimension 0.
+  StepStats train_step(const Bundle& input, const torch::Tensor& target, int64_t batch_size);
   // `steps` optimizer steps in one pass of the schedule laid out for `steps` steps (see the file
   // comment): the batch of `batch_size` samples is cut into `steps` mini-batches. Collective: every rank
   // passes the same `steps` and `batch_size`.
   StepStats train_steps(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size, int steps);
+  StepStats train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps);
 
   // Forward pass only, for evaluation and inference: the modules in evaluation mode (dropout off), no
   // autograd graph, the batch cut into `microbatches` micro-batches (0: the training m, capped at the
   // batch size) that flow through the stages as in GPipe's forward phase, over the same transport.
   // Collective: every rank calls it with the same batch_size. Returns, on the rank holding the last
   // stage, the outputs of the whole batch in sample order; an undefined tensor on the other ranks.
-  torch::Tensor forward_only(const torch::Tensor& input, int64_t batch_size, int microbatches = 0);
+  // The result is the last stage's "x".
+  torch::Tensor forward_only(const Bundle& input, int64_t batch_size, int microbatches = 0);
   // forward_only, then the loss (and accuracy, see EvalStats) of the batch, known on every rank.
   // `target` is needed on the rank of the last stage only.
-  EvalStats evaluate(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size,
-                     int microbatches = 0);
+  EvalStats evaluate(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int microbatches = 0);
 
   // Sets the learning rate of every optimizer of this rank (a schedule calls it before each step).
   void set_learning_rate(double lr);
@@ -264,7 +286,11 @@ class PipelineRank {
   // The layers of the stages this rank owns: all of local_layers(), except that of a replicated stage
   // (1F1B-RR) only its first replica owns the layers. Checkpoints write each layer once, from its owner.
   std::vector<int> owned_layers() const;
+  // A tied parameter (PipelineOptions::tied) is stored once, with its group's lowest layer: the other
+  // members' layers leave it out, and tied_sources tells the loader where to find it.
   std::vector<std::pair<std::string, torch::Tensor>> layer_state(int layer) const;
+  // For a layer holding tied members stored elsewhere: (member name in this layer, where it is stored).
+  std::vector<std::pair<std::string, ParameterRef>> tied_sources(int layer) const;
   // Restores what layer_state returned (same names and shapes; a missing or extra name is an error
   // naming it). The optimizer state is recreated; parameters are copied in place.
   void load_layer_state(int layer, const std::vector<std::pair<std::string, torch::Tensor>>& state);
@@ -290,6 +316,8 @@ class LocalPipeline {
   // not merely another rank's report of it.
   StepStats train_step(const torch::Tensor& input, const torch::Tensor& target);
   StepStats train_steps(const torch::Tensor& input, const torch::Tensor& target, int steps);
+  // With a bundle of inputs; `batch_size` samples (every entry has that many rows).
+  StepStats train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps);
   const Schedule& schedule() const;
   PipelineRank& rank(int r) { return *ranks_.at(static_cast<std::size_t>(r)); }
   const std::vector<int>& balance() const;

@@ -5,8 +5,11 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "pipetrain/runtime/bundle.h"
 
 namespace pipetrain {
 
@@ -37,10 +40,21 @@ std::vector<std::string> layer_type_names(const torch::nn::Sequential& model);
 std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind,
                                 const std::string& solver = "min-max");
 
+// A parameter of the model: its layer (top-level child of the Sequential) and its name within that
+// layer as named_parameters() gives it ("weight", "out.weight"). Tied weights name their members so.
+struct ParameterRef {
+  int layer = 0;
+  std::string name;
+};
+
 class Stage {
  public:
   Stage(const torch::nn::Sequential& model, int first_layer, int num_layers);
-  torch::Tensor forward(const torch::Tensor& input);
+  // Runs the stage's layers in order on a bundle (bundle.h: plain layers read and write "x",
+  // BundleModules the whole bundle). A LibTorch error inside a layer comes back naming the layer, its
+  // type and the bundle it got.
+  Bundle forward(Bundle input);
+  torch::Tensor forward(const torch::Tensor& input);  // the one-tensor form: forward(Bundle(x)).at("x")
   std::vector<torch::Tensor> parameters() const;
   // Moves the stage's modules (and so the model's parameters they share) to `device`.
   void to(const torch::Device& device);
@@ -54,6 +68,7 @@ class Stage {
 
  private:
   torch::nn::Sequential slice_;
+  std::vector<std::shared_ptr<BundleModule>> bundle_layers_;  // per layer; null for a plain layer
   int first_;
   int count_;
 };

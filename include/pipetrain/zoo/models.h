@@ -26,6 +26,9 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <string>
+#include <vector>
+
+#include "pipetrain/runtime/stage.h"
 
 namespace pipetrain::zoo {
 
@@ -44,8 +47,15 @@ struct GptConfig {
   int64_t heads = 4;        // attention heads (d_model % heads == 0)
   int layers = 4;           // transformer blocks; the model has layers + 2 pipeline layers
   double dropout = 0.0;     // attention and residual dropout
+  // The output head's weight is the token embedding (vocab x d_model), as in GPT-2: the model keeps a
+  // copy in each layer and gpt_ties names the pair for PipelineOptions::tied. Both embeddings are then
+  // drawn from N(0, 0.02^2), GPT-2's initialisation, so the tied head starts with small logits.
+  bool tie_embeddings = false;
 };
 torch::nn::Sequential make_gpt(const GptConfig& c);
+// The tie groups of a gpt built with `c` (for PipelineOptions::tied): the token embedding (layer 0,
+// "tokens.weight") with the head's weight (the last layer, "out.weight"); none without tie_embeddings.
+std::vector<std::vector<ParameterRef>> gpt_ties(const GptConfig& c);
 
 // VGG-16 (Simonyan & Zisserman, configuration D) scaled for 1x28x28 images (Fashion-MNIST).
 // Pipeline layers, in order (w = width, S = image_size):
