@@ -149,6 +149,52 @@ std::vector<char> gradient_entries(const Bundle& in, const std::vector<char>& in
   return flags;
 }
 
+// A skip connection whose stash and pop are more than one stage apart: sent straight from stage `from`
+// to stage `to` (bundle.h). Names stashed on one stage for the same later stage travel together.
+struct SkipRoute {
+  int from = 0, to = 0;
+  std::vector<std::string> names;
+};
+
+// The skips of `model` cut by `balance`, checked: each name stashed once and popped once, by a later
+// layer. Throws UsageError naming the layers and the fix.
+std::vector<SkipRoute> skip_routes(const torch::nn::Sequential& model, const std::vector<int>& balance) {
+  const auto types = layer_type_names(model);
+  std::vector<int> stage_of_layer;
+  for (std::size_t s = 0; s < balance.size(); ++s)
+    for (int k = 0; k < balance[s]; ++k) stage_of_layer.push_back(static_cast<int>(s));
+  auto layer_text = [&](std::size_t l) { return "layer " + std::to_string(l) + " (" + types[l] + ")"; };
+  std::map<std::string, std::size_t> live;  // stashed, not yet popped: name -> stashing layer
+  std::vector<SkipRoute> routes;
+  for (std::size_t l = 0; l < model->size(); ++l) {
+    auto bm = std::dynamic_pointer_cast<BundleModule>(model->ptr(l));
+    if (!bm) continue;
+    for (const std::string& name : bm->pops()) {
+      auto it = live.find(name);
+      if (it == live.end())
+        throw UsageError(layer_text(l) + " pops '" + name + "' but no earlier layer stashes it: declare it in the " +
+                         "stashes() of the layer that adds it, before this one");
+      const int from = stage_of_layer[it->second], to = stage_of_layer[l];
+      live.erase(it);
+      if (to <= from + 1) continue;  // same or next stage: the entry rides the bundle
+      auto route = std::find_if(routes.begin(), routes.end(), [&](const SkipRoute& r) { return r.from == from && r.to == to; });
+      if (route == routes.end()) route = routes.insert(routes.end(), SkipRoute{from, to, {}});
+      route->names.push_back(name);
+    }
+    for (const std::string& name : bm->stashes()) {
+      auto it = live.find(name);
+      if (it != live.end())
+        throw UsageError("'" + name + "' is stashed twice, by " + layer_text(it->second) + " and " + layer_text(l) +
+                         " before any layer pops it: give each skip its own name");
+      live.emplace(name, l);
+    }
+  }
+  if (!live.empty())
+    throw UsageError("'" + live.begin()->first + "' is stashed by " + layer_text(live.begin()->second) +
+                     " but no later layer pops it: declare it in the pops() of the layer that takes it");
+  return routes;
+}
+
 // The tensors of each tie group (PipelineOptions::tied) in `model`, checked: two or more members, each
 // an existing parameter of its layer, all of one shape and dtype, each its own tensor, none in two groups.
 std::vector<std::vector<torch::Tensor>> resolve_ties(const torch::nn::Sequential& model,
@@ -232,6 +278,9 @@ struct PipelineRank::Impl {
     torch::Tensor loss;         // last stage: the micro-batch's scaled loss
     Bundle input_grad;          // dL/d input of the entries that carry a gradient, made by B or BW
     Bundle recv_grad;           // dL/d output of the entries that carry a gradient, received
+    Bundle skip_in;             // skips into this stage handed over on this rank, with their flags
+    std::vector<char> skip_in_grad;
+    Bundle skip_grad;           // gradients of this stage's skips out, handed back on this rank
     bool checkpointed = false;
     uint64_t seed = 0;
     int pending_input = -1;  // fast path: key in `posted` of the input's receive, waited for by F
@@ -251,6 +300,7 @@ struct PipelineRank::Impl {
     bool primary = false;
   };
   std::vector<TiedCopy> tied_copies;
+  std::vector<SkipRoute> skips;  // skip connections sent straight between stages
   std::vector<int64_t> tied_numel;  // per group
   UmpipeLinks umpipe_links;  // UMPIPE: activation shapes agreed with the neighbouring stages, kept across steps
 
@@ -281,6 +331,29 @@ struct PipelineRank::Impl {
 
   int tag(int stage, int micro, int dir, int header) const {
     return ((micro * schedule.stages + stage) * 2 + dir) * 2 + header;
+  }
+  // Skip route `r`'s tags follow every boundary tag of the pass.
+  int skip_tag(std::size_t r, int micro, int dir, int header) const {
+    const int base = static_cast<int>(ranges.size()) * schedule.stages * 4;
+    return base + ((micro * static_cast<int>(skips.size()) + static_cast<int>(r)) * 2 + dir) * 2 + header;
+  }
+  // Whether `name` leaves stage `s` by a skip route rather than with the bundle to the next stage.
+  bool routed(int s, const std::string& name) const {
+    for (const auto& r : skips)
+      if (r.from == s && std::find(r.names.begin(), r.names.end(), name) != r.names.end()) return true;
+    return false;
+  }
+  // Stage s's output minus its skip routes: what goes to the next stage (with its gradient flags).
+  Bundle outgoing(int s, const Slot& sl, std::vector<char>& flags) const {
+    Bundle out;
+    flags.clear();
+    for (std::size_t k = 0; k < sl.output.size(); ++k) {
+      const auto& [name, t] = sl.output.items()[k];
+      if (!skips.empty() && routed(s, name)) continue;
+      out.set(name, t);
+      flags.push_back(k < sl.out_grad.size() ? sl.out_grad[k] : 0);
+    }
+    return out;
   }
 
   bool checkpointed(int micro) const {
@@ -352,12 +425,12 @@ struct PipelineRank::Impl {
               .to(options.device);
       sl.in_grad.assign(x.size(), 0);
     } else if (pass->rank_of(s - 1, i) == rank()) {
-      x = slot(s - 1, i).output;
-      sl.in_grad = slot(s - 1, i).out_grad;
+      x = outgoing(s - 1, slot(s - 1, i), sl.in_grad);
     } else {
       x = sl.input.to(options.device);  // received by RF (transports deliver host tensors)
       if (x.empty()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
     }
+    receive_skips(s, i, x, sl.in_grad);
     for (std::size_t k = 0; k < x.size(); ++k) {
       torch::Tensor& t = x.items()[k].second;
       t = t.detach();
@@ -386,6 +459,106 @@ struct PipelineRank::Impl {
     }
     if (!forward_mode) sl.out_grad = gradient_entries(sl.input, sl.in_grad, out);
     sl.output = std::move(out);
+    send_skips(s, i);
+  }
+
+  // ---- skip connections ------------------------------------------------------------------------------
+  // After F of stage s: each route out of s gets its entries, straight to the popping stage (handed
+  // over in memory when that stage is on this rank; otherwise sent without waiting).
+  void send_skips(int s, int i) {
+    Slot& sl = slot(s, i);
+    for (std::size_t r = 0; r < skips.size(); ++r) {
+      if (skips[r].from != s) continue;
+      Bundle part;
+      std::vector<char> flags;
+      for (const std::string& name : skips[r].names) {
+        std::size_t k = 0;
+        while (k < sl.output.size() && sl.output.items()[k].first != name) ++k;
+        if (k == sl.output.size())
+          throw UsageError("stage " + std::to_string(s) + " stashes '" + name + "' for stage " +
+                           std::to_string(skips[r].to) + " but its output " + describe(sl.output) +
+                           " lacks it: the layer that declares the stash must add the entry");
+        part.set(name, sl.output.items()[k].second);
+        flags.push_back(k < sl.out_grad.size() ? sl.out_grad[k] : 0);
+      }
+      const int to_rank = pass->rank_of(skips[r].to, i);
+      if (to_rank == rank()) {
+        Slot& dst = slot(skips[r].to, i);
+        for (std::size_t k = 0; k < part.size(); ++k) {
+          dst.skip_in.set(part.items()[k].first, part.items()[k].second);
+          dst.skip_in_grad.push_back(flags[k]);
+        }
+      } else {
+        send_bundle(-1 - static_cast<int>(r), 0, i, part, flags, to_rank, skip_tag(r, i, 0, 0), skip_tag(r, i, 0, 1), true);
+      }
+    }
+  }
+
+  // Before F of stage s: the skips popped on s join its input bundle (with their gradient flags).
+  void receive_skips(int s, int i, Bundle& x, std::vector<char>& flags) {
+    Slot& sl = slot(s, i);
+    for (std::size_t r = 0; r < skips.size(); ++r) {
+      if (skips[r].to != s) continue;
+      const int from_rank = pass->rank_of(skips[r].from, i);
+      if (from_rank == rank()) continue;  // in skip_in already
+      const BundleLayout l = *recv_layout(-1 - static_cast<int>(r), 0, i, from_rank, true, skip_tag(r, i, 0, 1));
+      torch::Tensor buf = detail::empty_buffer(l);
+      transport->recv(buf, from_rank, skip_tag(r, i, 0, 0));
+      const Bundle part = detail::unpack(buf, l);
+      for (std::size_t k = 0; k < part.size(); ++k) {
+        x.set(part.items()[k].first, part.items()[k].second.to(options.device));
+        flags.push_back(l.entries[k].grad ? 1 : 0);
+      }
+    }
+    for (std::size_t k = 0; k < sl.skip_in.size(); ++k) {
+      x.set(sl.skip_in.items()[k].first, sl.skip_in.items()[k].second);
+      flags.push_back(sl.skip_in_grad[k]);
+    }
+    sl.skip_in = Bundle();
+    sl.skip_in_grad.clear();
+  }
+
+  // After the backward of stage s: the gradients of the skips popped on s go straight back to their
+  // stashing stages; `grads` keeps the rest (for the previous stage).
+  void send_skip_grads(int s, int i, Bundle& grads) {
+    for (std::size_t r = 0; r < skips.size(); ++r) {
+      if (skips[r].to != s) continue;
+      Bundle part;
+      for (const std::string& name : skips[r].names)
+        if (grads.has(name)) part.set(name, grads.take(name));
+      if (part.empty()) continue;  // no entry of this route carries a gradient
+      const int from_rank = pass->rank_of(skips[r].from, i);
+      if (from_rank == rank()) {
+        Slot& dst = slot(skips[r].from, i);
+        for (const auto& [name, t] : part.items()) dst.skip_grad.set(name, t);
+      } else {
+        send_bundle(-1 - static_cast<int>(r), 1, i, part, {}, from_rank, skip_tag(r, i, 1, 0), skip_tag(r, i, 1, 1), true);
+      }
+    }
+  }
+
+  // Before the backward of stage s: the gradients of its skips out that carry one (received, or handed
+  // back on this rank), added to `g`.
+  void receive_skip_grads(int s, int i, Bundle& g) {
+    Slot& sl = slot(s, i);
+    for (std::size_t r = 0; r < skips.size(); ++r) {
+      if (skips[r].from != s) continue;
+      const int to_rank = pass->rank_of(skips[r].to, i);
+      if (to_rank == rank()) continue;
+      bool expected = false;  // whether any entry of the route carries a gradient
+      for (std::size_t k = 0; k < sl.output.size(); ++k)
+        if (k < sl.out_grad.size() && sl.out_grad[k] &&
+            std::find(skips[r].names.begin(), skips[r].names.end(), sl.output.items()[k].first) != skips[r].names.end())
+          expected = true;
+      if (!expected) continue;
+      const BundleLayout l = *recv_layout(-1 - static_cast<int>(r), 1, i, to_rank, true, skip_tag(r, i, 1, 1));
+      torch::Tensor buf = detail::empty_buffer(l);
+      transport->recv(buf, to_rank, skip_tag(r, i, 1, 0));
+      const Bundle part = detail::unpack(buf, l);
+      for (const auto& [name, t] : part.items()) g.set(name, t);
+    }
+    for (const auto& [name, t] : sl.skip_grad.items()) g.set(name, t);
+    sl.skip_grad = Bundle();
   }
 
   torch::Tensor scaled_loss(const torch::Tensor& out, int i) {
@@ -415,7 +588,8 @@ struct PipelineRank::Impl {
       if (sl.loss.requires_grad()) roots.push_back(sl.loss);
     } else {
       const bool local = pass->rank_of(s + 1, i) == rank();
-      const Bundle& g = local ? slot(s + 1, i).input_grad : sl.recv_grad;
+      Bundle g = local ? slot(s + 1, i).input_grad : sl.recv_grad;
+      if (!skips.empty()) receive_skip_grads(s, i, g);
       for (std::size_t k = 0; k < out.size(); ++k) {
         if (!sl.out_grad[k]) continue;
         const auto& [name, t] = out.items()[k];
@@ -423,7 +597,7 @@ struct PipelineRank::Impl {
           throw std::logic_error("backward of stage " + std::to_string(s) + " has no gradient for '" + name + "'");
         if (!t.requires_grad()) continue;  // computed without a path to a parameter or an input
         roots.push_back(t);
-        grads.push_back(local ? g.at(name) : g.at(name).to(options.device));
+        grads.push_back(g.at(name).to(options.device));
       }
     }
     if (!roots.empty()) {
@@ -439,6 +613,7 @@ struct PipelineRank::Impl {
         const auto& [name, t] = sl.input.items()[k];
         g.set(name, t.grad().defined() ? t.grad() : torch::zeros_like(t));
       }
+      if (!skips.empty()) send_skip_grads(s, i, g);
       sl.input_grad = std::move(g);
     }
     sl.input = Bundle();   // W keeps what it needs in its own queue
@@ -465,15 +640,26 @@ struct PipelineRank::Impl {
   // dir 0: activations of stage `boundary` going to boundary+1; dir 1: input gradients of stage
   // `boundary` going to boundary-1. `grad` flags the entries that get a gradient back (dir 0).
   void send(int boundary, int dir, int i, const Bundle& b, const std::vector<char>& grad, int dst) {
-    const auto key = std::make_tuple(boundary, dir, micro_size(i), dst, forward_mode);
+    send_bundle(boundary, dir, i, b, grad, dst, tag(boundary, i, dir, 0), tag(boundary, i, dir, 1), false);
+  }
+  // `key` names the boundary for the agreed layouts (a stage, or -1 - r for skip route r); `async`
+  // sends without waiting even on the reference path.
+  void send_bundle(int key_boundary, int dir, int i, const Bundle& b, const std::vector<char>& grad, int dst,
+                   int data_tag, int header_tag, bool async) {
+    const auto key = std::make_tuple(key_boundary, dir, micro_size(i), dst, forward_mode);
     auto it = agreed.find(key);
     if (options.variable_shapes || it == agreed.end()) {
       BundleLayout l = detail::layout_of(b, grad);
-      transport->send(detail::encode_header(l), dst, tag(boundary, i, dir, 1));
+      torch::Tensor header = detail::encode_header(l);
+      if (async)  // a skip's header: never wait for a stage that is still waiting for this rank's sends
+        pending_sends.emplace_back(header, transport->isend(header, dst, header_tag));
+      else
+        transport->send(header, dst, header_tag);
       if (!options.variable_shapes) agreed.emplace(key, std::move(l));
     } else if (!detail::matches(it->second, b, grad)) {
-      throw std::runtime_error(std::string(dir == 0 ? "activations" : "gradients") + " of stage " +
-                               std::to_string(boundary) + " for micro-batch " + std::to_string(i) + " are " +
+      const std::string where = key_boundary >= 0 ? "stage " + std::to_string(key_boundary)
+                                                  : "skip connection " + std::to_string(-1 - key_boundary);
+      throw std::runtime_error(std::string(dir == 0 ? "activations" : "gradients") + " of " + where + " for micro-batch " + std::to_string(i) + " are " +
                                detail::describe(detail::layout_of(b, grad)) + " but what was agreed at first use is " +
                                detail::describe(it->second) +
                                ": a stage's outputs must keep their names, dtypes and shapes between micro-batches of "
@@ -482,10 +668,10 @@ struct PipelineRank::Impl {
     }
     torch::Tensor t = detail::pack(b, options.variable_shapes ? detail::layout_of(b, grad) : agreed.at(key));
     if (t.device() != torch::kCPU && transport->name() != "nccl") t = t.cpu();
-    if (options.reference) {
-      transport->send(t, dst, tag(boundary, i, dir, 0));
+    if (options.reference && !async) {
+      transport->send(t, dst, data_tag);
     } else {
-      auto work = transport->isend(t, dst, tag(boundary, i, dir, 0));
+      auto work = transport->isend(t, dst, data_tag);
       pending_sends.emplace_back(t, std::move(work));
     }
   }
@@ -493,12 +679,15 @@ struct PipelineRank::Impl {
   // The layout of a receive, receiving its header first if it is not agreed yet (always, with
   // variable shapes); null when that would block and `may_block` is false.
   const BundleLayout* recv_layout(int boundary, int dir, int i, int src, bool may_block) {
-    const auto key = std::make_tuple(boundary, dir, micro_size(i), src, forward_mode);
+    return recv_layout(boundary, dir, i, src, may_block, tag(boundary, i, dir, 1));
+  }
+  const BundleLayout* recv_layout(int key_boundary, int dir, int i, int src, bool may_block, int header_tag) {
+    const auto key = std::make_tuple(key_boundary, dir, micro_size(i), src, forward_mode);
     auto it = agreed.find(key);
     if (it != agreed.end() && !options.variable_shapes) return &it->second;
     if (!may_block) return nullptr;
     torch::Tensor header = torch::zeros({detail::kBundleHeaderLen}, torch::kLong);
-    transport->recv(header, src, tag(boundary, i, dir, 1));
+    transport->recv(header, src, header_tag);
     BundleLayout l = detail::decode_header(header);
     if (it == agreed.end())
       it = agreed.emplace(key, std::move(l)).first;
@@ -708,8 +897,9 @@ struct PipelineRank::Impl {
       case ActionKind::BW: backward(a.stage, a.index, false); break;
       case ActionKind::W: weight(a.stage, a.index); break;
       case ActionKind::SendAct: {
-        const Slot& sl = slot(a.stage, a.index);
-        send(a.stage, 0, a.index, sl.output, sl.out_grad, pass->rank_of(a.stage + 1, a.index));
+        std::vector<char> flags;
+        const Bundle out = outgoing(a.stage, slot(a.stage, a.index), flags);
+        send(a.stage, 0, a.index, out, flags, pass->rank_of(a.stage + 1, a.index));
         break;
       }
       case ActionKind::SendGrad:
@@ -977,6 +1167,9 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     for (auto& group : tied)
       for (std::size_t k = 1; k < group.size(); ++k) group[k].copy_(group.front());
   }
+  d.skips = skip_routes(model, d.balance);
+  if (!d.skips.empty() && d.options.umpipe)
+    throw UsageError("UMPIPE pipelines one tensor per boundary; this model has skip connections across stages");
   const auto all = cut(model, d.balance);
   for (int s = 0; s < total_stages; ++s)
     if (d.schedule.holds(d.transport->rank(), s)) {

@@ -422,3 +422,135 @@ TEST(Bundles, AOneTensorLayerWithoutXNamesTheLayerAndTheFix) {
     EXPECT_NE(msg.find("h: [6, 8] Float"), std::string::npos) << msg;
   }
 }
+
+// ---- skip connections ----------------------------------------------------------------------------------
+namespace {
+
+// x -> Linear(x); stashes "skip" = tanh(x) for a later layer.
+struct StashImpl : BundleModule {
+  nn::Linear lin{nullptr};
+  StashImpl() { lin = register_module("lin", nn::Linear(kIn, kHidden)); }
+  Bundle forward(Bundle in) override {
+    const torch::Tensor h = lin(in.at("x"));
+    in.set("x", h);
+    in.set("skip", torch::tanh(h));
+    return in;
+  }
+  std::vector<std::string> stashes() const override { return {"skip"}; }
+};
+
+// Pops "skip": x -> Linear(x + skip).
+struct PopImpl : BundleModule {
+  nn::Linear lin{nullptr};
+  PopImpl() { lin = register_module("lin", nn::Linear(kHidden, kClasses)); }
+  Bundle forward(Bundle in) override {
+    const torch::Tensor skip = in.take("skip");
+    in.set("x", lin(in.at("x") + skip));
+    return in;
+  }
+  std::vector<std::string> pops() const override { return {"skip"}; }
+};
+
+// Counts the calls that saw "skip" in their bundle.
+struct ObserverImpl : BundleModule {
+  std::atomic<int>* calls;
+  std::atomic<int>* saw;
+  ObserverImpl(std::atomic<int>* c, std::atomic<int>* s) : calls(c), saw(s) {}
+  Bundle forward(Bundle in) override {
+    ++*calls;
+    if (in.has("skip")) ++*saw;
+    return in;
+  }
+};
+
+// Layers: stash, linear, observer, linear, tanh, pop. At 3 stages of 2 layers the skip crosses two
+// stage boundaries (stage 0 to stage 2) and the observer sits on stage 1, which it must not pass through.
+torch::nn::Sequential skip_model(uint64_t seed, Counters& c) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential m;
+  m->push_back(std::make_shared<StashImpl>());
+  m->push_back(nn::Linear(kHidden, kHidden));
+  m->push_back(std::make_shared<ObserverImpl>(&c.calls, &c.mask_with_grad));
+  m->push_back(nn::Linear(kHidden, kHidden));
+  m->push_back(torch::nn::Tanh());
+  m->push_back(std::make_shared<PopImpl>());
+  return m;
+}
+
+}  // namespace
+
+TEST(SkipConnections, ASkipAcrossTwoBoundariesGoesStraightToItsStage) {
+  // 3 ranks: the skip goes from rank 0 to rank 2 (gpipe, 1f1b, zb-h1: stages 0 -> 2; interleaved:
+  // stages 0 -> 5, both loops); on the V shape stages 0 and 5 are both rank 0's, handed over in memory.
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"})
+    for (bool reference : {false, true}) {
+      Counters ref_c, pipe_c;
+      auto ref = skip_model(5, ref_c);
+      torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+      auto model = skip_model(5, pipe_c);
+      const int m = schedule == "interleaved" ? 6 : 4;
+      PipelineOptions o = options(schedule, m);
+      o.reference = reference;
+      LocalPipeline pipe(model, ce, 3, o);
+      const std::string what = schedule + (reference ? " reference" : " fast");
+      for (int step = 0; step < 3; ++step) {
+        const Bundle in{{"x", masked_batch(step).at("x")}};
+        const double want = reference_step(ref, opt, in, labels(step), m);
+        const StepStats got = pipe.train_steps(in, labels(step), kBatch, 1);
+        EXPECT_NEAR(got.loss, want, 1e-5 * std::abs(want)) << what << " step " << step;
+      }
+      expect_close(model->parameters(), ref->parameters(), what);
+      EXPECT_GT(pipe_c.calls.load(), 0) << what;
+      EXPECT_EQ(pipe_c.mask_with_grad.load(), 0) << what << ": the skip passed through the stage in between";
+      // Evaluation routes the skip the same way.
+      const torch::Tensor x = masked_batch(9).at("x");
+      torch::Tensor want_out;
+      {
+        torch::NoGradGuard no_grad;
+        ref->eval();
+        want_out = run_plain(ref, Bundle{{"x", x}}).at("x");
+        ref->train();
+      }
+      std::vector<torch::Tensor> outs(3);
+      run_on_threads(3, [&](int r) { outs[r] = pipe.rank(r).forward_only(Bundle{{"x", x}}, kBatch); });
+      const torch::Tensor got_out = outs[pipe.schedule().rank_of(pipe.schedule().stages - 1)];
+      ASSERT_TRUE(got_out.defined()) << what;
+      EXPECT_TRUE(torch::allclose(got_out, want_out, 1e-5, 1e-6)) << what;
+    }
+}
+
+TEST(SkipConnections, BadDeclarationsAreRefusedNamingTheLayers) {
+  struct Popper : BundleModule {
+    Bundle forward(Bundle in) override { return in; }
+    std::vector<std::string> pops() const override { return {"s"}; }
+  };
+  struct Stasher : BundleModule {
+    Bundle forward(Bundle in) override {
+      in.set("s", in.at("x"));
+      return in;
+    }
+    std::vector<std::string> stashes() const override { return {"s"}; }
+  };
+  auto refused = [](torch::nn::Sequential m, const std::vector<std::string>& needles) {
+    try {
+      LocalPipeline pipe(m, ce, 2, options("1f1b", 2));
+      ADD_FAILURE() << "accepted";
+    } catch (const UsageError& e) {
+      for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    }
+  };
+  auto model = [](std::vector<std::shared_ptr<torch::nn::Module>> layers) {
+    torch::nn::Sequential m;
+    m->push_back(nn::Linear(kIn, kIn));
+    for (auto& l : layers) {
+      if (auto p = std::dynamic_pointer_cast<Popper>(l)) m->push_back(p);
+      if (auto s = std::dynamic_pointer_cast<Stasher>(l)) m->push_back(s);
+    }
+    return m;
+  };
+  refused(model({std::make_shared<Popper>(), std::make_shared<Stasher>()}), {"layer 1", "pops 's'", "no earlier layer"});
+  refused(model({std::make_shared<Stasher>(), std::make_shared<Stasher>(), std::make_shared<Popper>()}),
+          {"stashed twice", "layer 1", "layer 2"});
+  refused(model({std::make_shared<Stasher>(), std::make_shared<Popper>(), std::make_shared<Stasher>()}),
+          {"'s' is stashed by layer 3", "no later layer pops it"});
+}

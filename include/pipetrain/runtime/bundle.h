@@ -69,11 +69,20 @@ std::string describe(const Bundle& b);
 
 // A layer that maps a bundle to a bundle. Derive from it and implement forward; push the module into
 // the model's torch::nn::Sequential like any other layer (model->push_back(std::make_shared<Mine>())).
+//
+// Skip connections (torchgpipe's stash and pop): a layer that adds an entry for a later layer declares
+// it in stashes(), the layer that takes it in pops(). When the two layers are more than one stage
+// apart, the entry does not pass through the stages in between: the runtime sends it straight from the
+// stashing stage to the popping one, and its gradient straight back (on one rank it is handed over in
+// memory). Each name is stashed once and popped once, by a later layer; the pipeline's constructor
+// refuses other declarations naming the layers.
 class BundleModule : public torch::nn::Module {
  public:
   BundleModule() = default;  // named after the derived type, as any module
   explicit BundleModule(std::string name) : torch::nn::Module(std::move(name)) {}
   virtual Bundle forward(Bundle in) = 0;
+  virtual std::vector<std::string> stashes() const { return {}; }
+  virtual std::vector<std::string> pops() const { return {}; }
 };
 
 }  // namespace pipetrain
