@@ -29,8 +29,9 @@ namespace pipetrain::cli {
 
 void ModelFlags::add_to(CLI::App& app) {
   app.add_option("--model", model,
-                 "gpt (character language model), mlp, cnn (VGG-16 style) or resnet; default gpt")
-      ->check(CLI::IsMember({"gpt", "mlp", "cnn", "resnet"}));
+                 "gpt (character language model), mlp, cnn (VGG-16 style), resnet or unet (a U-Net classifier "
+                 "whose skips cross stage cuts); default gpt")
+      ->check(CLI::IsMember({"gpt", "mlp", "cnn", "resnet", "unet"}));
   app.add_option("--data", data,
                  "kjv (King James Bible), text (with --text FILE), fashion-mnist or synthetic; default: kjv for the "
                  "gpt, fashion-mnist for the others");
@@ -50,6 +51,7 @@ void ModelFlags::add_to(CLI::App& app) {
   app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)");
   app.add_option("--width", cnn.width, "cnn channels of the first group (VGG-16: 64), resnet stem width; default 8 / 16");
   app.add_option("--blocks", resnet.blocks, "resnet residual blocks per stage, default 2");
+  app.add_option("--depth", unet.depth, "unet levels (each halves the image and has a skip), default 2");
   app.add_option("--seed", seed, "seed for the model, the data order and dropout, 0 to 2^64-1; default 0")
       ->check(CLI::Validator(
           [](std::string& v) -> std::string {
@@ -75,13 +77,13 @@ void ModelFlags::prepare() {
   if (is_text() && model != "gpt")
     throw UsageError("--data " + data + " is text: train it with --model gpt (the " + model + " takes images)");
   if (data == "fashion-mnist" && model == "gpt")
-    throw UsageError("--data fashion-mnist holds images: use --model mlp, cnn or resnet (the gpt takes text)");
+    throw UsageError("--data fashion-mnist holds images: use --model mlp, cnn, resnet or unet (the gpt takes text)");
   if (is_text() && vocab_option && vocab_option->count() > 0)
     throw UsageError("--vocab is set by the text's characters with --data " + data + ": drop --vocab");
   if (gpt.tie_embeddings && model != "gpt")
     throw UsageError("--tie-embeddings ties the gpt's token embedding and output head; the " + model +
                      " has no embedding: drop --tie-embeddings");
-  if (cnn.width != zoo::CnnConfig{}.width) resnet.width = cnn.width;
+  if (cnn.width != zoo::CnnConfig{}.width) resnet.width = unet.width = cnn.width;
   if (mlp.hidden != zoo::MlpConfig{}.hidden) cnn.hidden = mlp.hidden;
   if (layers < 0) throw UsageError("--layers must be >= 1, got " + std::to_string(layers));
   gpt.layers = layers > 0 ? layers : zoo::GptConfig{}.layers;
@@ -130,6 +132,10 @@ std::function<torch::nn::Sequential()> ModelFlags::factory() const {
     zoo::check(resnet);
     return seeded([c = resnet] { return zoo::make_resnet(c); });
   }
+  if (model == "unet") {
+    zoo::check(unet);
+    return seeded([c = unet] { return zoo::make_unet(c); });
+  }
   zoo::check(gpt);
   return seeded([c = gpt] { return zoo::make_gpt(c); });
 }
@@ -156,6 +162,8 @@ std::string ModelFlags::describe() const {
     what = fmt::format("cnn (VGG-16 style): 13 conv + 3 fc layers, width {}, fc {}", cnn.width, cnn.hidden);
   else if (model == "resnet")
     what = fmt::format("resnet: {} stages x {} blocks, width {}", resnet.stages, resnet.blocks, resnet.width);
+  else if (model == "unet")
+    what = fmt::format("unet: {} levels with skips, width {}", unet.depth, unet.width);
   else
     what = fmt::format("gpt: {} blocks, d_model {}, {} heads, vocab {}, context {}", gpt.layers, gpt.d_model, gpt.heads,
                        gpt.vocab, gpt.seq_len);
@@ -176,6 +184,7 @@ nlohmann::json ModelFlags::model_json() const {
   if (model == "resnet")
     return {{"name", model}, {"width", resnet.width}, {"stages", resnet.stages}, {"blocks", resnet.blocks},
             {"classes", resnet.classes}};
+  if (model == "unet") return {{"name", model}, {"width", unet.width}, {"depth", unet.depth}, {"classes", unet.classes}};
   nlohmann::json j{{"name", model},    {"layers", gpt.layers},   {"d_model", gpt.d_model}, {"heads", gpt.heads},
                    {"vocab", gpt.vocab}, {"seq_len", gpt.seq_len}, {"dropout", gpt.dropout}};
   if (gpt.tie_embeddings) j["tie_embeddings"] = true;  // absent when off, as in checkpoints made before the flag

@@ -20,7 +20,7 @@ namespace pipetrain::cli {
 // FILE), fashion-mnist (Debian's dataset-fashion-mnist, or --data-dir), synthetic (generated); "auto"
 // picks kjv for the gpt and fashion-mnist for the others. Text data fixes the gpt's vocabulary.
 struct ModelFlags {
-  std::string model = "gpt";  // gpt | mlp | cnn | resnet
+  std::string model = "gpt";  // gpt | mlp | cnn | resnet | unet
   std::string data = "auto";  // auto | kjv | text | fashion-mnist | synthetic
   std::string text_file;      // --text FILE
   std::string data_dir = zoo::kFashionMnistDir;
@@ -28,6 +28,7 @@ struct ModelFlags {
   zoo::MlpConfig mlp;
   zoo::CnnConfig cnn;
   zoo::ResNetConfig resnet;
+  zoo::UNetConfig unet;
   int layers = 0;  // --layers: gpt blocks / mlp Linear layers; 0 = the model's default
   uint64_t seed = 0;
   CLI::Option* vocab_option = nullptr;

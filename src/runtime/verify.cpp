@@ -26,9 +26,10 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
   // Plain accumulation over the same micro-batches, with the forward RNG left alone (use models without
   // dropout for an exact comparison).
   torch::nn::Sequential ref = factory();
+  Stage whole(ref, 0, layer_count(ref));  // plain layers on "x", BundleModules on the bundle
   double ref_loss = 0;
   for (const auto& [b, e] : split_equal(n, options.microbatches)) {
-    torch::Tensor l = loss(ref->forward(input.slice(0, b, e)), target.slice(0, b, e)) *
+    torch::Tensor l = loss(whole.forward(input.slice(0, b, e)), target.slice(0, b, e)) *
                       (static_cast<double>(e - b) / static_cast<double>(n));
     l.backward();
     ref_loss += l.item<double>();

@@ -162,6 +162,53 @@ class PoolHeadImpl : public torch::nn::Module {
 };
 TORCH_MODULE(PoolHead);
 
+// U-Net levels (make_unet): a down layer stashes its features as skip k before pooling; the up layer of
+// the same level pops it.
+std::string skip_name(int k) { return "unet_skip" + std::to_string(k); }
+
+torch::nn::Conv2d unet_conv(int64_t in, int64_t out) {
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(in, out, 3).padding(1));
+  torch::nn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
+  torch::nn::init::zeros_(conv->bias);
+  return conv;
+}
+
+class UNetDownImpl : public BundleModule {
+ public:
+  UNetDownImpl(int64_t in, int64_t out, int level) : conv(register_module("conv", unet_conv(in, out))), level(level) {}
+  Bundle forward(Bundle b) override {
+    torch::Tensor y = torch::relu(conv(b.at(kMainTensor)));
+    b.set(skip_name(level), y);
+    b.set(kMainTensor, torch::max_pool2d(y, 2));
+    return b;
+  }
+  std::vector<std::string> stashes() const override { return {skip_name(level)}; }
+  torch::nn::Conv2d conv;
+  int level;
+};
+
+class UNetUpImpl : public BundleModule {
+ public:
+  UNetUpImpl(int64_t in, int64_t out, int level) : conv(register_module("conv", unet_conv(in, out))), level(level) {}
+  Bundle forward(Bundle b) override {
+    const torch::Tensor skip = b.take(skip_name(level));
+    torch::Tensor up = torch::upsample_nearest2d(b.at(kMainTensor), {skip.size(2), skip.size(3)});
+    b.set(kMainTensor, torch::relu(conv(torch::cat({up, skip}, 1))));
+    return b;
+  }
+  std::vector<std::string> pops() const override { return {skip_name(level)}; }
+  torch::nn::Conv2d conv;
+  int level;
+};
+
+class ConvBlockImpl : public torch::nn::Module {
+ public:
+  ConvBlockImpl(int64_t in, int64_t out) : conv(register_module("conv", unet_conv(in, out))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::relu(conv(x)); }
+  torch::nn::Conv2d conv;
+};
+TORCH_MODULE(ConvBlock);
+
 void positive(int64_t v, const char* flag) {
   if (v < 1) throw UsageError(std::string(flag) + " must be >= 1, got " + std::to_string(v));
 }
@@ -208,6 +255,15 @@ void check(const ResNetConfig& c) {
                      " must lie in 1..8 (each stage doubles the channels): use a value in that range");
 }
 
+void check(const UNetConfig& c) {
+  positive(c.channels, "unet input channels");
+  positive(c.width, "--width");
+  positive(c.classes, "unet classes");
+  if (c.depth < 1 || c.depth > 4)
+    throw UsageError("--depth " + std::to_string(c.depth) + " must lie in 1..4 (each level halves the image): use a "
+                     "value in that range");
+}
+
 torch::nn::Sequential make_mlp(const MlpConfig& c) {
   check(c);
   torch::nn::Sequential m;
@@ -237,6 +293,24 @@ torch::nn::Sequential make_gpt(const GptConfig& c) {
 std::vector<std::vector<ParameterRef>> gpt_ties(const GptConfig& c) {
   if (!c.tie_embeddings) return {};
   return {{{0, "tokens.weight"}, {c.layers + 1, "out.weight"}}};
+}
+
+torch::nn::Sequential make_unet(const UNetConfig& c) {
+  check(c);
+  torch::nn::Sequential m;
+  int64_t in = c.channels;
+  for (int k = 0; k < c.depth; ++k) {
+    m->push_back("down" + std::to_string(k), std::make_shared<UNetDownImpl>(in, c.width << k, k));
+    in = c.width << k;
+  }
+  m->push_back("bottom", ConvBlock(in, c.width << c.depth));
+  in = c.width << c.depth;
+  for (int k = c.depth - 1; k >= 0; --k) {
+    m->push_back("up" + std::to_string(k), std::make_shared<UNetUpImpl>(in + (c.width << k), c.width << k, k));
+    in = c.width << k;
+  }
+  m->push_back("head", PoolHead(in, c.classes));
+  return m;
 }
 
 torch::nn::Sequential make_cnn(const CnnConfig& c) {

@@ -353,6 +353,38 @@ TEST(Zoo, CnnAndResNetArePipelineTransparent) {
   check(seeded_small_resnet, "1f1b");
 }
 
+TEST(Zoo, UNetSkipsCrossStageCutsTransparently) {
+  // 6 layers at 3 stages: level 0's skip goes from stage 0 straight to stage 2, level 1's rides the
+  // bundle to the next stage. The pipelined step gives plain gradient accumulation's loss and gradients.
+  const zoo::Batch b = tiny_images(8);
+  zoo::UNetConfig c;
+  c.width = 2;
+  torch::manual_seed(4);
+  const torch::nn::Sequential original = zoo::make_unet(c);
+  auto factory = [&] {
+    torch::nn::Sequential m = zoo::make_unet(c);
+    torch::NoGradGuard no_grad;
+    const auto from = original->named_parameters();
+    for (auto& p : m->named_parameters()) p.value().copy_(from[p.key()]);
+    return m;
+  };
+  EXPECT_EQ(layer_count(original), 6);
+  for (const std::string schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    auto transports = make_local_transports(3);
+    std::vector<VerifyResult> results(3);
+    PipelineOptions o;
+    o.schedule = schedule;
+    o.microbatches = 4;
+    run_on_threads(3, [&](int r) {
+      results[r] = verify_transparency(factory, zoo::cross_entropy, transports[r], o, b.input, b.target);
+    });
+    for (const VerifyResult& r : results) EXPECT_TRUE(r.ok(1e-4)) << schedule << ": grad error " << r.max_grad_error;
+  }
+  zoo::UNetConfig bad;
+  bad.depth = 5;
+  EXPECT_THROW_WITH(zoo::make_unet(bad), "--depth 5");
+}
+
 TEST(Zoo, BadCnnAndResNetConfigurations) {
   zoo::CnnConfig c;
   c.image_size = 7;

@@ -96,6 +96,21 @@ struct ResNetConfig {
 };
 torch::nn::Sequential make_resnet(const ResNetConfig& c);
 
+// A U-Net (Ronneberger et al.) classifier for small images, whose skips cross stage cuts. Pipeline layers:
+// `depth` down layers (Conv 3x3 + ReLU, the result stashed as skip k, then a 2x2 max pool; level k has
+// width * 2^k channels), the bottom (Conv 3x3 + ReLU to width * 2^depth), `depth` up layers (nearest
+// upsampling to skip k's size, concatenated with skip k, which the layer pops, Conv 3x3 + ReLU to
+// width * 2^k), and the head (global average pool, Linear to classes): 2 depth + 2 layers. The down and
+// up layers are BundleModules (runtime/bundle.h), so a skip whose ends are more than one stage apart
+// goes straight between them. Convs initialised Kaiming-normal (fan out, ReLU), no BatchNorm.
+struct UNetConfig {
+  int64_t channels = 1;  // input channels (1: grey images)
+  int64_t width = 8;     // channels of the first level; each deeper level doubles them
+  int depth = 2;         // levels (1..4); the image must halve that many times (28 -> 14 -> 7)
+  int64_t classes = 10;  // outputs (logits)
+};
+torch::nn::Sequential make_unet(const UNetConfig& c);
+
 // Mean cross entropy of logits [B, T, V] against targets [B, T] (or [B, V] against [B]).
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target);
 
@@ -104,5 +119,6 @@ void check(const MlpConfig& c);
 void check(const GptConfig& c);
 void check(const CnnConfig& c);
 void check(const ResNetConfig& c);
+void check(const UNetConfig& c);
 
 }  // namespace pipetrain::zoo

@@ -1,7 +1,8 @@
-// The tied GPT from the command line (issue 13): `train --tie-embeddings` makes the token embedding and
-// the output head one weight. Over gloo processes it trains with the losses of the in-process run; a
-// checkpoint saved at 2 stages resumes at 3 with the losses of the run that went on; asynchronous
-// schedules and non-GPT models are refused naming the fix.
+// The zoo's models that use bundles, from the command line. The tied GPT (`train --tie-embeddings`: the
+// token embedding and the output head are one weight) trains over gloo processes with the losses of
+// the in-process run, and a checkpoint saved at 2 stages resumes at 3 with the losses of the run that
+// went on; asynchronous schedules and non-GPT models are refused naming the fix. The U-Net, whose skip
+// goes straight from stage 0 to stage 2, trains over gloo with the in-process losses.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -58,4 +59,18 @@ TEST(TiedCli, AsynchronousSchedulesAndOtherModelsAreRefused) {
   r = run_pipetrain("train --model mlp --data synthetic --tie-embeddings --steps 1");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("drop --tie-embeddings")) << r.out;
+}
+
+TEST(UNetCli, SkipsAcrossStagesTrainTheSameOverGlooAsInProcess) {
+  const fs::path dir = pipetrain::testing::fresh_temp_dir("unet", "cli");
+  const std::string run = " --model unet --width 4 --stages 3 -m 4 --batch-size 16 --steps 3 --eval-every 0 --progress quiet --log ";
+  CommandResult r = run_pipetrain("train --transport local" + run + (dir / "local.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("unet: 2 levels with skips")) << r.out;
+  r = run_pipetrain("train --transport gloo" + run + (dir / "gloo.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::vector<double> local = log_losses(dir / "local.jsonl");
+  ASSERT_EQ(local.size(), 3u);
+  expect_same(log_losses(dir / "gloo.jsonl"), local, "gloo");
+  fs::remove_all(dir);
 }
