@@ -16,4 +16,5 @@ cmake --build "$work/build" -j2
 "$work/build/compare_schedules"
 "$work/build/my_mlp"
 "$work/build/my_trainer"
+"$work/build/tied_transformer"
 echo "examples built against the installed package and ran"
