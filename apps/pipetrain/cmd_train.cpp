@@ -258,6 +258,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   const bool leader = world->rank() == 0;
   PipelineOptions o = f.pipe.options(f.model.seed, world->rank());
   o.tied = f.model.ties();
+  o.variable_shapes = f.model.gpt.variable_length;
   o.balance = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world);
   o.data_parallel = f.pipe.replica_group(world);
   o.optimizer.name = f.optimizer;

@@ -48,6 +48,9 @@ void ModelFlags::add_to(CLI::App& app) {
   app.add_flag("--tie-embeddings", gpt.tie_embeddings,
                "gpt: the output head's weight is the token embedding (one weight, a copy on each stage that "
                "holds it, gradients summed at every step; synchronous schedules)");
+  app.add_flag("--variable-length", gpt.variable_length,
+               "gpt on text: samples are lines (verses) of differing length, padded with a mask that travels with "
+               "the activations; each micro-batch is trimmed to its longest line");
   app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)");
   app.add_option("--width", cnn.width, "cnn channels of the first group (VGG-16: 64), resnet stem width; default 8 / 16");
   app.add_option("--blocks", resnet.blocks, "resnet residual blocks per stage, default 2");
@@ -80,6 +83,9 @@ void ModelFlags::prepare() {
     throw UsageError("--data fashion-mnist holds images: use --model mlp, cnn, resnet or unet (the gpt takes text)");
   if (is_text() && vocab_option && vocab_option->count() > 0)
     throw UsageError("--vocab is set by the text's characters with --data " + data + ": drop --vocab");
+  if (gpt.variable_length && (model != "gpt" || !is_text()))
+    throw UsageError("--variable-length trains the gpt on the lines of a text (--data kjv or --data text), not --model " +
+                     model + " --data " + data + ": drop --variable-length or use those");
   if (gpt.tie_embeddings && model != "gpt")
     throw UsageError("--tie-embeddings ties the gpt's token embedding and output head; the " + model +
                      " has no embedding: drop --tie-embeddings");
@@ -150,6 +156,7 @@ std::unique_ptr<zoo::Dataset> ModelFlags::dataset() const {
   }
   if (data == "fashion-mnist") return zoo::make_fashion_mnist(data_dir, seed + 1);
   if (!text_) throw std::logic_error("ModelFlags::prepare() was not called");
+  if (gpt.variable_length) return zoo::make_text_lines(*text_, data == "kjv" ? "kjv" : text_file, gpt.seq_len, seed + 1);
   return zoo::make_text(*text_, data == "kjv" ? "kjv" : text_file, gpt.seq_len, seed + 1);
 }
 
@@ -165,8 +172,9 @@ std::string ModelFlags::describe() const {
   else if (model == "unet")
     what = fmt::format("unet: {} levels with skips, width {}", unet.depth, unet.width);
   else
-    what = fmt::format("gpt: {} blocks, d_model {}, {} heads, vocab {}, context {}", gpt.layers, gpt.d_model, gpt.heads,
-                       gpt.vocab, gpt.seq_len);
+    what = fmt::format("gpt: {} blocks, d_model {}, {} heads, vocab {}, context {}{}{}", gpt.layers, gpt.d_model,
+                       gpt.heads, gpt.vocab, gpt.seq_len, gpt.tie_embeddings ? ", tied embeddings" : "",
+                       gpt.variable_length ? ", variable-length lines" : "");
   std::string on = data;
   if (data == "kjv") on = fmt::format("the King James Bible ({:.1f} MB)", text_ ? text_->size() / 1e6 : 0.0);
   if (data == "text") on = fmt::format("{} ({:.1f} MB)", text_file, text_ ? text_->size() / 1e6 : 0.0);
@@ -188,6 +196,7 @@ nlohmann::json ModelFlags::model_json() const {
   nlohmann::json j{{"name", model},    {"layers", gpt.layers},   {"d_model", gpt.d_model}, {"heads", gpt.heads},
                    {"vocab", gpt.vocab}, {"seq_len", gpt.seq_len}, {"dropout", gpt.dropout}};
   if (gpt.tie_embeddings) j["tie_embeddings"] = true;  // absent when off, as in checkpoints made before the flag
+  if (gpt.variable_length) j["variable_length"] = true;
   return j;
 }
 

@@ -1318,6 +1318,16 @@ torch::Tensor PipelineRank::forward_only(const Bundle& input, int64_t batch_size
   if (d.schedule.rank_of(d.last_stage()) != d.rank()) return torch::Tensor();
   std::vector<torch::Tensor> outs;
   for (int i = 0; i < m; ++i) outs.push_back(d.slot(d.last_stage(), i).output.at(kMainTensor));
+  // Variable shapes: micro-batches of other lengths are padded with zeros to the longest, per dimension.
+  std::vector<int64_t> size = outs.front().sizes().vec();
+  for (const auto& o : outs)
+    for (std::size_t k = 1; k < size.size() && static_cast<int64_t>(k) < o.dim(); ++k) size[k] = std::max(size[k], o.size(static_cast<int64_t>(k)));
+  for (auto& o : outs) {
+    if (o.dim() != static_cast<int64_t>(size.size()) || o.sizes().slice(1) == c10::IntArrayRef(size).slice(1)) continue;
+    std::vector<int64_t> pad;  // last dimension first, (before, after) each
+    for (std::size_t k = size.size(); k-- > 1;) pad.insert(pad.end(), {0, size[k] - o.size(static_cast<int64_t>(k))});
+    o = torch::constant_pad_nd(o, pad, 0);
+  }
   return torch::cat(outs, 0);
 }
 
@@ -1334,8 +1344,13 @@ EvalStats PipelineRank::evaluate(const Bundle& input, const torch::Tensor& targe
     const torch::Tensor t = target.to(out.device());
     sums[0] = d.loss_fn(out, t).item<double>() * static_cast<double>(batch_size);
     if (!t.is_floating_point() && out.dim() == t.dim() + 1) {
-      sums[1] = out.argmax(-1).eq(t).sum().item<double>();
-      sums[2] = static_cast<double>(t.numel());
+      // Negative targets are padding (ignored, as zoo::cross_entropy ignores -1); outputs of trimmed
+      // micro-batches cover the first positions only.
+      torch::Tensor tt = t;
+      if (tt.dim() >= 2 && out.size(1) < tt.size(1)) tt = tt.slice(1, 0, out.size(1));
+      const torch::Tensor real = tt >= 0;
+      sums[1] = out.argmax(-1).eq(tt).logical_and(real).sum().item<double>();
+      sums[2] = real.sum().item<double>();
       sums[3] = 1;
     }
   }

@@ -126,6 +126,11 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     throw UsageError("the profiler's target batch has " + std::to_string(o.target.dim() < 1 ? 0 : o.target.size(0)) +
                      " rows but the input has " + std::to_string(input.size(0)) + ": give one target per sample");
   const std::vector<std::string> types = layer_type_names(model);
+  for (std::size_t k = 0; k < model->size(); ++k)
+    if (std::dynamic_pointer_cast<BundleModule>(model->ptr(k)))
+      throw UsageError("layer " + std::to_string(k) + " (" + types[k] + ") maps bundles (runtime/bundle.h); the profiler "
+                       "times one-tensor layers only: balance this model by layer counts or parameters "
+                       "(--balance uniform, parameters or a list) instead of a measured profile");
   std::size_t index = 0;
   for (auto& any : *model) {
     auto module = model->ptr(index);

@@ -125,7 +125,7 @@ EvalResult Trainer::evaluate(int64_t count) {
   double loss = 0, correct = 0;
   for (int64_t begin = 0; begin < count; begin += chunk) {
     const int64_t n = std::min(chunk, count - begin);
-    std::pair<torch::Tensor, torch::Tensor> b;
+    std::pair<Bundle, torch::Tensor> b;
     if (data_ && data_->eval_batch) b = data_->eval_batch(begin, n);
     const EvalStats e = rank_.evaluate(b.first, b.second, n);
     loss += e.loss * static_cast<double>(n);
@@ -193,13 +193,15 @@ TrainResult Trainer::run() {
     }
     const int calls_steps = async ? next_boundary(step, eval_every) - step : 1;
     rank_.set_learning_rate(o_.lr.at(step, total_));
-    torch::Tensor input, target;
+    Bundle input;
+    torch::Tensor target;
     if (data_ && (first_stage || last_stage)) {
-      std::vector<torch::Tensor> inputs, targets;
+      std::vector<Bundle> inputs;
+      std::vector<torch::Tensor> targets;
       for (int k = 0; k < calls_steps; ++k) {
         auto [x, y] = data_->batch(step + k, o_.batch_size);
         if (copies > 1) {  // this copy's share of the mini-batch
-          x = x.slice(0, replica * share, (replica + 1) * share);
+          x = x.slice(replica * share, (replica + 1) * share);
           y = y.slice(0, replica * share, (replica + 1) * share);
         }
         inputs.push_back(x);
@@ -209,7 +211,12 @@ TrainResult Trainer::run() {
         input = inputs[0];
         target = targets[0];
       } else {  // the first stage's rank needs the inputs, the last stage's the targets
-        if (first_stage) input = torch::cat(inputs, 0);
+        if (first_stage)  // entry by entry
+          for (const auto& [name, t] : inputs.front().items()) {
+            std::vector<torch::Tensor> parts;
+            for (const Bundle& b : inputs) parts.push_back(b.at(name));
+            input.set(name, torch::cat(parts, 0));
+          }
         if (last_stage) target = torch::cat(targets, 0);
       }
     }

@@ -77,14 +77,16 @@ TrainData train_data(Dataset& d) {
   TrainData t;
   t.train_size = d.train_size();
   t.eval_size = d.eval_size();
-  t.batch = [&d](int step, int64_t batch_size) {
+  // The input with its mask, when the samples have one (variable lengths).
+  auto input = [](const Batch& b) { return b.mask.defined() ? Bundle{{"x", b.input}, {"mask", b.mask}} : Bundle(b.input); };
+  t.batch = [&d, input](int step, int64_t batch_size) {
     Batch b = d.batch(step, batch_size);
-    return std::make_pair(b.input, b.target);
+    return std::make_pair(input(b), b.target);
   };
   if (t.eval_size > 0)
-    t.eval_batch = [&d](int64_t begin, int64_t count) {
+    t.eval_batch = [&d, input](int64_t begin, int64_t count) {
       Batch b = d.eval_batch(begin, count);
-      return std::make_pair(b.input, b.target);
+      return std::make_pair(input(b), b.target);
     };
   return t;
 }

@@ -44,13 +44,16 @@ class BlockImpl : public torch::nn::Module {
         resid_drop(register_module("resid_drop", torch::nn::Dropout(c.dropout))),
         heads(c.heads) {}
 
-  torch::Tensor forward(const torch::Tensor& x) {
+  torch::Tensor forward(const torch::Tensor& x) { return attend(x, torch::Tensor()); }
+  // `real` (bool [B, T], optional): keys that are padding are masked too, besides the causal mask.
+  torch::Tensor attend(const torch::Tensor& x, const torch::Tensor& real) {
     const int64_t b = x.size(0), t = x.size(1), c = x.size(2), hd = c / heads;
     auto parts = qkv(ln1(x)).split(c, 2);
     auto shape = [&](const torch::Tensor& y) { return y.view({b, t, heads, hd}).transpose(1, 2); };
     torch::Tensor q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
     torch::Tensor att = q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     torch::Tensor mask = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+    if (real.defined()) mask = (mask.unsqueeze(0) | ~real.unsqueeze(1)).unsqueeze(1);  // [B, 1, T, T]
     att = attn_drop(torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1));
     torch::Tensor y = att.matmul(v).transpose(1, 2).contiguous().view({b, t, c});
     torch::Tensor h = x + resid_drop(proj(y));
@@ -64,6 +67,34 @@ class BlockImpl : public torch::nn::Module {
   int64_t heads;
 };
 TORCH_MODULE(Block);
+
+// The variable-length GPT's layers (GptConfig::variable_length): bundles of the activation "x" and the
+// padding mask "mask" (true on real tokens). The embedding trims a micro-batch to its longest sample.
+class MaskedEmbeddingImpl : public BundleModule {
+ public:
+  explicit MaskedEmbeddingImpl(const GptConfig& c) : embed(register_module("embed", Embedding(c))) {}
+  Bundle forward(Bundle b) override {
+    torch::Tensor ids = b.at(kMainTensor);
+    if (b.has("mask")) {
+      const int64_t len = std::max<int64_t>(1, b.at("mask").sum(1).max().item<int64_t>());
+      ids = ids.slice(1, 0, len);
+      b.set("mask", b.at("mask").slice(1, 0, len));
+    }
+    b.set(kMainTensor, embed(ids));
+    return b;
+  }
+  Embedding embed;
+};
+
+class MaskedBlockImpl : public BundleModule {
+ public:
+  explicit MaskedBlockImpl(const GptConfig& c) : block(register_module("block", Block(c))) {}
+  Bundle forward(Bundle b) override {
+    b.set(kMainTensor, block->attend(b.at(kMainTensor), b.has("mask") ? b.at("mask") : torch::Tensor()));
+    return b;
+  }
+  Block block;
+};
 
 class HeadImpl : public torch::nn::Module {
  public:
@@ -278,21 +309,28 @@ torch::nn::Sequential make_mlp(const MlpConfig& c) {
 torch::nn::Sequential make_gpt(const GptConfig& c) {
   check(c);
   torch::nn::Sequential m;
-  m->push_back("embed", Embedding(c));
-  for (int l = 0; l < c.layers; ++l) m->push_back("block" + std::to_string(l), Block(c));
+  if (c.variable_length) {
+    m->push_back("embed", std::make_shared<MaskedEmbeddingImpl>(c));
+    for (int l = 0; l < c.layers; ++l) m->push_back("block" + std::to_string(l), std::make_shared<MaskedBlockImpl>(c));
+  } else {
+    m->push_back("embed", Embedding(c));
+    for (int l = 0; l < c.layers; ++l) m->push_back("block" + std::to_string(l), Block(c));
+  }
   m->push_back("head", Head(c));
   if (c.tie_embeddings) {
     torch::NoGradGuard no_grad;
-    for (auto* name : {"tokens.weight", "positions.weight"}) m->ptr(0)->named_parameters()[name].normal_(0.0, 0.02);
+    const std::string prefix = c.variable_length ? "embed." : "";
+    for (const std::string name : {"tokens.weight", "positions.weight"})
+      m->ptr(0)->named_parameters()[prefix + name].normal_(0.0, 0.02);
     m->ptr(static_cast<std::size_t>(c.layers) + 1)->named_parameters()["out.weight"].copy_(
-        m->ptr(0)->named_parameters()["tokens.weight"]);
+        m->ptr(0)->named_parameters()[prefix + "tokens.weight"]);
   }
   return m;
 }
 
 std::vector<std::vector<ParameterRef>> gpt_ties(const GptConfig& c) {
   if (!c.tie_embeddings) return {};
-  return {{{0, "tokens.weight"}, {c.layers + 1, "out.weight"}}};
+  return {{{0, c.variable_length ? "embed.tokens.weight" : "tokens.weight"}, {c.layers + 1, "out.weight"}}};
 }
 
 torch::nn::Sequential make_unet(const UNetConfig& c) {
@@ -357,7 +395,10 @@ torch::nn::Sequential make_resnet(const ResNetConfig& c) {
 }
 
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
+  torch::Tensor t = target;
+  if (logits.dim() == 3 && t.dim() == 2 && logits.size(1) < t.size(1)) t = t.slice(1, 0, logits.size(1));
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), t.reshape({-1}),
+                                              torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-1));
 }
 
 }  // namespace pipetrain::zoo

@@ -100,6 +100,80 @@ class Text : public Dataset {
   int64_t train_chars_ = 0, eval_chars_ = 0;
 };
 
+// Lines as samples (make_text_lines).
+class TextLines : public Dataset {
+ public:
+  TextLines(const std::string& text, std::string name, int64_t seq_len, uint64_t seed, double eval_fraction)
+      : name_(std::move(name)), seq_len_(seq_len), seed_(seed) {
+    if (seq_len < 1) throw UsageError("--seq-len " + std::to_string(seq_len) + " must be >= 1");
+    if (!(eval_fraction >= 0 && eval_fraction < 1))
+      throw UsageError("held-out fraction " + std::to_string(eval_fraction) + " of text '" + name_ +
+                       "' must lie in [0, 1)");
+    std::array<bool, 256> seen{};
+    for (char c : text) seen[static_cast<unsigned char>(c)] = true;
+    for (int b = 0; b < 256; ++b)
+      if (seen[b]) vocabulary_.push_back(static_cast<char>(b));
+    tokens_ = encode_text(vocabulary_, text);
+    const auto piece = static_cast<std::size_t>(seq_len + 1);
+    for (std::size_t begin = 0; begin < text.size();) {
+      std::size_t end = text.find('\n', begin);
+      end = end == std::string::npos ? text.size() : end + 1;
+      for (std::size_t at = begin; at < end; at += piece) {
+        const std::size_t len = std::min(piece, end - at);
+        if (len >= 2) samples_.emplace_back(static_cast<int64_t>(at), static_cast<int64_t>(len));
+      }
+      begin = end;
+    }
+    eval_ = static_cast<int64_t>(std::floor(eval_fraction * static_cast<double>(samples_.size())));
+    train_ = static_cast<int64_t>(samples_.size()) - eval_;
+    if (train_ < 1)
+      throw UsageError("text '" + name_ + "' has no line of 2 or more characters to train on: use another text");
+  }
+
+  std::string name() const override { return name_; }
+  std::string vocabulary() const override { return vocabulary_; }
+  int64_t train_size() const override { return train_; }
+  int64_t eval_size() const override { return eval_; }
+
+  Batch batch(int64_t step, int64_t batch_size) override {
+    if (step < 0) throw UsageError("batch step " + std::to_string(step) + " must be >= 0");
+    if (batch_size < 1) throw UsageError("batch size " + std::to_string(batch_size) + " must be >= 1");
+    at::Generator g = seeded_generator(seed_, static_cast<uint64_t>(step));
+    return samples(torch::randint(train_, {batch_size}, g, torch::kLong));
+  }
+
+  Batch eval_batch(int64_t begin, int64_t count) override {
+    if (begin < 0 || count < 0 || begin > eval_ - count)
+      throw UsageError("held-out samples [" + std::to_string(begin) + ", " + std::to_string(begin + count) +
+                       ") are outside the " + std::to_string(eval_) + " of text '" + name_ + "': use a range in [0, " +
+                       std::to_string(eval_) + ")");
+    return samples(train_ + torch::arange(begin, begin + count, torch::kLong));
+  }
+
+ private:
+  Batch samples(const torch::Tensor& which) const {
+    const int64_t b = which.size(0);
+    Batch out{torch::zeros({b, seq_len_}, torch::kLong), torch::full({b, seq_len_}, -1, torch::kLong),
+              torch::zeros({b, seq_len_}, torch::kBool)};
+    const auto* w = which.data_ptr<int64_t>();
+    for (int64_t k = 0; k < b; ++k) {
+      const auto [at, len] = samples_[static_cast<std::size_t>(w[k])];
+      out.input[k].slice(0, 0, len - 1).copy_(tokens_.slice(0, at, at + len - 1));
+      out.target[k].slice(0, 0, len - 1).copy_(tokens_.slice(0, at + 1, at + len));
+      out.mask[k].slice(0, 0, len - 1).fill_(true);
+    }
+    return out;
+  }
+
+  std::string name_;
+  int64_t seq_len_;
+  uint64_t seed_;
+  std::string vocabulary_;
+  torch::Tensor tokens_;
+  std::vector<std::pair<int64_t, int64_t>> samples_;  // (first character, length) of each sample
+  int64_t train_ = 0, eval_ = 0;
+};
+
 // True for a bible-kjv verse reference such as "Ge1:1", "1Chr12:40" or "Rev22:21": an optional digit,
 // letters, digits, ':', digits.
 bool is_reference(const std::string& s) {
@@ -139,6 +213,11 @@ std::string shell_quote(const std::string& s) {
 std::unique_ptr<Dataset> make_text(const std::string& text, const std::string& name, int64_t seq_len, uint64_t seed,
                                    double eval_fraction) {
   return std::make_unique<Text>(text, name, seq_len, seed, eval_fraction);
+}
+
+std::unique_ptr<Dataset> make_text_lines(const std::string& text, const std::string& name, int64_t seq_len,
+                                         uint64_t seed, double eval_fraction) {
+  return std::make_unique<TextLines>(text, name, seq_len, seed, eval_fraction);
 }
 
 torch::Tensor encode_text(const std::string& vocabulary, const std::string& s) {

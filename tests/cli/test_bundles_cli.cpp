@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include "run_command.h"
 
@@ -72,5 +73,29 @@ TEST(UNetCli, SkipsAcrossStagesTrainTheSameOverGlooAsInProcess) {
   const std::vector<double> local = log_losses(dir / "local.jsonl");
   ASSERT_EQ(local.size(), 3u);
   expect_same(log_losses(dir / "gloo.jsonl"), local, "gloo");
+  fs::remove_all(dir);
+}
+
+TEST(VariableLengthCli, TiedGptOnVersesTrainsTheSameOverGlooAsInProcess) {
+  const fs::path dir = pipetrain::testing::fresh_temp_dir("varlen", "cli");
+  const std::string text = (dir / "lines.txt").string();
+  {
+    std::ofstream f(text);
+    for (int k = 0; k < 300; ++k) f << std::string(static_cast<std::size_t>(2 + (k * 7) % 19), static_cast<char>('a' + k % 7)) << "\n";
+  }
+  const std::string run = " --data text --text " + text + " --variable-length --tie-embeddings --d-model 32 --heads 2 "
+                          "--seq-len 16 --layers 2 --stages 2 -m 4 --batch-size 16 --steps 3 --eval-every 3 "
+                          "--eval-samples 16 --progress quiet --log ";
+  CommandResult r = run_pipetrain("train --transport local" + run + (dir / "local.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("variable-length lines")) << r.out;
+  r = run_pipetrain("train --transport gloo" + run + (dir / "gloo.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::vector<double> local = log_losses(dir / "local.jsonl");
+  ASSERT_EQ(local.size(), 3u);
+  expect_same(log_losses(dir / "gloo.jsonl"), local, "gloo");
+  r = run_pipetrain("train --model mlp --data synthetic --variable-length --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("drop --variable-length")) << r.out;
   fs::remove_all(dir);
 }

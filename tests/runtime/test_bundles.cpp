@@ -15,6 +15,8 @@
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/split_linear.h"
+#include "pipetrain/zoo/data.h"
+#include "pipetrain/zoo/models.h"
 
 using namespace pipetrain;
 namespace fs = std::filesystem;
@@ -553,4 +555,62 @@ TEST(SkipConnections, BadDeclarationsAreRefusedNamingTheLayers) {
           {"stashed twice", "layer 1", "layer 2"});
   refused(model({std::make_shared<Stasher>(), std::make_shared<Popper>(), std::make_shared<Stasher>()}),
           {"'s' is stashed by layer 3", "no later layer pops it"});
+}
+
+// ---- the zoo's variable-length GPT -------------------------------------------------------------------------
+TEST(VariableShapes, TheGptOnLinesOfDifferentLengthMatchesPlainLibTorch) {
+  std::string text;
+  for (int k = 0; k < 40; ++k) text += std::string(static_cast<std::size_t>(3 + (k * 7) % 11), static_cast<char>('a' + k % 5)) + "\n";
+  auto data = zoo::make_text_lines(text, "lines", 12, 3);
+  zoo::GptConfig c;
+  c.vocab = static_cast<int64_t>(data->vocabulary().size());
+  c.seq_len = 12;
+  c.d_model = 16;
+  c.heads = 2;
+  c.layers = 2;
+  c.variable_length = true;
+  auto make = [&] {
+    torch::manual_seed(7);
+    return zoo::make_gpt(c);
+  };
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    auto ref = make();
+    torch::optim::SGD opt(ref->parameters(), torch::optim::SGDOptions(0.1));
+    auto model = make();
+    PipelineOptions o = options(schedule, 4);
+    o.variable_shapes = true;
+    LocalPipeline pipe(model, zoo::cross_entropy, 2, o);
+    for (int step = 0; step < 3; ++step) {
+      const zoo::Batch b = data->batch(step, kBatch);
+      const Bundle in{{"x", b.input}, {"mask", b.mask}};
+      opt.zero_grad();
+      double want = 0;
+      for (const auto& [lo, hi] : split_equal(kBatch, 4)) {
+        torch::Tensor l = zoo::cross_entropy(run_plain(ref, in.slice(lo, hi)).at("x"), b.target.slice(0, lo, hi)) *
+                          (static_cast<double>(hi - lo) / kBatch);
+        l.backward();
+        want += l.item<double>();
+      }
+      opt.step();
+      const StepStats got = pipe.train_steps(in, b.target, kBatch, 1);
+      EXPECT_NEAR(got.loss, want, 1e-5 * std::abs(want)) << schedule << " step " << step;
+    }
+    expect_close(model->parameters(), ref->parameters(), schedule);
+  }
+}
+
+TEST(VariableShapes, TextLinesArePaddedWithAMaskAndIgnoredTargets) {
+  const std::string text = "ab\nhello world\nx\nthis line is longer than twelve characters\nok\n";
+  auto data = zoo::make_text_lines(text, "lines", 12, 1, 0.0);
+  // "ab\n", "hello world\n", "x\n", the 43-character line in pieces of 13, 13, 13 and 4, "ok\n".
+  EXPECT_EQ(data->train_size(), 8);
+  const zoo::Batch b = data->batch(0, 32);
+  ASSERT_EQ(b.input.sizes(), (std::vector<int64_t>{32, 12}));
+  ASSERT_EQ(b.mask.sizes(), b.input.sizes());
+  const torch::Tensor len = b.mask.sum(1);
+  EXPECT_GT(len.max().item<int64_t>(), len.min().item<int64_t>());  // lengths differ
+  EXPECT_TRUE(torch::equal(b.target.lt(0), b.mask.logical_not()));   // padding targets are -1
+  EXPECT_TRUE(torch::equal(b.input.slice(1, 1).masked_select(b.mask.slice(1, 1)),
+                           b.target.slice(1, 0, 11).masked_select(b.mask.slice(1, 1))));  // shifted by one
+  EXPECT_TRUE(torch::equal(data->batch(0, 32).input, b.input));  // a pure function of the step
 }

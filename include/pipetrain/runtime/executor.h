@@ -217,8 +217,8 @@ struct StepStats {
 struct EvalStats {
   double loss = 0.0;      // mean loss per sample (micro-batch means weighted by their sizes)
   // Fraction of predictions argmax(output, -1) equal to the target, when the targets are class ids
-  // (integer, one dimension fewer than the output: per sample, or per token for a language model);
-  // NaN otherwise.
+  // (integer, one dimension fewer than the output: per sample, or per token for a language model;
+  // negative ids are padding and not counted); NaN otherwise.
   double accuracy = 0.0;
   int64_t samples = 0;
 };

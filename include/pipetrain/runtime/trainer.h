@@ -50,10 +50,10 @@ struct TrainData {
   int64_t train_size = 0;  // samples in the training split; 0: endless (give steps, not epochs)
   int64_t eval_size = 0;   // held-out samples; 0: no evaluation
   // Step k's mini-batch of `batch_size` samples: {input, target}. A pure function of (k, batch_size), so
-  // that a resumed run sees the same data.
-  std::function<std::pair<torch::Tensor, torch::Tensor>(int step, int64_t batch_size)> batch;
+  // that a resumed run sees the same data. The input is a bundle (bundle.h; a tensor converts to one).
+  std::function<std::pair<Bundle, torch::Tensor>(int step, int64_t batch_size)> batch;
   // Held-out samples begin..begin+count-1: {input, target}.
-  std::function<std::pair<torch::Tensor, torch::Tensor>(int64_t begin, int64_t count)> eval_batch;
+  std::function<std::pair<Bundle, torch::Tensor>(int64_t begin, int64_t count)> eval_batch;
 };
 
 struct TrainerOptions {

@@ -29,6 +29,7 @@ namespace pipetrain::zoo {
 struct Batch {
   torch::Tensor input;   // stage 0's input
   torch::Tensor target;  // the loss function's target
+  torch::Tensor mask;    // variable-length samples (make_text_lines): bool [B, T], true on real tokens
 };
 
 class Dataset {
@@ -115,6 +116,18 @@ std::unique_ptr<Dataset> make_fashion_mnist(const std::string& dir = kFashionMni
 // window (the training part needs seq_len + 1 characters, a non-empty held-out part as many).
 std::unique_ptr<Dataset> make_text(const std::string& text, const std::string& name, int64_t seq_len, uint64_t seed,
                                    double eval_fraction = 0.1);
+
+// Character-level samples of differing length: each line of `text` (a KJV verse, with its '\n') is one
+// sample, a line longer than seq_len + 1 characters is cut into pieces of at most that many, and lines
+// of fewer than 2 characters are dropped. A sample of L characters has input w[0, L-1) and target
+// w[1, L), padded to seq_len: input with token 0, target with -1 (ignored by zoo::cross_entropy), and
+// mask true on the L-1 real positions. The last floor(eval_fraction * lines) samples are held out.
+//   batch(k, B)   B samples drawn uniformly from the training ones (seeded by (seed, k)).
+//   train_size()  training samples; eval_size() held-out samples, eval_batch in order.
+// A model for it trims each micro-batch to its longest sample (zoo GptConfig::variable_length), so the
+// pipeline runs with PipelineOptions::variable_shapes. Throws UsageError as make_text does.
+std::unique_ptr<Dataset> make_text_lines(const std::string& text, const std::string& name, int64_t seq_len,
+                                         uint64_t seed, double eval_fraction = 0.1);
 
 // Token ids (int64 [s.size()]) of `s` under `vocabulary`; throws UsageError naming the first character
 // that is not in the vocabulary and its position.

@@ -51,6 +51,10 @@ struct GptConfig {
   // copy in each layer and gpt_ties names the pair for PipelineOptions::tied. Both embeddings are then
   // drawn from N(0, 0.02^2), GPT-2's initialisation, so the tied head starts with small logits.
   bool tie_embeddings = false;
+  // Samples of differing length (zoo make_text_lines): the input is a bundle {x: ids, mask} padded to
+  // seq_len; the embedding trims each micro-batch to its longest sample and the blocks mask padding
+  // keys, so the mask travels through every stage (PipelineOptions::variable_shapes must be set).
+  bool variable_length = false;
 };
 torch::nn::Sequential make_gpt(const GptConfig& c);
 // The tie groups of a gpt built with `c` (for PipelineOptions::tied): the token embedding (layer 0,
@@ -111,7 +115,9 @@ struct UNetConfig {
 };
 torch::nn::Sequential make_unet(const UNetConfig& c);
 
-// Mean cross entropy of logits [B, T, V] against targets [B, T] (or [B, V] against [B]).
+// Mean cross entropy of logits [B, T, V] against targets [B, T] (or [B, V] against [B]). Targets -1 are
+// padding and ignored (the mean is over the others); logits of L < T positions (a micro-batch trimmed to
+// its longest sample) are scored against the first L target positions.
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target);
 
 // Throws UsageError naming the bad value and the fix.
