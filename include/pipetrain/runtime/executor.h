@@ -8,7 +8,7 @@
 //   LocalPipeline all ranks as threads of this process over the local transport, for tests and
 //                 single-process use: one call trains on every rank.
 //
-// Semantics (docs/ALGORITHMS.md §1.8): micro-batch k is the sample range [begin_k, end_k) of the mini-batch
+// Semantics (docs/ALGORITHMS.md §1.8, bundles §1.10): micro-batch k is the sample range [begin_k, end_k) of the mini-batch
 // (sizes differ by at most one, the first N mod m larger); its loss is the loss function's mean over
 // the micro-batch times b_k / N, so the accumulated gradient is the full-batch gradient for any split.
 // The step's loss (sum of those terms) and the global gradient norm are all-reduced, so every rank
