@@ -259,7 +259,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   PipelineOptions o = f.pipe.options(f.model.seed, world->rank());
   o.tied = f.model.ties();
   o.variable_shapes = f.model.gpt.variable_length;
-  o.balance = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world);
+  o.layers_per_stage = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world);
   o.data_parallel = f.pipe.replica_group(world);
   o.optimizer.name = f.optimizer;
   o.optimizer.lr = f.lr;
@@ -491,6 +491,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
         throw UsageError("--tie-embeddings sums the tied copies' gradients at the flush: it runs with the synchronous "
                          "schedules (gpipe, 1f1b, interleaved, zb-*) without --replication, not --schedule " +
                          f->pipe.schedule + (f->pipe.replication.empty() ? "" : " --replication " + f->pipe.replication));
+      if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
       auto model = f->model.factory()();
       check_balance_flags(f->pipe, f->model);
       if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
@@ -509,19 +510,16 @@ void add_train_command(CLI::App& app, int& exit_code) {
         split_equal(f->batch_size / f->pipe.replicas, o.microbatches);
       }
       split_equal(f->batch_size, o.microbatches);
-      GeneratorOptions g;
-      g.ranks = f->pipe.stages;
-      g.microbatches = o.microbatches;
-      g.virtual_stages = o.virtual_stages;
-      generate(o.schedule, g);
-      if (f->optimizer != "sgd" && f->optimizer != "adam" && f->optimizer != "adamw")
-        throw UsageError("unknown optimizer '" + f->optimizer + "': use sgd, adam or adamw");
       o.optimizer.name = f->optimizer;
+      o.optimizer.lr = f->lr;
       o.optimizer.momentum = f->optimizer == "sgd" ? f->momentum : 0.0;
+      o.optimizer.clip_grad_norm = f->clip;
       o.vertical_sync = f->vertical_sync;
       o.weight_stashing = !f->no_stash;
-      weight_policy_of(o);  // bad combinations (--vertical-sync with 1f1b, spectrain without momentum, ...)
-      if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
+      o.tied = f->model.ties();
+      // What each rank's PipelineRank will check, checked once here (schedule against m and p, the weight
+      // policy, the optimizer, ties): bad combinations are exit 2 with one message, before any rank starts.
+      check_pipeline_options(o, o.replication.empty() ? f->pipe.stages : f->pipe.world_size());
       if (!f->save.empty()) f->save = prepare_checkpoint_dir(f->save, "--save");  // before any step
       if (!f->resume.empty()) {
         const nlohmann::json saved = read_checkpoint(f->resume).at("run");

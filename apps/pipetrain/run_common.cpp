@@ -541,15 +541,15 @@ void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model) {
   }
 }
 
-std::string resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
-                            Transport& transport) {
+std::vector<int> resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
+                                 Transport& transport) {
   const int stages = pipe.stages * stages_per_rank(pipe.schedule, pipe.virtual_stages);
   const BalanceSolver solver = parse_balance_solver(pipe.balance_solver);
   std::vector<int> balance;
   if (!pipe.profile_file.empty()) {
     balance = plan_balance(load_profile(pipe.profile_file), stages, pipe.balance, solver);
   } else if (!measured_kind(pipe.balance)) {
-    if (solver == BalanceSolver::min_max) return pipe.balance;
+    if (solver == BalanceSolver::min_max) return {};  // PipelineOptions::balance (the kind) does it
     balance = choose_balance(model.factory()(), stages, pipe.balance, pipe.balance_solver);
   } else {
     // Measured on rank 0 only, so every rank cuts the model the same way.
@@ -569,9 +569,7 @@ std::string resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, 
     transport.all_reduce_sum(counts);
     for (int s = 0; s < stages; ++s) balance.push_back(static_cast<int>(counts[s].item<double>()));
   }
-  std::string out;
-  for (int n : balance) out += (out.empty() ? "" : ",") + std::to_string(n);
-  return out;
+  return balance;
 }
 
 std::shared_ptr<Transport> PipelineFlags::pipeline_group(const std::shared_ptr<Transport>& world) const {

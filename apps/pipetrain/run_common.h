@@ -101,13 +101,13 @@ struct PipelineFlags {
   void prepare_umpipe(const CLI::App& app, int64_t batch_size);
 };
 
-// The balance every rank uses, as a manual list ("3,2,2"), for the kinds that need a profile ("time",
-// "memory") or the block-partition solver: from --profile when given (every rank reads it), else rank 0
-// measures the model (runtime/profiler.h) on a micro-batch of its data and all ranks receive the
-// result (collective over `transport`). Other kinds come back unchanged. `micro_batch` sizes the
-// measurement.
-std::string resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
-                            Transport& transport);
+// The balance every rank uses (PipelineOptions::layers_per_stage), for the kinds that need a profile
+// ("time", "memory") or the block-partition solver: from --profile when given (every rank reads it),
+// else rank 0 measures the model (runtime/profiler.h) on a micro-batch of its data and all ranks receive
+// the result (collective over `transport`). Empty for the other kinds: PipelineOptions::balance (the
+// kind) cuts the model. `micro_batch` sizes the measurement.
+std::vector<int> resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
+                                 Transport& transport);
 // Checks --balance, --balance-solver and --profile before any rank starts (no measuring).
 void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model);
 

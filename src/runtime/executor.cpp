@@ -22,6 +22,7 @@
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/random.h"
 #include "pipetrain/core/validate.h"
+#include "pipetrain/plan/balance.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "bundle_wire.h"
 #include "pass_util.h"
@@ -1106,6 +1107,41 @@ void check_replication(PipelineOptions& o, int ranks) {
 
 }  // namespace
 
+void check_pipeline_options(const PipelineOptions& options, int ranks) {
+  PipelineOptions o = options;
+  const bool async = !schedule_traits(o.schedule).synchronous;  // throws for an unknown name
+  if (async && o.data_parallel && o.data_parallel->world_size() > 1)
+    throw UsageError("schedule '" + o.schedule + "' is asynchronous; data parallelism across pipelines "
+                     "(replicas) runs with the synchronous schedules: use gpipe, 1f1b, interleaved or zb-*");
+  weight_policy_of(o);
+  if (o.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(o.prefetch));
+  check_replication(o, ranks);
+  if (o.virtual_stages < 1) throw UsageError("virtual stages must be >= 1, got " + std::to_string(o.virtual_stages));
+  const OptimizerOptions& opt = o.optimizer;
+  if (opt.name != "sgd" && opt.name != "adam" && opt.name != "adamw")
+    throw UsageError("unknown optimizer '" + opt.name + "': use sgd, adam or adamw");
+  if (!(opt.lr > 0)) throw UsageError("learning rate must be > 0, got " + std::to_string(opt.lr));
+  if (opt.clip_grad_norm < 0)
+    throw UsageError("gradient clipping norm must be >= 0, got " + std::to_string(opt.clip_grad_norm));
+  if (!o.tied.empty()) {
+    if (async)
+      throw UsageError("tied weights need a synchronous schedule (their copies are summed at the flush); '" + o.schedule +
+                       "' has none: use gpipe, 1f1b, interleaved or a zero-bubble schedule");
+    if (!o.replication.empty())
+      throw UsageError("tied weights and stage replication (1F1B-RR) do not combine: drop one of them");
+    if (o.umpipe) throw UsageError("tied weights and UMPIPE do not combine: drop one of them");
+  }
+  if (o.replication.empty()) {  // the generator's own checks (m against p, v, the memory limit)
+    GeneratorOptions g;
+    g.ranks = ranks;
+    g.microbatches = o.microbatches;
+    g.virtual_stages = o.virtual_stages;
+    g.costs = o.costs;
+    g.memory_limit = o.memory_limit;
+    generate(o.schedule, g);
+  }
+}
+
 PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
                            PipelineOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -1114,15 +1150,10 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   d.transport = std::move(transport);
   d.options = std::move(options);
   const int p = d.transport->world_size();
-  d.async = !schedule_traits(d.options.schedule).synchronous;  // throws for an unknown name
-  if (d.async && d.options.data_parallel && d.options.data_parallel->world_size() > 1)
-    throw UsageError("schedule '" + d.options.schedule + "' is asynchronous; data parallelism across pipelines "
-                     "(replicas) runs with the synchronous schedules: use gpipe, 1f1b, interleaved or zb-*");
+  check_pipeline_options(d.options, p);
+  d.async = !schedule_traits(d.options.schedule).synchronous;
   d.policy = weight_policy_of(d.options);
-  if (d.options.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(d.options.prefetch));
-  check_replication(d.options, p);
-  if (d.options.virtual_stages < 1)
-    throw UsageError("virtual stages must be >= 1, got " + std::to_string(d.options.virtual_stages));
+  check_replication(d.options, p);  // drops an all-ones replication
   // Stages per rank: --virtual for the looped schedules, always 2 for the V shapes (generators.h).
   const int per_rank = stages_per_rank(d.options.schedule, d.options.virtual_stages);
   const int total_stages =
@@ -1134,7 +1165,15 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     throw UsageError(std::to_string(p) + " ranks x " + std::to_string(per_rank) +
                      " virtual stages = " + std::to_string(total_stages) + " stages but the model has " +
                      std::to_string(layer_count(model)) + " layers: use fewer stages (ranks) or virtual stages");
-  d.balance = choose_balance(model, total_stages, d.options.balance);
+  if (d.options.layers_per_stage.empty()) {
+    d.balance = choose_balance(model, total_stages, d.options.balance);
+  } else {
+    if (static_cast<int>(d.options.layers_per_stage.size()) != total_stages)
+      throw UsageError("layers_per_stage lists " + std::to_string(d.options.layers_per_stage.size()) + " stages but " +
+                       std::to_string(total_stages) + " are needed: give one layer count per (virtual) stage");
+    check_balance(d.options.layers_per_stage, layer_count(model));
+    d.balance = d.options.layers_per_stage;
+  }
   GeneratorOptions g;
   g.ranks = p;
   g.microbatches = d.options.microbatches;
@@ -1156,12 +1195,6 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     throw UsageError("device " + d.options.device.str() + " is not supported: use cpu or cuda[:N]");
   std::vector<std::vector<torch::Tensor>> tied;
   if (!d.options.tied.empty()) {
-    if (d.async)
-      throw UsageError("tied weights need a synchronous schedule (their copies are summed at the flush); '" +
-                       d.options.schedule + "' has none: use gpipe, 1f1b, interleaved or a zero-bubble schedule");
-    if (!d.options.replication.empty())
-      throw UsageError("tied weights and stage replication (1F1B-RR) do not combine: drop one of them");
-    if (d.options.umpipe) throw UsageError("tied weights and UMPIPE do not combine: drop one of them");
     tied = resolve_ties(model, d.options.tied);
     torch::NoGradGuard no_grad;  // the copies start equal
     for (auto& group : tied)
@@ -1196,10 +1229,6 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     }
   }
   const OptimizerOptions& o = d.options.optimizer;
-  if (o.name != "sgd" && o.name != "adam" && o.name != "adamw")
-    throw UsageError("unknown optimizer '" + o.name + "': use sgd, adam or adamw");
-  if (!(o.lr > 0)) throw UsageError("learning rate must be > 0, got " + std::to_string(o.lr));
-  if (o.clip_grad_norm < 0) throw UsageError("gradient clipping norm must be >= 0, got " + std::to_string(o.clip_grad_norm));
   for (auto& [s, st] : d.stages) {
     std::vector<torch::Tensor> params;
     for (auto& t : st.parameters())

@@ -105,6 +105,7 @@ struct PipelineOptions {
   bool vertical_sync = false;             // pipedream: every stage uses stage 0's version (§5.1.3)
   int virtual_stages = 1;                 // v (interleaved, interleaved-zb, looped-bfs; the V shapes hold 2)
   std::string balance = "uniform";        // uniform | parameters | "3,2,2" (one count per (virtual) stage)
+  std::vector<int> layers_per_stage;      // the balance itself, one count per (virtual) stage; overrides `balance`
   Checkpoint checkpoint = Checkpoint::Never;  // re-materialisation mode (torchgpipe's default is except_last)
   OptimizerOptions optimizer;
   uint64_t seed = 0;                      // forward RNG of (step, stage, micro-batch) derives from it
@@ -176,6 +177,13 @@ struct PipelineOptions {
 // stash with a schedule other than pipedream, both at once, pipedream or spectrain with more than one
 // micro-batch per step, spectrain with SGD without momentum.
 WeightPolicy weight_policy_of(const PipelineOptions& options);
+
+// The checks of PipelineRank's constructor that need neither the model nor a transport, for a pipeline
+// of `ranks` ranks (one per stage, or the sum of `replication`): the schedule and whether it can order
+// this many micro-batches on this many ranks, the weight policy (weight_policy_of), the optimizer,
+// prefetch, virtual stages, replication, and tied weights against the schedule. Throws UsageError naming
+// the value and the fix. The command line calls it before any rank starts; the constructor calls it too.
+void check_pipeline_options(const PipelineOptions& options, int ranks);
 
 // Loss of one micro-batch: the mean over its samples (pipetrain scales it by b_k / N).
 using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
