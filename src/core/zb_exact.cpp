@@ -394,15 +394,17 @@ ZbExactResult zb_exact(int p, int m, const CostModel& costs, const ZbExactOption
   const Schedule greedy = zb_auto(p, m, c, o.memory_limit, 1);
   const double greedy_makespan = simulate(greedy, c).metrics.makespan;
   Search search(p, m, c, limit, o.node_budget);
-  search.run(greedy_makespan);
+  search.run(o.start_from_greedy ? greedy_makespan : kInf);
 
   ZbExactResult out;
-  const auto one_step = search.improved() ? orders_from(search.best_path(), p) : orders_of(greedy);
+  const bool found = search.improved() && search.best() <= greedy_makespan;
+  const auto one_step = found ? orders_from(search.best_path(), p) : orders_of(greedy);
   out.schedule = lay_out(greedy, one_step, m, o.steps);
   out.makespan = simulate(lay_out(greedy, one_step, m, 1), c).metrics.makespan;
-  if (std::abs(out.makespan - search.best()) > 1e-6 * std::max(1.0, out.makespan))
+  const double expected = found ? search.best() : greedy_makespan;
+  if (std::abs(out.makespan - expected) > 1e-6 * std::max(1.0, out.makespan))
     throw std::logic_error(fmt::format("zb-auto --exact: the search's makespan {} differs from the simulator's {} (a bug)",
-                                       search.best(), out.makespan));
+                                       expected, out.makespan));
   out.proven = search.proven();
   out.lower_bound = out.proven ? out.makespan : std::min(out.makespan, search.lower_bound());
   out.nodes = search.nodes();

@@ -18,6 +18,9 @@ struct ZbExactOptions {
   double memory_limit = 0;           // activation memory per rank in micro-batches, as zb_auto's; 0 = p
   long long node_budget = 2'000'000;  // search nodes before giving up the proof (>= 1)
   int steps = 1;                     // optimizer steps: the best step is laid out this many times
+  // Start from zb-auto's greedy schedule as the one to beat (prunes from the first node). false: the
+  // search alone must find the optimum (the tests check it that way); the greedy is still the fallback.
+  bool start_from_greedy = true;
 };
 
 struct ZbExactResult {
