@@ -105,7 +105,8 @@ class Search {
   double lower_bound() const { return std::max(root_bound_, std::min(best_, open_bound_)); }
 
  private:
-  std::size_t at(int r, int i) const { return static_cast<std::size_t>(r) * static_cast<std::size_t>(m_) + static_cast<std::size_t>(i); }
+  static std::size_t z(int i) { return static_cast<std::size_t>(i); }
+  std::size_t at(int r, int i) const { return z(r) * z(m_) + z(i); }
 
   // Start of rank r's next pass of `kind`, or -1 if its inputs or memory do not allow it yet.
   double start_of(int r, int kind) const {
@@ -179,9 +180,10 @@ class Search {
   // after t still take their summed time, and the last of them is followed by its shortest tail.
   double bound() {
     double lb = 0;
-    auto end_f = [&](int r, int i) { return i < nf_[static_cast<std::size_t>(r)] ? fend_[at(r, i)] : est_f_[at(r, i)] + f_[static_cast<std::size_t>(r)]; };
-    auto end_b = [&](int r, int i) { return i < nb_[static_cast<std::size_t>(r)] ? bend_[at(r, i)] : est_b_[at(r, i)] + b_[static_cast<std::size_t>(r)]; };
-    auto end_w = [&](int r, int i) { return i < nw_[static_cast<std::size_t>(r)] ? wend_[at(r, i)] : est_w_[at(r, i)] + w_[static_cast<std::size_t>(r)]; };
+    // End of pass i of a kind on rank r: its time if placed, else its earliest start plus its cost.
+    auto end_f = [&](int r, int i) { return i < nf_[z(r)] ? fend_[at(r, i)] : est_f_[at(r, i)] + f_[z(r)]; };
+    auto end_b = [&](int r, int i) { return i < nb_[z(r)] ? bend_[at(r, i)] : est_b_[at(r, i)] + b_[z(r)]; };
+    auto end_w = [&](int r, int i) { return i < nw_[z(r)] ? wend_[at(r, i)] : est_w_[at(r, i)] + w_[z(r)]; };
     for (int i = 0; i < m_; ++i) {
       for (int r = 0; r < p_; ++r) {
         const auto ur = static_cast<std::size_t>(r);
@@ -241,7 +243,7 @@ class Search {
     ++nodes_;
     if (placed_ == 3 * p_ * m_) {
       double span = 0;
-      for (int r = 0; r < p_; ++r) span = std::max(span, free_[static_cast<std::size_t>(r)] + step_[static_cast<std::size_t>(r)]);
+      for (int r = 0; r < p_; ++r) span = std::max(span, free_[z(r)] + step_[z(r)]);
       if (span < best_ - eps_) {
         best_ = span;
         best_path_ = path_;
@@ -367,10 +369,10 @@ ZbExactResult zb_exact(int p, int m, const CostModel& costs, const ZbExactOption
   if (m < 1)
     throw UsageError("zb-auto --exact: micro-batches must be >= 1, got " + std::to_string(m) +
                      ": use --microbatches 1 or more");
-  if (static_cast<long long>(3) * p * m > kZbExactMaxPassesPerStep)
+  if (static_cast<long long>(p) * m > kZbExactMaxRanksTimesMicrobatches)
     throw UsageError("zb-auto --exact searches small cases only: p=" + std::to_string(p) + " x m=" + std::to_string(m) +
                      " = " + std::to_string(p * m) + " passes of each kind per step, more than the " +
-                     std::to_string(kZbExactMaxPassesPerStep / 3) + " supported: use fewer stages or micro-batches, "
+                     std::to_string(kZbExactMaxRanksTimesMicrobatches) + " supported: use fewer stages or micro-batches, "
                      "or zb-auto without --exact");
   if (o.steps < 1)
     throw UsageError("zb-auto --exact: steps must be >= 1, got " + std::to_string(o.steps) + ": use --steps 1 or more");

@@ -36,8 +36,8 @@ struct ZbExactResult {
   std::string summary() const;
 };
 
-// The largest p * m the exact search accepts (3 p m actions per step).
-inline constexpr int kZbExactMaxPassesPerStep = 3 * 64;
+// The largest p * m the exact search accepts (it places 3 p m passes per step).
+inline constexpr int kZbExactMaxRanksTimesMicrobatches = 64;
 
 // Searches the orders in which every rank runs its forwards and input-gradient backwards in micro-batch
 // order and its weight-gradient passes oldest first; on identical micro-batches this loses nothing (the
