@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "cli_common.h"
+#include "exact_option.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/timeline.h"
@@ -16,8 +17,10 @@ void add_schedule_command(CLI::App& app, int& exit_code) {
   auto format = std::make_shared<std::string>("text");
   auto out = std::make_shared<std::string>();
   auto letters = std::make_shared<std::string>("current");
+  auto exact = std::make_shared<ExactFlags>();
   CLI::App* cmd = app.add_subcommand("schedule", "print a schedule: one line per rank with its actions");
   flags->add_to(*cmd);
+  exact->add_to(*cmd);
   cmd->add_flag("--lower", *lower, "insert the send and receive actions (deadlock-free on blocking transports)");
   cmd->add_option("--format", *format,
                   "text (one line per rank), csv (loadable with --load) or torch (PyTorch's schedule CSV, which its "
@@ -36,10 +39,13 @@ void add_schedule_command(CLI::App& app, int& exit_code) {
       "  pipetrain schedule --schedule interleaved --stages 2 --microbatches 4 --virtual 2 --lower\n"
       "  pipetrain schedule --schedule zb-h1 -p 4 -m 8 --format csv > zb.csv\n"
       "  pipetrain schedule --load zb.csv\n"
+      "  pipetrain schedule -s zb-auto -p 4 -m 6 --memory-limit 3 --exact   (the optimum; the gap on stderr)\n"
       "  pipetrain schedule -s interleaved -p 2 -m 4 -v 2 --format torch > il.csv   (for PyTorch's _load_csv)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("schedule", [&] {
       Schedule s = flags->build();
+      ZbExactResult found;
+      if (exact->apply(*flags, s, found)) std::cerr << found.summary() << "\n";  // stdout stays the schedule
       if (*lower) s = insert_communication(s, flags->costs(s));
       if (*format != "torch" && *letters != "current") throw UsageError("--letters applies to --format torch");
       std::string torch_text;

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
+#include "exact_option.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/timeline.h"
@@ -93,8 +94,10 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
   auto format = std::make_shared<std::string>("csv");
   auto letters = std::make_shared<std::string>("detect");
   auto stage_rank = std::make_shared<std::vector<int>>();
+  auto exact = std::make_shared<ExactFlags>();
   CLI::App* cmd = app.add_subcommand("simulate", "predict a schedule's timeline, bubble and memory");
   flags->add_to(*cmd);
+  exact->add_to(*cmd);
   cmd->add_option("--format", *format,
                   "format of the --load file: csv (pipetrain's, default) or torch (PyTorch's _dump_csv output)")
       ->check(CLI::IsMember({"csv", "torch"}));
@@ -117,22 +120,30 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       "  pipetrain simulate --schedule zb-h1 --stages 4 --microbatches 8 --cost 1:1:1 --json\n"
       "  pipetrain simulate --schedule interleaved -p 4 -m 8 -v 2 --cost 2:2:2 --svg il.svg --trace il.json\n"
       "  pipetrain simulate --schedule zb-auto -p 4 -m 12 --cost 1:1.5:1,1:1:1,1:1:1,2:2:1 --memory-limit 5\n"
+      "  pipetrain simulate --schedule zb-auto -p 4 -m 6 --memory-limit 3 --exact   (optimum and the greedy's gap)\n"
       "  pipetrain simulate --load zb1p.csv --format torch --ascii   (a schedule PyTorch dumped with _dump_csv)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("simulate", [&] {
       if (*format != "torch" && (*letters != "detect" || !stage_rank->empty()))
         throw UsageError("--letters and --stage-rank apply to --format torch");
       std::vector<std::string> notes;
-      const Schedule s = *format == "torch" ? load_torch_schedule(*flags, *letters, *stage_rank, notes) : flags->build();
+      Schedule s = *format == "torch" ? load_torch_schedule(*flags, *letters, *stage_rank, notes) : flags->build();
+      ZbExactResult found;
+      const bool searched = exact->apply(*flags, s, found);
       const SimResult r = simulate(s, flags->costs(s));
       if (!trace->empty()) write_file_atomic(*trace, chrome_trace_json(r.timeline));
       if (!svg->empty()) write_file_atomic(*svg, gantt_svg(r.timeline, r.metrics));
       if (*json) {
         nlohmann::json j = metrics_json(s, r);
         if (*format == "torch") j["notes"] = notes;
+        if (searched)
+          j["exact"] = {{"greedy_makespan", found.greedy_makespan}, {"makespan", found.makespan},
+                        {"gap_percent", found.gap_percent()}, {"proven", found.proven},
+                        {"lower_bound", found.lower_bound}, {"nodes", found.nodes}};
         std::cout << j.dump(2) << "\n";
       } else {
         for (const std::string& n : notes) std::cout << "note: " << n << "\n";
+        if (searched) std::cout << found.summary() << " (one step)\n";
         print_metrics_table(std::cout, s, r);
         if (*ascii) std::cout << ascii_gantt(r.timeline);
         if (!trace->empty()) std::cout << "trace written to " << *trace << "\n";

@@ -10,6 +10,7 @@
 #include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/simulate.h"
+#include "v_squeeze.h"
 
 namespace pipetrain {
 namespace {
@@ -391,40 +392,51 @@ Schedule zb_v(int p, int m, int steps) {
 namespace {
 
 // A V schedule built from one building block: `slot(r)` gives rank r's slots of micro-batch 0's passes
-// {F chunk 0, F chunk 1, B chunk 1, B chunk 0}; micro-batch i runs 6 slots later than i-1. Each W takes
-// the first free slot after its B (oldest B first); the slot order is the rank's order.
+// {F chunk 0, F chunk 1, B chunk 1, B chunk 0}; micro-batch i runs 6 slots later than i-1. With `squeeze`
+// the plan is then squeezed (v_squeeze.h). Each W takes the first free slot after its B, oldest first; the
+// slot order is the rank's order.
+using detail::VItem;
+using detail::VPlan;
+
 template <class SlotFn>
-Schedule v_building_block(const char* name, int p, int m, int steps, SlotFn slot) {
+Schedule v_building_block(const char* name, int p, int m, int steps, SlotFn slot, bool squeeze) {
   check_sizes(name, p, m, 2, steps);
   Schedule s = skeleton(name, p, m, 2, steps, v_placement(p));
+  VPlan plan(static_cast<std::size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    const std::array<int, 4> t = slot(r);
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < m; ++i)
+        plan[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)].push_back(6 * i + t[static_cast<std::size_t>(k)]);
+  }
+  if (squeeze) detail::v_squeeze(plan);
   for (int r = 0; r < p; ++r) {
     const int c0 = r, c1 = 2 * p - 1 - r;
-    const std::array<int, 4> t = slot(r);
     const std::array<Action, 4> pass{F(c0, 0), F(c1, 0), B(c1, 0), B(c0, 0)};
-    const int horizon = 6 * m + *std::max_element(t.begin(), t.end()) + 1;
-    std::vector<int> at(static_cast<std::size_t>(horizon), -1);  // slot -> 4 * micro-batch + pass
-    for (int i = 0; i < m; ++i)
-      for (int k = 0; k < 4; ++k) {
-        int& cell = at[static_cast<std::size_t>(6 * i + t[static_cast<std::size_t>(k)])];
-        if (cell >= 0)
-          throw std::logic_error(std::string(name) + ": two passes share a slot on rank " + fmt_int(r) + " (a bug)");
-        cell = 4 * i + k;
-      }
+    std::vector<VItem> items;
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < m; ++i)
+        items.push_back({plan[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)][static_cast<std::size_t>(i)], r, k, i});
+    std::sort(items.begin(), items.end());
+    for (std::size_t k = 1; k < items.size(); ++k)
+      if (items[k].slot == items[k - 1].slot)
+        throw std::logic_error(std::string(name) + ": two passes share a slot on rank " + fmt_int(r) + " (a bug)");
     std::vector<Action> ops;
-    std::deque<Action> pending_w;
-    for (int slot_index = 0; slot_index < horizon; ++slot_index) {
-      const int cell = at[static_cast<std::size_t>(slot_index)];
-      if (cell >= 0) {
-        Action a = pass[static_cast<std::size_t>(cell % 4)];
-        a.index = cell / 4;
-        ops.push_back(a);
-        if (a.kind == ActionKind::B) pending_w.push_back(W(a.stage, a.index));
-      } else if (!pending_w.empty()) {
-        ops.push_back(pending_w.front());
-        pending_w.pop_front();
-      }
+    std::deque<Action> pending_w;  // oldest first
+    auto take_w = [&] {
+      ops.push_back(pending_w.front());
+      pending_w.pop_front();
+    };
+    int next_slot = 0;
+    for (const VItem& it : items) {
+      for (; next_slot < it.slot && !pending_w.empty(); ++next_slot) take_w();
+      next_slot = it.slot + 1;
+      Action a = pass[static_cast<std::size_t>(it.kind)];
+      a.index = it.index;
+      ops.push_back(a);
+      if (a.kind == ActionKind::B) pending_w.push_back(W(a.stage, a.index));
     }
-    ops.insert(ops.end(), pending_w.begin(), pending_w.end());
+    while (!pending_w.empty()) take_w();
     auto& out = s.actions[static_cast<std::size_t>(r)];
     for (int k = 0; k < steps; ++k) {
       append_step(out, ops, m, k * m);
@@ -439,16 +451,24 @@ Schedule v_building_block(const char* name, int p, int m, int steps, SlotFn slot
 
 Schedule v_half(int p, int m, int steps) {
   const int g = p % 2 == 0 ? 3 : 0;
-  return v_building_block("v-half", p, m, steps, [&](int r) {
-    return std::array<int, 4>{2 * r, 3 * p - r - 2, 3 * p + g + 2 * r - 1, 6 * p + g - r - 2};
-  });
+  auto block = [&](int r) { return std::array<int, 4>{2 * r, 3 * p - r - 2, 3 * p + g + 2 * r - 1, 6 * p + g - r - 2}; };
+  // The squeeze shortens the step once the steady state exists (m >= 2p); with fewer micro-batches it can
+  // lengthen it, so the squeezed order is kept only where its unit-time step idles less (or as little and
+  // ends no later) than the building block's. Both keep the memory count of §4.6.2.
+  check_sizes("v-half", p, m, 2, steps);
+  const CostModel unit = CostModel::uniform(2 * p, StageCost{}, 2);
+  const Metrics a = simulate(v_building_block("v-half", p, m, 1, block, true), unit).metrics;
+  const Metrics b = simulate(v_building_block("v-half", p, m, 1, block, false), unit).metrics;
+  const bool squeeze = a.max_bubble() < b.max_bubble() - 1e-9 ||
+                       (a.max_bubble() < b.max_bubble() + 1e-9 && a.makespan <= b.makespan + 1e-9);
+  return v_building_block("v-half", p, m, steps, block, squeeze);
 }
 
 Schedule v_min(int p, int m, int steps) {
   const int g = p % 3 == 0 ? 2 : 0;
-  return v_building_block("v-min", p, m, steps, [&](int r) {
-    return std::array<int, 4>{r, 2 * p - 1 - r, 2 * p + g + r, 4 * p + g - r - 1};
-  });
+  return v_building_block(
+      "v-min", p, m, steps, [&](int r) { return std::array<int, 4>{r, 2 * p - 1 - r, 2 * p + g + r, 4 * p + g - r - 1}; },
+      false);
 }
 
 Schedule dualpipev(int p, int m, int steps) {

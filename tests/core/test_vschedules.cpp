@@ -153,24 +153,46 @@ TEST(VSchedules, ZeroBubbleVHasNoBubble) {
 }
 
 // V-Half and V-Min trade bubble for memory: their idle per rank does not grow with m (no steady-state
-// bubble) and stays below 1F1B's (p-1)(F+B+W). The paper gives the bubble as about 2p/(3m) of the step
-// for V-Min, i.e. 2p units of idle per rank here, which ours meets; for V-Half it gives p/(2m) (1.5p
-// units), which ours exceeds by up to one unit: we keep the building block's order without the authors'
-// final "squeeze" pass that moves passes of the warm-up and cool-down into earlier free slots.
-TEST(VSchedules, HalfAndMinBubbleIsBoundedAndConstantInM) {
-  for (int p : {2, 3, 4, 5, 6, 8, 9}) {
+// bubble) and stays below 1F1B's (p-1)(F+B+W). The paper gives the bubble as about p/(2m) of the step for
+// V-Half and 2p/(3m) for V-Min, i.e. 1.5p and 2p units of idle per rank at F = B = W = 1 per rank slice
+// (a step of 3m units). With its steady state (m >= 2p) ours meets both; V-Half needs the squeeze for it
+// (without, p = 6, 8, 10, 12 idled 9.5, 13, 16.5, 20 units).
+TEST(VSchedules, HalfAndMinBubbleMeetThePaper) {
+  for (int p : {2, 3, 4, 5, 6, 7, 8, 9, 10, 12}) {
     const double one_f_one_b = (p - 1) * 3.0;
     for (const std::string name : {"v-half", "v-min"}) {
-      const Schedule a = make(name, p, 4 * p), b = make(name, p, 8 * p);
-      const double idle = simulate(a, paper_costs(a)).metrics.max_bubble();
-      EXPECT_NEAR(simulate(b, paper_costs(b)).metrics.max_bubble(), idle, 1e-9) << name << " p=" << p;
-      if (p > 2) {
-        EXPECT_LT(idle, one_f_one_b) << name << " p=" << p;
+      const double paper = name == "v-min" ? 2.0 * p : 1.5 * p;
+      double idle_2p = -1;
+      for (int m : {2 * p, 2 * p + 1, 3 * p + 2, 4 * p, 8 * p}) {
+        const Schedule s = make(name, p, m);
+        const double idle = simulate(s, paper_costs(s)).metrics.max_bubble();
+        const std::string what = name + " p=" + std::to_string(p) + " m=" + std::to_string(m);
+        if (idle_2p < 0) idle_2p = idle;
+        EXPECT_NEAR(idle, idle_2p, 1e-9) << what << ": the idle grows with m";
+        EXPECT_LE(idle, paper + 1e-9) << what;
+        if (p > 2) {
+          EXPECT_LT(idle, one_f_one_b) << what;
+        }
       }
-      const double paper = name == "v-min" ? 2.0 * p : 1.5 * p + 1.0;
-      EXPECT_LE(idle, paper) << name << " p=" << p;
     }
   }
+}
+
+// The squeeze moves passes only within a rank's order and never past the memory peak: the squeezed V-Half
+// still validates over a grid (also with fewer micro-batches than 2p, where it may keep the plain block),
+// runs every pass once, and is never longer than 1F1B at F = B = W.
+TEST(VSchedules, SqueezedHalfValidatesAndBeatsOneFOneB) {
+  for (int p = 1; p <= 9; ++p)
+    for (int m = 1; m <= 3 * p + 1; ++m) {
+      const Schedule s = make("v-half", p, m), f1 = make("1f1b", p, m);
+      const std::string what = "p=" + std::to_string(p) + " m=" + std::to_string(m);
+      ASSERT_NO_THROW(validate(s)) << what;
+      const SimResult r = simulate(s, paper_costs(s));
+      for (const RankMetrics& rm : r.metrics.per_rank) {
+        EXPECT_NEAR(rm.busy, 3.0 * m, 1e-9) << what;
+      }
+      EXPECT_LE(r.metrics.makespan, simulate(f1, paper_costs(f1)).metrics.makespan + 1e-9) << what;
+    }
 }
 
 // DualPipeV against DeepSeek's bubble (PP/2-1)(F&B + B - 3W) for DualPipe on PP ranks, which a V on p
