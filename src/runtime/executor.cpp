@@ -1255,7 +1255,9 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     auto it = d.optimizers.find(s);
     d.weights.emplace(s, StageWeights(params, it == d.optimizers.end() ? nullptr : it->second.get()));
   }
-  if (d.options.umpipe) check_umpipe_pipeline(model, *d.options.umpipe, d.options, d.schedule, p);
+  if (d.options.umpipe)
+    check_umpipe_pipeline(model, *d.options.umpipe, d.options.schedule, d.options.virtual_stages,
+                          d.options.data_parallel ? d.options.data_parallel->world_size() : 1, d.schedule, p);
 }
 
 PipelineRank::~PipelineRank() = default;

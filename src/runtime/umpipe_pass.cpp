@@ -332,9 +332,9 @@ UmpipePassResult run_umpipe_pass(UmpipePassContext& context, const torch::Tensor
   }
 }
 
-void check_umpipe_pipeline(const torch::nn::Sequential& model, const UmpipePlan& plan, const PipelineOptions& options,
-                           const Schedule& schedule, int ranks) {
-  const std::string& s = options.schedule;
+void check_umpipe_pipeline(const torch::nn::Sequential& model, const UmpipePlan& plan, const std::string& schedule_name,
+                           int virtual_stages, int replicas, const Schedule& schedule, int ranks) {
+  const std::string& s = schedule_name;
   const std::string off = " (or train without UMPIPE: --umpipe off)";
   if (!schedule_traits(s).synchronous)
     throw UsageError("schedule '" + s + "' is asynchronous, but UMPIPE runs synchronous steps in GPipe order: use "
@@ -342,11 +342,11 @@ void check_umpipe_pipeline(const torch::nn::Sequential& model, const UmpipePlan&
   if (s != "gpipe")
     throw UsageError("UMPIPE runs every stage in GPipe order (all forward chunks, then all backward chunks), not '" + s +
                      "': use --schedule gpipe" + off);
-  if (options.virtual_stages != 1)
-    throw UsageError("UMPIPE runs one stage per rank, but " + std::to_string(options.virtual_stages) +
+  if (virtual_stages != 1)
+    throw UsageError("UMPIPE runs one stage per rank, but " + std::to_string(virtual_stages) +
                      " virtual stages were asked for: use --virtual 1" + off);
-  if (options.data_parallel && options.data_parallel->world_size() > 1)
-    throw UsageError("UMPIPE runs one pipeline, but " + std::to_string(options.data_parallel->world_size()) +
+  if (replicas > 1)
+    throw UsageError("UMPIPE runs one pipeline, but " + std::to_string(replicas) +
                      " data-parallel replicas were asked for: use --replicas 1" + off);
   if (schedule.stages != ranks)
     throw UsageError(fmt::format("UMPIPE runs one stage per rank, but this pipeline has {} stages on {} ranks "

@@ -38,7 +38,6 @@
 #include "pipetrain/core/schedule.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/plan/umpipe.h"
-#include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/stage.h"
 #include "pipetrain/runtime/transport.h"
 
@@ -95,7 +94,8 @@ UmpipePassResult run_umpipe_pass(UmpipePassContext& context, const torch::Tensor
 // on its own rank, a plan whose stage count differs from the ranks or whose rows are not compositions of
 // one N or hold more than kUmpipeMaxChunks chunks, and layers that are not per-sample separable or not
 // deterministic under recomputation (any BatchNorm, any Dropout with p > 0).
-void check_umpipe_pipeline(const torch::nn::Sequential& model, const UmpipePlan& plan, const PipelineOptions& options,
-                           const Schedule& schedule, int ranks);
+// `schedule_name`, `virtual_stages` and `replicas` (data-parallel copies) are PipelineOptions' fields.
+void check_umpipe_pipeline(const torch::nn::Sequential& model, const UmpipePlan& plan, const std::string& schedule_name,
+                           int virtual_stages, int replicas, const Schedule& schedule, int ranks);
 
 }  // namespace pipetrain

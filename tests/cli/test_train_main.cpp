@@ -210,7 +210,7 @@ TEST(TrainMain, UsageErrorsExitTwoWithTheFix) {
            {"--text /nonexistent/file.txt", "/nonexistent/file.txt"},
            {"--data text", "--data text needs --text FILE"},
            {"--model cnn --data kjv", "--data kjv is text: train it with --model gpt"},
-           {"--model gpt --data fashion-mnist", "holds images: use --model mlp, cnn or resnet"},
+           {"--model gpt --data fashion-mnist", "holds images: use --model mlp, cnn, resnet or unet"},
            {"--data kjv --vocab 50", "drop --vocab"},
            {"--data synthetic --steps 3 --epochs 1", "give --steps or --epochs, not both"},
            {"--data synthetic --save-every 2", "--save-every needs --save DIR"},

@@ -185,8 +185,6 @@ WeightPolicy weight_policy_of(const PipelineOptions& options);
 // the value and the fix. The command line calls it before any rank starts; the constructor calls it too.
 void check_pipeline_options(const PipelineOptions& options, int ranks);
 
-// Loss of one micro-batch: the mean over its samples (pipetrain scales it by b_k / N).
-using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
 // Which weights a pass used (asynchronous schedules; for tests and the record of a run).
 struct WeightUse {

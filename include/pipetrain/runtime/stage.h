@@ -5,6 +5,7 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,9 @@ namespace pipetrain {
 enum class Checkpoint { Always, ExceptLast, Never };
 Checkpoint parse_checkpoint(const std::string& text);  // "always" | "except_last" | "never"
 std::string to_string(Checkpoint c);
+
+// Loss of one micro-batch: the mean over its samples (pipetrain scales it by b_k / N).
+using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
 // Number of layers (top-level children) of a Sequential.
 int layer_count(const torch::nn::Sequential& model);
