@@ -1,0 +1,232 @@
+// The model and data flags (ModelFlags, run_common.h): the zoo's models and data sets from the
+// command line, the checkpoint manifest's description of them, and the tie groups of the model.
+#include "run_common.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+#include <torch/cuda.h>
+
+#include "pipetrain/core/read_file.h"
+#include "pipetrain/core/error.h"
+#include "pipetrain/core/generators.h"
+#include "pipetrain/plan/balance.h"
+#include "pipetrain/plan/planner.h"
+#include "pipetrain/plan/profile.h"
+#include "pipetrain/plan/search.h"
+#include "pipetrain/runtime/launch.h"
+#include "pipetrain/runtime/profiler.h"
+
+namespace pipetrain::cli {
+
+void ModelFlags::add_to(CLI::App& app) {
+  app.add_option("--model", model,
+                 "gpt (character language model), mlp, cnn (VGG-16 style), resnet or unet (a U-Net classifier "
+                 "whose skips cross stage cuts); default gpt")
+      ->check(CLI::IsMember({"gpt", "mlp", "cnn", "resnet", "unet"}));
+  app.add_option("--data", data,
+                 "kjv (King James Bible), text (with --text FILE), fashion-mnist or synthetic; default: kjv for the "
+                 "gpt, fashion-mnist for the others");
+  app.add_option("--text", text_file, "train the gpt on this text file (character level)");
+  app.add_option("--data-dir", data_dir, "folder of the Fashion-MNIST IDX files (plain or .gz)");
+  app.add_option("--layers", layers,
+                 "gpt: transformer blocks (the model has layers+2 pipeline layers, default 4); mlp: Linear layers "
+                 "(default 4)");
+  app.add_option("--d-model", gpt.d_model, "gpt width, default 128");
+  app.add_option("--heads", gpt.heads, "gpt attention heads, default 4");
+  vocab_option = app.add_option("--vocab", gpt.vocab, "gpt vocabulary with synthetic data (text data sets it), default 96");
+  app.add_option("--seq-len", gpt.seq_len, "gpt context length, default 64");
+  app.add_option("--dropout", gpt.dropout, "gpt dropout, default 0");
+  app.add_flag("--tie-embeddings", gpt.tie_embeddings,
+               "gpt: the output head's weight is the token embedding (one weight, a copy on each stage that "
+               "holds it, gradients summed at every step; synchronous schedules)");
+  app.add_flag("--variable-length", gpt.variable_length,
+               "gpt on text: samples are lines (verses) of differing length, padded with a mask that travels with "
+               "the activations; each micro-batch is trimmed to its longest line");
+  app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)");
+  app.add_option("--width", cnn.width, "cnn channels of the first group (VGG-16: 64), resnet stem width; default 8 / 16");
+  app.add_option("--blocks", resnet.blocks, "resnet residual blocks per stage, default 2");
+  app.add_option("--depth", unet.depth, "unet levels (each halves the image and has a skip), default 2");
+  app.add_option("--seed", seed, "seed for the model, the data order and dropout, 0 to 2^64-1; default 0")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            // CLI11 reads -1 (and anything past 2^64) as 18446744073709551615: accept plain digits only.
+            const bool digits = !v.empty() && v.size() <= 20 &&
+                                v.find_first_not_of("0123456789") == std::string::npos;
+            if (!digits || (v.size() == 20 && v > "18446744073709551615"))
+              return "--seed " + v + " is not a whole number from 0 to 18446744073709551615 (2^64-1): give one in that range";
+            return {};
+          },
+          "SEED", "seed"));
+}
+
+void ModelFlags::prepare() {
+  if (!text_file.empty() && data == "auto") data = "text";
+  if (data == "auto") data = model == "gpt" ? "kjv" : "fashion-mnist";
+  static const std::vector<std::string> kinds{"kjv", "text", "fashion-mnist", "synthetic"};
+  if (std::find(kinds.begin(), kinds.end(), data) == kinds.end())
+    throw UsageError("unknown data '" + data + "': use kjv, text (with --text FILE), fashion-mnist or synthetic");
+  if (data == "text" && text_file.empty()) throw UsageError("--data text needs --text FILE (the text to train on)");
+  if (!text_file.empty() && data != "text")
+    throw UsageError("--text " + text_file + " is for --data text, not --data " + data + ": drop one of them");
+  if (is_text() && model != "gpt")
+    throw UsageError("--data " + data + " is text: train it with --model gpt (the " + model + " takes images)");
+  if (data == "fashion-mnist" && model == "gpt")
+    throw UsageError("--data fashion-mnist holds images: use --model mlp, cnn, resnet or unet (the gpt takes text)");
+  if (is_text() && vocab_option && vocab_option->count() > 0)
+    throw UsageError("--vocab is set by the text's characters with --data " + data + ": drop --vocab");
+  if (gpt.variable_length && (model != "gpt" || !is_text()))
+    throw UsageError("--variable-length trains the gpt on the lines of a text (--data kjv or --data text), not --model " +
+                     model + " --data " + data + ": drop --variable-length or use those");
+  if (gpt.tie_embeddings && model != "gpt")
+    throw UsageError("--tie-embeddings ties the gpt's token embedding and output head; the " + model +
+                     " has no embedding: drop --tie-embeddings");
+  if (cnn.width != zoo::CnnConfig{}.width) resnet.width = unet.width = cnn.width;
+  if (mlp.hidden != zoo::MlpConfig{}.hidden) cnn.hidden = mlp.hidden;
+  if (layers < 0) throw UsageError("--layers must be >= 1, got " + std::to_string(layers));
+  gpt.layers = layers > 0 ? layers : zoo::GptConfig{}.layers;
+  mlp.layers = layers > 0 ? layers : zoo::MlpConfig{}.layers;
+  mlp.inputs = data == "synthetic" ? 64 : 28 * 28;
+  if (data == "fashion-mnist")  // checked here, before any rank starts, so a missing file is one clear error
+    for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                             "t10k-labels-idx1-ubyte"}) {
+      const std::string plain = data_dir + "/" + name;
+      if (!std::filesystem::exists(plain) && !std::filesystem::exists(plain + ".gz"))
+        throw UsageError("Fashion-MNIST file " + plain + "(.gz) is missing: install the Debian package "
+                         "dataset-fashion-mnist (apt-get install dataset-fashion-mnist) or pass --data-dir with the "
+                         "folder of the four IDX files");
+    }
+  if (is_text()) {
+    if (!text_) text_ = std::make_shared<const std::string>(data == "kjv" ? zoo::load_kjv() : zoo::read_text_file(text_file));
+    std::array<bool, 256> seen{};
+    for (unsigned char ch : *text_) seen[ch] = true;
+    vocabulary_.clear();
+    for (int ch = 0; ch < 256; ++ch)
+      if (seen[static_cast<std::size_t>(ch)]) vocabulary_ += static_cast<char>(ch);
+    gpt.vocab = static_cast<int64_t>(vocabulary_.size());
+  }
+}
+
+std::function<torch::nn::Sequential()> ModelFlags::factory() const {
+  const uint64_t s = seed;
+  // Seeding and drawing the weights happen under the default generator's lock: ranks that are threads
+  // of one process would otherwise race with each other's seeded forwards.
+  auto seeded = [s](auto make) {
+    return [s, make] {
+      std::lock_guard<std::mutex> lock(default_generator_mutex());
+      torch::manual_seed(s);
+      return make();
+    };
+  };
+  if (model == "mlp") {
+    zoo::check(mlp);
+    return seeded([c = mlp] { return zoo::make_mlp(c); });
+  }
+  if (model == "cnn") {
+    zoo::check(cnn);
+    return seeded([c = cnn] { return zoo::make_cnn(c); });
+  }
+  if (model == "resnet") {
+    zoo::check(resnet);
+    return seeded([c = resnet] { return zoo::make_resnet(c); });
+  }
+  if (model == "unet") {
+    zoo::check(unet);
+    return seeded([c = unet] { return zoo::make_unet(c); });
+  }
+  zoo::check(gpt);
+  return seeded([c = gpt] { return zoo::make_gpt(c); });
+}
+
+LossFn ModelFlags::loss() const { return zoo::cross_entropy; }
+
+std::unique_ptr<zoo::Dataset> ModelFlags::dataset() const {
+  if (data == "synthetic") {
+    if (model == "gpt") return zoo::make_synthetic_tokens(gpt.vocab, gpt.seq_len, seed + 1);
+    if (model == "mlp") return zoo::make_synthetic_classes(64, mlp.classes, seed + 1);
+    throw UsageError("--data synthetic is for the gpt and the mlp: use --data fashion-mnist with --model " + model);
+  }
+  if (data == "fashion-mnist") return zoo::make_fashion_mnist(data_dir, seed + 1);
+  if (!text_) throw std::logic_error("ModelFlags::prepare() was not called");
+  if (gpt.variable_length) return zoo::make_text_lines(*text_, data == "kjv" ? "kjv" : text_file, gpt.seq_len, seed + 1);
+  return zoo::make_text(*text_, data == "kjv" ? "kjv" : text_file, gpt.seq_len, seed + 1);
+}
+
+std::string ModelFlags::describe() const {
+  std::string what;
+  if (model == "mlp")
+    what = fmt::format("mlp: {} Linear layers, width {}, {} inputs, {} classes", mlp.layers, mlp.hidden, mlp.inputs,
+                       mlp.classes);
+  else if (model == "cnn")
+    what = fmt::format("cnn (VGG-16 style): 13 conv + 3 fc layers, width {}, fc {}", cnn.width, cnn.hidden);
+  else if (model == "resnet")
+    what = fmt::format("resnet: {} stages x {} blocks, width {}", resnet.stages, resnet.blocks, resnet.width);
+  else if (model == "unet")
+    what = fmt::format("unet: {} levels with skips, width {}", unet.depth, unet.width);
+  else
+    what = fmt::format("gpt: {} blocks, d_model {}, {} heads, vocab {}, context {}{}{}", gpt.layers, gpt.d_model,
+                       gpt.heads, gpt.vocab, gpt.seq_len, gpt.tie_embeddings ? ", tied embeddings" : "",
+                       gpt.variable_length ? ", variable-length lines" : "");
+  std::string on = data;
+  if (data == "kjv") on = fmt::format("the King James Bible ({:.1f} MB)", text_ ? text_->size() / 1e6 : 0.0);
+  if (data == "text") on = fmt::format("{} ({:.1f} MB)", text_file, text_ ? text_->size() / 1e6 : 0.0);
+  if (data == "fashion-mnist") on = "Fashion-MNIST (" + data_dir + ")";
+  if (data == "synthetic") on = "synthetic data";
+  return what + " on " + on;
+}
+
+nlohmann::json ModelFlags::model_json() const {
+  if (model == "mlp")
+    return {{"name", model}, {"layers", mlp.layers}, {"hidden", mlp.hidden}, {"inputs", mlp.inputs}, {"classes", mlp.classes}};
+  if (model == "cnn")
+    return {{"name", model}, {"width", cnn.width}, {"hidden", cnn.hidden}, {"image_size", cnn.image_size},
+            {"classes", cnn.classes}};
+  if (model == "resnet")
+    return {{"name", model}, {"width", resnet.width}, {"stages", resnet.stages}, {"blocks", resnet.blocks},
+            {"classes", resnet.classes}};
+  if (model == "unet") return {{"name", model}, {"width", unet.width}, {"depth", unet.depth}, {"classes", unet.classes}};
+  nlohmann::json j{{"name", model},    {"layers", gpt.layers},   {"d_model", gpt.d_model}, {"heads", gpt.heads},
+                   {"vocab", gpt.vocab}, {"seq_len", gpt.seq_len}, {"dropout", gpt.dropout}};
+  if (gpt.tie_embeddings) j["tie_embeddings"] = true;  // absent when off, as in checkpoints made before the flag
+  if (gpt.variable_length) j["variable_length"] = true;
+  return j;
+}
+
+std::vector<std::vector<ParameterRef>> ModelFlags::ties() const {
+  return model == "gpt" ? zoo::gpt_ties(gpt) : std::vector<std::vector<ParameterRef>>{};
+}
+
+namespace {
+// A byte string for a JSON document (a checkpoint manifest): as text when it is valid UTF-8 (so ASCII
+// vocabularies read as before), else as the list of its byte values (a byte vocabulary of UTF-8 text
+// holds lead and continuation bytes apart, which JSON text cannot carry).
+nlohmann::json bytes_json(const std::string& s) {
+  try {
+    nlohmann::json(s).dump();  // nlohmann's own UTF-8 check: what it writes, it reads back
+    return s;
+  } catch (const nlohmann::json::type_error&) {
+  }
+  nlohmann::json a = nlohmann::json::array();
+  for (char c : s) a.push_back(static_cast<int>(static_cast<unsigned char>(c)));
+  return a;
+}
+}  // namespace
+
+nlohmann::json ModelFlags::data_json() const {
+  nlohmann::json j{{"name", data}};
+  if (is_text()) j["vocabulary"] = bytes_json(vocabulary_);
+  if (data == "text") j["file"] = bytes_json(text_file);
+  return j;
+}
+
+}  // namespace pipetrain::cli

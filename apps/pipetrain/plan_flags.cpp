@@ -1,0 +1,193 @@
+// A plan file and UMPIPE partitions on the command line (PipelineFlags::apply_plan, prepare_umpipe;
+// run_common.h): the stages, balance, schedule and micro-batches `pipetrain plan` chose.
+#include "run_common.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+#include <torch/cuda.h>
+
+#include "pipetrain/core/read_file.h"
+#include "pipetrain/core/error.h"
+#include "pipetrain/core/generators.h"
+#include "pipetrain/plan/balance.h"
+#include "pipetrain/plan/planner.h"
+#include "pipetrain/plan/profile.h"
+#include "pipetrain/plan/search.h"
+#include "pipetrain/runtime/launch.h"
+#include "pipetrain/runtime/profiler.h"
+
+namespace pipetrain::cli {
+
+void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
+  plan_file = path;
+  auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
+  // The part of the file that runs: its top level (the chosen plan), or the PipeDream planner's section.
+  PlanFile file;
+  Plan plan;
+  std::string file_schedule;
+  int file_microbatches = 0;
+  try {
+    if (plan_use != "pipeline" && plan_use != "pipedream")
+      throw UsageError("--plan-use " + plan_use + " is not a part of a plan: use pipeline (the default) or pipedream");
+    file = read_plan_file(path);  // checks the file, its plan and its sections
+    plan = file.plan;
+    file_schedule = file.schedule;
+    file_microbatches = file.microbatches;
+    if (plan_use == "pipedream") {
+      if (!file.pipedream)
+        throw UsageError(path + " holds no PipeDream plan (no \"pipedream\" section): make it with pipetrain plan, "
+                         "which writes one when the PipeDream planner finds a feasible plan, or drop --plan-use");
+      plan = *file.pipedream;
+      file_schedule = file.pipedream_schedule;
+      file_microbatches = file.pipedream_microbatches;
+    }
+  } catch (const std::exception& e) {  // parse time: report as a usage error (exit 2)
+    throw CLI::ValidationError("--plan", e.what());
+  }
+  // Replication: unequal (PipeDream's plans, e.g. 3,1) runs as 1F1B-RR over each stage's replicas
+  // (--replication); equal replication R > 1 as R copies of the pipeline (--replicas).
+  const bool unequal = std::any_of(plan.replication.begin(), plan.replication.end(),
+                                   [&](int r) { return r != plan.replication.front(); });
+  std::string counts;
+  int workers = 0, lcm = 1;
+  for (int r : plan.replication) {
+    counts += (counts.empty() ? "" : ",") + std::to_string(r);
+    workers += r;
+    lcm = std::lcm(lcm, r);
+  }
+  if (unequal) {
+    if (given("--replication") && replication_counts() != plan.replication)
+      throw CLI::ValidationError("--plan", path + " replicates its stages " + counts + " but --replication is " +
+                                                 replication + ": drop --replication");
+    if (given("--replicas") && replicas != 1)
+      throw CLI::ValidationError("--plan", path + " replicates its stages unequally (" + counts +
+                                                 "), which does not combine with --replicas: drop --replicas");
+    replication = counts;
+  } else {
+    if (given("--replication"))
+      throw CLI::ValidationError("--plan", path + " does not replicate its stages unequally, but --replication " +
+                                                 replication + " does: drop --replication (or --plan)");
+    if (!plan.replication.empty() && plan.replication.front() > 1) {
+      if (given("--replicas") && replicas != plan.replication.front())
+        throw CLI::ValidationError("--plan", path + " replicates every stage " +
+                                                   std::to_string(plan.replication.front()) + " times but --replicas is " +
+                                                   std::to_string(replicas));
+      replicas = plan.replication.front();
+    }
+  }
+  const int p = static_cast<int>(plan.balance.size());
+  if (given("--stages") && stages != p)
+    throw CLI::ValidationError("--plan", path + " has " + std::to_string(p) + " stages but --stages is " +
+                                             std::to_string(stages) + ": drop --stages or plan for " +
+                                             std::to_string(stages) + " ranks");
+  stages = p;
+  if (!given("--balance")) {
+    balance.clear();
+    for (int n : plan.balance) balance += (balance.empty() ? "" : ",") + std::to_string(n);
+  }
+  // The schedule and micro-batches the file records (pipetrain plan writes them for both parts). A
+  // replicated plan without them runs 1F1B-RR with a multiple of every replica count (equal shares)
+  // that is at least twice the ranks, so the pipeline fills.
+  if (!given("--schedule")) {
+    if (!file_schedule.empty())
+      schedule = file_schedule;
+    else if (unequal)
+      schedule = "1f1b";
+  }
+  if (!given("--microbatches")) {
+    if (file_microbatches > 0)
+      microbatches = file_microbatches;
+    else if (unequal)
+      microbatches = (2 * workers + lcm - 1) / lcm * lcm;
+  }
+  // UMPIPE partitions, if the chosen plan has them (not the PipeDream section: the partitions belong to
+  // the top-level balance); prepare_umpipe decides whether they run (--umpipe).
+  umpipe_section = nlohmann::json();
+  plan_batch_size = 0;
+  plan_balance = plan.balance;
+  if (plan_use != "pipedream") {
+    plan_batch_size = file.batch_size;
+    umpipe_section = file.umpipe;
+  }
+}
+
+void PipelineFlags::add_umpipe_to(CLI::App& app) {
+  app.add_option("--umpipe", umpipe,
+                 "with a plan from pipetrain plan --planner umpipe: whose unequal micro-batches per stage to run, dgap "
+                 "(the default), equal, local-greedy or global-dp; off runs the plan as a normal pipeline");
+}
+
+void PipelineFlags::prepare_umpipe(const CLI::App& app, int64_t batch_size) {
+  umpipe_chosen.reset();
+  static const std::vector<std::string> planners{"dgap", "equal", "local-greedy", "global-dp"};
+  if (umpipe != "auto" && umpipe != "off" && std::find(planners.begin(), planners.end(), umpipe) == planners.end())
+    throw UsageError("unknown --umpipe '" + umpipe + "': use dgap, equal, local-greedy, global-dp or off");
+  if (umpipe == "off") return;
+  if (umpipe_section.is_null()) {
+    if (umpipe == "auto") return;
+    if (plan_file.empty())
+      throw UsageError("--umpipe " + umpipe + " runs the partitions of a plan: pass --plan FILE from pipetrain plan "
+                       "--planner umpipe");
+    throw UsageError("--plan " + plan_file + " has no UMPIPE partitions: make it with pipetrain plan --planner umpipe, "
+                     "or drop --umpipe");
+  }
+  const std::string name = umpipe == "auto" ? "dgap" : umpipe;
+  nlohmann::json chosen;
+  const nlohmann::json& all = umpipe_section.contains("planners") ? umpipe_section["planners"] : nlohmann::json();
+  if (all.is_object() && all.contains(name))
+    chosen = all[name];
+  else if (umpipe_section.value("planner", std::string()) == name)
+    chosen = umpipe_section;
+  if (chosen.is_null()) {
+    std::string have;
+    if (all.is_object())
+      for (const auto& item : all.items()) have += (have.empty() ? "" : ", ") + item.key();
+    if (have.empty()) have = umpipe_section.value("planner", std::string("?"));
+    throw UsageError("--plan " + plan_file + " holds no '" + name + "' UMPIPE partitions (it has " + have +
+                     "): pick one of those with --umpipe, or plan again with pipetrain plan --planner umpipe");
+  }
+  auto result = std::make_shared<UmpipeResult>(umpipe_result_from_json(chosen, plan_file + ": umpipe " + name));
+  if (!umpipe_section.value("rematerialise", false))
+    throw UsageError("--plan " + plan_file + ": its UMPIPE partitions were planned without re-materialisation (the "
+                     "backward times leave out the recompute), but the runtime always re-materialises: plan again "
+                     "without --no-rematerialise, or pass --umpipe off");
+  int64_t samples = 0;
+  for (int b : result->plan.forward.front()) samples += b;
+  if (static_cast<int>(result->plan.forward.size()) != stages)
+    throw UsageError(fmt::format("--plan {}: its UMPIPE partitions are for {} stages but the run has {}: drop --stages "
+                                 "or plan for {} ranks",
+                                 plan_file, result->plan.forward.size(), stages, stages));
+  if (samples != batch_size)
+    throw UsageError(fmt::format("--plan {} cuts mini-batches of {} samples (its UMPIPE partitions) but --batch-size is "
+                                 "{}: pass --batch-size {}, plan with --batch-size {}, or pass --umpipe off",
+                                 plan_file, samples, batch_size, samples, batch_size));
+  if (replicas != 1)
+    throw UsageError("UMPIPE partitions run on one pipeline, but --replicas is " + std::to_string(replicas) +
+                     ": drop --replicas or pass --umpipe off");
+  if (virtual_stages != 1)
+    throw UsageError("UMPIPE partitions run one stage per rank, but --virtual is " + std::to_string(virtual_stages) +
+                     ": drop --virtual or pass --umpipe off");
+  if (app.get_option("--schedule")->count() > 0 && schedule != "gpipe")
+    throw UsageError("UMPIPE partitions run in GPipe order (all forwards, then all backwards), not --schedule " +
+                     schedule + ": drop --schedule or pass --umpipe off");
+  schedule = "gpipe";
+  std::string planned;
+  for (int n : plan_balance) planned += (planned.empty() ? "" : ",") + std::to_string(n);
+  if (balance != planned)
+    throw UsageError("--plan " + plan_file + "'s UMPIPE partitions were planned for balance " + planned +
+                     ", not --balance " + balance + ": drop --balance or pass --umpipe off");
+  umpipe_chosen = result;
+}
+
+}  // namespace pipetrain::cli
