@@ -177,24 +177,29 @@ double RuntimeCosts::transfer_ms(double bytes) const {
 
 RuntimeCosts fit_transfers(const std::vector<TransferSample>& samples) {
   if (samples.empty()) throw UsageError("fitting transfer costs needs at least one measured message size");
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  // Weighted by 1 / time^2, i.e. relative errors: sizes span four orders of magnitude, and plain least
+  // squares would fit the largest message and miss the small ones' latency by far.
+  double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0, mean = 0;
   for (const TransferSample& t : samples) {
     if (!std::isfinite(t.bytes) || !std::isfinite(t.one_way_ms) || t.bytes < 0 || t.one_way_ms < 0)
       throw UsageError(fmt::format("transfer sample ({} bytes, {} ms) must be finite and >= 0", t.bytes, t.one_way_ms));
-    sx += t.bytes;
-    sy += t.one_way_ms;
-    sxx += t.bytes * t.bytes;
-    sxy += t.bytes * t.one_way_ms;
+    const double w = 1.0 / std::max(t.one_way_ms * t.one_way_ms, 1e-12);
+    sw += w;
+    sx += w * t.bytes;
+    sy += w * t.one_way_ms;
+    sxx += w * t.bytes * t.bytes;
+    sxy += w * t.bytes * t.one_way_ms;
+    mean += t.one_way_ms / static_cast<double>(samples.size());
   }
   RuntimeCosts rc;
   rc.transfers = samples;
-  const double n = static_cast<double>(samples.size()), den = n * sxx - sx * sx;
-  const double slope = den > 1e-9 * std::max(1.0, sxx * n) ? (n * sxy - sx * sy) / den : 0.0;
+  const double den = sw * sxx - sx * sx;
+  const double slope = den > 1e-9 * sw * sxx ? (sw * sxy - sx * sy) / den : 0.0;
   if (slope > 0) {
     rc.bandwidth_bytes_per_ms = 1.0 / slope;
-    rc.latency_ms = std::max(0.0, (sy - slope * sx) / n);
+    rc.latency_ms = std::max(0.0, (sy - slope * sx) / sw);
   } else {
-    rc.latency_ms = sy / n;  // no measurable growth with size: the mean time is the latency
+    rc.latency_ms = mean;  // no measurable growth with size: the mean time is the latency
   }
   return rc;
 }

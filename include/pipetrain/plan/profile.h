@@ -65,9 +65,11 @@ struct RuntimeCosts {
   double transfer_ms(double bytes) const;
 };
 
-// Least-squares line one_way_ms = latency + bytes / bandwidth through the samples: the intercept is the
-// latency (clamped at 0), the inverse slope the bandwidth (0, unlimited, when the slope is not positive).
-// One sample, or samples of one size: its time is the latency and the bandwidth is unlimited. Throws
+// Least-squares line one_way_ms = latency + bytes / bandwidth through the samples, in relative error
+// (each weighted by 1 / its time^2, so small messages' latency counts as much as large ones' bandwidth):
+// the intercept is the latency (clamped at 0), the inverse slope the bandwidth (0, unlimited, when the
+// slope is not positive; the latency is then the mean time). One sample, or samples of one size: its
+// time is the latency and the bandwidth is unlimited. Throws
 // UsageError if there are no samples or one is negative or not finite.
 RuntimeCosts fit_transfers(const std::vector<TransferSample>& samples);
 
