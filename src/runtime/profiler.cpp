@@ -6,7 +6,7 @@
 #include <chrono>
 
 #include "pipetrain/core/error.h"
-#include "pipetrain/core/simulate.h"
+#include "pipetrain/core/timeline.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/transport.h"
 #include "pipetrain/runtime/split_linear.h"
@@ -230,44 +230,17 @@ RuntimeCosts profile_runtime(const std::shared_ptr<Transport>& transport, const 
   po.optimizer.lr = 1e-3;
   PipelineRank rank(unit_layers(p), squared_error, transport, po);
   const torch::Tensor x = torch::ones({o.microbatches, 1}), y = torch::zeros({o.microbatches, 1});
-  std::vector<double> step_ms, optimizer_ms;
+  // Per step, this rank's time between its actions (measured_runtime: neither compute, receive nor
+  // Step) over its compute actions; the median over steps, then the mean over ranks.
+  std::vector<double> per_step;
   for (int k = 0; k < o.warmup + o.steps; ++k) {
     t.barrier();
-    const double t0 = now_ms();
     const StepStats stats = rank.train_step(x, y, o.microbatches);
-    if (k < o.warmup) continue;
-    step_ms.push_back(now_ms() - t0);
-    for (const TimedAction& e : stats.timeline.events)
-      if (e.action.kind == ActionKind::Step) optimizer_ms.push_back(e.end - e.start);
+    if (k >= o.warmup) per_step.push_back(measured_runtime(stats.timeline).overhead);
   }
-  t.barrier();
-  double overhead = 0;
-  if (t.rank() == 0) {
-    // The same layers' own compute, as the layer profiler measures it (the last with the loss).
-    ProfilerOptions lo;
-    lo.loss = squared_error;
-    lo.target = torch::zeros({1, 1});
-    const Profile layers = profile_model(unit_layers(p), torch::ones({1, 1}), lo);
-    CostModel costs;
-    for (const LayerProfile& l : layers.layers) costs.stage.push_back(StageCost{l.forward_ms, l.backward_ms, 0.0, 1.0});
-    costs.comm = rc.transfer_ms(4);
-    costs.step = median(optimizer_ms);  // the optimizer step and the flush's reductions are not overhead
-    const Schedule& plain = rank.schedule();
-    const double target = median(step_ms);
-    auto makespan = [&](double x) {
-      costs.overhead = x;
-      return simulate(plain, costs).metrics.makespan;
-    };
-    if (makespan(0) < target) {
-      double lo_x = 0, hi_x = target;
-      for (int k = 0; k < 60; ++k) {
-        const double mid = 0.5 * (lo_x + hi_x);
-        (makespan(mid) < target ? lo_x : hi_x) = mid;
-      }
-      overhead = 0.5 * (lo_x + hi_x);
-    }
-  }
-  rc.overhead_ms = from_rank0(t, {overhead})[0];
+  torch::Tensor mean = torch::full({1}, median(per_step) / p, torch::kDouble);
+  t.all_reduce_sum(mean);
+  rc.overhead_ms = mean.item<double>();
   return rc;
 }
 

@@ -49,13 +49,11 @@ class Transport;
 //    bandwidth (fit_transfers);
 //  - overhead: every rank runs `steps` steps of `schedule` with `microbatches` micro-batches of one
 //    sample on a model of one 1x1 linear layer per rank (near-empty layers, as
-//    bench/executor_overhead.cpp does); the overhead is what the simulator must add to each compute
-//    action so that the schedule, costed with those layers' own measured compute and the measured
-//    transfer latency, takes rank 0's median step time (found by bisection; 0 when the compute and
-//    transfers alone already explain it). The optimizer step and the flush's reductions are part of
-//    what it explains.
+//    bench/executor_overhead.cpp does); per step and rank, the time between its recorded actions (not
+//    compute, receives or the Step: measured_runtime in core/timeline.h) over its compute actions; the
+//    median over steps, averaged over the ranks (the train summary's definition of the term).
 // Collective over every rank of `transport` (at least 2); returns the same costs on every rank (rank
-// 0's measurement). `name` is recorded as RuntimeCosts::transport. Throws UsageError on bad options.
+// 0's transfer samples). `name` is recorded as RuntimeCosts::transport. Throws UsageError on bad options.
 struct RuntimeProfilerOptions {
   std::vector<int64_t> sizes{64, 4096, 65536, 1048576};  // bytes per message (multiples of 4)
   int iters = 50;
