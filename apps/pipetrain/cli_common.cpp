@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <iostream>
+#include <tuple>
 
 #include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
@@ -41,8 +42,12 @@ void ScheduleFlags::add_to(CLI::App& app) {
                  "with --profile of a PipeDream graph file: the batch it was profiled at (its format does not record "
                  "it; VGG-16's: 128)");
   app.add_option("--microbatch-size", microbatch_size, "with --profile: samples per micro-batch; default the profile's");
-  app.add_option("--bandwidth", bandwidth_gbps, "with --profile: GB/s between ranks; default: transfers cost the latency only");
-  app.add_option("--latency", latency_us, "with --profile: microseconds per transfer, default 0");
+  bandwidth_option = app.add_option("--bandwidth", bandwidth_gbps,
+                                    "with --profile: GB/s between ranks; default: the profile's measured bandwidth, "
+                                    "else transfers cost the latency only");
+  latency_option = app.add_option("--latency", latency_us,
+                                  "with --profile: microseconds per transfer; default: the profile's measured latency, "
+                                  "else 0");
   app.add_option("--memory-limit", memory_limit,
                  "activation memory limit per rank, in micro-batches: checked for every schedule, and the "
                  "target of zb-auto (default for zb-auto: p)");
@@ -121,16 +126,22 @@ Profile ScheduleFlags::load_profile_flags() const {
   return p;
 }
 
+std::pair<double, double> ScheduleFlags::transfer_options(const Profile& p) const {
+  if (bandwidth_gbps < 0 || latency_us < 0) throw UsageError("--bandwidth and --latency must be >= 0");
+  const bool given = (bandwidth_option && bandwidth_option->count() > 0) || (latency_option && latency_option->count() > 0);
+  if (!given)
+    if (const auto t = profile_transfers(p)) return {t->bandwidth_bytes_per_ms, t->latency_ms};
+  return {bandwidth_gbps * 1e6, latency_us / 1e3};
+}
+
 CostModel ScheduleFlags::profile_costs(int total_stages) const {
   const Profile p = load_profile_flags();
   if (microbatch_size < 0) throw UsageError("--microbatch-size must be > 0");
-  if (bandwidth_gbps < 0 || latency_us < 0) throw UsageError("--bandwidth and --latency must be >= 0");
   const std::vector<int> b = plan_balance(p, total_stages, balance, parse_balance_solver(balance_solver));
   StageCostOptions o;
   o.micro_batch = microbatch_size > 0 ? microbatch_size : p.micro_batch_size;
-  o.bandwidth_bytes_per_ms = bandwidth_gbps * 1e6;
-  o.latency_ms = latency_us / 1e3;
-  return stage_costs(p, b, o);
+  std::tie(o.bandwidth_bytes_per_ms, o.latency_ms) = transfer_options(p);
+  return stage_costs(p, b, o);  // with the profile's per-action overhead, if it has one
 }
 
 CostModel ScheduleFlags::costs(const Schedule& s) const {
@@ -140,8 +151,9 @@ CostModel ScheduleFlags::costs(const Schedule& s) const {
       const Profile p = load_profile_flags();
       std::vector<int> counts;
       for (int st = 0; st < s.stages; ++st) counts.push_back(s.replicas_of(st));
+      const auto [bandwidth, latency] = transfer_options(p);
       c.stage_step = replica_allreduce_ms(p, plan_balance(p, s.stages, balance, parse_balance_solver(balance_solver)),
-                                          counts, bandwidth_gbps * 1e6, latency_us / 1e3);
+                                          counts, bandwidth, latency);
     }
     return c;
   }

@@ -41,6 +41,11 @@ struct ScheduleFlags {
   CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
   CLI::Option* microbatches_option = nullptr;
   CLI::Option* pipedream_batch_option = nullptr;  // tells "not given" from "0"
+  CLI::Option* bandwidth_option = nullptr;        // --bandwidth or --latency given: they win over the
+  CLI::Option* latency_option = nullptr;          // profile's measured runtime costs
+  // Transfer bandwidth (bytes/ms) and latency (ms) for profile `p`: --bandwidth and --latency when either
+  // is given, else the profile's measured runtime costs (pipetrain profile --transport), else free.
+  std::pair<double, double> transfer_options(const Profile& p) const;
 
   void add_to(CLI::App& app);
   // Builds (or loads) and validates the schedule. Throws UsageError / ScheduleError on bad input.

@@ -86,8 +86,11 @@ void add_plan_command(CLI::App& app, int& exit_code) {
                                              "from a profile");
   cmd->add_option("--profile", f->profile, "profile: pipetrain profile's JSON, or PipeDream's graph text")->required();
   cmd->add_option("--ranks,-p", f->ranks, "ranks (devices) to plan for, default 2");
-  cmd->add_option("--bandwidth", f->bandwidth_gbps, "GB/s between ranks, default 10");
-  cmd->add_option("--latency", f->latency_us, "microseconds per transfer between ranks, default 50");
+  cmd->add_option("--bandwidth", f->bandwidth_gbps,
+                  "GB/s between ranks; default: the profile's measured bandwidth (pipetrain profile --transport), "
+                  "else 10");
+  cmd->add_option("--latency", f->latency_us,
+                  "microseconds per transfer between ranks; default: the profile's measured latency, else 50");
   cmd->add_flag("--pipedream-states", f->pipedream_states,
                 "read a PipeDream graph file one layer per node, each carrying what crosses the cut after it, as "
                 "PipeDream's planner does (VGG-16: its 40 states; default: chains folded, 39 layers)");
@@ -150,6 +153,17 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         if (f->pipedream_batch > 0) po.micro_batch_size = f->pipedream_batch;
         po.planner_states = f->pipedream_states;
         prof = load_pipedream_graph(f->profile, po);
+      }
+      // A profile with measured runtime costs gives the transfers (unless --bandwidth or --latency is given)
+      // and the per-action overhead (stage_costs reads it) to every candidate's simulation.
+      const bool transfers_given =
+          cmd->get_option("--bandwidth")->count() > 0 || cmd->get_option("--latency")->count() > 0;
+      if (const auto t = profile_transfers(prof); t && !transfers_given) {
+        f->bandwidth_gbps = t->bandwidth_bytes_per_ms / 1e6;
+        f->latency_us = t->latency_ms * 1e3;
+        std::cout << fmt::format("transfers and overhead as measured over {}: {:.2f} us + bytes at {:.3g} GB/s, {:.2f} us "
+                                 "per compute action\n",
+                                 prof.runtime->transport, f->latency_us, f->bandwidth_gbps, prof.runtime->overhead_ms * 1e3);
       }
       const int layers = static_cast<int>(prof.layers.size());
       const double limit = f->memory_gib * 1073741824.0;

@@ -1,5 +1,7 @@
 // `pipetrain profile`: measures a model layer by layer (runtime/profiler.h) on a real batch of its data
-// and writes the JSON profile the planners read (docs/PROFILE.md), printing a table.
+// and writes the JSON profile the planners read (docs/PROFILE.md), printing a table. With --transport it
+// also measures, over two ranks of that transport, the transfer latency and bandwidth and the executor's
+// per-action overhead (profile_runtime), and writes them as the profile's "runtime".
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -16,18 +18,75 @@
 
 namespace pipetrain::cli {
 
+namespace {
+
+struct ProfileFlags {
+  ModelFlags model;
+  int micro_batch = 8;
+  int repeats = 10;
+  int warmup = 2;
+  int threads = 0;
+  std::string optimizer = "adam";
+  std::vector<int> sizes;
+  std::string out;
+  std::string transport;  // empty: compute only
+};
+
+// Profiles the layers, adds `runtime` when given, prints the table and writes --out.
+void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime) {
+  auto model = f.model.factory()();
+  auto data = f.model.dataset();
+  const zoo::Batch b = data->batch(0, f.micro_batch);
+  ProfilerOptions o;
+  o.repeats = f.repeats;
+  o.warmup = f.warmup;
+  o.optimizer = f.optimizer;
+  o.model_name = f.model.describe();
+  o.loss = f.model.loss();  // the last layer's times include the loss, as the last stage runs it
+  o.target = b.target;
+  std::vector<int> sizes = f.sizes;
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  o.extra_sizes = sizes;
+  Profile p = profile_model(model, b.input, o);
+  if (runtime) p.runtime = *runtime;
+  std::cout << fmt::format("profile of {}\n  micro-batch {}, {} threads, median of {} runs\n", p.model,
+                           p.micro_batch_size, p.threads, f.repeats);
+  std::cout << fmt::format("{:>3} {:<22} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}\n", "#", "layer", "F ms", "B ms",
+                           "W ms", "BW ms", "output KiB", "params KiB");
+  double tf = 0, tb = 0;
+  for (std::size_t i = 0; i < p.layers.size(); ++i) {
+    const LayerProfile& l = p.layers[i];
+    tf += l.forward_ms;
+    tb += l.backward_ms;
+    std::cout << fmt::format("{:>3} {:<22} {:>9.3f} {:>9} {:>9} {:>9.3f} {:>12.1f} {:>12.1f}\n", i, l.type,
+                             l.forward_ms, l.bw_split ? fmt::format("{:.3f}", l.input_grad_ms) : "-",
+                             l.bw_split ? fmt::format("{:.3f}", l.weight_grad_ms) : "-", l.backward_ms,
+                             l.activation_bytes / 1024.0, l.parameter_bytes / 1024.0);
+  }
+  std::cout << fmt::format("    total forward {:.3f} ms, backward {:.3f} ms\n", tf, tb);
+  if (runtime) {
+    std::cout << fmt::format("runtime over {} (2 ranks): one transfer = {:.2f} us + bytes at {}; overhead {:.2f} us per "
+                             "compute action\n",
+                             runtime->transport, runtime->latency_ms * 1e3,
+                             runtime->bandwidth_bytes_per_ms > 0
+                                 ? fmt::format("{:.2f} GB/s", runtime->bandwidth_bytes_per_ms / 1e6)
+                                 : std::string("no measurable cost per byte"),
+                             runtime->overhead_ms * 1e3);
+    for (const TransferSample& t : runtime->transfers)
+      std::cout << fmt::format("  {:>10.0f} bytes one way {:>9.2f} us (fit {:.2f} us)\n", t.bytes, t.one_way_ms * 1e3,
+                               runtime->transfer_ms(t.bytes) * 1e3);
+  }
+  if (!f.out.empty()) {
+    save_profile(f.out, p);
+    std::cout << "profile written to " << f.out << "\n";
+  }
+}
+
+}  // namespace
+
 void add_profile_command(CLI::App& app, int& exit_code) {
-  struct Flags {
-    ModelFlags model;
-    int micro_batch = 8;
-    int repeats = 10;
-    int warmup = 2;
-    int threads = 0;
-    std::string optimizer = "adam";
-    std::vector<int> sizes;
-    std::string out;
-  };
-  auto f = std::make_shared<Flags>();
+  auto f = std::make_shared<ProfileFlags>();
   CLI::App* cmd = app.add_subcommand("profile", "measure a model layer by layer and write a JSON profile for planning");
   f->model.add_to(*cmd);
   cmd->add_option("--microbatch-size", f->micro_batch, "samples per micro-batch to measure at, default 8");
@@ -37,10 +96,16 @@ void add_profile_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--optimizer", f->optimizer, "adam, adamw, sgd or sgd-momentum (optimizer state bytes); default adam");
   cmd->add_option("--sizes", f->sizes, "also measure at these micro-batch sizes (for UMPIPE), e.g. --sizes 1 2 4 16");
   cmd->add_option("--out", f->out, "write the profile JSON here");
+  cmd->add_option("--transport", f->transport,
+                  "also measure transfers (latency, bandwidth) and the executor's per-action overhead over two ranks "
+                  "of this transport: local (threads), shm or gloo (two processes started here), mpi (under mpirun "
+                  "-n 2); default: compute only")
+      ->check(CLI::IsMember({"local", "shm", "gloo", "mpi"}));
   cmd->footer(
       "Examples:\n"
       "  pipetrain profile --model gpt --microbatch-size 8 --out gpt.json\n"
       "  pipetrain profile --model cnn --microbatch-size 32 --threads 1 --sizes 8 16 64 --out cnn.json\n"
+      "  pipetrain profile --model mlp --microbatch-size 8 --threads 1 --transport shm --out mlp.json\n"
       "The JSON format is documented in docs/PROFILE.md.");
   cmd->callback([f, &exit_code] {
     exit_code = guarded("profile", [&] {
@@ -48,40 +113,22 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       if (f->threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(f->threads));
       if (f->threads > 0) at::set_num_threads(f->threads);
       f->model.prepare();
-      auto model = f->model.factory()();
-      auto data = f->model.dataset();
-      const zoo::Batch b = data->batch(0, f->micro_batch);
-      ProfilerOptions o;
-      o.repeats = f->repeats;
-      o.warmup = f->warmup;
-      o.optimizer = f->optimizer;
-      o.model_name = f->model.describe();
-      o.loss = f->model.loss();  // the last layer's times include the loss, as the last stage runs it
-      o.target = b.target;
-      std::vector<int> sizes = f->sizes;
-      std::sort(sizes.begin(), sizes.end());
-      sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-      o.extra_sizes = sizes;
-      const Profile p = profile_model(model, b.input, o);
-      std::cout << fmt::format("profile of {}\n  micro-batch {}, {} threads, median of {} runs\n", p.model,
-                               p.micro_batch_size, p.threads, f->repeats);
-      std::cout << fmt::format("{:>3} {:<22} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}\n", "#", "layer", "F ms", "B ms",
-                               "W ms", "BW ms", "output KiB", "params KiB");
-      double tf = 0, tb = 0;
-      for (std::size_t i = 0; i < p.layers.size(); ++i) {
-        const LayerProfile& l = p.layers[i];
-        tf += l.forward_ms;
-        tb += l.backward_ms;
-        std::cout << fmt::format("{:>3} {:<22} {:>9.3f} {:>9} {:>9} {:>9.3f} {:>12.1f} {:>12.1f}\n", i, l.type,
-                                 l.forward_ms, l.bw_split ? fmt::format("{:.3f}", l.input_grad_ms) : "-",
-                                 l.bw_split ? fmt::format("{:.3f}", l.weight_grad_ms) : "-", l.backward_ms,
-                                 l.activation_bytes / 1024.0, l.parameter_bytes / 1024.0);
+      const int threads = at::get_num_threads();  // the pipeline below runs one thread per rank
+      if (!f->transport.empty()) {
+        PipelineFlags ranks;  // two ranks of the transport: the runtime's costs, then rank 0 profiles the layers
+        ranks.stages = 2;
+        ranks.transport = f->transport;
+        return run_ranks(ranks, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) {
+          const RuntimeCosts rc = profile_runtime(t, f->transport);
+          if (t->rank() == 0) {
+            at::set_num_threads(threads);
+            profile_layers(*f, &rc);
+          }
+          t->barrier();  // rank 1 stays until rank 0 is done, so no transport sees its peer leave early
+          return 0;
+        });
       }
-      std::cout << fmt::format("    total forward {:.3f} ms, backward {:.3f} ms\n", tf, tb);
-      if (!f->out.empty()) {
-        save_profile(f->out, p);
-        std::cout << "profile written to " << f->out << "\n";
-      }
+      profile_layers(*f, nullptr);
       return 0;
     });
   });

@@ -221,7 +221,7 @@ void print_summary(const TrainFlags& f, PipelineRank& rank, const Transport& tra
         "{:.2f}\n",
         measured.makespan, measured.bubble_fraction, f.pipe.umpipe_chosen->planner, f.pipe.umpipe_chosen->step_ms, median,
         median > 0 ? f.pipe.umpipe_chosen->step_ms / median : 0.0);
-  else
+  else {
     std::cout << fmt::format(
         "  last {}: measured makespan {:.1f} ms, bubble fraction {:.3f}; simulated from measured stage costs: "
         "makespan {:.1f} ms, bubble fraction {:.3f}; efficiency (predicted/measured) {:.2f}\n",
@@ -229,6 +229,14 @@ void print_summary(const TrainFlags& f, PipelineRank& rank, const Transport& tra
         measured.makespan, measured.bubble_fraction, rep.predicted.metrics.makespan,
         rep.predicted.metrics.bubble_fraction,
         measured.makespan > 0 ? rep.predicted.metrics.makespan / measured.makespan : 0.0);
+    // The same simulation with the run's own transfer, overhead and step terms (docs/BENCHMARKS.md, issue 15).
+    const Metrics& full = rep.predicted_with_runtime.metrics;
+    std::cout << fmt::format(
+        "  with measured transfers {:.3f} ms ({} waiting receives), overhead {:.3f} ms per action and step {:.3f} ms: "
+        "makespan {:.1f} ms, bubble fraction {:.3f}; efficiency (predicted/measured) {:.2f}\n",
+        rep.runtime.transfer, rep.runtime.transfer_samples, rep.runtime.overhead, rep.runtime.step, full.makespan,
+        full.bubble_fraction, measured.makespan > 0 ? full.makespan / measured.makespan : 0.0);
+  }
   const bool shared = transport.shares_process();
   for (const RankMetrics& m : measured.per_rank)
     std::cout << fmt::format("  {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms; peak RSS {:.0f} MiB{}{}\n",

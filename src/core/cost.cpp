@@ -18,12 +18,12 @@ CostModel CostModel::uniform(int stages, StageCost per_stage, int virtual_per_ra
 
 double CostModel::duration(const Action& a) const {
   switch (a.kind) {
-    case ActionKind::F: return stage.at(static_cast<std::size_t>(a.stage)).f;
-    case ActionKind::B: return stage.at(static_cast<std::size_t>(a.stage)).b;
-    case ActionKind::W: return stage.at(static_cast<std::size_t>(a.stage)).w;
+    case ActionKind::F: return stage.at(static_cast<std::size_t>(a.stage)).f + overhead;
+    case ActionKind::B: return stage.at(static_cast<std::size_t>(a.stage)).b + overhead;
+    case ActionKind::W: return stage.at(static_cast<std::size_t>(a.stage)).w + overhead;
     case ActionKind::BW: {
       const StageCost& c = stage.at(static_cast<std::size_t>(a.stage));
-      return c.b + c.w;
+      return c.b + c.w + overhead;
     }
     case ActionKind::Step: return step + (stage_step.empty() ? 0.0 : stage_step.at(static_cast<std::size_t>(a.stage)));
     default: return comm;
@@ -56,6 +56,8 @@ void CostModel::check(int stages) const {
     }
   }
   if (bad(comm)) throw UsageError("communication cost " + std::to_string(comm) + " must be finite and >= 0");
+  if (bad(overhead))
+    throw UsageError("per-action overhead " + std::to_string(overhead) + " must be finite, >= 0 and at most 1e12");
   if (bad(step)) throw UsageError("step cost " + std::to_string(step) + " must be finite and >= 0");
   if (!stage_step.empty() && static_cast<int>(stage_step.size()) != stages)
     throw UsageError("the cost model has " + std::to_string(stage_step.size()) + " per-stage step costs but the "

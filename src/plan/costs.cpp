@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <utility>
 
 #include "pipetrain/core/error.h"
@@ -51,7 +52,17 @@ CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, cons
   costs.comm = balance.size() > 1
                    ? o.latency_ms + (o.bandwidth_bytes_per_ms > 0 ? boundary / o.bandwidth_bytes_per_ms : 0.0)
                    : 0.0;
+  costs.overhead = o.overhead_ms ? *o.overhead_ms : prof.runtime ? prof.runtime->overhead_ms : 0.0;
   return costs;
+}
+
+std::optional<TransferOptions> profile_transfers(const Profile& prof) {
+  if (!prof.runtime) return std::nullopt;
+  TransferOptions t;
+  t.latency_ms = prof.runtime->latency_ms;
+  t.bandwidth_bytes_per_ms =
+      prof.runtime->bandwidth_bytes_per_ms > 0 ? prof.runtime->bandwidth_bytes_per_ms : std::numeric_limits<double>::max();
+  return t;
 }
 
 std::vector<double> stage_static_bytes(const Profile& prof, const std::vector<int>& balance) {

@@ -156,6 +156,52 @@ void validate_profile(const Profile& p, const std::string& origin) {
       check_amount(origin, sat + ".backward_ms", s.backward_ms, "milliseconds");
     }
   }
+  if (p.runtime) {
+    const RuntimeCosts& rc = *p.runtime;
+    if (rc.transport.empty())
+      fail(origin, "runtime.transport", "is empty", "name the transport that was measured (local, gloo, shm or mpi)");
+    check_amount(origin, "runtime.latency_ms", rc.latency_ms, "milliseconds");
+    check_amount(origin, "runtime.bandwidth_bytes_per_ms", rc.bandwidth_bytes_per_ms, "bytes per millisecond");
+    check_amount(origin, "runtime.overhead_ms", rc.overhead_ms, "milliseconds");
+    for (std::size_t k = 0; k < rc.transfers.size(); ++k) {
+      check_amount(origin, fmt::format("runtime.transfers[{}].bytes", k), rc.transfers[k].bytes, "bytes");
+      check_amount(origin, fmt::format("runtime.transfers[{}].one_way_ms", k), rc.transfers[k].one_way_ms,
+                   "milliseconds");
+    }
+  }
+}
+
+double RuntimeCosts::transfer_ms(double bytes) const {
+  return latency_ms + (bandwidth_bytes_per_ms > 0 ? bytes / bandwidth_bytes_per_ms : 0.0);
+}
+
+RuntimeCosts fit_transfers(const std::vector<TransferSample>& samples) {
+  if (samples.empty()) throw UsageError("fitting transfer costs needs at least one measured message size");
+  // Weighted by 1 / time^2, i.e. relative errors: sizes span four orders of magnitude, and plain least
+  // squares would fit the largest message and miss the small ones' latency by far.
+  double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0, mean = 0;
+  for (const TransferSample& t : samples) {
+    if (!std::isfinite(t.bytes) || !std::isfinite(t.one_way_ms) || t.bytes < 0 || t.one_way_ms < 0)
+      throw UsageError(fmt::format("transfer sample ({} bytes, {} ms) must be finite and >= 0", t.bytes, t.one_way_ms));
+    const double w = 1.0 / std::max(t.one_way_ms * t.one_way_ms, 1e-12);
+    sw += w;
+    sx += w * t.bytes;
+    sy += w * t.one_way_ms;
+    sxx += w * t.bytes * t.bytes;
+    sxy += w * t.bytes * t.one_way_ms;
+    mean += t.one_way_ms / static_cast<double>(samples.size());
+  }
+  RuntimeCosts rc;
+  rc.transfers = samples;
+  const double den = sw * sxx - sx * sx;
+  const double slope = den > 1e-9 * sw * sxx ? (sw * sxy - sx * sy) / den : 0.0;
+  if (slope > 0) {
+    rc.bandwidth_bytes_per_ms = 1.0 / slope;
+    rc.latency_ms = std::max(0.0, (sy - slope * sx) / sw);
+  } else {
+    rc.latency_ms = mean;  // no measurable growth with size: the mean time is the latency
+  }
+  return rc;
 }
 
 json profile_to_json(const Profile& p) {
@@ -189,6 +235,19 @@ json profile_to_json(const Profile& p) {
             {"threads", p.threads}};
   if (!p.source.empty()) j["source"] = p.source;
   j["layers"] = layers;
+  if (p.runtime) {
+    const RuntimeCosts& rc = *p.runtime;
+    json transfers = json::array();
+    for (const TransferSample& t : rc.transfers)
+      transfers.push_back({{"bytes", amount(t.bytes)}, {"one_way_ms", t.one_way_ms}});
+    j["runtime"] = {{"transport", rc.transport},
+                    {"latency_ms", rc.latency_ms},
+                    {"bandwidth_bytes_per_ms", rc.bandwidth_bytes_per_ms},
+                    {"overhead_ms", rc.overhead_ms},
+                    {"transfers", transfers}};
+  } else {
+    j["version"] = 1;  // what version 1 readers read: nothing of version 2 is in it
+  }
   return j;
 }
 
@@ -196,7 +255,7 @@ Profile profile_from_json(const json& j, const std::string& origin) {
   const Reader r{origin};
   r.object(j, "the top level");
   r.only_keys(j, "the top level",
-              {"format", "version", "model", "micro_batch_size", "threads", "source", "meta", "layers"});
+              {"format", "version", "model", "micro_batch_size", "threads", "source", "meta", "layers", "runtime"});
   const std::string format = r.text(j, "the top level", "format");
   if (format != kProfileFormat)
     fail(origin, "format", "is \"" + format + "\"",
@@ -266,6 +325,31 @@ Profile profile_from_json(const json& j, const std::string& origin) {
       }
     }
     p.layers.push_back(std::move(l));
+  }
+  if (j.contains("runtime")) {
+    if (version.get<long long>() < 2)
+      fail(origin, "runtime", "is given in a version 1 profile", "write \"version\": 2 (runtime costs came with it)");
+    const json& o = j["runtime"];
+    r.object(o, "runtime");
+    r.only_keys(o, "runtime", {"transport", "latency_ms", "bandwidth_bytes_per_ms", "overhead_ms", "transfers"});
+    RuntimeCosts rc;
+    rc.transport = r.text(o, "runtime", "transport");
+    rc.latency_ms = r.number(o, "runtime", "latency_ms", "milliseconds");
+    rc.bandwidth_bytes_per_ms = r.number(o, "runtime", "bandwidth_bytes_per_ms", "bytes per millisecond");
+    rc.overhead_ms = r.number(o, "runtime", "overhead_ms", "milliseconds");
+    if (o.contains("transfers")) {
+      const json& ts = o["transfers"];
+      if (!ts.is_array())
+        fail(origin, "runtime.transfers", "is " + ts.dump(), "write an array of {\"bytes\", \"one_way_ms\"} objects");
+      for (std::size_t k = 0; k < ts.size(); ++k) {
+        const std::string at = fmt::format("runtime.transfers[{}]", k);
+        r.object(ts[k], at);
+        r.only_keys(ts[k], at, {"bytes", "one_way_ms"});
+        rc.transfers.push_back(TransferSample{r.number(ts[k], at, "bytes", "bytes"),
+                                              r.number(ts[k], at, "one_way_ms", "milliseconds")});
+      }
+    }
+    p.runtime = std::move(rc);
   }
   validate_profile(p, origin);
   return p;

@@ -6,6 +6,9 @@
 #include <chrono>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/timeline.h"
+#include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/transport.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "pipetrain/runtime/stage.h"
 
@@ -163,6 +166,87 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
   model->zero_grad();
   validate_profile(p, "measured profile");
   return p;
+}
+
+namespace {
+
+torch::nn::Sequential unit_layers(int n) {
+  torch::manual_seed(1);
+  torch::nn::Sequential m;
+  for (int i = 0; i < n; ++i) m->push_back(torch::nn::Linear(1, 1));
+  return m;
+}
+
+torch::Tensor squared_error(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
+
+// One value from rank 0 to every rank (an all-reduce of rank 0's value and zeros).
+std::vector<double> from_rank0(Transport& t, const std::vector<double>& mine) {
+  torch::Tensor v = torch::zeros({static_cast<int64_t>(mine.size())}, torch::kDouble);
+  if (t.rank() == 0)
+    for (std::size_t k = 0; k < mine.size(); ++k) v[static_cast<int64_t>(k)] = mine[k];
+  t.all_reduce_sum(v);
+  std::vector<double> out;
+  for (std::size_t k = 0; k < mine.size(); ++k) out.push_back(v[static_cast<int64_t>(k)].item<double>());
+  return out;
+}
+
+}  // namespace
+
+RuntimeCosts profile_runtime(const std::shared_ptr<Transport>& transport, const std::string& name,
+                             const RuntimeProfilerOptions& o) {
+  Transport& t = *transport;
+  const int p = t.world_size();
+  if (p < 2) throw UsageError("measuring transfers needs at least 2 ranks, the transport has " + std::to_string(p));
+  if (o.iters < 1 || o.warmup < 0 || o.steps < 1 || o.microbatches < 1)
+    throw UsageError("runtime profiling needs iters, steps and micro-batches >= 1 and warm-up >= 0");
+  if (o.sizes.empty()) throw UsageError("runtime profiling needs at least one message size");
+  for (int64_t b : o.sizes)
+    if (b < 4 || b % 4 != 0)
+      throw UsageError("message size " + std::to_string(b) + " bytes must be a multiple of 4 (float tensors), >= 4");
+
+  // Transfers: ping-pong between ranks 0 and 1; the other ranks wait at the barrier.
+  std::vector<TransferSample> samples;
+  for (int64_t bytes : o.sizes) {
+    torch::Tensor x = torch::ones({bytes / 4}, torch::kFloat);
+    std::vector<double> rtt;
+    t.barrier();
+    for (int i = 0; i < o.warmup + o.iters; ++i) {
+      if (t.rank() == 0) {
+        const double t0 = now_ms();
+        t.send(x, 1, 7);
+        t.recv(x, 1, 7);
+        if (i >= o.warmup) rtt.push_back(now_ms() - t0);
+      } else if (t.rank() == 1) {
+        t.recv(x, 0, 7);
+        t.send(x, 0, 7);
+      }
+    }
+    const double one_way = from_rank0(t, {t.rank() == 0 ? median(rtt) / 2 : 0.0})[0];
+    samples.push_back(TransferSample{static_cast<double>(bytes), one_way});
+  }
+  RuntimeCosts rc = fit_transfers(samples);
+  rc.transport = name;
+
+  // Overhead: a pipeline of 1x1 layers, one per rank, micro-batches of one sample.
+  PipelineOptions po;
+  po.schedule = o.schedule;
+  po.microbatches = o.microbatches;
+  po.threads = 1;
+  po.optimizer.lr = 1e-3;
+  PipelineRank rank(unit_layers(p), squared_error, transport, po);
+  const torch::Tensor x = torch::ones({o.microbatches, 1}), y = torch::zeros({o.microbatches, 1});
+  // Per step, this rank's time between its actions (measured_runtime: neither compute, receive nor
+  // Step) over its compute actions; the median over steps, then the mean over ranks.
+  std::vector<double> per_step;
+  for (int k = 0; k < o.warmup + o.steps; ++k) {
+    t.barrier();
+    const StepStats stats = rank.train_step(x, y, o.microbatches);
+    if (k >= o.warmup) per_step.push_back(measured_runtime(stats.timeline).overhead);
+  }
+  torch::Tensor mean = torch::full({1}, median(per_step) / p, torch::kDouble);
+  t.all_reduce_sum(mean);
+  rc.overhead_ms = mean.item<double>();
+  return rc;
 }
 
 }  // namespace pipetrain

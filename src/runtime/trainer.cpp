@@ -317,6 +317,8 @@ RunReport Trainer::report(const TrainResult& result) {
   rep.measured = compute_metrics(rep.timeline);
   const Schedule plain = strip_communication(rank_.schedule_for(std::max(1, result.last.steps)));
   rep.predicted = simulate(plain, measured_costs(rep.timeline, plain.stages));
+  rep.runtime = measured_runtime(rep.timeline);
+  rep.predicted_with_runtime = simulate(plain, measured_costs_with_runtime(rep.timeline, plain.stages));
   return rep;
 }
 

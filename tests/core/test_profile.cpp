@@ -153,7 +153,7 @@ TEST(Profile, StrictReaderNamesFieldLayerAndFix) {
       {[](json& j) { j["layers"][1]["foward_ms"] = 1; }, {"layers[1] (\"fc\")", "unknown field \"foward_ms\""}},
       {[](json& j) { j["extra"] = 1; }, {"unknown field \"extra\""}},
       {[](json& j) { j["format"] = "pipedream"; }, {"format", "\"pipetrain-profile\""}},
-      {[](json& j) { j["version"] = 2; }, {"version", "is 2", "reads versions 1..1"}},
+      {[](json& j) { j["version"] = 3; }, {"version", "is 3", "reads versions 1..2"}},
       {[](json& j) { j.erase("version"); }, {"\"version\" is missing"}},
       {[](json& j) { j["micro_batch_size"] = 0; }, {"micro_batch_size", "is 0", ">= 1"}},
       {[](json& j) { j["threads"] = 1.5; }, {"threads", "write an integer"}},

@@ -33,12 +33,17 @@ struct CostModel {
   // Empty: none; otherwise one entry per stage.
   std::vector<double> stage_step;
   double b_release_fraction = 0.5;  // share of a micro-batch's activation memory that B frees
+  // The runtime's own time per compute action (F, B, W, BW; a fused BW is one action): the interpreter's
+  // work between actions, measured on empty layers (`pipetrain profile --transport`) or from a run's
+  // timeline. Added to each compute action's duration; 0 (the default) leaves the compute times alone.
+  double overhead = 0.0;
 
   // Every one of `stages` virtual stages costs `per_stage` split evenly over `virtual_per_rank` chunks
   // (an interleaved chunk holds 1/v of a rank's layers, so its times and memory are 1/v).
   static CostModel uniform(int stages, StageCost per_stage, int virtual_per_rank = 1, double comm = 0.0);
 
-  // Time of one action on its stage; communication and Step actions cost `comm` and `step`.
+  // Time of one action on its stage (compute actions: their cost plus `overhead`); communication and
+  // Step actions cost `comm` and `step`.
   double duration(const Action& a) const;
   // Change of the rank's activation memory when the action runs (positive for F).
   double memory_delta(const Action& a) const;

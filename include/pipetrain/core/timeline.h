@@ -84,4 +84,27 @@ std::string ascii_gantt(const Timeline& t, double chars_per_unit = 2.0);
 // The simulator given it predicts what the run would take with free communication and no overhead.
 CostModel measured_costs(const Timeline& t, int stages);
 
+// The runtime's terms besides compute, measured from the same timeline (which must hold the runtime's
+// receive events, as the executor records them: a receive's wait before the action that needs it):
+//  - transfer: per receive that was already waiting when its data was made on another rank (it started
+//    before the producing F, B or BW ended), the time from that producer's end to the receive's end: the
+//    send, the move and the wake-up, and no waiting for the peer's compute. The median of those; when no
+//    receive waited, the smallest such gap of any receive (0 without receives).
+//  - overhead: per compute action, the ranks' time inside their spans that is neither compute, nor a
+//    receive, nor a Step: the executor's work between actions and posting sends, summed over ranks and
+//    divided by the compute actions.
+//  - step: the shortest Step on any rank (the others include waiting for it in the step's all-reduce).
+// Times come from the ranks' clocks as recorded, so ranks on different hosts need synchronised clocks
+// for the transfer term.
+struct MeasuredRuntime {
+  double transfer = 0;
+  int transfer_samples = 0;  // receives that were waiting (the median's sample count)
+  double overhead = 0;
+  double step = 0;
+};
+MeasuredRuntime measured_runtime(const Timeline& t);
+
+// measured_costs with the measured runtime terms: comm = transfer, overhead and step as measured.
+CostModel measured_costs_with_runtime(const Timeline& t, int stages);
+
 }  // namespace pipetrain

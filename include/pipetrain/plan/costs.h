@@ -2,6 +2,7 @@
 // it. Torch-free.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "pipetrain/core/cost.h"
@@ -18,14 +19,25 @@ struct StageCostOptions {
   double micro_batch = 1;              // samples per micro-batch
   double bandwidth_bytes_per_ms = 0;   // between ranks; 0 = transfers cost only the latency
   double latency_ms = 0;               // per transfer
+  // Per compute action (CostModel::overhead); unset: the profile's measured runtime overhead, 0 without.
+  std::optional<double> overhead_ms;
 };
 
 // Costs of the stages a balance cuts the profile into: F = sum of forward times, B and W = each layer's
 // backward split in its measured B:W proportion (all B for layers without a split), activation = the
 // bytes a micro-batch keeps (sum of the stage's layer outputs), comm = latency + the largest boundary
-// activation / bandwidth (the cost model has one transfer time). Throws UsageError if the balance does
-// not fit the profile.
+// activation / bandwidth (the cost model has one transfer time), overhead = options.overhead_ms or the
+// profile's runtime overhead. Throws UsageError if the balance does not fit the profile.
 CostModel stage_costs(const Profile& profile, const std::vector<int>& balance, const StageCostOptions& options);
+
+// The transfer options a measured profile gives: its runtime's latency and bandwidth (an unlimited one
+// as the largest double, so checks for a finite bandwidth > 0 pass). Profiles without runtime costs:
+// nullopt.
+struct TransferOptions {
+  double bandwidth_bytes_per_ms = 0;
+  double latency_ms = 0;
+};
+std::optional<TransferOptions> profile_transfers(const Profile& profile);
 
 // Per-stage static bytes: 2 x parameters (weights and gradients) + optimizer state.
 std::vector<double> stage_static_bytes(const Profile& profile, const std::vector<int>& balance);

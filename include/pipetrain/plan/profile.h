@@ -6,6 +6,7 @@
 // Units: times in milliseconds, sizes in bytes, all measured at `micro_batch_size` samples.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,16 +45,47 @@ struct LayerProfile {
   std::vector<SizeMeasurement> by_micro_batch;  // optional; strictly increasing sizes
 };
 
+// One ping-pong measurement: a message of `bytes` took `one_way_ms` from one rank to the other (half
+// the median round trip).
+struct TransferSample {
+  double bytes = 0;
+  double one_way_ms = 0;
+};
+
+// What the runtime costs besides the layers' compute, measured by `pipetrain profile --transport NAME`:
+// one transfer between two ranks costs latency_ms + bytes / bandwidth_bytes_per_ms, and every compute
+// action (F, B, W, BW) costs overhead_ms on top of its measured time (the executor's own work).
+struct RuntimeCosts {
+  std::string transport;              // local | gloo | shm | mpi: what was measured
+  double latency_ms = 0;              // per transfer
+  double bandwidth_bytes_per_ms = 0;  // 0: unlimited (the bytes cost nothing)
+  double overhead_ms = 0;             // per compute action
+  std::vector<TransferSample> transfers;  // the measurements latency and bandwidth were fitted to
+  // latency_ms + bytes / bandwidth (bandwidth 0: the latency only).
+  double transfer_ms(double bytes) const;
+};
+
+// Least-squares line one_way_ms = latency + bytes / bandwidth through the samples, in relative error
+// (each weighted by 1 / its time^2, so small messages' latency counts as much as large ones' bandwidth):
+// the intercept is the latency (clamped at 0), the inverse slope the bandwidth (0, unlimited, when the
+// slope is not positive; the latency is then the mean time). One sample, or samples of one size: its
+// time is the latency and the bandwidth is unlimited. Throws
+// UsageError if there are no samples or one is negative or not finite.
+RuntimeCosts fit_transfers(const std::vector<TransferSample>& samples);
+
 struct Profile {
   std::string model;
   int micro_batch_size = 1;  // samples per micro-batch at which times and activations were measured
   int threads = 1;           // intra-op threads used while measuring
   std::string source;        // free text: who made it ("pipetrain profile", "pipedream graph.txt", ...)
   std::vector<LayerProfile> layers;
+  // Transfers and per-action overhead; absent in profiles of compute only (version 1 files, PipeDream's).
+  std::optional<RuntimeCosts> runtime;
 };
 
 inline constexpr const char* kProfileFormat = "pipetrain-profile";
-inline constexpr int kProfileVersion = 1;
+// Version 2 added the optional "runtime" object; a profile without it is still written as version 1.
+inline constexpr int kProfileVersion = 2;
 
 // Sets input_grad_ms = backward_ms and weight_grad_ms = 0 on every layer without a B/W split, so the
 // fields read the same as b_ms() and w_ms().
@@ -61,7 +93,8 @@ void normalise_bw_split(Profile& profile);
 
 // Throws UsageError naming the field, the layer index and name, and the fix: no layers, a micro-batch
 // size or thread count below 1, an empty type, a negative or non-finite number (B and W are checked only
-// when bw_split), or by_micro_batch sizes that are not strictly increasing and >= 1.
+// when bw_split), or by_micro_batch sizes that are not strictly increasing and >= 1; with `runtime`, a
+// negative or non-finite latency, bandwidth, overhead or transfer sample, or an empty transport name.
 void validate_profile(const Profile& profile, const std::string& origin = "profile");
 
 // JSON form (docs/PROFILE.md). The reader is strict: `format` must be "pipetrain-profile", `version`

@@ -14,6 +14,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -39,5 +40,29 @@ struct ProfilerOptions {
 // Profiles `model` on `input`, one micro-batch (its first dimension is the micro-batch size). The
 // model is left in training mode with its gradients cleared. Throws UsageError on bad options.
 Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, const ProfilerOptions& options);
+
+class Transport;
+
+// What the runtime costs besides compute (plan/profile.h's RuntimeCosts), measured over `transport`:
+//  - transfers: ranks 0 and 1 ping-pong float tensors of each of `sizes` bytes (`warmup` untimed, then
+//    `iters` timed exchanges); half the median round trip is one sample, fitted to latency + bytes /
+//    bandwidth (fit_transfers);
+//  - overhead: every rank runs `steps` steps of `schedule` with `microbatches` micro-batches of one
+//    sample on a model of one 1x1 linear layer per rank (near-empty layers, as
+//    bench/executor_overhead.cpp does); per step and rank, the time between its recorded actions (not
+//    compute, receives or the Step: measured_runtime in core/timeline.h) over its compute actions; the
+//    median over steps, averaged over the ranks (the train summary's definition of the term).
+// Collective over every rank of `transport` (at least 2); returns the same costs on every rank (rank
+// 0's transfer samples). `name` is recorded as RuntimeCosts::transport. Throws UsageError on bad options.
+struct RuntimeProfilerOptions {
+  std::vector<int64_t> sizes{64, 4096, 65536, 1048576};  // bytes per message (multiples of 4)
+  int iters = 50;
+  int warmup = 5;
+  std::string schedule = "1f1b";
+  int microbatches = 8;
+  int steps = 50;
+};
+RuntimeCosts profile_runtime(const std::shared_ptr<Transport>& transport, const std::string& name,
+                             const RuntimeProfilerOptions& options = {});
 
 }  // namespace pipetrain

@@ -124,7 +124,11 @@ struct TrainResult {
 struct RunReport {
   Timeline timeline;
   Metrics measured;
-  SimResult predicted;
+  SimResult predicted;  // from the measured compute alone (transfers, overhead and the step free)
+  // The run's own transfer, per-action overhead and step terms (measured_runtime) and the prediction
+  // from the measured compute with them.
+  MeasuredRuntime runtime;
+  SimResult predicted_with_runtime;
   std::vector<double> heap_growth_bytes, peak_rss_mib;  // per rank
   std::vector<double> extra_weight_sets, weight_set_bytes;  // per stage (asynchronous schedules)
 };

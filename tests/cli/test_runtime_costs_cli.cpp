@@ -1,0 +1,103 @@
+// Checks the runtime terms of the cost model as a user meets them (issue 15): `pipetrain profile
+// --transport local` writes measured transfer and overhead costs into the profile; `simulate --profile`
+// and `plan` add a profile's transfers (latency + boundary bytes / bandwidth) and per-action overhead to
+// their predictions, exactly as worked out by hand, unless --latency/--bandwidth are given; the train
+// summary prints the prediction with the run's own transfer and overhead terms beside today's.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "run_command.h"
+
+namespace fs = std::filesystem;
+using pipetrain::testing::CommandResult;
+using pipetrain::testing::read_json_file;
+using pipetrain::testing::run_pipetrain;
+
+namespace {
+
+const std::string kModel = " --data synthetic --d-model 16 --heads 2 --seq-len 8 --vocab 16 --layers 2";
+
+fs::path temp_dir(const std::string& name) { return pipetrain::testing::fresh_temp_dir("runtime-costs", name); }
+
+// Two layers at micro-batch 4; layer a's output (400 bytes) crosses the boundary of balance 1,1.
+std::string two_layer_profile(const std::string& runtime) {
+  return std::string(R"({"format": "pipetrain-profile", "version": )") + (runtime.empty() ? "1" : "2") +
+         R"(, "model": "toy", "micro_batch_size": 4, "threads": 1,
+  "layers": [{"name": "a", "type": "Linear", "forward_ms": 1, "backward_ms": 2, "activation_bytes": 400,
+              "parameter_bytes": 16, "optimizer_bytes": 32},
+             {"name": "b", "type": "Linear", "forward_ms": 2, "backward_ms": 3, "activation_bytes": 100,
+              "parameter_bytes": 16, "optimizer_bytes": 32}])" +
+         (runtime.empty() ? "" : ",\n  \"runtime\": " + runtime) + "}\n";
+}
+
+const std::string kRuntime =
+    R"({"transport": "shm", "latency_ms": 0.05, "bandwidth_bytes_per_ms": 200, "overhead_ms": 0.125})";
+
+double makespan(const std::string& args) {
+  const CommandResult r = run_pipetrain("simulate --schedule gpipe -p 2 -m 1 --balance 1,1 --json " + args);
+  EXPECT_EQ(r.code, 0) << r.out;
+  return nlohmann::json::parse(r.out.substr(r.out.find('{'))).at("makespan").get<double>();
+}
+
+}  // namespace
+
+// GPipe p=2 m=1 runs F0, F1, BW1, BW0 in a chain: 1 + 2 + 3 + 2 = 8 of compute, two transfers of 400
+// bytes at 0.05 ms + 400 / 200 ms each, and four compute actions of 0.125 ms overhead.
+TEST(RuntimeCostsCli, SimulateAddsAProfilesTransfersAndOverhead) {
+  const fs::path dir = temp_dir("simulate");
+  std::ofstream(dir / "plain.json") << two_layer_profile("");
+  std::ofstream(dir / "runtime.json") << two_layer_profile(kRuntime);
+  EXPECT_DOUBLE_EQ(makespan("--profile " + (dir / "plain.json").string()), 8.0);
+  EXPECT_NEAR(makespan("--profile " + (dir / "runtime.json").string()), 8.0 + 2 * (0.05 + 2.0) + 4 * 0.125, 1e-9);
+  // --latency (or --bandwidth) given: the flags set the transfers; the overhead stays the profile's.
+  EXPECT_NEAR(makespan("--profile " + (dir / "runtime.json").string() + " --latency 100"), 8.0 + 2 * 0.1 + 0.5, 1e-9);
+}
+
+TEST(RuntimeCostsCli, PlanUsesTheMeasuredTransfers) {
+  const fs::path dir = temp_dir("plan");
+  std::ofstream(dir / "runtime.json") << two_layer_profile(kRuntime);
+  CommandResult r = run_pipetrain("plan --profile " + (dir / "runtime.json").string() +
+                                  " --ranks 2 --batch-size 4 --microbatch-counts 1 --schedules gpipe --balances uniform");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("transfers and overhead as measured over shm: 50.00 us")) << r.out;
+  EXPECT_TRUE(r.has("0.0002 GB/s")) << r.out;
+  // The one candidate, costed as simulate does above: 12.6 ms per mini-batch.
+  EXPECT_TRUE(r.has(" 12.60 ")) << r.out;
+  r = run_pipetrain("plan --profile " + (dir / "runtime.json").string() +
+                    " --ranks 2 --batch-size 4 --microbatch-counts 1 --schedules gpipe --balances uniform --latency 0");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_FALSE(r.has("as measured over")) << r.out;
+}
+
+TEST(RuntimeCostsCli, ProfileMeasuresTheLocalTransport) {
+  const fs::path dir = temp_dir("profile");
+  const CommandResult r = run_pipetrain("profile" + kModel + " --microbatch-size 2 --repeats 2 --threads 1 "
+                                        "--transport local --out " + (dir / "p.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("runtime over local (2 ranks)")) << r.out;
+  const nlohmann::json p = read_json_file(dir / "p.json");
+  EXPECT_EQ(p.at("version"), 2);
+  const nlohmann::json& rt = p.at("runtime");
+  EXPECT_EQ(rt.at("transport"), "local");
+  EXPECT_GE(rt.at("latency_ms").get<double>(), 0.0);
+  EXPECT_GE(rt.at("overhead_ms").get<double>(), 0.0);
+  ASSERT_EQ(rt.at("transfers").size(), 4u);
+  EXPECT_EQ(rt.at("transfers")[3].at("bytes"), 1048576);
+  EXPECT_EQ(p.at("layers").size(), 4u);  // the layer profile is there as without --transport
+  // The written profile feeds simulate.
+  const CommandResult s = run_pipetrain("simulate --schedule 1f1b -p 2 -m 4 --profile " + (dir / "p.json").string());
+  EXPECT_EQ(s.code, 0) << s.out;
+}
+
+TEST(RuntimeCostsCli, TrainSummaryPrintsBothPredictions) {
+  const CommandResult r =
+      run_pipetrain("train --transport local" + kModel + " --stages 2 --batch-size 8 --microbatches 2 --steps 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("simulated from measured stage costs")) << r.out;
+  EXPECT_TRUE(r.has("with measured transfers")) << r.out;
+  EXPECT_TRUE(r.has("per action and step")) << r.out;
+}
