@@ -1,0 +1,216 @@
+// What the train command prints and checks around a run (train_report.h).
+#include "train_report.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+
+#include "cli_common.h"
+#include "pipetrain/core/error.h"
+#include "pipetrain/core/timeline.h"
+#include "pipetrain/runtime/info.h"
+#include "train_support.h"
+
+namespace pipetrain::cli {
+
+bool is_async(const std::string& schedule) {
+  return !schedule_traits(schedule).synchronous;
+}
+
+std::string comma_list(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
+
+// The banner's lines for a run of a plan's UMPIPE partitions.
+std::string umpipe_banner(const PipelineFlags& pipe) {
+  const UmpipeResult& r = *pipe.umpipe_chosen;
+  std::string out = fmt::format(
+      "  UMPIPE: the {} partitions of {} (predicted {:.2f} ms per step), per stage its own micro-batches, GPipe order, "
+      "every backward chunk re-materialised; schedule and m above apply to evaluation only\n",
+      r.planner, pipe.plan_file, r.step_ms);
+  for (std::size_t j = 0; j < r.plan.forward.size(); ++j)
+    out += fmt::format("    stage {} forward {} | backward {}{}\n", j, comma_list(r.plan.forward[j]),
+                       comma_list(r.plan.backward[j]),
+                       j + 1 == r.plan.forward.size() ? " (its forward is done in the backward's recompute)" : "");
+  return out;
+}
+
+LrSchedule lr_schedule(const TrainFlags& f) {
+  LrSchedule l;
+  l.peak = f.lr;
+  l.kind = f.lr_schedule;
+  l.warmup = f.warmup;
+  return l;
+}
+
+// The run as stored in checkpoints: what must match to resume (model, data, optimizer.name) and what
+// documents it.
+nlohmann::json run_json(const TrainFlags& f, int total_steps) {
+  nlohmann::json j{{"model", f.model.model_json()},
+          {"data", f.model.data_json()},
+          {"optimizer",
+           {{"name", f.optimizer},
+            {"lr", f.lr},
+            {"momentum", f.momentum},
+            {"weight_decay", f.weight_decay},
+            {"clip", f.clip},
+            {"lr_schedule", f.lr_schedule},
+            {"warmup", lr_schedule(f).warmup_steps(total_steps)}}},
+          {"seed", f.model.seed},
+          {"batch_size", f.batch_size},
+          {"schedule", f.pipe.schedule},
+          {"microbatches", f.pipe.microbatches},
+          {"steps", total_steps}};
+  if (is_async(f.pipe.schedule))
+    j["asynchronous"] = {
+        {"vertical_sync", f.vertical_sync}, {"no_stash", f.no_stash}, {"steps_per_call", f.steps_per_call}};
+  return j;
+}
+
+std::string eval_text(const TrainFlags& f, const EvalResult& e) {
+  if (f.model.is_text() || (f.model.model == "gpt"))
+    return fmt::format("loss {:.4f}, perplexity {:.2f}, next-character accuracy {:.1f}%", e.loss, std::exp(e.loss),
+                       100 * e.accuracy);
+  return fmt::format("loss {:.4f}, accuracy {:.2f}%", e.loss, 100 * e.accuracy);
+}
+
+// Generates --sample characters after the first held-out window (collective). Returns the prompt and
+// the continuation on the first stage's rank (which holds the data).
+std::pair<std::string, std::string> generate_text(const TrainFlags& f, PipelineRank& rank, Transport& t,
+                                                  zoo::Dataset* data) {
+  torch::Tensor context;
+  if (data) context = data->eval_batch(0, 1).input;  // [1, T]
+  const std::vector<int64_t> tokens =
+      generate_tokens(rank, t, context, f.sample, f.temperature, static_cast<uint64_t>(f.model.seed) + 7);
+  if (!data || t.rank() != rank.schedule().rank_of(0)) return {};
+  return {zoo::decode_text(data->vocabulary(), context), zoo::decode_text(data->vocabulary(), torch::tensor(tokens, torch::kLong))};
+}
+
+// "stage S" for a rank, or "rank R (stage S replica Q)" when stages are replicated (1F1B-RR).
+std::string rank_label(const Schedule& s, int rank) {
+  if (!s.replicated()) {
+    std::vector<int> mine;  // several with virtual stages (interleaved, V shapes)
+    for (int st = 0; st < s.stages; ++st)
+      if (s.rank_of(st) == rank) mine.push_back(st);
+    if (mine.size() == 1) return fmt::format("stage {}", mine[0]);
+    return fmt::format("rank {} (stages {})", rank, fmt::join(mine, ", "));
+  }
+  const int st = s.first_stage_of(rank);
+  const auto& reps = s.stage_replicas[static_cast<std::size_t>(st)];
+  return fmt::format("rank {} (stage {} replica {})", rank, st, std::find(reps.begin(), reps.end(), rank) - reps.begin());
+}
+
+// Ranks started by hand (torchrun, mpirun, RANK=... by hand) with different settings would wait for
+// each other in different collectives: a hang (--log on one rank only adds collectives to every step).
+// So the first collective of a run compares a hash of every setting that shapes the run's collectives
+// and model; output files count only by whether they are given, so each rank may name its own.
+void check_same_settings(const TrainFlags& f, Transport& world) {
+  nlohmann::json j = run_json(f, 0);
+  const PipelineFlags& p = f.pipe;
+  j["pipeline"] = {p.stages, p.replicas, p.virtual_stages, p.balance, p.balance_solver, p.checkpoint,
+                   p.replication, p.plan_use, !p.plan_file.empty(), !p.profile_file.empty()};
+  j["run"] = {f.steps, f.epochs, f.eval_every, f.eval_samples, f.eval_batch, f.save_every, f.sample,
+              f.save_on_interrupt, f.memory, f.steps_per_call, f.vertical_sync, f.no_stash, !f.save.empty(),
+              !f.resume.empty(), !f.log.empty(), !f.trace.empty(), !f.svg.empty()};
+  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a
+  for (const unsigned char c : j.dump()) h = (h ^ c) * 0x100000001b3ULL;
+  const int n = world.world_size();
+  torch::Tensor t = torch::zeros({n, 2}, torch::kDouble);  // two 32-bit halves: exact in a double
+  t[world.rank()][0] = static_cast<double>(h >> 32);
+  t[world.rank()][1] = static_cast<double>(h & 0xffffffffULL);
+  world.all_reduce_sum(t);
+  for (int r = 1; r < n; ++r)
+    if (!torch::equal(t[r], t[0]))
+      throw UsageError("rank " + std::to_string(r) + " was started with other settings than rank 0 (model, data, "
+                       "schedule, steps, or which of --log/--trace/--svg/--save are given): start every rank with "
+                       "the same flags; only output file names may differ");
+}
+
+// The banner rank 0 prints before the first step.
+std::string banner(const TrainFlags& f, const Trainer& trainer, PipelineRank& rank, const Transport& transport,
+                   int threads) {
+  const bool async = is_async(f.pipe.schedule);
+  const int warmup = lr_schedule(f).warmup_steps(trainer.total());
+  return fmt::format(
+      "pipetrain train: {}\n  {} over {} ({} threads per rank), schedule {}, m={}, batch {}, balance {}, "
+      "re-materialisation {}\n  optimizer {} lr {} ({}{}), clip {}, {} steps{}{}\n  {}",
+      f.model.describe(),
+      f.pipe.replicas > 1 ? fmt::format("{} stages x {} replicas", f.pipe.stages, f.pipe.replicas)
+      : !f.pipe.replication.empty()
+          ? fmt::format("{} stages replicated {} (1F1B-RR, {} ranks)", f.pipe.stages, f.pipe.replication,
+                        f.pipe.world_size())
+          : fmt::format("{} stages", f.pipe.stages),
+      transport.name(), threads,
+      async ? fmt::format("{} (weights: {}{})", f.pipe.schedule, to_string(rank.weight_policy()),
+                          schedule_traits(f.pipe.schedule).one_microbatch_per_step ? ", a step per micro-batch" : "")
+            : f.pipe.schedule,
+      f.pipe.microbatches, f.batch_size, comma_list(rank.balance()), f.pipe.checkpoint, f.optimizer, f.lr,
+      f.lr_schedule, warmup > 0 ? fmt::format(", warm-up {}", warmup) : "", f.clip, trainer.total(),
+      trainer.train_size() > 0
+          ? fmt::format(" ({:.2f} epochs)", static_cast<double>(trainer.total()) * f.batch_size / trainer.train_size())
+          : "",
+      trainer.start() > 0 ? fmt::format(", resuming at step {} from {}", trainer.start(), f.resume) : "",
+      describe(runtime_info()));
+}
+
+// The summary rank 0 prints after the run, from the trainer's report.
+void print_summary(const TrainFlags& f, PipelineRank& rank, const Transport& transport, const TrainResult& r,
+                   const RunReport& rep) {
+  const bool text = f.model.model == "gpt";
+  const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
+  const double median = r.median_step_ms();
+  const double per_s = 1000.0 * static_cast<double>(f.batch_size) / median;
+  std::cout << fmt::format("summary: training loss {:.4f} -> {:.4f} over steps {}..{}; median step {:.1f} ms, {} {}/s\n",
+                           r.first_loss, r.last_loss, r.start + 1, r.total, median, rate_text(per_s * units_per_sample),
+                           text ? "tokens" : "samples");
+  if (r.last_eval)
+    std::cout << fmt::format("  held-out: {}{}\n", eval_text(f, *r.last_eval),
+                             r.first_eval ? fmt::format(" (at step 0: loss {:.4f})", r.first_eval->loss) : "");
+  const Metrics& measured = rep.measured;
+  if (f.pipe.umpipe_chosen)  // the plan's own prediction: the simulator's schedules do not cut unequally
+    std::cout << fmt::format(
+        "  last step: measured makespan {:.1f} ms, bubble fraction {:.3f}; UMPIPE {} plan predicted {:.1f} ms per step "
+        "(compute and transfers, no optimizer step) against the measured median step {:.1f} ms: predicted/measured "
+        "{:.2f}\n",
+        measured.makespan, measured.bubble_fraction, f.pipe.umpipe_chosen->planner, f.pipe.umpipe_chosen->step_ms, median,
+        median > 0 ? f.pipe.umpipe_chosen->step_ms / median : 0.0);
+  else {
+    std::cout << fmt::format(
+        "  last {}: measured makespan {:.1f} ms, bubble fraction {:.3f}; simulated from measured stage costs: "
+        "makespan {:.1f} ms, bubble fraction {:.3f}; efficiency (predicted/measured) {:.2f}\n",
+        r.last.steps == 1 ? std::string("step") : fmt::format("call ({} steps, one pipeline fill and drain)", r.last.steps),
+        measured.makespan, measured.bubble_fraction, rep.predicted.metrics.makespan,
+        rep.predicted.metrics.bubble_fraction,
+        measured.makespan > 0 ? rep.predicted.metrics.makespan / measured.makespan : 0.0);
+    // The same simulation with the run's own transfer, overhead and step terms (docs/BENCHMARKS.md, issue 15).
+    const Metrics& full = rep.predicted_with_runtime.metrics;
+    std::cout << fmt::format(
+        "  with measured transfers {:.3f} ms ({} waiting receives), overhead {:.3f} ms per action and step {:.3f} ms: "
+        "makespan {:.1f} ms, bubble fraction {:.3f}; efficiency (predicted/measured) {:.2f}\n",
+        rep.runtime.transfer, rep.runtime.transfer_samples, rep.runtime.overhead, rep.runtime.step, full.makespan,
+        full.bubble_fraction, measured.makespan > 0 ? full.makespan / measured.makespan : 0.0);
+  }
+  const bool shared = transport.shares_process();
+  for (const RankMetrics& m : measured.per_rank)
+    std::cout << fmt::format("  {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms; peak RSS {:.0f} MiB{}{}\n",
+                             rank_label(rank.schedule(), m.rank), m.busy, m.span, m.bubble,
+                             rep.peak_rss_mib[static_cast<std::size_t>(m.rank)],
+                             shared ? " (one process for all ranks)" : "",
+                             f.memory ? fmt::format(", peak heap growth in a step {:.2f} MiB",
+                                                    rep.heap_growth_bytes[static_cast<std::size_t>(m.rank)] / 1048576.0)
+                                      : std::string());
+  if (is_async(f.pipe.schedule)) {
+    std::string list;
+    for (std::size_t s = 0; s < rep.extra_weight_sets.size(); ++s)
+      list += fmt::format("{}stage {} {} ({:.1f} KiB)", s ? ", " : "", s, static_cast<int>(rep.extra_weight_sets[s]),
+                          rep.extra_weight_sets[s] * rep.weight_set_bytes[s] / 1024.0);
+    std::cout << fmt::format("  weights ({}): extra weight sets kept at most, per stage: {}\n",
+                             to_string(rank.weight_policy()), list);
+  }
+}
+
+}  // namespace pipetrain::cli
