@@ -449,26 +449,37 @@ Schedule v_building_block(const char* name, int p, int m, int steps, SlotFn slot
 
 }  // namespace
 
-Schedule v_half(int p, int m, int steps) {
-  const int g = p % 2 == 0 ? 3 : 0;
-  auto block = [&](int r) { return std::array<int, 4>{2 * r, 3 * p - r - 2, 3 * p + g + 2 * r - 1, 6 * p + g - r - 2}; };
-  // The squeeze shortens the step once the steady state exists (m >= 2p); with fewer micro-batches it can
-  // lengthen it, so the squeezed order is kept only where its unit-time step idles less (or as little and
-  // ends no later) than the building block's. Both keep the memory count of §4.6.2.
-  check_sizes("v-half", p, m, 2, steps);
+namespace {
+
+// A building-block V schedule, squeezed where that helps: the squeeze shortens the step once the steady
+// state exists (m >= 2p); with fewer micro-batches it can lengthen it, so the squeezed order is kept only
+// where its unit-time step idles less (or as little and ends no later) than the building block's. Both
+// keep the memory count of §4.6.2.
+template <class SlotFn>
+Schedule v_squeezed_if_better(const char* name, int p, int m, int steps, SlotFn block) {
+  check_sizes(name, p, m, 2, steps);
   const CostModel unit = CostModel::uniform(2 * p, StageCost{}, 2);
-  const Metrics a = simulate(v_building_block("v-half", p, m, 1, block, true), unit).metrics;
-  const Metrics b = simulate(v_building_block("v-half", p, m, 1, block, false), unit).metrics;
+  const Metrics a = simulate(v_building_block(name, p, m, 1, block, true), unit).metrics;
+  const Metrics b = simulate(v_building_block(name, p, m, 1, block, false), unit).metrics;
   const bool squeeze = a.max_bubble() < b.max_bubble() - 1e-9 ||
                        (a.max_bubble() < b.max_bubble() + 1e-9 && a.makespan <= b.makespan + 1e-9);
-  return v_building_block("v-half", p, m, steps, block, squeeze);
+  return v_building_block(name, p, m, steps, block, squeeze);
+}
+
+}  // namespace
+
+Schedule v_half(int p, int m, int steps) {
+  const int g = p % 2 == 0 ? 3 : 0;
+  return v_squeezed_if_better("v-half", p, m, steps, [&](int r) {
+    return std::array<int, 4>{2 * r, 3 * p - r - 2, 3 * p + g + 2 * r - 1, 6 * p + g - r - 2};
+  });
 }
 
 Schedule v_min(int p, int m, int steps) {
   const int g = p % 3 == 0 ? 2 : 0;
-  return v_building_block(
-      "v-min", p, m, steps, [&](int r) { return std::array<int, 4>{r, 2 * p - 1 - r, 2 * p + g + r, 4 * p + g - r - 1}; },
-      false);
+  return v_squeezed_if_better("v-min", p, m, steps, [&](int r) {
+    return std::array<int, 4>{r, 2 * p - 1 - r, 2 * p + g + r, 4 * p + g - r - 1};
+  });
 }
 
 Schedule dualpipev(int p, int m, int steps) {

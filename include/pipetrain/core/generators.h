@@ -154,10 +154,10 @@ Schedule zb_v(int p, int m, int steps = 1);
 // schedule; the simulator then runs every pass as early as its inputs allow. A micro-batch stays on a
 // rank about 6p (V-Half) or 4p (V-Min) slots, so the peak activation memory is (p+2)/2, resp. (p+4)/3
 // micro-batches (integer division) instead of 1F1B's p, for a bubble of about p/(2m), resp. 2p/(3m),
-// of the step (1F1B: p/m). V-Half then runs the authors' "squeeze" (docs/ALGORITHMS.md §4.6.2): passes
+// of the step (1F1B: p/m). Both then run the authors' "squeeze" (docs/ALGORITHMS.md §4.6.2): passes
 // of the warm-up and the cool-down move to the earliest free slot their inputs allow without raising the
 // memory peak (kept unless it lengthens the unit-time step, which it can with m < 2p), so its idle per
-// rank stays within the paper's 1.5p units once m >= 2p. V-Half:
+// rank stays within the paper's 1.5p (V-Half) and 2p (V-Min) units once m >= 2p. V-Half:
 //   rank 0  f0f1f2f3f4....f0b0w0f1b1w1f2....b0b2w0f3w2f5b1b3w1f4w3f6b2b4w2f5w4f7b3b5w3f6b6w5b4w6w4f7b7b5w7b6w5w6..b7w7S
 //   rank 1  ..f0f1f2f3..f0..f1b0w0f2b1w1..b0w0f4f3b2w2b1w1f5f4b3w3b2w2f6f5b4w4b3f7w3f6b5w5b4b6w4f7w6b5b7b6w5w7w6b7w7S.
 //   rank 2  ....f0f1f2f0..f1..f2b0w0f3b1b0w1w0f3f4..b1b2w1f4w2f5b2b3w2f5w3f6b3b4w3f6w4f7b4b5w4f7b6b5w5b6b7w6w5b7w6w7w7S
