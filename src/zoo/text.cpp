@@ -34,18 +34,29 @@ std::string describe_char(unsigned char c) {
   return buf;
 }
 
+// The checks both text data sets make of their arguments.
+void check_text_args(const std::string& name, int64_t seq_len, double eval_fraction) {
+  if (seq_len < 1) throw UsageError("--seq-len " + std::to_string(seq_len) + " must be >= 1");
+  if (!(eval_fraction >= 0 && eval_fraction < 1))
+    throw UsageError("held-out fraction " + std::to_string(eval_fraction) + " of text '" + name + "' must lie in [0, 1)");
+}
+
+// The sorted distinct bytes of `text`: token id k is its k-th character.
+std::string vocabulary_of(const std::string& text) {
+  std::array<bool, 256> seen{};
+  for (char c : text) seen[static_cast<unsigned char>(c)] = true;
+  std::string v;
+  for (int b = 0; b < 256; ++b)
+    if (seen[b]) v.push_back(static_cast<char>(b));
+  return v;
+}
+
 class Text : public Dataset {
  public:
   Text(const std::string& text, std::string name, int64_t seq_len, uint64_t seed, double eval_fraction)
       : name_(std::move(name)), seq_len_(seq_len), seed_(seed) {
-    if (seq_len < 1) throw UsageError("--seq-len " + std::to_string(seq_len) + " must be >= 1");
-    if (!(eval_fraction >= 0 && eval_fraction < 1))
-      throw UsageError("held-out fraction " + std::to_string(eval_fraction) + " of text '" + name_ +
-                       "' must lie in [0, 1)");
-    std::array<bool, 256> seen{};
-    for (char c : text) seen[static_cast<unsigned char>(c)] = true;
-    for (int b = 0; b < 256; ++b)
-      if (seen[b]) vocabulary_.push_back(static_cast<char>(b));
+    check_text_args(name_, seq_len, eval_fraction);
+    vocabulary_ = vocabulary_of(text);
     tokens_ = encode_text(vocabulary_, text);
     const int64_t length = static_cast<int64_t>(text.size());
     eval_chars_ = static_cast<int64_t>(std::floor(eval_fraction * static_cast<double>(length)));
@@ -105,14 +116,8 @@ class TextLines : public Dataset {
  public:
   TextLines(const std::string& text, std::string name, int64_t seq_len, uint64_t seed, double eval_fraction)
       : name_(std::move(name)), seq_len_(seq_len), seed_(seed) {
-    if (seq_len < 1) throw UsageError("--seq-len " + std::to_string(seq_len) + " must be >= 1");
-    if (!(eval_fraction >= 0 && eval_fraction < 1))
-      throw UsageError("held-out fraction " + std::to_string(eval_fraction) + " of text '" + name_ +
-                       "' must lie in [0, 1)");
-    std::array<bool, 256> seen{};
-    for (char c : text) seen[static_cast<unsigned char>(c)] = true;
-    for (int b = 0; b < 256; ++b)
-      if (seen[b]) vocabulary_.push_back(static_cast<char>(b));
+    check_text_args(name_, seq_len, eval_fraction);
+    vocabulary_ = vocabulary_of(text);
     tokens_ = encode_text(vocabulary_, text);
     const auto piece = static_cast<std::size_t>(seq_len + 1);
     for (std::size_t begin = 0; begin < text.size();) {
