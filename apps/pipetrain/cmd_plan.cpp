@@ -78,12 +78,7 @@ std::vector<NetworkLevel> parse_levels(const std::vector<std::string>& levels) {
   return out;
 }
 
-}  // namespace
-
-void add_plan_command(CLI::App& app, int& exit_code) {
-  auto f = std::make_shared<PlanFlags>();
-  CLI::App* cmd = app.add_subcommand("plan", "choose balance, schedule and micro-batches (and PipeDream's replication) "
-                                             "from a profile");
+void add_plan_flags(CLI::App* cmd, const std::shared_ptr<PlanFlags>& f) {
   cmd->add_option("--profile", f->profile, "profile: pipetrain profile's JSON, or PipeDream's graph text")->required();
   cmd->add_option("--ranks,-p", f->ranks, "ranks (devices) to plan for, default 2");
   cmd->add_option("--bandwidth", f->bandwidth_gbps,
@@ -125,6 +120,161 @@ void add_plan_command(CLI::App& app, int& exit_code) {
                "umpipe: plan as if the backward kept the forward's activations (a planning study: train --plan refuses "
                "such partitions, since the runtime re-materialises every backward chunk)");
   cmd->add_option("--out", f->out, "write the plan JSON here (pipetrain train --plan FILE runs it)");
+}
+
+void check_plan_flags(const PlanFlags* f, const CLI::App* cmd) {
+  if (f->ranks < 1) throw UsageError("--ranks must be >= 1, got " + std::to_string(f->ranks));
+  if (!(f->bandwidth_gbps > 0)) throw UsageError("--bandwidth must be > 0 GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
+  if (f->memory_gib < 0) throw UsageError("--memory must be >= 0 GiB, got " + fmt::format("{}", f->memory_gib));
+  for (int m : f->microbatch_counts)
+    if (m < 1) throw UsageError("--microbatch-counts must be >= 1, got " + std::to_string(m));
+  if (f->latency_us < 0) throw UsageError("--latency must be >= 0 us, got " + fmt::format("{}", f->latency_us));
+  if (cmd->get_option("--pipedream-batch")->count() > 0 && f->pipedream_batch < 1)
+    throw UsageError("--pipedream-batch must be >= 1 (the batch size the PipeDream graph was profiled at, e.g. "
+                     "128), got " + std::to_string(f->pipedream_batch));
+  if (!std::isfinite(f->bandwidth_gbps))
+    throw UsageError("--bandwidth must be a finite number of GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
+}
+
+// The profile, read as the flags say (a PipeDream graph one state per node, at its batch size); a measured
+// transport in it sets the transfers unless --bandwidth or --latency is given.
+Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
+  Profile prof = load_profile(f->profile);
+  if (f->pipedream_batch > 0 || f->pipedream_states) {
+    const std::string flag = f->pipedream_batch > 0 ? "--pipedream-batch" : "--pipedream-states";
+    if (prof.source.rfind("pipedream graph", 0) != 0)
+      throw UsageError(flag + " is for PipeDream graph files; " + f->profile + " is a JSON profile: drop " + flag);
+    PipeDreamOptions po;
+    if (f->pipedream_batch > 0) po.micro_batch_size = f->pipedream_batch;
+    po.planner_states = f->pipedream_states;
+    prof = load_pipedream_graph(f->profile, po);
+  }
+  // A profile with measured runtime costs gives the transfers (unless --bandwidth or --latency is given)
+  // and the per-action overhead (stage_costs reads it) to every candidate's simulation.
+  const bool transfers_given = cmd->get_option("--bandwidth")->count() > 0 || cmd->get_option("--latency")->count() > 0;
+  if (const auto t = profile_transfers(prof); t && !transfers_given) {
+    f->bandwidth_gbps = t->bandwidth_bytes_per_ms / 1e6;
+    f->latency_us = t->latency_ms * 1e3;
+    std::cout << fmt::format("transfers and overhead as measured over {}: {:.2f} us + bytes at {:.3g} GB/s, {:.2f} us "
+                             "per compute action\n",
+                             prof.runtime->transport, f->latency_us, f->bandwidth_gbps, prof.runtime->overhead_ms * 1e3);
+  }
+  return prof;
+}
+
+
+// The search's table: the chosen plan against uniform 1f1b, data parallelism and PipeDream's planner.
+void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult& res, double limit) {
+  const int layers = static_cast<int>(prof.layers.size());
+  const int64_t batch = res.batch_size;
+  const PlanCandidate& best = res.best_straight;
+  const PlanCandidate& top = res.chosen();
+  std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {} GB/s, {}, mini-batch {}\n",
+                           prof.model, layers, prof.micro_batch_size, f->ranks, f->bandwidth_gbps,
+                           limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
+  std::cout << fmt::format("  {:<34} {:>14} {:>8} {:>12}  {}\n", "", "ms/mini-batch", "bubble", "peak GiB", "balance");
+  auto row = [&](const std::string& name, const PlanCandidate& c) {
+    std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {}{}\n", name, c.makespan, c.bubble,
+                             c.peak_bytes / 1073741824.0, list(c.balance), c.fits ? "" : "  (over the memory limit)");
+  };
+  row(fmt::format("{}: {} m={}, {} ({})", res.chose_replicated ? "best straight" : "chosen", best.schedule, best.m,
+                  best.kind, best.solver),
+      best);
+  if (res.uniform_1f1b) row(fmt::format("uniform balance, 1f1b m={}", res.uniform_1f1b->m), *res.uniform_1f1b);
+  std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {}\n", "data parallelism", res.data_parallel_ms, "-",
+                           res.data_parallel_bytes / 1073741824.0,
+                           res.data_parallel_fits ? "all layers on every rank" : "over the memory limit");
+  if (const auto& pd = res.pipedream) {
+    const double per_batch = pd->time_ms * static_cast<double>(batch) / prof.micro_batch_size;
+    std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {} x replication {} ({} cost form, {:.2f}x over its "
+                             "data parallelism)\n",
+                             "PipeDream planner (asynchronous)", per_batch, "-",
+                             *std::max_element(pd->stage_memory_bytes.begin(), pd->stage_memory_bytes.end()) / 1073741824.0,
+                             list(pd->balance), list(pd->replication), f->cost_form, pd->speedup);
+  } else {
+    std::cout << "  PipeDream planner: no feasible plan: " << res.pipedream_error << "\n";
+  }
+  if (const auto& rr = res.replicated)
+    std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {} x replication {}{}\n",
+                             fmt::format("{}its plan as 1F1B-RR m={}", res.chose_replicated ? "chosen: " : "", rr->m),
+                             rr->makespan, rr->bubble, rr->peak_bytes / 1073741824.0, list(rr->balance),
+                             list(rr->replication), rr->fits ? " (synchronous, simulated)" : "  (over the memory limit)");
+  if (res.uniform_1f1b && top.makespan > 0)
+    std::cout << fmt::format("  the chosen plan is {:.2f}x the throughput of uniform 1f1b and {:.2f}x data parallelism\n",
+                             res.uniform_1f1b->makespan / top.makespan, res.data_parallel_ms / top.makespan);
+}
+
+// UMPIPE: unequal micro-batches per stage on the chosen balance (GPipe order); the plan file's "umpipe".
+nlohmann::json plan_umpipe(const PlanFlags* f, const Profile& prof, const PlanSearchResult& res, double limit) {
+  const int64_t batch = res.batch_size;
+  const PlanCandidate& best = res.best_straight;
+  nlohmann::json umpipe;
+  if (f->generations < 1) throw UsageError("--generations must be >= 1, got " + std::to_string(f->generations));
+  UmpipeProfileOptions uo;
+  uo.samples = static_cast<int>(batch);
+  uo.bandwidth_bytes_per_s = f->bandwidth_gbps * 1e9;
+  uo.latency_ms = f->latency_us / 1e3;
+  if (limit > 0) uo.memory_limit_bytes = limit;
+  uo.single_size_overhead_ms = f->overhead_ms;
+  // The runtime (src/runtime/umpipe_pass.h) runs the forward without a graph and recomputes it in
+  // every backward chunk, so g_j includes f_j. The last stage's forward outputs would only feed its
+  // own backward, which recomputes them: the runtime skips them, and its forward row costs nothing
+  // (the stage only waits there for its input, as GPipe's order wants before the first backward).
+  uo.rematerialise = !f->no_rematerialise;
+  // Measured CPU times are not affine in the micro-batch size (the largest sizes fall out of cache
+  // and grow faster than linearly), and a least-squares line through them can have a negative
+  // intercept, making small micro-batches look free; the table keeps every measured point.
+  uo.fit = f->fit == "affine" ? UmpipeFit::affine : UmpipeFit::table;
+  UmpipeModel um = umpipe_model_from_profile(prof, best.balance, uo);
+  if (uo.rematerialise) um.stages.back().forward = TimeCurve::constant(0);
+  DgapOptions dg;
+  dg.seed = f->seed;
+  dg.generations = f->generations;
+  int shown = 0;
+  const auto results = plan_umpipe_all(um, dg, [&](const DgapProgress& g) {
+    if (g.generation % 50 == 0 || g.stall == dg.stall_generations)
+      std::cout << fmt::format("  dgap generation {:>4}: best {:.3f} ms, mean {:.3f} ms, {} without gain\n",
+                               g.generation, g.best_ms, g.mean_ms, g.stall)
+                << std::flush, ++shown;
+  });
+  std::cout << fmt::format("umpipe on balance {} (GPipe order, mini-batch {}):\n", list(best.balance), batch);
+  const double equal = results.front().step_ms;
+  for (const UmpipeResult& r : results)
+    std::cout << fmt::format("  {:<14} {:>12.3f} ms/mini-batch  {:>+7.2f}% vs equal{}\n", r.planner, r.step_ms,
+                             100.0 * (equal / r.step_ms - 1.0),
+                             r.planner == "equal" ? fmt::format(" (m={})", r.microbatches) : "");
+  const UmpipeResult& dgap = results.back();
+  // The plan file's "umpipe": DGAP's result at the top (what train --plan runs by default), every
+  // planner's under "planners" (train --umpipe NAME), and how the times were modelled.
+  umpipe = umpipe_result_to_json(dgap);
+  umpipe["rematerialise"] = uo.rematerialise;
+  umpipe["fit"] = f->fit;
+  umpipe["balance"] = best.balance;
+  umpipe["planners"] = nlohmann::json::object();
+  for (const UmpipeResult& r : results) umpipe["planners"][r.planner] = umpipe_result_to_json(r);
+  for (std::size_t s = 0; s < dgap.plan.forward.size(); ++s)
+    std::cout << fmt::format("  stage {} forward {} | backward {}{}\n", s, list(dgap.plan.forward[s]),
+                             list(dgap.plan.backward[s]),
+                             uo.rematerialise && s + 1 == dgap.plan.forward.size()
+                                 ? " (the last stage's forward is folded into its backward)"
+                                 : "");
+  if (uo.rematerialise)
+    std::cout << "  re-materialised: every backward chunk recomputes its forward (the runtime's way); train "
+                 "--plan FILE runs the dgap partitions, --umpipe equal|local-greedy|global-dp another planner's, "
+                 "--umpipe off the straight pipeline above\n";
+  else
+    std::cout << "  planned without re-materialisation (--no-rematerialise): a planning study only; the runtime "
+                 "re-materialises, so train --plan refuses these partitions (run it with --umpipe off)\n";
+  return umpipe;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app, int& exit_code) {
+  auto f = std::make_shared<PlanFlags>();
+  CLI::App* cmd = app.add_subcommand("plan", "choose balance, schedule and micro-batches (and PipeDream's replication) "
+                                             "from a profile");
+  add_plan_flags(cmd, f);
   cmd->footer(
       "Examples:\n"
       "  pipetrain profile --model gpt --microbatch-size 8 --out gpt.json\n"
@@ -133,39 +283,8 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       "  pipetrain plan --profile vgg16.txt --ranks 8 --bandwidth 1.25 --memory 16   # PipeDream's profile");
   cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("plan", [&] {
-      if (f->ranks < 1) throw UsageError("--ranks must be >= 1, got " + std::to_string(f->ranks));
-      if (!(f->bandwidth_gbps > 0)) throw UsageError("--bandwidth must be > 0 GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
-      if (f->memory_gib < 0) throw UsageError("--memory must be >= 0 GiB, got " + fmt::format("{}", f->memory_gib));
-      for (int m : f->microbatch_counts)
-        if (m < 1) throw UsageError("--microbatch-counts must be >= 1, got " + std::to_string(m));
-      if (f->latency_us < 0) throw UsageError("--latency must be >= 0 us, got " + fmt::format("{}", f->latency_us));
-      if (cmd->get_option("--pipedream-batch")->count() > 0 && f->pipedream_batch < 1)
-        throw UsageError("--pipedream-batch must be >= 1 (the batch size the PipeDream graph was profiled at, e.g. "
-                         "128), got " + std::to_string(f->pipedream_batch));
-      if (!std::isfinite(f->bandwidth_gbps))
-        throw UsageError("--bandwidth must be a finite number of GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
-      Profile prof = load_profile(f->profile);
-      if (f->pipedream_batch > 0 || f->pipedream_states) {
-        const std::string flag = f->pipedream_batch > 0 ? "--pipedream-batch" : "--pipedream-states";
-        if (prof.source.rfind("pipedream graph", 0) != 0)
-          throw UsageError(flag + " is for PipeDream graph files; " + f->profile + " is a JSON profile: drop " + flag);
-        PipeDreamOptions po;
-        if (f->pipedream_batch > 0) po.micro_batch_size = f->pipedream_batch;
-        po.planner_states = f->pipedream_states;
-        prof = load_pipedream_graph(f->profile, po);
-      }
-      // A profile with measured runtime costs gives the transfers (unless --bandwidth or --latency is given)
-      // and the per-action overhead (stage_costs reads it) to every candidate's simulation.
-      const bool transfers_given =
-          cmd->get_option("--bandwidth")->count() > 0 || cmd->get_option("--latency")->count() > 0;
-      if (const auto t = profile_transfers(prof); t && !transfers_given) {
-        f->bandwidth_gbps = t->bandwidth_bytes_per_ms / 1e6;
-        f->latency_us = t->latency_ms * 1e3;
-        std::cout << fmt::format("transfers and overhead as measured over {}: {:.2f} us + bytes at {:.3g} GB/s, {:.2f} us "
-                                 "per compute action\n",
-                                 prof.runtime->transport, f->latency_us, f->bandwidth_gbps, prof.runtime->overhead_ms * 1e3);
-      }
-      const int layers = static_cast<int>(prof.layers.size());
+      check_plan_flags(f.get(), cmd);
+      const Profile prof = read_plan_profile(f.get(), cmd);
       const double limit = f->memory_gib * 1073741824.0;
       PlanSearchOptions so;
       so.ranks = f->ranks;
@@ -181,102 +300,8 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       so.pipedream.activation_compression = f->activation_compression;
       so.replicated_may_win = f->planner != "umpipe";  // UMPIPE cuts one straight pipeline
       const PlanSearchResult res = search_plans(prof, so);
-      const int64_t batch = res.batch_size;
-      const PlanCandidate& best = res.best_straight;
-      const PlanCandidate& top = res.chosen();
-      std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {} GB/s, {}, mini-batch {}\n",
-                               prof.model, layers, prof.micro_batch_size, f->ranks, f->bandwidth_gbps,
-                               limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
-      std::cout << fmt::format("  {:<34} {:>14} {:>8} {:>12}  {}\n", "", "ms/mini-batch", "bubble", "peak GiB", "balance");
-      auto row = [&](const std::string& name, const PlanCandidate& c) {
-        std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {}{}\n", name, c.makespan, c.bubble,
-                                 c.peak_bytes / 1073741824.0, list(c.balance), c.fits ? "" : "  (over the memory limit)");
-      };
-      row(fmt::format("{}: {} m={}, {} ({})", res.chose_replicated ? "best straight" : "chosen", best.schedule, best.m,
-                      best.kind, best.solver),
-          best);
-      if (res.uniform_1f1b) row(fmt::format("uniform balance, 1f1b m={}", res.uniform_1f1b->m), *res.uniform_1f1b);
-      std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {}\n", "data parallelism", res.data_parallel_ms, "-",
-                               res.data_parallel_bytes / 1073741824.0,
-                               res.data_parallel_fits ? "all layers on every rank" : "over the memory limit");
-      if (const auto& pd = res.pipedream) {
-        const double per_batch = pd->time_ms * static_cast<double>(batch) / prof.micro_batch_size;
-        std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {} x replication {} ({} cost form, {:.2f}x over its "
-                                 "data parallelism)\n",
-                                 "PipeDream planner (asynchronous)", per_batch, "-",
-                                 *std::max_element(pd->stage_memory_bytes.begin(), pd->stage_memory_bytes.end()) / 1073741824.0,
-                                 list(pd->balance), list(pd->replication), f->cost_form, pd->speedup);
-      } else {
-        std::cout << "  PipeDream planner: no feasible plan: " << res.pipedream_error << "\n";
-      }
-      if (const auto& rr = res.replicated)
-        std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {} x replication {}{}\n",
-                                 fmt::format("{}its plan as 1F1B-RR m={}", res.chose_replicated ? "chosen: " : "", rr->m),
-                                 rr->makespan, rr->bubble, rr->peak_bytes / 1073741824.0, list(rr->balance),
-                                 list(rr->replication), rr->fits ? " (synchronous, simulated)" : "  (over the memory limit)");
-      if (res.uniform_1f1b && top.makespan > 0)
-        std::cout << fmt::format("  the chosen plan is {:.2f}x the throughput of uniform 1f1b and {:.2f}x data parallelism\n",
-                                 res.uniform_1f1b->makespan / top.makespan, res.data_parallel_ms / top.makespan);
-      // UMPIPE: unequal micro-batches per stage on the chosen balance (GPipe order).
-      nlohmann::json umpipe;
-      if (f->planner == "umpipe") {
-        if (f->generations < 1) throw UsageError("--generations must be >= 1, got " + std::to_string(f->generations));
-        UmpipeProfileOptions uo;
-        uo.samples = static_cast<int>(batch);
-        uo.bandwidth_bytes_per_s = f->bandwidth_gbps * 1e9;
-        uo.latency_ms = f->latency_us / 1e3;
-        if (limit > 0) uo.memory_limit_bytes = limit;
-        uo.single_size_overhead_ms = f->overhead_ms;
-        // The runtime (src/runtime/umpipe_pass.h) runs the forward without a graph and recomputes it in
-        // every backward chunk, so g_j includes f_j. The last stage's forward outputs would only feed its
-        // own backward, which recomputes them: the runtime skips them, and its forward row costs nothing
-        // (the stage only waits there for its input, as GPipe's order wants before the first backward).
-        uo.rematerialise = !f->no_rematerialise;
-        // Measured CPU times are not affine in the micro-batch size (the largest sizes fall out of cache
-        // and grow faster than linearly), and a least-squares line through them can have a negative
-        // intercept, making small micro-batches look free; the table keeps every measured point.
-        uo.fit = f->fit == "affine" ? UmpipeFit::affine : UmpipeFit::table;
-        UmpipeModel um = umpipe_model_from_profile(prof, best.balance, uo);
-        if (uo.rematerialise) um.stages.back().forward = TimeCurve::constant(0);
-        DgapOptions dg;
-        dg.seed = f->seed;
-        dg.generations = f->generations;
-        int shown = 0;
-        const auto results = plan_umpipe_all(um, dg, [&](const DgapProgress& g) {
-          if (g.generation % 50 == 0 || g.stall == dg.stall_generations)
-            std::cout << fmt::format("  dgap generation {:>4}: best {:.3f} ms, mean {:.3f} ms, {} without gain\n",
-                                     g.generation, g.best_ms, g.mean_ms, g.stall)
-                      << std::flush, ++shown;
-        });
-        std::cout << fmt::format("umpipe on balance {} (GPipe order, mini-batch {}):\n", list(best.balance), batch);
-        const double equal = results.front().step_ms;
-        for (const UmpipeResult& r : results)
-          std::cout << fmt::format("  {:<14} {:>12.3f} ms/mini-batch  {:>+7.2f}% vs equal{}\n", r.planner, r.step_ms,
-                                   100.0 * (equal / r.step_ms - 1.0),
-                                   r.planner == "equal" ? fmt::format(" (m={})", r.microbatches) : "");
-        const UmpipeResult& dgap = results.back();
-        // The plan file's "umpipe": DGAP's result at the top (what train --plan runs by default), every
-        // planner's under "planners" (train --umpipe NAME), and how the times were modelled.
-        umpipe = umpipe_result_to_json(dgap);
-        umpipe["rematerialise"] = uo.rematerialise;
-        umpipe["fit"] = f->fit;
-        umpipe["balance"] = best.balance;
-        umpipe["planners"] = nlohmann::json::object();
-        for (const UmpipeResult& r : results) umpipe["planners"][r.planner] = umpipe_result_to_json(r);
-        for (std::size_t s = 0; s < dgap.plan.forward.size(); ++s)
-          std::cout << fmt::format("  stage {} forward {} | backward {}{}\n", s, list(dgap.plan.forward[s]),
-                                   list(dgap.plan.backward[s]),
-                                   uo.rematerialise && s + 1 == dgap.plan.forward.size()
-                                       ? " (the last stage's forward is folded into its backward)"
-                                       : "");
-        if (uo.rematerialise)
-          std::cout << "  re-materialised: every backward chunk recomputes its forward (the runtime's way); train "
-                       "--plan FILE runs the dgap partitions, --umpipe equal|local-greedy|global-dp another planner's, "
-                       "--umpipe off the straight pipeline above\n";
-        else
-          std::cout << "  planned without re-materialisation (--no-rematerialise): a planning study only; the runtime "
-                       "re-materialises, so train --plan refuses these partitions (run it with --umpipe off)\n";
-      }
+      print_plans(f.get(), prof, res, limit);
+      const nlohmann::json umpipe = f->planner == "umpipe" ? plan_umpipe(f.get(), prof, res, limit) : nlohmann::json();
       if (!f->out.empty()) {
         PlanFile file = plan_file_for(prof, res);
         file.umpipe = umpipe;

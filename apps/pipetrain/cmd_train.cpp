@@ -28,14 +28,8 @@
 namespace pipetrain::cli {
 namespace {
 
-int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
-  check_same_settings(f, *world);
-  // With --replicas R the world holds R copies of the pipeline (hybrid data + pipeline parallelism):
-  // `transport` is this rank's pipeline; copy k trains on the k-th 1/R of every mini-batch and the
-  // stages average their gradients over the copies before stepping.
-  const std::shared_ptr<Transport> transport = f.pipe.pipeline_group(world);
-  const int64_t share = f.batch_size / f.pipe.replicas;  // samples per copy and step
-  const bool leader = world->rank() == 0;
+// This rank's pipeline options from the flags (the balance is a collective over `world`).
+PipelineOptions rank_options(const TrainFlags& f, const std::shared_ptr<Transport>& world, int64_t share) {
   PipelineOptions o = f.pipe.options(f.model.seed, world->rank());
   o.tied = f.model.ties();
   o.variable_shapes = f.model.gpt.variable_length;
@@ -50,24 +44,11 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   o.vertical_sync = f.vertical_sync;
   o.weight_stashing = !f.no_stash;
   if (f.pipe.umpipe_chosen) o.umpipe = std::make_shared<UmpipePlan>(f.pipe.umpipe_chosen->plan);
-  const LrSchedule lr = lr_schedule(f);
-  int total = 0;  // the trainer's, set before the first step
-  // One asynchronous call runs several steps: each stage sets the learning rate of its step just before
-  // stepping.
-  if (is_async(f.pipe.schedule)) o.learning_rate = [lr, &total](int k) { return lr.at(k, total); };
   if (const char* fault = std::getenv("PIPETRAIN_FAULT")) o.before_action = fault_injector(fault);
-  auto model = f.model.factory()();
-  PipelineRank rank(model, f.model.loss(), transport, o);
-  const std::vector<int> mine = rank.local_stages();
-  const int last_stage = rank.schedule().stages - 1;
-  // Only the ranks of the first and the last stage (and rank 0, which holds stage 0) touch the data.
-  std::unique_ptr<zoo::Dataset> dataset;
-  if (leader || std::find(mine.begin(), mine.end(), 0) != mine.end() ||
-      std::find(mine.begin(), mine.end(), last_stage) != mine.end())
-    dataset = f.model.dataset();
-  std::optional<TrainData> data;
-  if (dataset) data = zoo::train_data(*dataset);
+  return o;
+}
 
+TrainerOptions trainer_options(const TrainFlags& f, const LrSchedule& lr) {
   TrainerOptions to;
   to.steps = f.steps > 0 ? f.steps : f.epochs > 0 ? 0 : kDefaultSteps;
   to.epochs = f.epochs;
@@ -85,25 +66,32 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   to.steps_per_call = f.steps_per_call;
   to.stage_times = !f.log.empty();  // the same on every rank (check_same_settings)
   to.stop_requested = [] { return stop_signal_received(); };
+  return to;
+}
 
-  const bool text = f.model.model == "gpt";
-  const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
+// What rank 0 shows while it trains: the progress bar or lines, and the per-step log.
+struct RankOutput {
   std::unique_ptr<std::ofstream> log;
   std::unique_ptr<Progress> progress;
+};
+
+TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
+  const bool text = f.model.model == "gpt";
+  const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
   TrainerCallbacks cb;
-  cb.on_eval = [&](int step, const EvalResult& e) {
+  cb.on_eval = [&f, &out, leader, text](int step, const EvalResult& e) {
     if (leader)
-      progress->note(fmt::format("eval at step {}: {} ({} held-out {})", step, eval_text(f, e), e.samples,
-                                 text ? "windows" : "samples"));
+      out.progress->note(fmt::format("eval at step {}: {} ({} held-out {})", step, eval_text(f, e), e.samples,
+                                     text ? "windows" : "samples"));
   };
-  cb.on_checkpoint = [&](int step, const std::string& dir) {
-    if (leader) progress->note(fmt::format("checkpoint at step {} written to {}", step, dir));
+  cb.on_checkpoint = [&out, leader](int step, const std::string& dir) {
+    if (leader) out.progress->note(fmt::format("checkpoint at step {} written to {}", step, dir));
   };
-  cb.on_step = [&](const StepRecord& s) {
+  cb.on_step = [&f, &out, leader, text, units_per_sample](const StepRecord& s) {
     if (!leader) return;
     const double per_s = 1000.0 * static_cast<double>(f.batch_size) / s.ms;
-    progress->step(s.step, s.loss, s.grad_norm, s.lr, s.ms, per_s * units_per_sample);
-    if (!log) return;
+    out.progress->step(s.step, s.loss, s.grad_norm, s.lr, s.ms, per_s * units_per_sample);
+    if (!out.log) return;
     nlohmann::json entry = {{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
                             {"step_ms", s.ms}, {"samples_per_s", per_s}};
     if (text) entry["tokens_per_s"] = per_s * units_per_sample;
@@ -113,39 +101,15 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
       entry["eval_loss"] = s.eval->loss;
       entry["eval_accuracy"] = s.eval->accuracy;
     }
-    *log << entry.dump() << "\n" << std::flush;
+    *out.log << entry.dump() << "\n" << std::flush;
   };
-  Trainer trainer(rank, world, transport, data ? &*data : nullptr, to, cb);
-  trainer.prepare();
-  total = trainer.total();
-  if (leader && !f.log.empty()) {
-    log = std::make_unique<std::ofstream>(f.log, trainer.start() > 0 ? std::ios::app : std::ios::trunc);
-    if (!*log) throw std::runtime_error("cannot write the log file '" + f.log + "'");
-  }
-  if (leader) {
-    std::cout << banner(f, trainer, rank, *transport, o.threads) << std::flush;
-    if (f.pipe.umpipe_chosen) std::cout << umpipe_banner(f.pipe) << std::flush;
-  }
-  progress = std::make_unique<Progress>(f.progress, total, trainer.start(), text ? "tokens" : "samples");
-  stop_signals_cooperative();  // from here on the trainer polls the flag at every call
-  const TrainResult r = trainer.run();
-  if (r.stopped_by) {
-    const int sig = r.stopped_by;
-    if (leader) {
-      const std::string name = sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "signal " + std::to_string(sig);
-      progress->note(fmt::format("stopped by {} after step {} of {}", name, r.reached, r.total));
-      if (!f.save.empty() && r.last_saved > 0)
-        std::cout << "the checkpoint in " << f.save << " is at step " << r.last_saved << "; continue with --resume "
-                  << f.save << "\n" << std::flush;
-    }
-    return 128 + sig;
-  }
-  std::pair<std::string, std::string> sample;
-  if (f.model.is_text() && f.sample > 0 && trainer.eval_size() > 0)
-    sample = generate_text(f, rank, *transport, dataset.get());
-  const RunReport rep = trainer.report(r);
-  if (!leader) return 0;
-  print_summary(f, rank, *transport, r, rep);
+  return cb;
+}
+
+// After the run, on rank 0: the summary, the text sample and the files written.
+void print_outputs(const TrainFlags& f, PipelineRank& rank, const Transport& transport, const TrainResult& r,
+                   const RunReport& rep, const std::pair<std::string, std::string>& sample) {
+  print_summary(f, rank, transport, r, rep);
   if (!sample.second.empty()) {
     std::string prompt = sample.first.substr(sample.first.size() > 80 ? sample.first.size() - 80 : 0);
     std::cout << "sample (temperature " << f.temperature << ") after the held-out prompt \"..." << prompt << "\":\n"
@@ -161,14 +125,70 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   }
   if (!f.log.empty()) std::cout << "per-step log written to " << f.log << "\n";
   if (!f.save.empty()) std::cout << "checkpoint written to " << f.save << "\n";
+}
+
+int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
+  check_same_settings(f, *world);
+  // With --replicas R the world holds R copies of the pipeline (hybrid data + pipeline parallelism):
+  // `transport` is this rank's pipeline; copy k trains on the k-th 1/R of every mini-batch and the
+  // stages average their gradients over the copies before stepping.
+  const std::shared_ptr<Transport> transport = f.pipe.pipeline_group(world);
+  const int64_t share = f.batch_size / f.pipe.replicas;  // samples per copy and step
+  const bool leader = world->rank() == 0;
+  PipelineOptions o = rank_options(f, world, share);
+  const LrSchedule lr = lr_schedule(f);
+  int total = 0;  // the trainer's, set before the first step
+  // One asynchronous call runs several steps: each stage sets the learning rate of its step just before
+  // stepping.
+  if (is_async(f.pipe.schedule)) o.learning_rate = [lr, &total](int k) { return lr.at(k, total); };
+  auto model = f.model.factory()();
+  PipelineRank rank(model, f.model.loss(), transport, o);
+  const std::vector<int> mine = rank.local_stages();
+  const int last_stage = rank.schedule().stages - 1;
+  // Only the ranks of the first and the last stage (and rank 0, which holds stage 0) touch the data.
+  std::unique_ptr<zoo::Dataset> dataset;
+  if (leader || std::find(mine.begin(), mine.end(), 0) != mine.end() ||
+      std::find(mine.begin(), mine.end(), last_stage) != mine.end())
+    dataset = f.model.dataset();
+  std::optional<TrainData> data;
+  if (dataset) data = zoo::train_data(*dataset);
+
+  RankOutput out;
+  const bool text = f.model.model == "gpt";
+  Trainer trainer(rank, world, transport, data ? &*data : nullptr, trainer_options(f, lr), callbacks(f, leader, out));
+  trainer.prepare();
+  total = trainer.total();
+  if (leader && !f.log.empty()) {
+    out.log = std::make_unique<std::ofstream>(f.log, trainer.start() > 0 ? std::ios::app : std::ios::trunc);
+    if (!*out.log) throw std::runtime_error("cannot write the log file '" + f.log + "'");
+  }
+  if (leader) {
+    std::cout << banner(f, trainer, rank, *transport, o.threads) << std::flush;
+    if (f.pipe.umpipe_chosen) std::cout << umpipe_banner(f.pipe) << std::flush;
+  }
+  out.progress = std::make_unique<Progress>(f.progress, total, trainer.start(), text ? "tokens" : "samples");
+  stop_signals_cooperative();  // from here on the trainer polls the flag at every call
+  const TrainResult r = trainer.run();
+  if (r.stopped_by) {
+    const int sig = r.stopped_by;
+    if (leader) {
+      const std::string name = sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "signal " + std::to_string(sig);
+      out.progress->note(fmt::format("stopped by {} after step {} of {}", name, r.reached, r.total));
+      if (!f.save.empty() && r.last_saved > 0)
+        std::cout << "the checkpoint in " << f.save << " is at step " << r.last_saved << "; continue with --resume "
+                  << f.save << "\n" << std::flush;
+    }
+    return 128 + sig;
+  }
+  std::pair<std::string, std::string> sample;
+  if (f.model.is_text() && f.sample > 0 && trainer.eval_size() > 0)
+    sample = generate_text(f, rank, *transport, dataset.get());
+  const RunReport rep = trainer.report(r);
+  if (leader) print_outputs(f, rank, *transport, r, rep, sample);
   return 0;
 }
 
-}  // namespace
-
-void add_train_command(CLI::App& app, int& exit_code) {
-  auto f = std::make_shared<TrainFlags>();
-  CLI::App* cmd = app.add_subcommand("train", "train a model on real data with a pipeline schedule across ranks");
+void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
   f->model.add_to(*cmd);
   f->pipe.add_to(*cmd);
   f->pipe.add_umpipe_to(*cmd);
@@ -217,7 +237,9 @@ void add_train_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--memory", f->memory,
                 "measure each rank's peak heap growth during a step (activations, buffers, gradients); with "
                 "--transport local all ranks share one heap");
-  cmd->footer(
+}
+
+constexpr const char* kTrainExamples =
       "Without a launcher, --stages P starts P local processes over gloo (use --transport local for threads).\n"
       "Examples:\n"
       "  pipetrain train                                   # the gpt on the King James Bible, 2 stages, 1f1b\n"
@@ -229,92 +251,114 @@ void add_train_command(CLI::App& app, int& exit_code) {
       "  pipetrain train --resume ckpt --steps 2000 --stages 4   # continue, regrouped into 4 stages\n"
       "  pipetrain train --config flags.json --lr 1e-3         # flags from a file, one overridden\n"
       "  pipetrain launch -n 2 -- pipetrain train --stages 2 --transport gloo\n"
-      "  mpirun -n 2 pipetrain train --stages 2 --transport mpi");
+      "  mpirun -n 2 pipetrain train --stages 2 --transport mpi";
+
+// The run's own flags (steps, evaluation, checkpoints, sampling), before any rank starts.
+void check_run_flags(const TrainFlags* f, const CLI::App* cmd) {
+  if (f->batch_size < 1) throw UsageError("--batch-size must be >= 1, got " + std::to_string(f->batch_size));
+  const bool steps_given = cmd->get_option("--steps")->count() > 0;
+  const bool epochs_given = cmd->get_option("--epochs")->count() > 0;
+  if (f->steps < 0 || (steps_given && f->steps == 0))
+    throw UsageError("--steps must be >= 1, got " + std::to_string(f->steps) + ": give the optimizer steps to run");
+  // 0, nan and inf used to run the default 600 steps (or -2147483648); 1e6 epochs is far past any run.
+  if (epochs_given && !(f->epochs > 0 && f->epochs <= 1e6))
+    throw UsageError("--epochs must be a number > 0 and at most 1e6, got " + fmt::format("{}", f->epochs) +
+                     ": give the passes over the training split, e.g. --epochs 2 (or use --steps)");
+  if (steps_given && epochs_given) throw UsageError("give --steps or --epochs, not both");
+  if (f->eval_every < -1 || (cmd->get_option("--eval-every")->count() > 0 && f->eval_every < 0))
+    throw UsageError("--eval-every must be >= 1 (or 0 for no evaluation), got " + std::to_string(f->eval_every));
+  if (f->eval_samples < 0 || f->eval_batch < 0)
+    throw UsageError("--eval-samples and --eval-batch must be >= 1 (or 0 for the default)");
+  if (f->save_every < 0) throw UsageError("--save-every must be >= 0, got " + std::to_string(f->save_every));
+  if (f->save_every > 0 && f->save.empty()) throw UsageError("--save-every needs --save DIR (where to write)");
+  if (f->save_on_interrupt && f->save.empty()) throw UsageError("--save-on-interrupt needs --save DIR (where to write)");
+  if (f->sample < 0) throw UsageError("--sample must be >= 0, got " + std::to_string(f->sample));
+  if (!(f->temperature > 0)) throw UsageError("--temperature must be > 0, got " + fmt::format("{}", f->temperature));
+  if (f->warmup < -1) throw UsageError("--warmup must be >= 0, got " + std::to_string(f->warmup));
+  if (f->lr_schedule != "constant" && f->lr_schedule != "cosine" && f->lr_schedule != "linear")
+    throw UsageError("unknown --lr-schedule '" + f->lr_schedule + "': use constant, cosine or linear");
+}
+
+// The model, data and pipeline flags, before any rank starts, so bad input is exit 2 with one message.
+void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
+  f->model.prepare();
+  f->pipe.prepare_umpipe(*cmd, f->batch_size);  // a plan's UMPIPE partitions: schedule gpipe, checked here
+  // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
+  const bool one_per_step = schedule_traits(f->pipe.schedule).one_microbatch_per_step;
+  if (one_per_step && cmd->get_option("--microbatches")->count() == 0) f->pipe.microbatches = 1;
+  if (f->steps_per_call < 0)
+    throw UsageError("--steps-per-call must be >= 0 (0: up to the next evaluation or checkpoint), got " +
+                     std::to_string(f->steps_per_call));
+  if (f->steps_per_call > 0 && !is_async(f->pipe.schedule))
+    throw UsageError("--steps-per-call applies to the asynchronous schedules (pipedream, 2bw, spectrain), not '" +
+                     f->pipe.schedule + "', which flushes after every step: drop --steps-per-call");
+  PipelineOptions o = f->pipe.options(f->model.seed);
+  if (f->model.gpt.tie_embeddings && (is_async(f->pipe.schedule) || !f->pipe.replication.empty()))
+    throw UsageError("--tie-embeddings sums the tied copies' gradients at the flush: it runs with the synchronous "
+                     "schedules (gpipe, 1f1b, interleaved, zb-*) without --replication, not --schedule " +
+                     f->pipe.schedule + (f->pipe.replication.empty() ? "" : " --replication " + f->pipe.replication));
+  if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
+  auto model = f->model.factory()();
+  check_balance_flags(f->pipe, f->model);
+  if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
+  if (f->pipe.plan_use != "pipeline" && f->pipe.plan_file.empty())
+    throw UsageError("--plan-use " + f->pipe.plan_use + " picks a part of a plan file: pass --plan FILE too");
+  if (f->pipe.replicas > 1 && !f->pipe.replication.empty())
+    throw UsageError("--replication " + f->pipe.replication + " (replicated stages) and --replicas " +
+                     std::to_string(f->pipe.replicas) + " (copies of the whole pipeline) do not combine: use one");
+  if (f->pipe.replicas > 1) {
+    if (f->batch_size % f->pipe.replicas != 0)
+      throw UsageError("--batch-size " + std::to_string(f->batch_size) + " does not split evenly over --replicas " +
+                       std::to_string(f->pipe.replicas) + ": use a multiple of " + std::to_string(f->pipe.replicas));
+    if (is_async(f->pipe.schedule))
+      throw UsageError("--replicas runs with the synchronous schedules (gpipe, 1f1b, interleaved, zb-*), not '" +
+                       f->pipe.schedule + "'");
+    split_equal(f->batch_size / f->pipe.replicas, o.microbatches);
+  }
+  split_equal(f->batch_size, o.microbatches);
+  o.optimizer.name = f->optimizer;
+  o.optimizer.lr = f->lr;
+  o.optimizer.momentum = f->optimizer == "sgd" ? f->momentum : 0.0;
+  o.optimizer.clip_grad_norm = f->clip;
+  o.vertical_sync = f->vertical_sync;
+  o.weight_stashing = !f->no_stash;
+  o.tied = f->model.ties();
+  // What each rank's PipelineRank will check, checked once here (schedule against m and p, the weight
+  // policy, the optimizer, ties): bad combinations are exit 2 with one message, before any rank starts.
+  check_pipeline_options(o, o.replication.empty() ? f->pipe.stages : f->pipe.world_size());
+}
+
+// --save is ours to write and --resume matches this run's model, data and optimizer.
+void check_checkpoint_flags(TrainFlags* f) {
+  if (!f->save.empty()) f->save = prepare_checkpoint_dir(f->save, "--save");  // before any step
+  if (!f->resume.empty()) {
+    const nlohmann::json saved = read_checkpoint(f->resume).at("run");
+    const nlohmann::json now = run_json(*f, 0);
+    std::vector<std::string> diffs = run_differences(saved, now, {"model", "data"});
+    for (const auto& d : run_differences({{"optimizer", {{"name", saved.value("optimizer", nlohmann::json::object())
+                                                                          .value("name", std::string())}}}},
+                                         {{"optimizer", {{"name", f->optimizer}}}}, {"optimizer"}))
+      diffs.push_back(d);
+    if (!diffs.empty()) {
+      std::string msg = "checkpoint " + f->resume + " does not match this run:";
+      for (const auto& d : diffs) msg += "\n  " + d;
+      throw UsageError(msg + "\npass the flags it was saved with (see its manifest.json), or start without --resume");
+    }
+  }
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app, int& exit_code) {
+  auto f = std::make_shared<TrainFlags>();
+  CLI::App* cmd = app.add_subcommand("train", "train a model on real data with a pipeline schedule across ranks");
+  add_train_flags(cmd, f);
+  cmd->footer(kTrainExamples);
   cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("train", [&] {
-      if (f->batch_size < 1) throw UsageError("--batch-size must be >= 1, got " + std::to_string(f->batch_size));
-      const bool steps_given = cmd->get_option("--steps")->count() > 0;
-      const bool epochs_given = cmd->get_option("--epochs")->count() > 0;
-      if (f->steps < 0 || (steps_given && f->steps == 0))
-        throw UsageError("--steps must be >= 1, got " + std::to_string(f->steps) + ": give the optimizer steps to run");
-      // 0, nan and inf used to run the default 600 steps (or -2147483648); 1e6 epochs is far past any run.
-      if (epochs_given && !(f->epochs > 0 && f->epochs <= 1e6))
-        throw UsageError("--epochs must be a number > 0 and at most 1e6, got " + fmt::format("{}", f->epochs) +
-                         ": give the passes over the training split, e.g. --epochs 2 (or use --steps)");
-      if (steps_given && epochs_given) throw UsageError("give --steps or --epochs, not both");
-      if (f->eval_every < -1 || (cmd->get_option("--eval-every")->count() > 0 && f->eval_every < 0))
-        throw UsageError("--eval-every must be >= 1 (or 0 for no evaluation), got " + std::to_string(f->eval_every));
-      if (f->eval_samples < 0 || f->eval_batch < 0)
-        throw UsageError("--eval-samples and --eval-batch must be >= 1 (or 0 for the default)");
-      if (f->save_every < 0) throw UsageError("--save-every must be >= 0, got " + std::to_string(f->save_every));
-      if (f->save_every > 0 && f->save.empty()) throw UsageError("--save-every needs --save DIR (where to write)");
-      if (f->save_on_interrupt && f->save.empty()) throw UsageError("--save-on-interrupt needs --save DIR (where to write)");
-      if (f->sample < 0) throw UsageError("--sample must be >= 0, got " + std::to_string(f->sample));
-      if (!(f->temperature > 0)) throw UsageError("--temperature must be > 0, got " + fmt::format("{}", f->temperature));
-      if (f->warmup < -1) throw UsageError("--warmup must be >= 0, got " + std::to_string(f->warmup));
-      if (f->lr_schedule != "constant" && f->lr_schedule != "cosine" && f->lr_schedule != "linear")
-        throw UsageError("unknown --lr-schedule '" + f->lr_schedule + "': use constant, cosine or linear");
-      // Check what can be checked before any rank starts, so bad input is exit 2 with one message.
-      f->model.prepare();
-      f->pipe.prepare_umpipe(*cmd, f->batch_size);  // a plan's UMPIPE partitions: schedule gpipe, checked here
-      // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
-      const bool one_per_step = schedule_traits(f->pipe.schedule).one_microbatch_per_step;
-      if (one_per_step && cmd->get_option("--microbatches")->count() == 0) f->pipe.microbatches = 1;
-      if (f->steps_per_call < 0)
-        throw UsageError("--steps-per-call must be >= 0 (0: up to the next evaluation or checkpoint), got " +
-                         std::to_string(f->steps_per_call));
-      if (f->steps_per_call > 0 && !is_async(f->pipe.schedule))
-        throw UsageError("--steps-per-call applies to the asynchronous schedules (pipedream, 2bw, spectrain), not '" +
-                         f->pipe.schedule + "', which flushes after every step: drop --steps-per-call");
-      PipelineOptions o = f->pipe.options(f->model.seed);
-      if (f->model.gpt.tie_embeddings && (is_async(f->pipe.schedule) || !f->pipe.replication.empty()))
-        throw UsageError("--tie-embeddings sums the tied copies' gradients at the flush: it runs with the synchronous "
-                         "schedules (gpipe, 1f1b, interleaved, zb-*) without --replication, not --schedule " +
-                         f->pipe.schedule + (f->pipe.replication.empty() ? "" : " --replication " + f->pipe.replication));
-      if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
-      auto model = f->model.factory()();
-      check_balance_flags(f->pipe, f->model);
-      if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
-      if (f->pipe.plan_use != "pipeline" && f->pipe.plan_file.empty())
-        throw UsageError("--plan-use " + f->pipe.plan_use + " picks a part of a plan file: pass --plan FILE too");
-      if (f->pipe.replicas > 1 && !f->pipe.replication.empty())
-        throw UsageError("--replication " + f->pipe.replication + " (replicated stages) and --replicas " +
-                         std::to_string(f->pipe.replicas) + " (copies of the whole pipeline) do not combine: use one");
-      if (f->pipe.replicas > 1) {
-        if (f->batch_size % f->pipe.replicas != 0)
-          throw UsageError("--batch-size " + std::to_string(f->batch_size) + " does not split evenly over --replicas " +
-                           std::to_string(f->pipe.replicas) + ": use a multiple of " + std::to_string(f->pipe.replicas));
-        if (is_async(f->pipe.schedule))
-          throw UsageError("--replicas runs with the synchronous schedules (gpipe, 1f1b, interleaved, zb-*), not '" +
-                           f->pipe.schedule + "'");
-        split_equal(f->batch_size / f->pipe.replicas, o.microbatches);
-      }
-      split_equal(f->batch_size, o.microbatches);
-      o.optimizer.name = f->optimizer;
-      o.optimizer.lr = f->lr;
-      o.optimizer.momentum = f->optimizer == "sgd" ? f->momentum : 0.0;
-      o.optimizer.clip_grad_norm = f->clip;
-      o.vertical_sync = f->vertical_sync;
-      o.weight_stashing = !f->no_stash;
-      o.tied = f->model.ties();
-      // What each rank's PipelineRank will check, checked once here (schedule against m and p, the weight
-      // policy, the optimizer, ties): bad combinations are exit 2 with one message, before any rank starts.
-      check_pipeline_options(o, o.replication.empty() ? f->pipe.stages : f->pipe.world_size());
-      if (!f->save.empty()) f->save = prepare_checkpoint_dir(f->save, "--save");  // before any step
-      if (!f->resume.empty()) {
-        const nlohmann::json saved = read_checkpoint(f->resume).at("run");
-        const nlohmann::json now = run_json(*f, 0);
-        std::vector<std::string> diffs = run_differences(saved, now, {"model", "data"});
-        for (const auto& d : run_differences({{"optimizer", {{"name", saved.value("optimizer", nlohmann::json::object())
-                                                                              .value("name", std::string())}}}},
-                                             {{"optimizer", {{"name", f->optimizer}}}}, {"optimizer"}))
-          diffs.push_back(d);
-        if (!diffs.empty()) {
-          std::string msg = "checkpoint " + f->resume + " does not match this run:";
-          for (const auto& d : diffs) msg += "\n  " + d;
-          throw UsageError(msg + "\npass the flags it was saved with (see its manifest.json), or start without --resume");
-        }
-      }
+      check_run_flags(f.get(), cmd);
+      check_pipeline_flags(f.get(), cmd);
+      check_checkpoint_flags(f.get());
       StopSignalScope stop_signals;  // process-wide (a launcher parent installs its own while it runs)
       return run_ranks(f->pipe, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) { return train_rank(*f, t); });
     });

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <mutex>
 #include <numeric>
@@ -28,6 +29,53 @@
 #include "pipetrain/runtime/profiler.h"
 
 namespace pipetrain::cli {
+
+namespace {
+
+struct PlanReplication {
+  bool unequal = false;  // stages replicated unequally (PipeDream's plans, e.g. 3,1)
+  int workers = 0;       // ranks over all replicas
+  int lcm = 1;           // least common multiple of the replica counts
+};
+
+// A plan's replication on the command line: unequal runs as 1F1B-RR over each stage's replicas
+// (--replication); equal replication R > 1 as R copies of the pipeline (--replicas). Refuses flags
+// that contradict the file.
+PlanReplication apply_plan_replication(PipelineFlags& flags, const Plan& plan, const std::string& path,
+                                       const std::function<bool(const char*)>& given) {
+  PlanReplication out;
+  out.unequal = std::any_of(plan.replication.begin(), plan.replication.end(),
+                            [&](int r) { return r != plan.replication.front(); });
+  std::string counts;
+  for (int r : plan.replication) {
+    counts += (counts.empty() ? "" : ",") + std::to_string(r);
+    out.workers += r;
+    out.lcm = std::lcm(out.lcm, r);
+  }
+  if (out.unequal) {
+    if (given("--replication") && flags.replication_counts() != plan.replication)
+      throw CLI::ValidationError("--plan", path + " replicates its stages " + counts + " but --replication is " +
+                                                 flags.replication + ": drop --replication");
+    if (given("--replicas") && flags.replicas != 1)
+      throw CLI::ValidationError("--plan", path + " replicates its stages unequally (" + counts +
+                                                 "), which does not combine with --replicas: drop --replicas");
+    flags.replication = counts;
+  } else {
+    if (given("--replication"))
+      throw CLI::ValidationError("--plan", path + " does not replicate its stages unequally, but --replication " +
+                                                 flags.replication + " does: drop --replication (or --plan)");
+    if (!plan.replication.empty() && plan.replication.front() > 1) {
+      if (given("--replicas") && flags.replicas != plan.replication.front())
+        throw CLI::ValidationError("--plan", path + " replicates every stage " +
+                                                   std::to_string(plan.replication.front()) + " times but --replicas is " +
+                                                   std::to_string(flags.replicas));
+      flags.replicas = plan.replication.front();
+    }
+  }
+  return out;
+}
+
+}  // namespace
 
 void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   plan_file = path;
@@ -55,37 +103,8 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   } catch (const std::exception& e) {  // parse time: report as a usage error (exit 2)
     throw CLI::ValidationError("--plan", e.what());
   }
-  // Replication: unequal (PipeDream's plans, e.g. 3,1) runs as 1F1B-RR over each stage's replicas
-  // (--replication); equal replication R > 1 as R copies of the pipeline (--replicas).
-  const bool unequal = std::any_of(plan.replication.begin(), plan.replication.end(),
-                                   [&](int r) { return r != plan.replication.front(); });
-  std::string counts;
-  int workers = 0, lcm = 1;
-  for (int r : plan.replication) {
-    counts += (counts.empty() ? "" : ",") + std::to_string(r);
-    workers += r;
-    lcm = std::lcm(lcm, r);
-  }
-  if (unequal) {
-    if (given("--replication") && replication_counts() != plan.replication)
-      throw CLI::ValidationError("--plan", path + " replicates its stages " + counts + " but --replication is " +
-                                                 replication + ": drop --replication");
-    if (given("--replicas") && replicas != 1)
-      throw CLI::ValidationError("--plan", path + " replicates its stages unequally (" + counts +
-                                                 "), which does not combine with --replicas: drop --replicas");
-    replication = counts;
-  } else {
-    if (given("--replication"))
-      throw CLI::ValidationError("--plan", path + " does not replicate its stages unequally, but --replication " +
-                                                 replication + " does: drop --replication (or --plan)");
-    if (!plan.replication.empty() && plan.replication.front() > 1) {
-      if (given("--replicas") && replicas != plan.replication.front())
-        throw CLI::ValidationError("--plan", path + " replicates every stage " +
-                                                   std::to_string(plan.replication.front()) + " times but --replicas is " +
-                                                   std::to_string(replicas));
-      replicas = plan.replication.front();
-    }
-  }
+  const PlanReplication rep = apply_plan_replication(*this, plan, path, given);
+  const bool unequal = rep.unequal;
   const int p = static_cast<int>(plan.balance.size());
   if (given("--stages") && stages != p)
     throw CLI::ValidationError("--plan", path + " has " + std::to_string(p) + " stages but --stages is " +
@@ -109,7 +128,7 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
     if (file_microbatches > 0)
       microbatches = file_microbatches;
     else if (unequal)
-      microbatches = (2 * workers + lcm - 1) / lcm * lcm;
+      microbatches = (2 * rep.workers + rep.lcm - 1) / rep.lcm * rep.lcm;
   }
   // UMPIPE partitions, if the chosen plan has them (not the PipeDream section: the partitions belong to
   // the top-level balance); prepare_umpipe decides whether they run (--umpipe).
