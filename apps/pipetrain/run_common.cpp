@@ -258,14 +258,24 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
     return launch_local(world, args);  // the ranks see no mpirun variables, so "auto" means gloo
   }
+  auto mismatch = [&](int started) {
+    return "the launcher started " + std::to_string(started) + " ranks but --stages is " +
+           std::to_string(flags.stages) + (flags.replicas > 1 ? " x --replicas " + std::to_string(flags.replicas) : "") +
+           (flags.replication.empty() ? "" : " replicated " + flags.replication + " (their sum)") + ": launch " +
+           std::to_string(world) + " ranks" +
+           (flags.replication.empty() ? " or pass --stages " + std::to_string(started) : "");
+  };
+  // The launcher's world size, checked before the rendezvous: every rank refuses it on its own (exit 2),
+  // rather than the first to check aborting the others (exit 1 there).
+  for (const char* var : {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"})
+    if (const char* v = std::getenv(var)) {
+      const int started = std::atoi(v);
+      if (started > 0 && started != world) throw UsageError(mismatch(started));
+      break;
+    }
   auto transport = make_process_transport(t);
   if (transport->world_size() != world) {
-    const std::string msg =
-        "the launcher started " + std::to_string(transport->world_size()) + " ranks but --stages is " +
-        std::to_string(flags.stages) + (flags.replicas > 1 ? " x --replicas " + std::to_string(flags.replicas) : "") +
-        (flags.replication.empty() ? "" : " replicated " + flags.replication + " (their sum)") + ": launch " +
-        std::to_string(world) + " ranks" +
-        (flags.replication.empty() ? " or pass --stages " + std::to_string(transport->world_size()) : "");
+    const std::string msg = mismatch(transport->world_size());
     transport->abort(msg);
     throw UsageError(msg);
   }
