@@ -24,14 +24,13 @@
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/transport.h"
 
+#include "bench_util.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using pipetrain::bench::median;
 
 torch::nn::Sequential tiny_model(int layers) {
   torch::manual_seed(1);

@@ -30,6 +30,8 @@
 
 #include "pipetrain/runtime/transport.h"
 
+#include "bench_util.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -39,10 +41,7 @@ struct Pair {
   std::function<void(at::Tensor&, int, int)> send, recv;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using pipetrain::bench::median;
 
 // memcpy bandwidth (GB/s) between two buffers of `bytes`, median of `iters` copies after `warmup`.
 double memcpy_gbs(long long bytes, int warmup, int iters) {

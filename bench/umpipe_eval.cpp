@@ -38,6 +38,8 @@
 #include "pipetrain/plan/profile.h"
 #include "pipetrain/plan/umpipe.h"
 
+#include "bench_util.h"
+
 using namespace pipetrain;
 
 namespace {
@@ -94,10 +96,7 @@ Profile gpt14_profile() {
   return prof;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using pipetrain::bench::median;
 
 using Clock = std::chrono::steady_clock;
 

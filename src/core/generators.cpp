@@ -10,6 +10,7 @@
 #include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/simulate.h"
+#include "generators_detail.h"
 #include "v_squeeze.h"
 
 namespace pipetrain {
@@ -209,15 +210,15 @@ void append_step(std::vector<Action>& out, const std::vector<Action>& ops, int m
     }
 }
 
-CostModel costs_or_unit(const CostModel& costs, int p) {
+}  // namespace
+
+CostModel detail::costs_or_unit(const CostModel& costs, int p) {
   if (costs.stage.empty()) return CostModel::uniform(p, StageCost{});
   CostModel c = costs;
   if (c.stage.size() == 1) c.stage.assign(static_cast<std::size_t>(p), c.stage[0]);
   c.check(p);
   return c;
 }
-
-}  // namespace
 
 Schedule gpipe(int p, int m, int steps) {
   check_sizes("gpipe", p, m, 1, steps);
@@ -304,7 +305,7 @@ Schedule zb_h2(int p, int m, const CostModel& costs, int steps) {
   check_sizes("zb-h2", p, m, 1, steps);
   // The limit counts whole micro-batches in flight (F done, W not done): a micro-batch keeps all its
   // memory until W, so at most 2p-1 of them live on any rank.
-  CostModel c = costs_or_unit(costs, p);
+  CostModel c = detail::costs_or_unit(costs, p);
   c.b_release_fraction = 0.0;
   double unit = 0;
   for (const StageCost& sc : c.stage) unit = std::max(unit, sc.activation);
@@ -313,7 +314,7 @@ Schedule zb_h2(int p, int m, const CostModel& costs, int steps) {
 
 Schedule zb_auto(int p, int m, const CostModel& costs, double memory_limit, int steps) {
   check_sizes("zb-auto", p, m, 1, steps);
-  const CostModel c = costs_or_unit(costs, p);
+  const CostModel c = detail::costs_or_unit(costs, p);
   if (memory_limit < 0)
     throw UsageError("memory limit " + std::to_string(memory_limit) + " must be >= 0 (0 means p micro-batches)");
   double unit = 0;

@@ -21,6 +21,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/simulate.h"
+#include "generators_detail.h"
 
 namespace pipetrain {
 namespace {
@@ -299,11 +300,16 @@ class Search {
   bool out_of_budget_ = false;
 };
 
+// The generators' costs for p stages with the per-action overhead folded into F, B and W (the search
+// times passes by those; the simulator adds the overhead to each of them, so both agree).
 CostModel per_rank_costs(const CostModel& costs, int p) {
-  if (costs.stage.empty()) return CostModel::uniform(p, StageCost{});
-  CostModel c = costs;
-  if (c.stage.size() == 1) c.stage.assign(static_cast<std::size_t>(p), c.stage[0]);
-  c.check(p);
+  CostModel c = detail::costs_or_unit(costs, p);
+  for (StageCost& sc : c.stage) {
+    sc.f += c.overhead;
+    sc.b += c.overhead;
+    sc.w += c.overhead;
+  }
+  c.overhead = 0;
   return c;
 }
 
@@ -371,16 +377,18 @@ ZbExactResult zb_exact(int p, int m, const CostModel& costs, const ZbExactOption
                      ": use --microbatches 1 or more");
   if (static_cast<long long>(p) * m > kZbExactMaxRanksTimesMicrobatches)
     throw UsageError("zb-auto --exact searches small cases only: p=" + std::to_string(p) + " x m=" + std::to_string(m) +
-                     " = " + std::to_string(p * m) + " passes of each kind per step, more than the " +
+                     " = " + std::to_string(static_cast<long long>(p) * m) + " passes of each kind per step, more than the " +
                      std::to_string(kZbExactMaxRanksTimesMicrobatches) + " supported: use fewer stages or micro-batches, "
                      "or zb-auto without --exact");
   if (o.steps < 1)
     throw UsageError("zb-auto --exact: steps must be >= 1, got " + std::to_string(o.steps) + ": use --steps 1 or more");
   if (o.node_budget < 1)
-    throw UsageError("zb-auto --exact: the node budget must be >= 1, got " + std::to_string(o.node_budget));
+    throw UsageError("zb-auto --exact: the node budget must be >= 1, got " + std::to_string(o.node_budget) +
+                     ": use --exact-nodes 1 or more");
   const CostModel c = per_rank_costs(costs, p);
   if (o.memory_limit < 0)
-    throw UsageError("memory limit " + std::to_string(o.memory_limit) + " must be >= 0 (0 means p micro-batches)");
+    throw UsageError("memory limit " + std::to_string(o.memory_limit) +
+                     " must be >= 0 (0 means p micro-batches): use --memory-limit 0 or more");
   for (int r = 1; r < p; ++r)
     if (c.stage[static_cast<std::size_t>(r)].b + c.comm <= 0)
       throw UsageError("zb-auto --exact needs every input-gradient backward after stage 0 to take time, or transfers "

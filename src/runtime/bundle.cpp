@@ -26,7 +26,9 @@ bool Bundle::has(const std::string& name) const {
 const torch::Tensor& Bundle::at(const std::string& name) const {
   for (const auto& item : items_)
     if (item.first == name) return item.second;
-  throw UsageError("the bundle has no entry '" + name + "'; it holds " + describe(*this));
+  throw UsageError("the bundle has no entry '" + name + "'; it holds " + describe(*this) +
+                   ": give it in the input bundle or add it in an earlier layer (a skip's name must be declared in "
+                   "the stashes() of the layer that adds it)");
 }
 
 void Bundle::set(const std::string& name, torch::Tensor t) {

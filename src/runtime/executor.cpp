@@ -346,11 +346,15 @@ struct PipelineRank::Impl {
   }
   // Stage s's output minus its skip routes: what goes to the next stage (with its gradient flags).
   Bundle outgoing(int s, const Slot& sl, std::vector<char>& flags) const {
+    if (skips.empty()) {  // everything goes on
+      flags = sl.out_grad;
+      return sl.output;
+    }
     Bundle out;
     flags.clear();
     for (std::size_t k = 0; k < sl.output.size(); ++k) {
       const auto& [name, t] = sl.output.items()[k];
-      if (!skips.empty() && routed(s, name)) continue;
+      if (routed(s, name)) continue;
       out.set(name, t);
       flags.push_back(k < sl.out_grad.size() ? sl.out_grad[k] : 0);
     }
@@ -502,9 +506,7 @@ struct PipelineRank::Impl {
       if (skips[r].to != s) continue;
       const int from_rank = pass->rank_of(skips[r].from, i);
       if (from_rank == rank()) continue;  // in skip_in already
-      const BundleLayout l = *recv_layout(-1 - static_cast<int>(r), 0, i, from_rank, true, skip_tag(r, i, 0, 1));
-      torch::Tensor buf = detail::empty_buffer(l);
-      transport->recv(buf, from_rank, skip_tag(r, i, 0, 0));
+      const auto [buf, l] = recv_bundle(-1 - static_cast<int>(r), 0, i, from_rank, skip_tag(r, i, 0, 0), skip_tag(r, i, 0, 1));
       const Bundle part = detail::unpack(buf, l);
       for (std::size_t k = 0; k < part.size(); ++k) {
         x.set(part.items()[k].first, part.items()[k].second.to(options.device));
@@ -552,9 +554,7 @@ struct PipelineRank::Impl {
             std::find(skips[r].names.begin(), skips[r].names.end(), sl.output.items()[k].first) != skips[r].names.end())
           expected = true;
       if (!expected) continue;
-      const BundleLayout l = *recv_layout(-1 - static_cast<int>(r), 1, i, to_rank, true, skip_tag(r, i, 1, 1));
-      torch::Tensor buf = detail::empty_buffer(l);
-      transport->recv(buf, to_rank, skip_tag(r, i, 1, 0));
+      const auto [buf, l] = recv_bundle(-1 - static_cast<int>(r), 1, i, to_rank, skip_tag(r, i, 1, 0), skip_tag(r, i, 1, 1));
       const Bundle part = detail::unpack(buf, l);
       for (const auto& [name, t] : part.items()) g.set(name, t);
     }
@@ -649,14 +649,15 @@ struct PipelineRank::Impl {
                    int data_tag, int header_tag, bool async) {
     const auto key = std::make_tuple(key_boundary, dir, micro_size(i), dst, forward_mode);
     auto it = agreed.find(key);
+    BundleLayout fresh;  // this transfer's layout, when it carries a header
     if (options.variable_shapes || it == agreed.end()) {
-      BundleLayout l = detail::layout_of(b, grad);
-      torch::Tensor header = detail::encode_header(l);
+      fresh = detail::layout_of(b, grad);
+      torch::Tensor header = detail::encode_header(fresh);
       if (async)  // a skip's header: never wait for a stage that is still waiting for this rank's sends
         pending_sends.emplace_back(header, transport->isend(header, dst, header_tag));
       else
         transport->send(header, dst, header_tag);
-      if (!options.variable_shapes) agreed.emplace(key, std::move(l));
+      if (!options.variable_shapes) it = agreed.emplace(key, std::move(fresh)).first;
     } else if (!detail::matches(it->second, b, grad)) {
       const std::string where = key_boundary >= 0 ? "stage " + std::to_string(key_boundary)
                                                   : "skip connection " + std::to_string(-1 - key_boundary);
@@ -667,7 +668,7 @@ struct PipelineRank::Impl {
                                "the same size, unless the pipeline runs with variable shapes (variable_shapes, "
                                "--variable-length)");
     }
-    torch::Tensor t = detail::pack(b, options.variable_shapes ? detail::layout_of(b, grad) : agreed.at(key));
+    torch::Tensor t = detail::pack(b, options.variable_shapes ? fresh : it->second);
     if (t.device() != torch::kCPU && transport->name() != "nccl") t = t.cpu();
     if (options.reference && !async) {
       transport->send(t, dst, data_tag);
@@ -697,6 +698,15 @@ struct PipelineRank::Impl {
     return &it->second;
   }
 
+  // A blocking receive of one bundle (its header first when the layout is not agreed yet).
+  std::pair<torch::Tensor, BundleLayout> recv_bundle(int key_boundary, int dir, int i, int src, int data_tag,
+                                                     int header_tag) {
+    BundleLayout l = *recv_layout(key_boundary, dir, i, src, true, header_tag);
+    torch::Tensor buf = detail::empty_buffer(l);
+    transport->recv(buf, src, data_tag);
+    return {buf, std::move(l)};
+  }
+
   // Stores a received bundle where the consuming action looks for it.
   void deliver(const Action& a, const torch::Tensor& buffer, const BundleLayout& l) {
     Slot& sl = slot(a.stage, a.index);
@@ -722,10 +732,8 @@ struct PipelineRank::Impl {
     const int boundary = act ? a.stage - 1 : a.stage + 1;
     const int dir = act ? 0 : 1;
     const int src = pass->rank_of(boundary, a.index);
-    const BundleLayout* l = recv_layout(boundary, dir, a.index, src, true);
-    torch::Tensor buf = detail::empty_buffer(*l);
-    transport->recv(buf, src, tag(boundary, a.index, dir, 0));
-    deliver(a, buf, *l);
+    const auto [buf, l] = recv_bundle(boundary, dir, a.index, src, tag(boundary, a.index, dir, 0), tag(boundary, a.index, dir, 1));
+    deliver(a, buf, l);
     return true;
   }
 
@@ -1107,7 +1115,11 @@ void check_replication(PipelineOptions& o, int ranks) {
 
 }  // namespace
 
-void check_pipeline_options(const PipelineOptions& options, int ranks) {
+namespace {
+
+// check_pipeline_options, optionally without generating the schedule (the constructor generates it
+// anyway, with the same errors).
+void check_options(const PipelineOptions& options, int ranks, bool generate_schedule) {
   PipelineOptions o = options;
   const bool async = !schedule_traits(o.schedule).synchronous;  // throws for an unknown name
   if (async && o.data_parallel && o.data_parallel->world_size() > 1)
@@ -1131,7 +1143,7 @@ void check_pipeline_options(const PipelineOptions& options, int ranks) {
       throw UsageError("tied weights and stage replication (1F1B-RR) do not combine: drop one of them");
     if (o.umpipe) throw UsageError("tied weights and UMPIPE do not combine: drop one of them");
   }
-  if (o.replication.empty()) {  // the generator's own checks (m against p, v, the memory limit)
+  if (generate_schedule && o.replication.empty()) {  // the generator's own checks (m against p, v, the memory limit)
     GeneratorOptions g;
     g.ranks = ranks;
     g.microbatches = o.microbatches;
@@ -1142,6 +1154,10 @@ void check_pipeline_options(const PipelineOptions& options, int ranks) {
   }
 }
 
+}  // namespace
+
+void check_pipeline_options(const PipelineOptions& options, int ranks) { check_options(options, ranks, true); }
+
 PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
                            PipelineOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -1150,7 +1166,7 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   d.transport = std::move(transport);
   d.options = std::move(options);
   const int p = d.transport->world_size();
-  check_pipeline_options(d.options, p);
+  check_options(d.options, p, /*generate_schedule=*/false);  // make_plain below generates it
   d.async = !schedule_traits(d.options.schedule).synchronous;
   d.policy = weight_policy_of(d.options);
   check_replication(d.options, p);  // drops an all-ones replication
