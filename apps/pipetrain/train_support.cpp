@@ -6,7 +6,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <stdexcept>
@@ -64,7 +66,11 @@ void Progress::note(const std::string& text) {
 
 namespace {
 volatile sig_atomic_t g_stop_signal = 0;
-volatile sig_atomic_t g_stop_signal_at = 0;  // CLOCK_MONOTONIC seconds of the first one
+// CLOCK_MONOTONIC milliseconds of the first one. Whole seconds were not enough: two copies of one
+// Ctrl-C a few milliseconds apart that straddled a second boundary counted as a second Ctrl-C and
+// killed the rank in the middle of its step (a flaky TrainSafety test on a loaded machine).
+std::atomic<std::int64_t> g_stop_signal_at_ms{0};
+static_assert(std::atomic<std::int64_t>::is_always_lock_free, "the signal handler needs a lock-free atomic");
 // Set once the training loop runs (it reads g_stop_signal at every call). Before that (rendezvous,
 // building the model, the first evaluation) nothing would read the flag, so a signal keeps its
 // default effect: `timeout` or Ctrl-C during start-up ends the rank at once.
@@ -77,15 +83,16 @@ extern "C" void on_stop_signal(int sig) {
   }
   timespec now {};
   ::clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
+  const std::int64_t now_ms = static_cast<std::int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
   if (g_stop_signal != 0) {
     // A launcher signals a rank's process group and the rank itself, so one Ctrl-C can arrive twice:
     // only a second signal a second or more later means "stop now".
-    if (now.tv_sec - g_stop_signal_at < 1) return;
+    if (now_ms - g_stop_signal_at_ms.load() < 1000) return;
     ::signal(sig, SIG_DFL);
     ::raise(sig);
     return;
   }
-  g_stop_signal_at = static_cast<sig_atomic_t>(now.tv_sec);
+  g_stop_signal_at_ms.store(now_ms);
   g_stop_signal = sig;
 }
 }  // namespace

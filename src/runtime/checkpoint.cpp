@@ -117,14 +117,17 @@ void fsync_dir(const fs::path& dir) { fsync_path(dir.empty() ? fs::path(".") : d
 // Writes `bytes` to `path` through path.tmp, flushed to disk before the rename.
 void write_durable(const fs::path& path, const char* data, std::size_t size) {
   const fs::path tmp = path.string() + ".tmp";
+  const auto error = [&](const std::string& what, int err) {
+    return std::runtime_error(what + " " + tmp.string() + ": " + errno_text(err) +
+                              (err == ENOSPC || err == EDQUOT ? " (the disk is full: free space or save elsewhere)" : ""));
+  };
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot create " + tmp.string() + ": " + errno_text(errno));
+  if (fd < 0) throw error("cannot create", errno);
   auto fail = [&](const std::string& what) {
     const int err = errno;
     ::close(fd);
     ::unlink(tmp.c_str());
-    throw std::runtime_error(what + " " + tmp.string() + ": " + errno_text(err) +
-                             (err == ENOSPC || err == EDQUOT ? " (the disk is full: free space or save elsewhere)" : ""));
+    throw error(what, err);
   };
   std::size_t at = 0;
   while (at < size) {
@@ -194,12 +197,18 @@ bool is_our_partial(const fs::path& p) {
 }
 
 // After a failed save: this rank's own files go, and whichever rank finishes last removes the folder
-// (rmdir succeeds only once it is empty; the others' files may still be being written).
-void remove_partial_share(const fs::path& partial, const std::vector<fs::path>& written) {
+// (rmdir succeeds only once it is empty; the others' files may still be being written). Only the
+// leader removes the marker it made, so the folder cannot empty (and vanish) while the leader has yet
+// to write: a rank that failed first used to remove it, and the leader then failed to create its file
+// with "No such file or directory" instead of reporting the first rank's error. Each rank removes its
+// own files before its rmdir, so the last rmdir comes after every removal and succeeds.
+void remove_partial_share(const fs::path& partial, const std::vector<fs::path>& written, bool leader) {
   std::error_code ec;
   for (const auto& f : written) fs::remove(f, ec);
-  fs::remove(partial / kPartialMarker, ec);
-  fs::remove(partial / "manifest.json", ec);
+  if (leader) {
+    fs::remove(partial / "manifest.json", ec);
+    fs::remove(partial / kPartialMarker, ec);
+  }
   ::rmdir(partial.c_str());
 }
 
@@ -328,14 +337,21 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
       write_durable(partial / kPartialMarker, "", 0);
     } catch (const std::exception& e) {
       transport.abort(std::string("cannot prepare the checkpoint folder: ") + e.what());
-      if (made_partial) remove_partial_share(dir + ".partial", {});
+      if (made_partial) remove_partial_share(dir + ".partial", {}, true);
       throw;
     }
   } else {
     dir = normalised_dir(dir_text, "--save");  // the same pure function: every rank agrees
   }
-  transport.barrier();
   const fs::path final_dir(dir), partial(dir + ".partial"), old(dir + ".old");
+  try {
+    transport.barrier();
+  } catch (...) {
+    // Another rank may pass the barrier, fail and abort before this one leaves it: the leader still
+    // removes the folder it made (a marker was left behind when it did not).
+    if (leader) remove_partial_share(partial, {}, true);
+    throw;
+  }
   int layers = 0;
   for (int n : rank.balance()) layers += n;
   // (bytes, crc) per layer, filled by the rank that owns it (a replicated stage's first replica: its
@@ -391,7 +407,7 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
     }
   } catch (...) {
     // The previous checkpoint (DIR) is untouched; what this save wrote goes.
-    if (!swapped) remove_partial_share(partial, written);
+    if (!swapped) remove_partial_share(partial, written, leader);
     throw;
   }
   transport.barrier();

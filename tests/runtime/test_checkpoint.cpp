@@ -423,7 +423,12 @@ TEST(Checkpoint, FullDiskKeepsThePreviousCheckpoint) {
     err = e.what();
   }
   EXPECT_NE(err.find("disk is full"), std::string::npos) << err;
-  EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
+  EXPECT_FALSE(fs::exists(dir.string() + ".partial")) << [&] {
+    std::string left = err;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir.string() + ".partial", ec)) left += " " + e.path().filename().string();
+    return left;
+  }();
   EXPECT_EQ(read_checkpoint(dir.string()).at("step"), 1);
   (void)std::system(("umount " + mnt.string()).c_str());
   fs::remove_all(mnt);
