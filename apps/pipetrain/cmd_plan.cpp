@@ -136,6 +136,13 @@ void check_plan_flags(const PlanFlags* f, const CLI::App* cmd) {
     throw UsageError("--bandwidth must be a finite number of GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
 }
 
+// A measured profile whose fit found no bandwidth term (latency only) gives an infinite bandwidth:
+// the bytes cost nothing (it used to give the largest double, printed as 1.8e+302 GB/s, and the
+// search then refused the bandwidth it overflowed to).
+std::string bandwidth_text(double gbps) {
+  return std::isinf(gbps) ? "no bandwidth limit (latency only)" : fmt::format("{:.3g} GB/s", gbps);
+}
+
 // The profile, read as the flags say (a PipeDream graph one state per node, at its batch size); a measured
 // transport in it sets the transfers unless --bandwidth or --latency is given.
 Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
@@ -155,9 +162,10 @@ Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
   if (const auto t = profile_transfers(prof); t && !transfers_given) {
     f->bandwidth_gbps = t->bandwidth_bytes_per_ms / 1e6;
     f->latency_us = t->latency_ms * 1e3;
-    std::cout << fmt::format("transfers and overhead as measured over {}: {:.2f} us + bytes at {:.3g} GB/s, {:.2f} us "
+    std::cout << fmt::format("transfers and overhead as measured over {}: {:.2f} us + bytes at {}, {:.2f} us "
                              "per compute action\n",
-                             prof.runtime->transport, f->latency_us, f->bandwidth_gbps, prof.runtime->overhead_ms * 1e3);
+                             prof.runtime->transport, f->latency_us, bandwidth_text(f->bandwidth_gbps),
+                             prof.runtime->overhead_ms * 1e3);
   }
   return prof;
 }
@@ -169,8 +177,8 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
   const int64_t batch = res.batch_size;
   const PlanCandidate& best = res.best_straight;
   const PlanCandidate& top = res.chosen();
-  std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {} GB/s, {}, mini-batch {}\n",
-                           prof.model, layers, prof.micro_batch_size, f->ranks, f->bandwidth_gbps,
+  std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {}, {}, mini-batch {}\n",
+                           prof.model, layers, prof.micro_batch_size, f->ranks, bandwidth_text(f->bandwidth_gbps),
                            limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
   std::cout << fmt::format("  {:<34} {:>14} {:>8} {:>12}  {}\n", "", "ms/mini-batch", "bubble", "peak GiB", "balance");
   auto row = [&](const std::string& name, const PlanCandidate& c) {

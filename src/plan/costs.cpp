@@ -61,7 +61,7 @@ std::optional<TransferOptions> profile_transfers(const Profile& prof) {
   TransferOptions t;
   t.latency_ms = prof.runtime->latency_ms;
   t.bandwidth_bytes_per_ms =
-      prof.runtime->bandwidth_bytes_per_ms > 0 ? prof.runtime->bandwidth_bytes_per_ms : std::numeric_limits<double>::max();
+      prof.runtime->bandwidth_bytes_per_ms > 0 ? prof.runtime->bandwidth_bytes_per_ms : std::numeric_limits<double>::infinity();
   return t;
 }
 

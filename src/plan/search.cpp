@@ -64,8 +64,8 @@ namespace {
 
 void check_search_options(const Profile& profile, const PlanSearchOptions& o) {
   if (o.ranks < 1) throw UsageError(fmt::format("ranks must be >= 1, got {}", o.ranks));
-  if (!(o.bandwidth_bytes_per_ms > 0) || !std::isfinite(o.bandwidth_bytes_per_ms))
-    throw UsageError(fmt::format("the bandwidth must be a finite number > 0, got {} bytes/ms", o.bandwidth_bytes_per_ms));
+  if (!(o.bandwidth_bytes_per_ms > 0))  // infinite: the bytes cost nothing (a latency-only profile)
+    throw UsageError(fmt::format("the bandwidth must be > 0, got {} bytes/ms", o.bandwidth_bytes_per_ms));
   if (!(o.latency_ms >= 0)) throw UsageError(fmt::format("the latency must be >= 0, got {} ms", o.latency_ms));
   if (!(o.memory_limit_bytes >= 0)) throw UsageError(fmt::format("the memory limit must be >= 0, got {}", o.memory_limit_bytes));
   for (int m : o.microbatch_counts)

@@ -71,6 +71,16 @@ TEST(RuntimeCostsCli, PlanUsesTheMeasuredTransfers) {
                     " --ranks 2 --batch-size 4 --microbatch-counts 1 --schedules gpipe --balances uniform --latency 0");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_FALSE(r.has("as measured over")) << r.out;
+  // A fit that found no bandwidth term (latency only): the bytes cost nothing, and plan says so
+  // instead of printing the largest double as GB/s.
+  std::ofstream(dir / "latency-only.json")
+      << two_layer_profile(R"({"transport": "shm", "latency_ms": 0.05, "bandwidth_bytes_per_ms": 0, "overhead_ms": 0})");
+  r = run_pipetrain("plan --profile " + (dir / "latency-only.json").string() +
+                    " --ranks 2 --batch-size 4 --microbatch-counts 1 --schedules gpipe --balances uniform");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("50.00 us + bytes at no bandwidth limit (latency only)")) << r.out;
+  EXPECT_FALSE(r.has("e+")) << r.out;
+  EXPECT_TRUE(r.has(" 8.10 ")) << r.out;  // 8 of compute and two transfers of 0.05 ms
 }
 
 TEST(RuntimeCostsCli, ProfileMeasuresTheLocalTransport) {

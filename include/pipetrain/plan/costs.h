@@ -37,6 +37,8 @@ struct TransferOptions {
   double bandwidth_bytes_per_ms = 0;
   double latency_ms = 0;
 };
+// The transfers a measured profile gives (nullopt without runtime costs). A fit that found no
+// bandwidth term (latency only) gives an infinite bandwidth: the bytes cost nothing.
 std::optional<TransferOptions> profile_transfers(const Profile& profile);
 
 // Per-stage static bytes: 2 x parameters (weights and gradients) + optimizer state.
