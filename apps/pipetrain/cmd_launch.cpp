@@ -25,7 +25,7 @@ void add_launch_command(CLI::App& app, int& exit_code) {
       "launch", "start P local ranks of a command with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE set");
   CLI::Option* n_option = cmd->add_option("-n,--nprocs", flags->nprocs, "number of ranks (processes) to start, 1.." + std::to_string(kMaxLocalRanks));
   cmd->add_flag("--no-bind", flags->no_bind,
-                "do not pin rank r to the r-th CPU (ranks are pinned when there are at least as many CPUs)");
+                "do not pin rank r to the r-th block of CPUs (C CPUs give each of P ranks C/P; ranks are pinned when C >= P)");
   cmd->add_flag("--no-prefix", flags->no_prefix,
                 "do not prefix the ranks' output lines with [rank R] (they write straight to the terminal)");
   cmd->add_option("--grace", flags->grace_s,

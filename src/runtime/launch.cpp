@@ -316,17 +316,23 @@ void Launcher::start(const std::vector<std::string>& argv) {
   argp.push_back(nullptr);
   const std::string exec_failed = "pipetrain launch: cannot run '" + argv[0] + "': ";
   const pid_t launcher_pid = ::getpid();
-  // One CPU per rank, from the CPUs this launcher may use, when there are enough of them.
+  // Each rank its own block of the CPUs this launcher may use (CPU_COUNT / nprocs of them, in order),
+  // when there are at least as many CPUs as ranks. One CPU per rank, as before, put a rank's intra-op
+  // threads (--threads) all on one core.
   std::vector<cpu_set_t> binding;
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   if (options_.bind_cores && ::sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) >= nprocs) {
-    for (int cpu = 0; cpu < CPU_SETSIZE && static_cast<int>(binding.size()) < nprocs; ++cpu)
+    const int per_rank = CPU_COUNT(&allowed) / nprocs;
+    int taken = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE && taken < per_rank * nprocs; ++cpu)
       if (CPU_ISSET(cpu, &allowed)) {
-        cpu_set_t one;
-        CPU_ZERO(&one);
-        CPU_SET(cpu, &one);
-        binding.push_back(one);
+        if (taken % per_rank == 0) {
+          binding.emplace_back();
+          CPU_ZERO(&binding.back());
+        }
+        CPU_SET(cpu, &binding.back());
+        ++taken;
       }
   }
 

@@ -2,10 +2,14 @@
 // are prefixed, --no-prefix passes output through, the exit code is 0 only when every rank exits 0 (1
 // otherwise, with the failed rank named), and usage errors exit 2 with the value and the fix.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/wait.h>
 
 #include <cstdio>
 #include <regex>
+#include <set>
+#include <sstream>
+#include <vector>
 #include <string>
 
 #include "run_command.h"
@@ -82,6 +86,48 @@ TEST(CliLaunch, RanksGetAStoreAndAFreshTokenFromTheLauncher) {
   ASSERT_TRUE(std::regex_search(a.out, m, line)) << a.out;
   EXPECT_TRUE(has(a, "[rank 1] store=127.0.0.1:")) << a.out;
   EXPECT_FALSE(has(b, m[1].str())) << "the same token twice:\n" << a.out << b.out;
+}
+
+// "0-3,6" (a Cpus_allowed_list) as a set of CPUs.
+std::set<int> cpu_list(const std::string& text) {
+  std::set<int> out;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, ',');) {
+    const auto dash = part.find('-');
+    const int lo = std::stoi(part.substr(0, dash));
+    const int hi = dash == std::string::npos ? lo : std::stoi(part.substr(dash + 1));
+    for (int c = lo; c <= hi; ++c) out.insert(c);
+  }
+  return out;
+}
+
+// Rank r is pinned to the r-th block of C / P of the launcher's CPUs (it was one CPU per rank, which put
+// all of a rank's intra-op threads on one core); --no-bind leaves every rank the launcher's CPUs.
+TEST(CliLaunch, EachRankIsPinnedToItsBlockOfCpus) {
+  cpu_set_t set;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof set, &set), 0);
+  std::vector<int> mine;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) mine.push_back(c);
+  const auto allowed_of = [](const Result& r, int rank) {
+    const std::regex line("\\[rank " + std::to_string(rank) + "\\] Cpus_allowed_list:\\s*([0-9,-]+)");
+    std::smatch m;
+    return std::regex_search(r.out, m, line) ? cpu_list(m[1].str()) : std::set<int>{};
+  };
+  const std::string show = " -- grep Cpus_allowed_list /proc/self/status";
+  Result r = run("launch -n 1" + show);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(allowed_of(r, 0), std::set<int>(mine.begin(), mine.end())) << r.out;
+  if (mine.size() >= 2) {
+    r = run("launch -n 2" + show);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::size_t half = mine.size() / 2;
+    EXPECT_EQ(allowed_of(r, 0), std::set<int>(mine.begin(), mine.begin() + half)) << r.out;
+    EXPECT_EQ(allowed_of(r, 1), std::set<int>(mine.begin() + half, mine.begin() + 2 * half)) << r.out;
+    r = run("launch -n 2 --no-bind" + show);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(allowed_of(r, 1), std::set<int>(mine.begin(), mine.end())) << r.out;
+  }
 }
 
 TEST(CliLaunch, HelpHasAnExample) {

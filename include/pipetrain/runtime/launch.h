@@ -39,10 +39,11 @@ struct LaunchOptions {
   // Host the ranks' rendezvous store in the launcher (see above). Off: the ranks get no
   // PIPETRAIN_LAUNCHER_STORE or PIPETRAIN_RUN_TOKEN, and rank 0 hosts the store at MASTER_PORT.
   bool host_store = true;
-  // Pin rank r to the r-th CPU this launcher may run on (sched_getaffinity), when there are at least as
-  // many CPUs as ranks, as mpirun binds ranks to cores: a rank's memory and caches stay on its core.
-  // (On the 2-core benchmark machine the gain was within run-to-run noise, docs/BENCHMARKS.md.)
-  // Off: the kernel places the ranks.
+  // Pin rank r to the r-th block of the CPUs this launcher may run on (sched_getaffinity): C CPUs give
+  // each of P ranks C / P of them, in order, when C >= P, as mpirun binds ranks to cores: a rank's
+  // memory and caches stay on its cores, and its intra-op threads have a core each when --threads is
+  // at most C / P. Off: the kernel places the ranks (better where other work loads the machine: a
+  // pinned rank cannot move to an idle core, docs/BENCHMARKS.md).
   bool bind_cores = true;
   // Prefix each line the children print with "[rank R] " (stdout lines to stdout, stderr lines to
   // stderr). Off: the children write straight to the launcher's stdout/stderr, unbuffered by us.
