@@ -186,13 +186,7 @@ TrainResult Trainer::run() {
   // Synchronous schedules: a call per step. Asynchronous ones: a call per run of steps between
   // evaluations and checkpoints (next_boundary), during which the pipeline never drains.
   for (int step = start_; step < total_;) {
-    if (const int code = agreed_stop(*world_, o_.stop_requested ? o_.stop_requested() : 0)) {
-      if (o_.save_on_interrupt && !o_.save_dir.empty() && step > r.last_saved) save(step, r);
-      r.stopped_by = code;
-      return r;
-    }
     const int calls_steps = async ? next_boundary(step, eval_every) - step : 1;
-    rank_.set_learning_rate(o_.lr.at(step, total_));
     Bundle input;
     torch::Tensor target;
     if (data_ && (first_stage || last_stage)) {
@@ -220,7 +214,15 @@ TrainResult Trainer::run() {
         if (last_stage) target = torch::cat(targets, 0);
       }
     }
-    world_->barrier();  // steps start together, so step times are comparable across ranks
+    // The stop vote is a collective, so it is also the barrier that starts the steps together (step
+    // times are then comparable across ranks): one collective before a step instead of two. The batch
+    // is read first (a pure function of the step), so that its time is not in the step's.
+    if (const int code = agreed_stop(*world_, o_.stop_requested ? o_.stop_requested() : 0)) {
+      if (o_.save_on_interrupt && !o_.save_dir.empty() && step > r.last_saved) save(step, r);
+      r.stopped_by = code;
+      return r;
+    }
+    rank_.set_learning_rate(o_.lr.at(step, total_));
     const auto t0 = std::chrono::steady_clock::now();
     r.last = rank_.train_steps(input, target, share * calls_steps, calls_steps);
     world_->barrier();
