@@ -236,32 +236,32 @@ TrainResult Trainer::run() {
     }
     std::vector<double> busy;
     double pass_ms = 0;
-    if (o_.stage_times) {  // the same on every rank of the pipeline: collectives
-      // Busy time of each stage in this call (its compute actions), per step.
-      torch::Tensor b = torch::zeros({stages}, torch::kDouble);
-      for (const TimedAction& e : r.last.timeline.events)
-        if (is_compute(e.action.kind)) b[e.action.stage] += (e.end - e.start) / calls_steps;
-      pipeline_->all_reduce_sum(b);
-      busy.resize(static_cast<std::size_t>(stages));
-      for (int s = 0; s < stages; ++s) busy[static_cast<std::size_t>(s)] = b[s].item<double>();
-      // The pipeline's own time in this call, per step: from the first event to the last over all ranks
-      // (without the barriers; with UMPIPE also without the optimizer step, as its prediction).
-      torch::Tensor span = torch::zeros({2 * p}, torch::kDouble);
+    if (o_.stage_times) {  // the same on every rank of the pipeline: one collective
+      // Entries [0, stages): the busy time of each stage in this call (its compute actions), per step.
+      // Then per rank its first and last event: the pipeline's own time in this call, per step, is from
+      // the first event to the last over all ranks (without the barriers; with UMPIPE also without the
+      // optimizer step, as its prediction).
+      std::vector<double> v(static_cast<std::size_t>(stages + 2 * p), 0.0);
       double lo = 1e300, hi = -1e300;
       for (const TimedAction& e : r.last.timeline.events) {
+        if (is_compute(e.action.kind)) v[static_cast<std::size_t>(e.action.stage)] += (e.end - e.start) / calls_steps;
         lo = std::min(lo, e.start);
         hi = std::max(hi, e.end);
       }
+      const auto at = [&](int q, int k) { return static_cast<std::size_t>(stages + 2 * q + k); };
       if (hi >= lo) {
-        span[2 * pipeline_->rank()] = lo;
-        span[2 * pipeline_->rank() + 1] = hi;
+        v[at(pipeline_->rank(), 0)] = lo;
+        v[at(pipeline_->rank(), 1)] = hi;
       }
-      pipeline_->all_reduce_sum(span);
+      torch::Tensor t = torch::tensor(v, torch::kDouble);
+      pipeline_->all_reduce_sum(t);
+      const double* sum = t.data_ptr<double>();
+      busy.assign(sum, sum + stages);
       lo = 1e300, hi = -1e300;
       for (int q = 0; q < p; ++q)
-        if (span[2 * q + 1].item<double>() > 0) {
-          lo = std::min(lo, span[2 * q].item<double>());
-          hi = std::max(hi, span[2 * q + 1].item<double>());
+        if (sum[at(q, 1)] > 0) {
+          lo = std::min(lo, sum[at(q, 0)]);
+          hi = std::max(hi, sum[at(q, 1)]);
         }
       pass_ms = hi > lo ? (hi - lo) / calls_steps : 0.0;
     }
