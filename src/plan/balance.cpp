@@ -242,7 +242,7 @@ std::vector<double> balance_costs(const Profile& profile, const std::string& kin
     for (const LayerProfile& l : profile.layers) out.push_back(l.forward_ms + l.backward_ms);
   } else if (kind == "memory") {
     for (const LayerProfile& l : profile.layers)
-      out.push_back(l.activation_bytes + 2 * l.parameter_bytes + l.optimizer_bytes);
+      out.push_back(l.held_bytes() + 2 * l.parameter_bytes + l.optimizer_bytes);
   } else if (kind.rfind("type:", 0) == 0) {
     const std::string pattern = kind.substr(5);
     if (pattern.empty()) throw UsageError("balance 'type:' needs a regular expression, e.g. type:Block");

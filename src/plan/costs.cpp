@@ -44,7 +44,7 @@ CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, cons
       sc.f += layer_time_at(l, prof.micro_batch_size, o.micro_batch, true);
       sc.b += bw * (1 - share_w);
       sc.w += bw * share_w;
-      sc.activation += l.activation_bytes * scale;
+      sc.activation += l.held_bytes() * scale;
       if (k + 1 == balance[s] && s + 1 < balance.size()) boundary = std::max(boundary, l.activation_bytes * scale);
     }
     costs.stage.push_back(sc);

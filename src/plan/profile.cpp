@@ -142,6 +142,7 @@ void validate_profile(const Profile& p, const std::string& origin) {
       check_amount(origin, at + ".weight_grad_ms", l.weight_grad_ms, "milliseconds");
     }
     check_amount(origin, at + ".activation_bytes", l.activation_bytes, "bytes");
+    check_amount(origin, at + ".saved_bytes", l.saved_bytes, "bytes");
     check_amount(origin, at + ".parameter_bytes", l.parameter_bytes, "bytes");
     check_amount(origin, at + ".optimizer_bytes", l.optimizer_bytes, "bytes");
     int previous = 0;
@@ -217,6 +218,7 @@ json profile_to_json(const Profile& p) {
       o["weight_grad_ms"] = l.weight_grad_ms;
     }
     o["activation_bytes"] = amount(l.activation_bytes);
+    if (l.saved_bytes > 0) o["saved_bytes"] = amount(l.saved_bytes);
     o["parameter_bytes"] = amount(l.parameter_bytes);
     o["optimizer_bytes"] = amount(l.optimizer_bytes);
     if (!l.by_micro_batch.empty()) {
@@ -286,7 +288,7 @@ Profile profile_from_json(const json& j, const std::string& origin) {
     at = layer_label(i, l.name);
     r.only_keys(o, at,
                 {"name", "type", "forward_ms", "backward_ms", "bw_split", "input_grad_ms", "weight_grad_ms",
-                 "activation_bytes", "parameter_bytes", "optimizer_bytes", "by_micro_batch"});
+                 "activation_bytes", "saved_bytes", "parameter_bytes", "optimizer_bytes", "by_micro_batch"});
     l.type = r.text(o, at, "type");
     l.forward_ms = r.number(o, at, "forward_ms", "milliseconds");
     l.backward_ms = r.number(o, at, "backward_ms", "milliseconds");
@@ -306,6 +308,7 @@ Profile profile_from_json(const json& j, const std::string& origin) {
       l.input_grad_ms = l.backward_ms;
     }
     l.activation_bytes = r.number(o, at, "activation_bytes", "bytes");
+    if (o.contains("saved_bytes")) l.saved_bytes = r.number(o, at, "saved_bytes", "bytes");
     l.parameter_bytes = r.number(o, at, "parameter_bytes", "bytes");
     l.optimizer_bytes = r.number(o, at, "optimizer_bytes", "bytes");
     if (o.contains("by_micro_batch")) {

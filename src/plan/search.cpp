@@ -121,7 +121,7 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
     compute += layer_time_at(l, prof.micro_batch_size, share, true) + layer_time_at(l, prof.micro_batch_size, share, false);
     params += l.parameter_bytes;
     dp_static += 2 * l.parameter_bytes + l.optimizer_bytes;
-    dp_act += l.activation_bytes * share / prof.micro_batch_size;
+    dp_act += l.held_bytes() * share / prof.micro_batch_size;
   }
   res.data_parallel_ms = compute + ring_allreduce_ms(params, o.ranks, bw, 0.0);
   res.data_parallel_bytes = dp_static + dp_act;

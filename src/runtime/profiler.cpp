@@ -7,6 +7,7 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
+#include "pass_util.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/transport.h"
 #include "pipetrain/runtime/split_linear.h"
@@ -43,6 +44,7 @@ torch::Tensor resized(const torch::Tensor& x, int64_t size) {
 
 struct LayerTimes {
   double forward = 0, backward = 0, b = 0, w = 0;
+  double saved_bytes = 0;  // heap growth of one forward with autograd on, output included
   bool split = false;
   torch::Tensor output;
 };
@@ -50,7 +52,7 @@ struct LayerTimes {
 // `target` defined: the loss on the layer's output is part of the forward and the backward (the last
 // layer); its scalar needs no output gradient.
 LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const ProfilerOptions& o,
-                      const torch::Tensor& target = torch::Tensor()) {
+                      const torch::Tensor& target, bool measure_saved) {
   LayerTimes t;
   std::vector<double> fwd, bwd, bs, ws;
   torch::Tensor grad;
@@ -91,6 +93,14 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
     t0 = now_ms();
     store.run();
     if (timed) ws.push_back(now_ms() - t0);
+  }
+  // What the forward keeps until its backward: the heap in use before and after one forward whose
+  // graph is still alive (LibTorch's CPU allocator caches nothing, so freed blocks leave the count).
+  if (measure_saved) {
+    torch::Tensor in = leaf_input(x);
+    const double before = detail::heap_in_use();
+    torch::Tensor out = run(in);
+    t.saved_bytes = std::max(0.0, detail::heap_in_use() - before);
   }
   t.forward = median(fwd);
   t.backward = median(bwd);
@@ -141,19 +151,20 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     l.type = types[index];
     l.name = std::to_string(index) + ":" + l.type;
     const bool last = index + 1 == model->size();
-    const LayerTimes t = time_layer(any, x, o, last && with_loss ? o.target : torch::Tensor());
+    const LayerTimes t = time_layer(any, x, o, last && with_loss ? o.target : torch::Tensor(), true);
     l.forward_ms = t.forward;
     l.backward_ms = t.backward;
     l.bw_split = t.split;
     l.input_grad_ms = t.split ? t.b : t.backward;
     l.weight_grad_ms = t.split ? t.w : 0.0;
     l.activation_bytes = static_cast<double>(t.output.numel() * t.output.element_size());
+    l.saved_bytes = t.saved_bytes;
     for (const auto& param : module->parameters())
       if (param.requires_grad()) l.parameter_bytes += static_cast<double>(param.numel() * param.element_size());
     l.optimizer_bytes = state_factor * l.parameter_bytes;
     for (std::size_t e = 0; e < extra_inputs.size(); ++e) {
       const LayerTimes te =
-          time_layer(any, extra_inputs[e], o, last && with_loss ? resized(o.target, o.extra_sizes[e]) : torch::Tensor());
+          time_layer(any, extra_inputs[e], o, last && with_loss ? resized(o.target, o.extra_sizes[e]) : torch::Tensor(), false);
       l.by_micro_batch.push_back(SizeMeasurement{o.extra_sizes[e], te.forward, te.backward});
       extra_inputs[e] = te.output;
     }

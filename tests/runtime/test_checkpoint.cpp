@@ -481,6 +481,37 @@ TEST(Profiler, MeasuresEveryLayer) {
   EXPECT_THROW(profile_model(model, torch::randn({4, kIn}), bad), UsageError);
 }
 
+// A layer that keeps much more than it outputs (a 1024-wide hidden layer between 16-wide ends): its
+// saved_bytes is the hidden activation the ReLU keeps plus the output (32 x (1024 + 16) floats, within
+// the heap's rounding), while activation_bytes stays the output alone; the memory model (stage costs,
+// the "memory" balance) then uses saved_bytes, and a profile without it falls back on activation_bytes.
+struct WideImpl : torch::nn::Module {
+  torch::nn::Linear up{nullptr}, down{nullptr};
+  WideImpl() : up(register_module("up", torch::nn::Linear(16, 1024))), down(register_module("down", torch::nn::Linear(1024, 16))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return down(torch::relu(up(x))); }
+};
+TORCH_MODULE(Wide);
+
+TEST(Profiler, SavedBytesCountWhatTheForwardKeeps) {
+  torch::nn::Sequential model{Wide(), torch::nn::Tanh()};
+  ProfilerOptions o;
+  o.repeats = 1;
+  o.warmup = 0;
+  const Profile p = profile_model(model, torch::randn({32, 16}), o);
+  const double hidden = 32.0 * 1024 * 4, out = 32.0 * 16 * 4;
+  EXPECT_EQ(p.layers[0].activation_bytes, out);
+  EXPECT_GE(p.layers[0].saved_bytes, hidden + out);
+  EXPECT_LE(p.layers[0].saved_bytes, 1.1 * (hidden + out));
+  EXPECT_GE(p.layers[1].saved_bytes, out);  // tanh keeps its result
+  EXPECT_LE(p.layers[1].saved_bytes, out + 4096);
+  const Profile back = profile_from_json_text(profile_to_json_text(p));
+  EXPECT_EQ(back.layers[0].saved_bytes, p.layers[0].saved_bytes);
+  EXPECT_EQ(p.layers[0].held_bytes(), p.layers[0].saved_bytes);
+  LayerProfile old = p.layers[0];
+  old.saved_bytes = 0;
+  EXPECT_EQ(old.held_bytes(), out);
+}
+
 // With a loss and a target, the last layer is timed with the loss on its output (forward and backward):
 // the loss sees the last layer's output and the matching target rows at every size, every other layer
 // is timed without it, and the activation bytes stay the layer's output. A target with other rows is
@@ -500,11 +531,11 @@ TEST(Profiler, LastLayerIncludesTheLoss) {
   o.target = torch::randn({4, kOut});
   const Profile p = profile_model(model, torch::randn({4, kIn}), o);
   // Per size (4, then 2 and 8): warm-up + repeats runs, each with a forward for the whole backward and one
-  // for the B/W split.
-  ASSERT_EQ(seen.size(), 3u * (1 + 2) * 2);
+  // for the B/W split; at the profiled size one more forward measures what the layer keeps.
+  ASSERT_EQ(seen.size(), 3u * (1 + 2) * 2 + 1);
   for (std::size_t k = 0; k < seen.size(); ++k) {
     EXPECT_EQ(seen[k].first, seen[k].second) << k;
-    EXPECT_EQ(seen[k].first, k < 6 ? 4 : k < 12 ? 2 : 8) << k;
+    EXPECT_EQ(seen[k].first, k < 7 ? 4 : k < 13 ? 2 : 8) << k;
   }
   EXPECT_EQ(p.layers.back().activation_bytes, 4.0 * kOut * 4);
   o.target = torch::randn({3, kOut});

@@ -40,6 +40,12 @@ struct LayerProfile {
   double b_ms() const { return bw_split ? input_grad_ms : backward_ms; }
   double w_ms() const { return bw_split ? weight_grad_ms : 0.0; }
   double activation_bytes = 0;  // the layer's output for one micro-batch; what crosses a stage boundary after it
+  // What the layer keeps for its backward per micro-batch: the heap growth of one forward with autograd
+  // on (its output included), measured by `pipetrain profile`. A transformer block keeps many times its
+  // output (attention scores, the MLP's hidden layer). 0 = not measured: memory models fall back on
+  // activation_bytes. Use held_bytes().
+  double saved_bytes = 0;
+  double held_bytes() const { return saved_bytes > 0 ? saved_bytes : activation_bytes; }
   double parameter_bytes = 0;   // trainable weights
   double optimizer_bytes = 0;   // optimizer state for those weights (e.g. Adam: 2 x parameter_bytes)
   std::vector<SizeMeasurement> by_micro_batch;  // optional; strictly increasing sizes
