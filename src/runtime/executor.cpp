@@ -1007,6 +1007,7 @@ struct PipelineRank::Impl {
   // with a message naming the rank and the action, so every rank stops.
   void run_list(const std::vector<Action>& actions) {
     const double heap0 = options.measure_memory ? heap_in_use() : 0.0;
+    stats.timeline.events.reserve(2 * actions.size());  // an action and its receive's wait at most
     std::size_t pos = 0;
     try {
       for (; pos < actions.size(); ++pos) {
