@@ -2,22 +2,28 @@
 // linear layer each, on a [1, 1] micro-batch), so what a step costs is the executor's own work per
 // action plus the transport's per transfer. For each schedule it prints rank 0's median step time, its
 // actions per step (compute, sends, receives and the step, from the lowered schedule), the microseconds
-// per action (step time / actions), and the same run's compute alone (the layers' forward and backward,
-// timed outside the executor) so the difference is overhead.
+// per action (step time / actions), rank 0's thread CPU time per step (its own work, without the time
+// it waits blocked for the other rank: the bubble), the layers' compute alone (their forward and
+// backward for rank 0's micro-batches, timed outside the executor) and the executor's overhead per
+// action: (CPU time - compute) / actions. A transport that spins while it waits (shm spins briefly
+// before it sleeps) counts that spin as CPU time, so its overhead is an upper bound.
 //
 //   build/bench/bench_executor_overhead --transport local                        (threads of one process)
 //   build/pipetrain launch -n 2 -- build/bench/bench_executor_overhead --transport shm
 //   ... --quick (the `make test` run): 3 schedules, 5 steps
 //
 // Options: --stages P (2; the number of ranks for local), --microbatches M (8), --steps N (200),
-// --warmup W (20). One intra-op thread per rank.
+// --warmup W (20), --ops (LibTorch operator calls per step and rank, by name). One intra-op thread per rank.
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -32,6 +38,44 @@ using Clock = std::chrono::steady_clock;
 
 using pipetrain::bench::median;
 
+// --ops: LibTorch operator calls counted per rank thread (top-level calls only, so an op another op
+// calls inside counts in its caller). A count does not depend on the machine's load, unlike a time.
+std::mutex ops_mu;
+std::map<int, std::map<std::string, long>> ops_by_rank;  // rank -> op name -> calls
+thread_local int ops_rank = -1;
+thread_local int ops_depth = 0;
+
+void count_ops() {
+  at::addGlobalCallback(at::RecordFunctionCallback(
+                            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+                              if (ops_rank >= 0 && ops_depth++ == 0) {
+                                std::lock_guard<std::mutex> g(ops_mu);
+                                ++ops_by_rank[ops_rank][fn.name()];
+                              }
+                              return nullptr;
+                            },
+                            [](const at::RecordFunction&, at::ObserverContext*) {
+                              if (ops_rank >= 0) --ops_depth;
+                            })
+                            .scopes({at::RecordScope::FUNCTION}));
+}
+
+// Rank `r`'s counted calls per step, most frequent first.
+void print_ops(int r, int steps) {
+  std::lock_guard<std::mutex> g(ops_mu);
+  std::vector<std::pair<long, std::string>> v;
+  long total = 0;
+  for (const auto& [name, n] : ops_by_rank[r]) {
+    v.emplace_back(n, name);
+    total += n;
+  }
+  std::sort(v.rbegin(), v.rend());
+  std::printf("  rank %d: %.1f LibTorch ops per step:", r, static_cast<double>(total) / steps);
+  for (const auto& [n, name] : v) std::printf(" %s %.1f", name.c_str(), static_cast<double>(n) / steps);
+  std::printf("\n");
+  ops_by_rank[r].clear();
+}
+
 torch::nn::Sequential tiny_model(int layers) {
   torch::manual_seed(1);
   torch::nn::Sequential m;
@@ -41,14 +85,22 @@ torch::nn::Sequential tiny_model(int layers) {
 
 torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
 
+// CPU time of the calling thread: a rank's own work, without the time it waits blocked for a peer.
+double thread_cpu_us() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) * 1e-3;
+}
+
 struct Row {
   double step_us = 0;
+  double cpu_us = 0;  // the rank's thread CPU time per step (median)
   int actions = 0, transfers = 0;
 };
 
 // Runs `steps` steps of `schedule` on rank `t`'s pipeline; rank 0's median step and action counts.
 Row run_rank(const std::shared_ptr<pipetrain::Transport>& t, const std::string& schedule, int stages, int m, int steps,
-             int warmup) {
+             int warmup, bool count) {
   pipetrain::PipelineOptions o;
   o.schedule = schedule;
   o.microbatches = schedule == "pipedream" || schedule == "spectrain" ? 1 : m;
@@ -59,16 +111,24 @@ Row run_rank(const std::shared_ptr<pipetrain::Transport>& t, const std::string& 
   pipetrain::PipelineRank rank(tiny_model(layers), mse, t, o);
   const int64_t batch = o.microbatches;
   const torch::Tensor x = torch::ones({batch, 1}), y = torch::zeros({batch, 1});
-  std::vector<double> us;
+  std::vector<double> us, cpu;
   for (int k = 0; k < warmup + steps; ++k) {
     t->barrier();
+    if (k >= warmup && count) ops_rank = t->rank();
     const auto t0 = Clock::now();
+    const double c0 = thread_cpu_us();
     rank.train_step(x, y, batch);
+    const double c = thread_cpu_us() - c0;
+    ops_rank = -1;
     const double d = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-    if (k >= warmup) us.push_back(d);
+    if (k >= warmup) {
+      us.push_back(d);
+      cpu.push_back(c);
+    }
   }
   Row r;
   r.step_us = median(us);
+  r.cpu_us = median(cpu);
   for (const auto& a : rank.schedule().actions[static_cast<std::size_t>(t->rank())]) {
     ++r.actions;
     if (a.kind == pipetrain::ActionKind::SendAct || a.kind == pipetrain::ActionKind::SendGrad) ++r.transfers;
@@ -80,14 +140,13 @@ Row run_rank(const std::shared_ptr<pipetrain::Transport>& t, const std::string& 
 // The layers' own compute for one step of rank 0 (its stage's forward and backward per micro-batch).
 double compute_us(int m, int steps) {
   auto layer = torch::nn::Linear(1, 1);
-  const torch::Tensor x = torch::ones({1, 1});
+  const torch::Tensor x = torch::ones({1, 1}), g = torch::ones({1, 1});
   std::vector<double> us;
   for (int k = 0; k < steps; ++k) {
     const auto t0 = Clock::now();
     for (int i = 0; i < m; ++i) {
-      torch::Tensor in = x.clone().requires_grad_(true);
-      torch::Tensor out = layer->forward(in);
-      out.backward(torch::ones_like(out));
+      torch::Tensor out = layer->forward(x);
+      out.backward(g);
     }
     us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
@@ -97,7 +156,7 @@ double compute_us(int m, int steps) {
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s --transport local|shm|gloo|mpi [--stages P (2)] [--microbatches M (8)] [--steps N (200)] "
-               "[--warmup W (20)] [--quick]\nprocess transports run as ranks, e.g. pipetrain launch -n 2 -- %s "
+               "[--warmup W (20)] [--quick] [--ops]\nprocess transports run as ranks, e.g. pipetrain launch -n 2 -- %s "
                "--transport shm\n",
                argv0, argv0);
   return 2;
@@ -108,6 +167,7 @@ int usage(const char* argv0) {
 int main(int argc, char** argv) {
   std::string transport;
   int stages = 2, m = 8, steps = 200, warmup = 20;
+  bool ops = false;
   std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "2bw", "pipedream"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -115,6 +175,10 @@ int main(int argc, char** argv) {
       schedules = {"gpipe", "1f1b", "zb-h1"};
       steps = 5;
       warmup = 1;
+      continue;
+    }
+    if (a == "--ops") {
+      ops = true;
       continue;
     }
     if (i + 1 >= argc) return usage(argv[0]);
@@ -128,6 +192,7 @@ int main(int argc, char** argv) {
   }
   if (transport.empty() || steps < 1 || stages < 1 || m < 1) return usage(argv[0]);
   at::set_num_threads(1);
+  if (ops) count_ops();
   std::vector<std::shared_ptr<pipetrain::Transport>> local;
   std::shared_ptr<pipetrain::Transport> mine;
   if (transport == "local") {
@@ -138,27 +203,35 @@ int main(int argc, char** argv) {
   }
   const bool leader = transport == "local" || mine->rank() == 0;
   if (leader)
-    std::printf("%-9s %-12s %6s %3s %10s %8s %10s %12s %12s\n", "transport", "schedule", "stages", "m", "step_us",
-                "actions", "transfers", "us_per_action", "compute_us");
+    std::printf("%-9s %-12s %6s %3s %10s %8s %10s %13s %10s %10s %12s\n", "transport", "schedule", "stages", "m",
+                "step_us", "actions", "transfers", "us_per_action", "cpu_us", "compute_us", "overhead_us");
   for (const std::string& s : schedules) {
     Row row;
     if (transport == "local") {
       std::vector<Row> rows(static_cast<std::size_t>(stages));
       pipetrain::run_on_threads(stages, [&](int r) {
-        rows[static_cast<std::size_t>(r)] = run_rank(local[static_cast<std::size_t>(r)], s, stages, m, steps, warmup);
+        rows[static_cast<std::size_t>(r)] = run_rank(local[static_cast<std::size_t>(r)], s, stages, m, steps, warmup, ops);
       });
       row = rows[0];
     } else {
-      row = run_rank(mine, s, stages, m, steps, warmup);
+      row = run_rank(mine, s, stages, m, steps, warmup, ops);
     }
     if (leader) {
       const int mm = s == "pipedream" ? 1 : m;
       const int per_rank = s == "interleaved" ? 2 : 1;
-      std::printf("%-9s %-12s %6d %3d %10.1f %8d %10d %12.2f %12.1f\n", transport.c_str(), s.c_str(), stages, mm,
-                  row.step_us, row.actions, row.transfers, row.step_us / std::max(1, row.actions),
-                  compute_us(mm * per_rank, std::max(steps, 20)));
-      std::fflush(stdout);
+      const double compute = compute_us(mm * per_rank, std::max(steps, 20));
+      const int actions = std::max(1, row.actions);
+      std::printf("%-9s %-12s %6d %3d %10.1f %8d %10d %13.2f %10.1f %10.1f %12.2f\n", transport.c_str(), s.c_str(),
+                  stages, mm, row.step_us, row.actions, row.transfers, row.step_us / actions, row.cpu_us, compute,
+                  (row.cpu_us - compute) / actions);
     }
+    if (ops) {
+      if (transport == "local")
+        for (int r = 0; r < stages; ++r) print_ops(r, steps);
+      else
+        print_ops(mine->rank(), steps);
+    }
+    std::fflush(stdout);
   }
   return 0;
 }

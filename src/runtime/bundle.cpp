@@ -69,7 +69,9 @@ Bundle Bundle::slice(int64_t begin, int64_t end) const {
 
 Bundle Bundle::to(const torch::Device& device) const {
   Bundle out;
-  for (const auto& [name, t] : items_) out.items_.emplace_back(name, t.defined() ? t.to(device) : t);
+  out.items_.reserve(items_.size());
+  for (const auto& [name, t] : items_)  // a tensor already there is kept as is: no operator call
+    out.items_.emplace_back(name, t.defined() && t.device() != device ? t.to(device) : t);
   return out;
 }
 
@@ -193,13 +195,13 @@ BundleLayout decode_header(const torch::Tensor& header) {
 }
 
 torch::Tensor pack(const Bundle& b, const BundleLayout& l) {
-  if (b.size() == 1) return b.items().front().second.detach().contiguous();
+  if (b.size() == 1) return without_graph(b.items().front().second).contiguous();
   torch::Tensor buf = torch::empty({packed_bytes(l)}, torch::kByte);
   auto* base = static_cast<char*>(buf.data_ptr());
   int64_t at = 0;
   for (std::size_t k = 0; k < b.size(); ++k) {
     at = aligned(at);
-    const torch::Tensor t = b.items()[k].second.detach().to(torch::kCPU).contiguous();
+    const torch::Tensor t = without_graph(b.items()[k].second).to(torch::kCPU).contiguous();
     const int64_t n = entry_bytes(l.entries[k]);
     if (n > 0) std::memcpy(base + at, t.data_ptr(), static_cast<std::size_t>(n));
     at += n;

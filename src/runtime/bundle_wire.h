@@ -45,6 +45,10 @@ torch::Tensor encode_header(const BundleLayout& l);
 // Throws std::runtime_error on a malformed header (a peer speaking another protocol).
 BundleLayout decode_header(const torch::Tensor& header);
 
+// `t` cut from its autograd graph: `t` itself when it has none (saves an operator call per transfer;
+// detach would only make an alias that reads the same data).
+inline torch::Tensor without_graph(const torch::Tensor& t) { return t.requires_grad() ? t.detach() : t; }
+
 // The data message of `b` (laid out as `l`) and the buffer that receives it.
 torch::Tensor pack(const Bundle& b, const BundleLayout& l);
 torch::Tensor empty_buffer(const BundleLayout& l);

@@ -4,6 +4,7 @@
 #include <torch/cuda.h>
 #include <torch/optim.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 
 #include <malloc.h>
@@ -96,6 +97,46 @@ constexpr uint64_t mix(uint64_t x) { return splitmix64(x); }
 using detail::heap_in_use;
 using detail::now_ms;
 using detail::shape_text;
+
+// The value of a one-element tensor, as item<double>() gives it; read in place (no operator call) for a
+// float or double tensor in host memory.
+double scalar_value(const torch::Tensor& t) {
+  if (t.is_cpu() && t.numel() == 1) {
+    if (t.scalar_type() == torch::kFloat) return static_cast<double>(*t.data_ptr<float>());
+    if (t.scalar_type() == torch::kDouble) return *t.data_ptr<double>();
+  }
+  return t.item<double>();
+}
+
+// The default CPU generator seeded with `seed` while in scope, then put back as it was. Its state is
+// copied directly (the Mersenne Twister and the cached normal samples): a forward of a tiny layer cost
+// about as much again in get_state/set_state, which go through a byte tensor of the same state.
+class SeededCpuGenerator {
+ public:
+  SeededCpuGenerator(at::Generator& gen, uint64_t seed)
+      : gen_(gen), cpu_(at::check_generator<at::CPUGeneratorImpl>(gen)) {
+    std::lock_guard<std::mutex> g(gen_.mutex());
+    engine_ = cpu_->engine();
+    next_float_ = cpu_->next_float_normal_sample();
+    next_double_ = cpu_->next_double_normal_sample();
+    cpu_->set_current_seed(seed);
+  }
+  ~SeededCpuGenerator() {
+    std::lock_guard<std::mutex> g(gen_.mutex());
+    cpu_->set_engine(engine_);
+    cpu_->set_next_float_normal_sample(next_float_);
+    cpu_->set_next_double_normal_sample(next_double_);
+  }
+  SeededCpuGenerator(const SeededCpuGenerator&) = delete;
+  SeededCpuGenerator& operator=(const SeededCpuGenerator&) = delete;
+
+ private:
+  at::Generator& gen_;
+  at::CPUGeneratorImpl* cpu_;
+  at::mt19937 engine_;
+  c10::optional<float> next_float_;
+  c10::optional<double> next_double_;
+};
 
 }  // namespace
 
@@ -325,6 +366,8 @@ struct PipelineRank::Impl {
   StepStats stats;
 
   int rank() const { return transport->rank(); }
+  // `t` on the stages' device; `t` itself (no operator call) when it is there already.
+  torch::Tensor on_device(const torch::Tensor& t) const { return t.device() == options.device ? t : t.to(options.device); }
   int last_stage() const { return schedule.stages - 1; }
   int64_t micro_size(int i) const { return ranges[static_cast<std::size_t>(i)].second - ranges[static_cast<std::size_t>(i)].first; }
   Slot& slot(int stage, int micro) { return slots[{stage, micro}]; }
@@ -402,6 +445,10 @@ struct PipelineRank::Impl {
     std::unique_lock<std::mutex> lock(default_generator_mutex(), std::defer_lock);
     if (transport->shares_process()) lock.lock();
     auto gen = at::globalContext().defaultGenerator(options.device);
+    if (gen.device().is_cpu()) {  // the state copied as it is: no tensor made, no state validated
+      SeededCpuGenerator seeded(gen, sl.seed);
+      return stage_of(s).forward(x);
+    }
     torch::Tensor saved;
     {
       std::lock_guard<std::mutex> g(gen.mutex());
@@ -438,8 +485,9 @@ struct PipelineRank::Impl {
     receive_skips(s, i, x, sl.in_grad);
     for (std::size_t k = 0; k < x.size(); ++k) {
       torch::Tensor& t = x.items()[k].second;
-      t = t.detach();
-      if (sl.in_grad[k] && !forward_mode) t.requires_grad_(true);
+      const bool leaf = sl.in_grad[k] && !forward_mode;
+      if (leaf || t.requires_grad()) t = t.detach();  // otherwise it has no graph to cut, and stays as is
+      if (leaf) t.requires_grad_(true);
     }
     sl.input = x;
     // The step of micro-batch i and its index within the step: a call of K steps draws the same
@@ -509,7 +557,7 @@ struct PipelineRank::Impl {
       const auto [buf, l] = recv_bundle(-1 - static_cast<int>(r), 0, i, from_rank, skip_tag(r, i, 0, 0), skip_tag(r, i, 0, 1));
       const Bundle part = detail::unpack(buf, l);
       for (std::size_t k = 0; k < part.size(); ++k) {
-        x.set(part.items()[k].first, part.items()[k].second.to(options.device));
+        x.set(part.items()[k].first, on_device(part.items()[k].second));
         flags.push_back(l.entries[k].grad ? 1 : 0);
       }
     }
@@ -566,13 +614,13 @@ struct PipelineRank::Impl {
     if (!target.defined())
       throw UsageError("rank " + std::to_string(rank()) + " holds the last stage but train_step got no target batch");
     const auto [b, e] = ranges[static_cast<std::size_t>(i)];
-    torch::Tensor l = loss_fn(out, target.slice(0, b, e).to(options.device));
+    torch::Tensor l = loss_fn(out, on_device(target.slice(0, b, e)));
     if (l.numel() != 1)
       throw UsageError("the loss function returned " + std::to_string(l.numel()) +
                        " values for micro-batch " + std::to_string(i) + ": it must return one (the mean over the micro-batch)");
     const auto k = static_cast<std::size_t>(i / per_step);
     l = l * (static_cast<double>(e - b) / static_cast<double>(step_sizes[k]));
-    step_loss[k] += l.item<double>();
+    step_loss[k] += scalar_value(l);
     return l;
   }
 
@@ -598,7 +646,7 @@ struct PipelineRank::Impl {
           throw std::logic_error("backward of stage " + std::to_string(s) + " has no gradient for '" + name + "'");
         if (!t.requires_grad()) continue;  // computed without a path to a parameter or an input
         roots.push_back(t);
-        grads.push_back(g.at(name).to(options.device));
+        grads.push_back(on_device(g.at(name)));
       }
     }
     if (!roots.empty()) {
@@ -782,7 +830,7 @@ struct PipelineRank::Impl {
   static double squared_norm(const std::vector<torch::Tensor>& params) {
     double sq = 0;
     for (const auto& p : params)
-      if (p.grad().defined()) sq += p.grad().detach().to(torch::kDouble).pow(2).sum().item<double>();
+      if (p.grad().defined()) sq += detail::without_graph(p.grad()).to(torch::kDouble).pow(2).sum().item<double>();
     return sq;
   }
   static void clip_to(const std::vector<torch::Tensor>& params, double norm, double clip) {
@@ -959,6 +1007,7 @@ struct PipelineRank::Impl {
   // with a message naming the rank and the action, so every rank stops.
   void run_list(const std::vector<Action>& actions) {
     const double heap0 = options.measure_memory ? heap_in_use() : 0.0;
+    stats.timeline.events.reserve(2 * actions.size());  // an action and its receive's wait at most
     std::size_t pos = 0;
     try {
       for (; pos < actions.size(); ++pos) {

@@ -427,3 +427,24 @@ TEST(Executor, LeavesTheCallersRandomStreamAlone) {
     EXPECT_TRUE(torch::equal(x3, want3)) << checkpoint;
   }
 }
+
+// issue 15: the forwards save and restore the default CPU generator by copying its engine and its
+// cached normal samples. A one-element randn draws two normals and keeps the second for the next
+// draw: that cached sample must survive the pipeline's forwards too.
+TEST(Executor, KeepsTheCallersCachedNormalSample) {
+  PipelineOptions o;
+  o.schedule = "gpipe";
+  o.microbatches = 2;
+  LocalPipeline pipe(make_model(4, /*dropout=*/0.5), mse, 2, o);
+  const torch::Tensor x = torch::ones({kBatch, kIn}), y = torch::zeros({kBatch, kOut});
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    torch::manual_seed(5);
+    torch::randn({1}, dtype);  // leaves the pair's second sample cached
+    const torch::Tensor want = torch::randn({1}, dtype);
+    torch::manual_seed(5);
+    torch::randn({1}, dtype);
+    pipe.train_step(x, y);
+    const torch::Tensor got = torch::randn({1}, dtype);
+    EXPECT_TRUE(torch::equal(got, want)) << dtype << ": " << got.item<double>() << " against " << want.item<double>();
+  }
+}
