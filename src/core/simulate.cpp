@@ -39,7 +39,7 @@ std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& c
     mem[ur] += costs.memory_delta(e.action);
     peak[ur] = std::max(peak[ur], mem[ur]);
     if (e.action.kind == ActionKind::W || e.action.kind == ActionKind::BW)
-      for (const SkipRoute& route : s.skips)
+      for (const SkipEdge& route : s.skips)
         if (route.to_stage == e.action.stage) mem[ur] -= route.size;
   }
   return peak;

@@ -8,7 +8,7 @@
 namespace pipetrain {
 namespace {
 
-std::string route_text(const SkipRoute& r) {
+std::string route_text(const SkipEdge& r) {
   std::ostringstream out;
   out << r.from_stage << ":" << r.to_stage << ":" << r.size;
   return out.str();
@@ -22,8 +22,8 @@ int route_of(const Schedule& s, int from, int to) {
 
 }  // namespace
 
-SkipRoute parse_skip_route(const std::string& text) {
-  auto fail = [&]() -> SkipRoute {
+SkipEdge parse_skip_route(const std::string& text) {
+  auto fail = [&]() -> SkipEdge {
     throw UsageError("malformed skip route '" + text +
                      "': expected FROM:TO or FROM:TO:SIZE, stage numbers with TO >= FROM + 2 and SIZE >= 0 in the "
                      "cost model's memory units (e.g. 0:3 or 0:3:0.5)");
@@ -33,7 +33,7 @@ SkipRoute parse_skip_route(const std::string& text) {
   std::string part;
   while (std::getline(in, part, ':')) parts.push_back(part);
   if (parts.size() < 2 || parts.size() > 3) return fail();
-  SkipRoute r;
+  SkipEdge r;
   r.size = 1.0;
   try {
     std::size_t used = 0;
@@ -53,7 +53,7 @@ SkipRoute parse_skip_route(const std::string& text) {
 
 void check_skip_routes(const Schedule& s) {
   for (std::size_t k = 0; k < s.skips.size(); ++k) {
-    const SkipRoute& r = s.skips[k];
+    const SkipEdge& r = s.skips[k];
     const std::string what = "skip route " + route_text(r) + " of schedule '" + s.name + "'";
     if (r.from_stage < 0 || r.to_stage < 0 || r.from_stage >= s.stages || r.to_stage >= s.stages)
       throw UsageError(what + " names a stage outside 0.." + std::to_string(s.stages - 1) +
@@ -77,7 +77,7 @@ std::vector<SkipToken> skip_needs(const Schedule& s, const Action& a) {
   const bool backward = a.kind == ActionKind::B || a.kind == ActionKind::BW;
   if (a.kind != ActionKind::F && !backward) return out;
   for (std::size_t k = 0; k < s.skips.size(); ++k) {
-    const SkipRoute& r = s.skips[k];
+    const SkipEdge& r = s.skips[k];
     if (a.kind == ActionKind::F && r.to_stage == a.stage) out.push_back({static_cast<int>(k), false, a.index});
     if (backward && r.from_stage == a.stage) out.push_back({static_cast<int>(k), true, a.index});
   }
@@ -89,7 +89,7 @@ std::vector<SkipToken> skip_makes(const Schedule& s, const Action& a) {
   const bool backward = a.kind == ActionKind::B || a.kind == ActionKind::BW;
   if (a.kind != ActionKind::F && !backward) return out;
   for (std::size_t k = 0; k < s.skips.size(); ++k) {
-    const SkipRoute& r = s.skips[k];
+    const SkipEdge& r = s.skips[k];
     if (a.kind == ActionKind::F && r.from_stage == a.stage) out.push_back({static_cast<int>(k), false, a.index});
     if (backward && r.to_stage == a.stage) out.push_back({static_cast<int>(k), true, a.index});
   }
@@ -97,12 +97,12 @@ std::vector<SkipToken> skip_makes(const Schedule& s, const Action& a) {
 }
 
 int skip_maker_stage(const Schedule& s, const SkipToken& t) {
-  const SkipRoute& r = s.skips.at(static_cast<std::size_t>(t.route));
+  const SkipEdge& r = s.skips.at(static_cast<std::size_t>(t.route));
   return t.grad ? r.to_stage : r.from_stage;
 }
 
 int skip_user_stage(const Schedule& s, const SkipToken& t) {
-  const SkipRoute& r = s.skips.at(static_cast<std::size_t>(t.route));
+  const SkipEdge& r = s.skips.at(static_cast<std::size_t>(t.route));
   return t.grad ? r.from_stage : r.to_stage;
 }
 
@@ -122,13 +122,13 @@ std::optional<SkipToken> skip_carried(const Schedule& s, const Action& a) {
 }
 
 Action skip_send(const Schedule& s, const SkipToken& t) {
-  const SkipRoute& r = s.skips.at(static_cast<std::size_t>(t.route));
+  const SkipEdge& r = s.skips.at(static_cast<std::size_t>(t.route));
   Action a = t.grad ? Action{ActionKind::SendGrad, r.to_stage, t.micro} : Action{ActionKind::SendAct, r.from_stage, t.micro};
   a.peer = t.grad ? r.from_stage : r.to_stage;
   return a;
 }
 
-double skip_transfer_time(const CostModel& costs, const SkipRoute& route) {
+double skip_transfer_time(const CostModel& costs, const SkipEdge& route) {
   return costs.comm + (costs.bandwidth > 0 ? route.size / costs.bandwidth : 0.0);
 }
 

@@ -395,7 +395,7 @@ void dry_run(const Schedule& s) {
       }
       for (const SkipToken& t : skip_needs(s, *a)) {
         if (skip_usable(t, r)) continue;
-        const SkipRoute& route = s.skips[static_cast<std::size_t>(t.route)];
+        const SkipEdge& route = s.skips[static_cast<std::size_t>(t.route)];
         why << " needs the skip " << (t.grad ? "gradient" : "activation") << " of route " << route.from_stage << ":"
             << route.to_stage << " micro-batch " << t.micro
             << (skip_maker[skip_index(t, s.microbatches)] < 0 ? ", which has not been made yet"

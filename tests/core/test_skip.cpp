@@ -64,7 +64,7 @@ TEST(Skip, RoutesAreChecked) {
   EXPECT_EQ(parse_skip_route("0:3").size, 1.0);
   EXPECT_EQ(parse_skip_route("1:3:0.5").size, 0.5);
   for (const char* bad : {"0", "0:3:1:2", "a:3", "0:3x", "0:3:y"}) EXPECT_THROW(parse_skip_route(bad), UsageError) << bad;
-  const std::pair<SkipRoute, const char*> cases[] = {
+  const std::pair<SkipEdge, const char*> cases[] = {
       {{3, 1, 1}, "to a later stage"},     {{2, 2, 1}, "to a later stage"}, {{1, 2, 1}, "neighbouring"},
       {{0, 4, 1}, "outside 0..3"},         {{0, 3, -1}, "size"},
   };
@@ -207,4 +207,23 @@ TEST(Skip, CsvCarriesRoutesAndTorchCsvRefusesThem) {
   EXPECT_THROW(from_csv("# pipetrain schedule ranks=1 skips=0:x\n0F0,0BW0\n"), UsageError);
   EXPECT_NE(error_of([&] { to_torch_csv(lowered); }).find("skip"), std::string::npos);
   EXPECT_EQ(to_csv(make("zb-h1", 4, 4)).find("skips"), std::string::npos);  // without routes: as before
+}
+
+// Interleaved p = 2, v = 2: stages 0 and 2 both live on rank 0, so a skip 0 -> 2 moves nothing between
+// ranks (no transfers, no transfer time) yet is still held on rank 0 from F(0, i) to W/BW(2, i).
+TEST(Skip, ARouteWithinOneRankHasNoTransfers) {
+  const Schedule plain = make("interleaved", 2, 4);
+  ASSERT_EQ(plain.rank_of(0), plain.rank_of(2));
+  Schedule s = plain;
+  s.skips = {{0, 2, 0.5}};
+  CostModel costs = CostModel::uniform(s.stages, StageCost{1, 1, 1, 1}, 2, 0.3);
+  costs.bandwidth = 0.01;  // would cost 50 per transfer if any were made
+  const Schedule lowered = insert_communication(s, costs);
+  ASSERT_NO_THROW(validate(lowered));
+  for (const auto& row : lowered.actions)
+    for (const Action& a : row) EXPECT_LT(a.peer, 0) << to_string(a);
+  const SimResult with = simulate(lowered, costs), without = simulate(insert_communication(plain, costs), costs);
+  EXPECT_DOUBLE_EQ(with.metrics.makespan, without.metrics.makespan);
+  EXPECT_GT(with.metrics.per_rank[0].peak_memory, without.metrics.per_rank[0].peak_memory);
+  EXPECT_DOUBLE_EQ(with.metrics.per_rank[1].peak_memory, without.metrics.per_rank[1].peak_memory);
 }

@@ -22,11 +22,11 @@ namespace pipetrain {
 // straight back. `size` is what one micro-batch's skip tensor weighs, in the cost model's memory units
 // (those of StageCost::activation); its gradient weighs the same. Routes need to_stage >= from_stage + 2:
 // a skip between neighbours travels with the boundary bundle. See skip.h for the rules that use them.
-struct SkipRoute {
+struct SkipEdge {
   int from_stage = 0;
   int to_stage = 0;
   double size = 0.0;
-  friend bool operator==(const SkipRoute& a, const SkipRoute& b) {
+  friend bool operator==(const SkipEdge& a, const SkipEdge& b) {
     return a.from_stage == b.from_stage && a.to_stage == b.to_stage && a.size == b.size;
   }
 };
@@ -46,7 +46,7 @@ struct Schedule {
   std::vector<std::vector<Action>> actions;  // actions[r]: rank r's actions in order (size = ranks)
   // The model's skip routes (empty: none). Lowering adds their transfers; the validator and the
   // simulator wait for them; the simulator charges their time and memory.
-  std::vector<SkipRoute> skips;
+  std::vector<SkipEdge> skips;
 
   int steps() const { return (microbatches + microbatches_per_step - 1) / microbatches_per_step; }
   int virtual_stages_per_rank() const { return replicated() || ranks > stages ? 1 : stages / ranks; }

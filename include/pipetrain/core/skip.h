@@ -29,7 +29,7 @@ struct SkipToken {
 
 // Parses one route, "FROM:TO" or "FROM:TO:SIZE" (SIZE defaults to 1, one stage activation's units).
 // Throws UsageError naming the text and the form.
-SkipRoute parse_skip_route(const std::string& text);
+SkipEdge parse_skip_route(const std::string& text);
 
 // Throws UsageError naming the route and the fix unless every route has 0 <= from, to < stages,
 // to >= from + 2, a finite size >= 0, and no two routes share (from, to).
@@ -62,6 +62,6 @@ inline std::size_t skip_token_count(const Schedule& s) {
 
 // Time one skip transfer of `route` takes between two ranks: costs.comm + size / costs.bandwidth
 // (the size costs nothing when bandwidth is 0, unlimited).
-double skip_transfer_time(const CostModel& costs, const SkipRoute& route);
+double skip_transfer_time(const CostModel& costs, const SkipEdge& route);
 
 }  // namespace pipetrain
