@@ -408,6 +408,26 @@ void dry_run(const Schedule& s) {
   }
 }
 
+// What skips add to rank r's memory at action `a`, in the rank's order (§1.10): a skip from another rank
+// from its receive (or, unlowered, from the consumer's F, by which it has arrived), one from the same
+// rank from the producer's F; each until the consumer's W or BW of the micro-batch.
+double skip_memory_delta(const Schedule& s, bool lowered, int r, const Action& a) {
+  if (s.skips.empty()) return 0;
+  double delta = 0;
+  if (const auto t = skip_carried(s, a); t && !t->grad && a.kind == ActionKind::RecvAct)
+    delta += s.skips[static_cast<std::size_t>(t->route)].size;
+  if (a.kind == ActionKind::W || a.kind == ActionKind::BW)
+    for (const SkipEdge& e : s.skips)
+      if (e.to_stage == a.stage) delta -= e.size;
+  if (a.kind != ActionKind::F) return delta;
+  for (const SkipEdge& e : s.skips) {
+    const bool local = s.rank_of(e.from_stage, a.index) == s.rank_of(e.to_stage, a.index);
+    if (local && e.from_stage == a.stage) delta += e.size;
+    if (!local && !lowered && e.to_stage == a.stage && s.rank_of(e.to_stage, a.index) == r) delta += e.size;
+  }
+  return delta;
+}
+
 void check_memory(const Schedule& s, const ValidateOptions& o) {
   if (!(o.memory_limit < std::numeric_limits<double>::infinity())) return;
   if (o.memory_limit <= 0)
@@ -415,11 +435,15 @@ void check_memory(const Schedule& s, const ValidateOptions& o) {
   const CostModel costs =
       o.costs.stage.empty() ? CostModel::uniform(s.stages, StageCost{}, s.virtual_stages_per_rank()) : o.costs;
   costs.check(s.stages);
+  bool lowered = false;
+  for (const auto& row : s.actions)
+    for (const Action& x : row) lowered |= is_comm(x.kind);
   for (int r = 0; r < s.ranks; ++r) {
     double mem = 0;
     const auto& row = s.actions[static_cast<std::size_t>(r)];
     for (int pos = 0; pos < static_cast<int>(row.size()); ++pos) {
-      mem += costs.memory_delta(row[static_cast<std::size_t>(pos)]);
+      const Action& a = row[static_cast<std::size_t>(pos)];
+      mem += costs.memory_delta(a) + skip_memory_delta(s, lowered, r, a);
       if (mem > o.memory_limit + 1e-9) {
         std::ostringstream why;
         why << "rank " << r << " holds " << mem << " micro-batches of activations after "

@@ -227,3 +227,27 @@ TEST(Skip, ARouteWithinOneRankHasNoTransfers) {
   EXPECT_GT(with.metrics.per_rank[0].peak_memory, without.metrics.per_rank[0].peak_memory);
   EXPECT_DOUBLE_EQ(with.metrics.per_rank[1].peak_memory, without.metrics.per_rank[1].peak_memory);
 }
+
+// The validator's memory limit counts skips in rank order. 1F1B p = 3, m = 4 with activations 0.1, 0.1, 1:
+// rank 0 holds at most 0.3, rank 1 0.2, rank 2 1 (one micro-batch). A skip 0 -> 2 of 0.25 adds 0.25 on
+// rank 2 from its F when unlowered (1.25); lowered, from its receive, which comes before F(2,0) for
+// skip 0 at least, and at most all 4 skips are held (<= 2).
+TEST(Skip, MemoryLimitCountsSkips) {
+  Schedule s = make("1f1b", 3, 4);
+  ValidateOptions o;
+  o.costs = CostModel::uniform(3, StageCost{});
+  for (int st = 0; st < 3; ++st) o.costs.stage[st].activation = st == 2 ? 1.0 : 0.1;
+  o.memory_limit = 1.1;
+  ASSERT_NO_THROW(validate(s, o));
+  s.skips = {{0, 2, 0.25}};
+  std::string msg = error_of([&] { validate(s, o); });
+  EXPECT_NE(msg.find("rank 2 holds 1.25"), std::string::npos) << msg;
+  o.memory_limit = 1.3;
+  EXPECT_NO_THROW(validate(s, o));
+  const Schedule lowered = insert_communication(s, CostModel{});
+  o.memory_limit = 1.1;
+  msg = error_of([&] { validate(lowered, o); });
+  EXPECT_NE(msg.find("rank 2 holds"), std::string::npos) << msg;
+  o.memory_limit = 2.0;
+  EXPECT_NO_THROW(validate(lowered, o));
+}
