@@ -12,6 +12,7 @@
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/profile.h"
+#include "pipetrain/core/skip.h"
 #include "pipetrain/core/validate.h"
 
 namespace pipetrain::cli {
@@ -48,6 +49,13 @@ void ScheduleFlags::add_to(CLI::App& app) {
   latency_option = app.add_option("--latency", latency_us,
                                   "with --profile: microseconds per transfer; default: the profile's measured latency, "
                                   "else 0");
+  app.add_option("--skip", skips,
+                 "FROM:TO[:SIZE], repeatable: a skip connection from stage FROM straight to stage TO >= FROM + 2, "
+                 "SIZE per micro-batch in activation units (default 1); lowering, validation and the simulator "
+                 "add its transfers, time and memory");
+  app.add_option("--skip-bandwidth", skip_bandwidth,
+                 "activation units per time unit a skip transfer moves: a skip costs --comm + SIZE / this; "
+                 "default 0, unlimited");
   app.add_option("--memory-limit", memory_limit,
                  "activation memory limit per rank, in micro-batches: checked for every schedule, and the "
                  "target of zb-auto (default for zb-auto: p)");
@@ -76,6 +84,7 @@ Schedule ScheduleFlags::build() const {
         throw UsageError("missing --microbatches M (micro-batches per step, >= 1)");
       if (virtual_stages != 1) throw UsageError("--replication runs without virtual stages: drop --virtual");
       s = round_robin(schedule, replication, microbatches, steps);
+      add_skips(s);
       ValidateOptions vo;
       if (memory_limit > 0) vo.memory_limit = memory_limit;
       validate(s, vo);
@@ -104,10 +113,23 @@ Schedule ScheduleFlags::build() const {
     }
     s = generate(schedule, o);
   }
+  add_skips(s);
   ValidateOptions vo;
   if (memory_limit > 0) vo.memory_limit = memory_limit;
   validate(s, vo);
   return s;
+}
+
+void ScheduleFlags::add_skips(Schedule& s) const {
+  if (skips.empty()) return;
+  if (!s.skips.empty())
+    throw UsageError("--load " + load + " already declares skip routes (skips= in its header): drop --skip");
+  for (const std::string& text : skips) s.skips.push_back(parse_skip_route(text));
+  try {
+    check_skip_routes(s);
+  } catch (const UsageError& e) {
+    throw UsageError(std::string("--skip: ") + e.what());
+  }
 }
 
 Profile ScheduleFlags::load_profile_flags() const {
@@ -145,6 +167,14 @@ CostModel ScheduleFlags::profile_costs(int total_stages) const {
 }
 
 CostModel ScheduleFlags::costs(const Schedule& s) const {
+  if (skip_bandwidth < 0 || !(skip_bandwidth < 1e300))
+    throw UsageError("--skip-bandwidth " + std::to_string(skip_bandwidth) + " must be finite and >= 0 (0: unlimited)");
+  CostModel c = base_costs(s);
+  c.bandwidth = skip_bandwidth;
+  return c;
+}
+
+CostModel ScheduleFlags::base_costs(const Schedule& s) const {
   if (!profile.empty()) {
     CostModel c = profile_costs(s.stages);
     if (s.replicated()) {  // a replicated stage's step carries the all-reduce of its replicas' gradients

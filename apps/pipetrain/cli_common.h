@@ -37,6 +37,8 @@ struct ScheduleFlags {
   double latency_us = 0;
   std::vector<int> replication;  // --replication 3,1: stage replicas, round robin (gpipe or 1f1b)
   int pipedream_batch = 0;       // the batch a PipeDream graph file was profiled at (0: read it as 1)
+  std::vector<std::string> skips;  // --skip FROM:TO[:SIZE], repeatable: skip routes (core/skip.h)
+  double skip_bandwidth = 0;     // --skip-bandwidth: memory units per time unit of a skip transfer; 0 = free
   Profile load_profile_flags() const;  // --profile, with --pipedream-batch for PipeDream graph files
   CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
   CLI::Option* microbatches_option = nullptr;
@@ -51,7 +53,9 @@ struct ScheduleFlags {
   // Builds (or loads) and validates the schedule. Throws UsageError / ScheduleError on bad input.
   Schedule build() const;
   // The cost model for `s`, from --cost and --comm, or from --profile cut by --balance.
-  CostModel costs(const Schedule& s) const;
+  CostModel costs(const Schedule& s) const;  // base_costs with --skip-bandwidth
+  CostModel base_costs(const Schedule& s) const;
+  void add_skips(Schedule& s) const;  // --skip routes into `s` (refused when a loaded CSV has its own)
   CostModel profile_costs(int total_stages) const;
 };
 

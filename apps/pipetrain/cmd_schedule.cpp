@@ -33,19 +33,24 @@ void add_schedule_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--out", *out, "write the CSV form (PyTorch's with --format torch) to this file as well");
   cmd->footer(
       "Actions read <stage><KIND><micro-batch>: F forward, B input gradient, W weight gradient, BW fused "
-      "backward, SF/RF send/receive activation, SB/RB send/receive gradient, S optimizer step.\n"
+      "backward, SF/RF send/receive activation, SB/RB send/receive gradient, S optimizer step; a transfer "
+      "ending @<stage> is a skip transfer to or from that stage (--skip).\n"
       "Examples:\n"
       "  pipetrain schedule --schedule 1f1b --stages 4 --microbatches 8\n"
       "  pipetrain schedule --schedule interleaved --stages 2 --microbatches 4 --virtual 2 --lower\n"
       "  pipetrain schedule --schedule zb-h1 -p 4 -m 8 --format csv > zb.csv\n"
       "  pipetrain schedule --load zb.csv\n"
       "  pipetrain schedule -s zb-auto -p 4 -m 6 --memory-limit 3 --exact   (the optimum; the gap on stderr)\n"
-      "  pipetrain schedule -s interleaved -p 2 -m 4 -v 2 --format torch > il.csv   (for PyTorch's _load_csv)");
+      "  pipetrain schedule -s interleaved -p 2 -m 4 -v 2 --format torch > il.csv   (for PyTorch's _load_csv)\n"
+      "  pipetrain schedule -s 1f1b -p 4 -m 4 --skip 0:3 --lower   (skip transfers 0SF0@3 ... 0RB0@3)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("schedule", [&] {
       Schedule s = flags->build();
       ZbExactResult found;
-      if (exact->apply(*flags, s, found)) std::cerr << found.summary() << "\n";  // stdout stays the schedule
+      if (exact->apply(*flags, s, found)) {
+        std::cerr << found.summary() << "\n";  // stdout stays the schedule
+        if (s.skips.empty()) flags->add_skips(s);
+      }
       if (*lower) s = insert_communication(s, flags->costs(s));
       if (*format != "torch" && *letters != "current") throw UsageError("--letters applies to --format torch");
       std::string torch_text;
@@ -60,6 +65,8 @@ void add_schedule_command(CLI::App& app, int& exit_code) {
       } else if (*format == "csv") {
         std::cout << to_csv(s);
       } else {
+        for (const SkipEdge& k : s.skips)
+          std::cout << "skip " << k.from_stage << " -> " << k.to_stage << " size " << k.size << "\n";
         for (int r = 0; r < s.ranks; ++r) std::cout << "rank " << r << ": " << rank_line(s, r) << "\n";
       }
       return kExitOk;

@@ -35,6 +35,11 @@ nlohmann::json metrics_json(const Schedule& s, const SimResult& r) {
                               {"bubble", m.bubble},
                               {"peak_inflight", m.peak_inflight},
                               {"peak_memory", m.peak_memory}});
+  if (!s.skips.empty()) {
+    j["skips"] = nlohmann::json::array();
+    for (const SkipEdge& k : s.skips)
+      j["skips"].push_back({{"from_stage", k.from_stage}, {"to_stage", k.to_stage}, {"size", k.size}});
+  }
   return j;
 }
 
@@ -63,6 +68,7 @@ Schedule load_torch_schedule(const ScheduleFlags& flags, const std::string& lett
                      std::to_string(r.schedule.microbatches) + " micro-batches: drop --microbatches, the file gives it");
   ValidateOptions vo;
   if (flags.memory_limit > 0) vo.memory_limit = flags.memory_limit;
+  flags.add_skips(r.schedule);
   validate(r.schedule, vo);
   notes = std::move(r.notes);
   notes.push_back(std::string("read with PyTorch's ") + to_string(r.letters) + " letters, " +
@@ -78,6 +84,9 @@ void print_metrics_table(std::ostream& out, const Schedule& s, const SimResult& 
                      s.virtual_stages_per_rank(), s.steps());
   out << fmt::format("makespan {:.3f}   bubble fraction {:.4f}   max per-stage bubble {:.3f}\n",
                      r.metrics.makespan, r.metrics.bubble_fraction, r.metrics.max_bubble());
+  for (const SkipEdge& k : s.skips)
+    out << fmt::format("skip stage {} -> stage {}, size {} per micro-batch (held by rank {} until its backward)\n",
+                       k.from_stage, k.to_stage, k.size, s.rank_of(k.to_stage));
   out << fmt::format("{:>5}  {:>10}  {:>10}  {:>10}  {:>14}  {:>12}\n", "stage", "busy", "span", "bubble",
                      "peak in-flight", "peak memory");
   for (const RankMetrics& m : r.metrics.per_rank)
@@ -121,7 +130,8 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       "  pipetrain simulate --schedule interleaved -p 4 -m 8 -v 2 --cost 2:2:2 --svg il.svg --trace il.json\n"
       "  pipetrain simulate --schedule zb-auto -p 4 -m 12 --cost 1:1.5:1,1:1:1,1:1:1,2:2:1 --memory-limit 5\n"
       "  pipetrain simulate --schedule zb-auto -p 4 -m 6 --memory-limit 3 --exact   (optimum and the greedy's gap)\n"
-      "  pipetrain simulate --load zb1p.csv --format torch --ascii   (a schedule PyTorch dumped with _dump_csv)");
+      "  pipetrain simulate --load zb1p.csv --format torch --ascii   (a schedule PyTorch dumped with _dump_csv)\n"
+      "  pipetrain simulate -s 1f1b -p 4 -m 8 --skip 0:3:0.5 --skip-bandwidth 0.25   (a skip from stage 0 to 3)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("simulate", [&] {
       if (*format != "torch" && (*letters != "detect" || !stage_rank->empty()))
@@ -130,6 +140,7 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       Schedule s = *format == "torch" ? load_torch_schedule(*flags, *letters, *stage_rank, notes) : flags->build();
       ZbExactResult found;
       const bool searched = exact->apply(*flags, s, found);
+      if (searched && s.skips.empty()) flags->add_skips(s);  // the searched schedule, with the routes
       const SimResult r = simulate(s, flags->costs(s));
       if (!trace->empty()) write_file_atomic(*trace, chrome_trace_json(r.timeline));
       if (!svg->empty()) write_file_atomic(*svg, gantt_svg(r.timeline, r.metrics));

@@ -60,6 +60,7 @@ std::string to_string(const Action& a) {
   std::string out = std::to_string(a.stage);
   out += kind_name(a.kind);
   out += std::to_string(a.index);
+  if (a.peer >= 0) out += "@" + std::to_string(a.peer);
   return out;
 }
 
@@ -68,7 +69,8 @@ Action parse_action(std::string_view text) {
   auto fail = [&]() -> Action {
     throw UsageError("malformed action '" + std::string(t) +
                      "': expected <stage><KIND><micro-batch> such as 2F0, 1B3, 1W3, 0BW5, 0SF2, 1RF2, 2SB2, "
-                     "3RB2 or 1S0 (KIND is one of F B W BW SF RF SB RB S)");
+                     "3RB2 or 1S0 (KIND is one of F B W BW SF RF SB RB S); a skip transfer adds its peer stage, "
+                     "as in 0SF2@3");
   };
   std::size_t i = 0;
   while (i < t.size() && std::isdigit(static_cast<unsigned char>(t[i]))) ++i;
@@ -77,9 +79,19 @@ Action parse_action(std::string_view text) {
   const std::string_view rest = t.substr(i);
   for (const auto& [name, kind] : kMnemonics) {
     if (rest.substr(0, name.size()) != name) continue;
-    const int index = read_count(rest.substr(name.size()));
+    std::string_view tail = rest.substr(name.size());
+    int peer = -1;
+    if (const std::size_t at = tail.find('@'); at != std::string_view::npos) {
+      if (!is_comm(kind)) return fail();
+      peer = read_count(tail.substr(at + 1));
+      if (peer < 0) return fail();
+      tail = tail.substr(0, at);
+    }
+    const int index = read_count(tail);
     if (index < 0) return fail();
-    return Action{kind, stage, index};
+    Action a{kind, stage, index};
+    a.peer = peer;
+    return a;
   }
   return fail();
 }

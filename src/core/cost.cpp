@@ -56,6 +56,8 @@ void CostModel::check(int stages) const {
     }
   }
   if (bad(comm)) throw UsageError("communication cost " + std::to_string(comm) + " must be finite and >= 0");
+  if (bad(bandwidth))
+    throw UsageError("skip bandwidth " + std::to_string(bandwidth) + " must be finite and >= 0 (0: unlimited)");
   if (bad(overhead))
     throw UsageError("per-action overhead " + std::to_string(overhead) + " must be finite, >= 0 and at most 1e12");
   if (bad(step)) throw UsageError("step cost " + std::to_string(step) + " must be finite and >= 0");

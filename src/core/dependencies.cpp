@@ -27,6 +27,7 @@ std::optional<Token> produced_token(const Action& a) {
 }
 
 std::optional<Token> carried_token(const Action& a) {
+  if (a.peer >= 0) return std::nullopt;  // a skip transfer carries a SkipToken (skip.h)
   switch (a.kind) {
     case ActionKind::SendAct: return Token{Token::Act, a.stage, a.index};
     case ActionKind::RecvAct: return Token{Token::Act, a.stage - 1, a.index};
@@ -37,6 +38,14 @@ std::optional<Token> carried_token(const Action& a) {
 }
 
 Action matching_comm(const Action& a) {
+  if (a.peer >= 0 && is_comm(a.kind)) {  // a skip transfer: its peer names the other end
+    static constexpr ActionKind kOther[] = {ActionKind::F, ActionKind::F, ActionKind::F, ActionKind::F,
+                                            ActionKind::RecvAct, ActionKind::SendAct, ActionKind::RecvGrad,
+                                            ActionKind::SendGrad};
+    Action m{kOther[static_cast<int>(a.kind)], a.peer, a.index};
+    m.peer = a.stage;
+    return m;
+  }
   switch (a.kind) {
     case ActionKind::SendAct: return {ActionKind::RecvAct, a.stage + 1, a.index};
     case ActionKind::RecvAct: return {ActionKind::SendAct, a.stage - 1, a.index};

@@ -6,6 +6,7 @@
 #include "pipetrain/core/dependencies.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/simulate.h"
+#include "pipetrain/core/skip.h"
 
 namespace pipetrain {
 
@@ -39,6 +40,16 @@ Schedule insert_communication(const Schedule& schedule, const CostModel& costs_i
   for (std::size_t g = 0; g < sim.timeline.events.size(); ++g) {
     const TimedAction& e = sim.timeline.events[g];
     items[static_cast<std::size_t>(e.rank)].push_back({e.start, static_cast<double>(g), e.action});
+    // Skip transfers sort like the boundary ones: at the time their data is made, right after the maker,
+    // in the same order on both ranks (a stable sort keeps this loop's order among equal keys).
+    for (const SkipToken& t : skip_makes(schedule, e.action)) {
+      const int user_rank = schedule.rank_of(skip_user_stage(schedule, t), t.micro);
+      if (user_rank == e.rank) continue;
+      const Action send = skip_send(schedule, t);
+      const double tie = static_cast<double>(g) + 0.5;
+      items[static_cast<std::size_t>(e.rank)].push_back({e.end, tie, send});
+      items[static_cast<std::size_t>(user_rank)].push_back({e.end, tie, matching_comm(send)});
+    }
     const auto token = produced_token(e.action);
     if (!token) continue;
     // The single consumer stage of this token on another rank, if any.

@@ -7,13 +7,14 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/read_file.h"
+#include "pipetrain/core/skip.h"
 
 namespace pipetrain {
 
 bool operator==(const Schedule& a, const Schedule& b) {
   return a.name == b.name && a.ranks == b.ranks && a.stages == b.stages && a.microbatches == b.microbatches &&
          a.microbatches_per_step == b.microbatches_per_step && a.synchronous == b.synchronous &&
-         a.stage_rank == b.stage_rank && a.stage_replicas == b.stage_replicas && a.actions == b.actions;
+         a.stage_rank == b.stage_rank && a.stage_replicas == b.stage_replicas && a.actions == b.actions && a.skips == b.skips;
 }
 
 bool Schedule::holds(int rank, int stage) const {
@@ -49,6 +50,11 @@ std::string to_csv(const Schedule& s) {
       out << (i ? ":" : "");
       for (std::size_t k = 0; k < s.stage_replicas[i].size(); ++k) out << (k ? "/" : "") << s.stage_replicas[i][k];
     }
+  }
+  if (!s.skips.empty()) {
+    out << " skips=";
+    for (std::size_t i = 0; i < s.skips.size(); ++i)
+      out << (i ? "," : "") << s.skips[i].from_stage << ':' << s.skips[i].to_stage << ':' << s.skips[i].size;
   }
   out << '\n';
   for (int r = 0; r < s.ranks; ++r) {
@@ -229,6 +235,17 @@ Schedule from_csv(const std::string& text) {
     if (r < 0 || r >= s.ranks)
       throw UsageError("CSV header stage_rank names rank " + std::to_string(r) + " but there are " +
                        std::to_string(s.ranks) + " ranks (0.." + std::to_string(s.ranks - 1) + ")");
+  if (header.count("skips")) {
+    std::stringstream routes(header["skips"]);
+    std::string one;
+    while (std::getline(routes, one, ',')) {
+      try {
+        s.skips.push_back(parse_skip_route(one));
+      } catch (const UsageError& e) {
+        throw UsageError("CSV line " + std::to_string(header_line) + ": skips=" + header["skips"] + ": " + e.what());
+      }
+    }
+  }
   return s;
 }
 

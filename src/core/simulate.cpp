@@ -6,12 +6,52 @@
 
 #include "pipetrain/core/dependencies.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/skip.h"
 #include "pipetrain/core/validate.h"
 
 namespace pipetrain {
+namespace {
+
+// Per-rank peak memory when the schedule has skip routes (docs/ALGORITHMS.md §1.10, P-BUNDLE-2): the
+// compute actions' deltas in the rank's order, plus on the consumer's rank each skip activation from its
+// arrival (counted before the first action that starts at or after it) until the end of the backward
+// that finishes the consumer's micro-batch (W, or BW). The producer holds nothing extra: the stashed
+// tensor is part of its own activation.
+std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& costs, const Timeline& t,
+                                           const std::vector<double>& skip_at) {
+  std::vector<std::vector<std::pair<double, double>>> arrivals(static_cast<std::size_t>(s.ranks));
+  for (std::size_t k = 0; k < s.skips.size(); ++k)
+    for (int i = 0; i < s.microbatches; ++i) {
+      const SkipToken tok{static_cast<int>(k), false, i};
+      const int r = s.rank_of(s.skips[k].to_stage, i);
+      arrivals[static_cast<std::size_t>(r)].push_back({skip_at[skip_index(tok, s.microbatches)], s.skips[k].size});
+    }
+  for (auto& list : arrivals) std::sort(list.begin(), list.end());
+  std::vector<double> mem(static_cast<std::size_t>(s.ranks), 0.0), peak(mem);
+  std::vector<std::size_t> next(static_cast<std::size_t>(s.ranks), 0);
+  for (const TimedAction& e : t.events) {  // each rank's events in its own order
+    const auto ur = static_cast<std::size_t>(e.rank);
+    const auto& list = arrivals[ur];
+    for (; next[ur] < list.size() && list[next[ur]].first <= e.start; ++next[ur]) {
+      mem[ur] += list[next[ur]].second;
+      peak[ur] = std::max(peak[ur], mem[ur]);
+    }
+    mem[ur] += costs.memory_delta(e.action);
+    peak[ur] = std::max(peak[ur], mem[ur]);
+    if (e.action.kind == ActionKind::W || e.action.kind == ActionKind::BW)
+      for (const SkipEdge& route : s.skips)
+        if (route.to_stage == e.action.stage) mem[ur] -= route.size;
+  }
+  return peak;
+}
+
+}  // namespace
 
 SimResult simulate(const Schedule& s, const CostModel& costs) {
   costs.check(s.stages);
+  check_skip_routes(s);
+  // skip_at[k] = time skip token k is usable at the rank that needs it (made + transfer when ranks differ).
+  std::vector<double> skip_at(skip_token_count(s), std::numeric_limits<double>::infinity());
   const double never = std::numeric_limits<double>::infinity();
   // ready[token] = time the token was made; maker[token] = rank that made it.
   const std::size_t ntok = 2 * static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches);
@@ -54,8 +94,19 @@ SimResult simulate(const Schedule& s, const CostModel& costs) {
           }
           start = std::max(start, made[ti] + (maker[ti] != r ? costs.comm : 0.0));
         }
+        for (const SkipToken& t : skip_needs(s, a)) {
+          if (!ready) break;
+          const double at = skip_at[skip_index(t, s.microbatches)];
+          if (at == never) ready = false;
+          else start = std::max(start, at);
+        }
         if (!ready) break;
         const double end = start + costs.duration(a);
+        for (const SkipToken& t : skip_makes(s, a)) {
+          const bool remote = s.rank_of(skip_user_stage(s, t), t.micro) != r;
+          skip_at[skip_index(t, s.microbatches)] =
+              end + (remote ? skip_transfer_time(costs, s.skips[static_cast<std::size_t>(t.route)]) : 0.0);
+        }
         if (auto t = produced_token(a)) {
           const std::size_t ti = token_index(*t, s.stages, s.microbatches);
           made[ti] = end;
@@ -84,6 +135,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs) {
     }
   }
   out.metrics = compute_metrics(out.timeline);
+  if (!s.skips.empty()) peak_mem = peak_memory_with_skips(s, costs, out.timeline, skip_at);
   for (int r = 0; r < s.ranks; ++r)
     out.metrics.per_rank[static_cast<std::size_t>(r)].peak_memory = peak_mem[static_cast<std::size_t>(r)];
   return out;

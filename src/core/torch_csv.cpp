@@ -345,6 +345,13 @@ std::string to_torch_csv(const Schedule& s, const TorchCsvWriteOptions& options)
                      (s.synchronous ? "" : " without a flush") +
                      "; PyTorch's schedule CSV holds one synchronous step: generate a synchronous schedule with one "
                      "step (--steps 1)");
+  bool skip_transfer = false;
+  for (const auto& row : s.actions)
+    for (const Action& a : row) skip_transfer |= a.peer >= 0;
+  if (!s.skips.empty() || skip_transfer)
+    throw UsageError("schedule '" + s.name +
+                     "' has skip routes; PyTorch's schedule CSV sends only between neighbouring stages and cannot "
+                     "name a skip's peer: write it without --skip, or keep pipetrain's own CSV (--format csv)");
   bool lowered = false;
   for (const auto& row : s.actions)
     for (const Action& a : row) lowered |= is_comm(a.kind);

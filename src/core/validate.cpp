@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "pipetrain/core/dependencies.h"
+#include "pipetrain/core/skip.h"
 #include "pipetrain/core/error.h"
 
 namespace pipetrain {
@@ -121,6 +122,17 @@ Where locate(const Schedule& s) {
     for (int pos = 0; pos < static_cast<int>(row.size()); ++pos) {
       const Action& a = row[static_cast<std::size_t>(pos)];
       const std::string text = to_string(a);
+      if (a.peer >= 0 && (!is_comm(a.kind) || a.peer >= s.stages))
+        fail(s, text + " names peer stage " + std::to_string(a.peer) + " but only transfers name a peer, a stage 0.." +
+                    std::to_string(s.stages - 1),
+             {{r, pos}});
+      if (a.peer >= 0) {
+        try {
+          skip_carried(s, a);
+        } catch (const UsageError& e) {
+          fail(s, e.what(), {{r, pos}});
+        }
+      }
       if (a.stage < 0 || a.stage >= s.stages)
         fail(s, text + " names stage " + std::to_string(a.stage) + " but the schedule has " +
                     std::to_string(s.stages) + " stages (0.." + std::to_string(s.stages - 1) + ")",
@@ -134,7 +146,7 @@ Where locate(const Schedule& s) {
              {{r, pos}});
       const bool needs_next = a.kind == ActionKind::SendAct || a.kind == ActionKind::RecvGrad;
       const bool needs_prev = a.kind == ActionKind::RecvAct || a.kind == ActionKind::SendGrad;
-      if ((needs_next && a.stage + 1 >= s.stages) || (needs_prev && a.stage == 0))
+      if (a.peer < 0 && ((needs_next && a.stage + 1 >= s.stages) || (needs_prev && a.stage == 0)))
         fail(s, text + " transfers to or from a stage that does not exist", {{r, pos}});
       if (is_comm(a.kind) && s.rank_of(matching_comm(a).stage, a.index) == r)
         fail(s, text + " is a transfer between stages " + std::to_string(a.stage) + " and " +
@@ -230,6 +242,21 @@ void check_complete(const Schedule& s, const Where& where) {
         }
       }
     }
+    for (std::size_t k = 0; lowered && k < s.skips.size(); ++k) {
+      if (s.skips[k].from_stage != st) continue;
+      for (int i = 0; i < s.microbatches; ++i) {
+        if (s.rank_of(st, i) == s.rank_of(s.skips[k].to_stage, i)) continue;
+        for (bool grad : {false, true}) {
+          const Action send = skip_send(s, SkipToken{static_cast<int>(k), grad, i});
+          for (const Action& c : {send, matching_comm(send)})
+            if (!where.count({c, -1}))
+              fail(s, "this lowered schedule misses the skip transfer " + to_string(c) + " on rank " +
+                          std::to_string(s.rank_of(c.stage, c.index)) + " (skip route " + std::to_string(st) + ":" +
+                          std::to_string(s.skips[k].to_stage) + " moves every micro-batch's skip and its gradient "
+                          "with a send and a receive)");
+        }
+      }
+    }
     if (has_steps)
       for (int k = 0; k < s.steps(); ++k)
         for (int q = 0; q < s.replicas_of(st); ++q) {
@@ -273,6 +300,12 @@ void dry_run(const Schedule& s) {
     for (const Action& a : row) lowered |= is_comm(a.kind);
   const std::size_t ntok = 2 * static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches);
   std::vector<int> maker(ntok, -1), receiver(ntok, -1);
+  std::vector<int> skip_maker(skip_token_count(s), -1), skip_receiver(skip_token_count(s), -1);
+  auto skip_usable = [&](const SkipToken& t, int r) {
+    const std::size_t ti = skip_index(t, s.microbatches);
+    if (skip_maker[ti] < 0) return false;
+    return !lowered || skip_maker[ti] == r || skip_receiver[ti] == r;
+  };
   std::vector<std::size_t> ptr(static_cast<std::size_t>(s.ranks), 0);
   auto usable = [&](const Token& t, int r) {
     const std::size_t ti = token_index(t, s.stages, s.microbatches);
@@ -295,6 +328,20 @@ void dry_run(const Schedule& s) {
           const Action* peer = head(q);
           if (!peer || *peer != peer_action) break;
           const bool sending = a->kind == ActionKind::SendAct || a->kind == ActionKind::SendGrad;
+          if (const auto st = skip_carried(s, *a)) {
+            const int sender = sending ? r : q;
+            if (!skip_usable(*st, sender))
+              fail(s, to_string(sending ? *a : peer_action) + " sends the skip " + (st->grad ? "gradient" : "activation") +
+                          " of micro-batch " + std::to_string(st->micro) + " before rank " + std::to_string(sender) +
+                          " has made it: move the send after the action that makes it",
+                   {{sender, static_cast<int>(ptr[static_cast<std::size_t>(sender)])}});
+            skip_receiver[skip_index(*st, s.microbatches)] = sending ? q : r;
+            ++ptr[static_cast<std::size_t>(r)];
+            ++ptr[static_cast<std::size_t>(q)];
+            remaining -= 2;
+            progressed = true;
+            continue;
+          }
           const Token t = *carried_token(*a);
           const int sender = sending ? r : q;
           if (!usable(t, sender))
@@ -310,8 +357,10 @@ void dry_run(const Schedule& s) {
         }
         bool ready = true;
         for (const Token& t : required_tokens(*a, s.stages)) ready = ready && usable(t, r);
+        for (const SkipToken& t : skip_needs(s, *a)) ready = ready && skip_usable(t, r);
         if (!ready) break;
         if (auto t = produced_token(*a)) maker[token_index(*t, s.stages, s.microbatches)] = r;
+        for (const SkipToken& t : skip_makes(s, *a)) skip_maker[skip_index(t, s.microbatches)] = r;
         ++ptr[static_cast<std::size_t>(r)];
         --remaining;
         progressed = true;
@@ -344,10 +393,39 @@ void dry_run(const Schedule& s) {
           why << ", made on rank " << maker[ti] << " but not received here (no receive before this action)";
         break;
       }
+      for (const SkipToken& t : skip_needs(s, *a)) {
+        if (skip_usable(t, r)) continue;
+        const SkipEdge& route = s.skips[static_cast<std::size_t>(t.route)];
+        why << " needs the skip " << (t.grad ? "gradient" : "activation") << " of route " << route.from_stage << ":"
+            << route.to_stage << " micro-batch " << t.micro
+            << (skip_maker[skip_index(t, s.microbatches)] < 0 ? ", which has not been made yet"
+                                                                : ", which was not received here");
+        break;
+      }
       why << "\n";
     }
     fail(s, why.str(), heads);
   }
+}
+
+// What skips add to rank r's memory at action `a`, in the rank's order (§1.10): a skip from another rank
+// from its receive (or, unlowered, from the consumer's F, by which it has arrived), one from the same
+// rank from the producer's F; each until the consumer's W or BW of the micro-batch.
+double skip_memory_delta(const Schedule& s, bool lowered, int r, const Action& a) {
+  if (s.skips.empty()) return 0;
+  double delta = 0;
+  if (const auto t = skip_carried(s, a); t && !t->grad && a.kind == ActionKind::RecvAct)
+    delta += s.skips[static_cast<std::size_t>(t->route)].size;
+  if (a.kind == ActionKind::W || a.kind == ActionKind::BW)
+    for (const SkipEdge& e : s.skips)
+      if (e.to_stage == a.stage) delta -= e.size;
+  if (a.kind != ActionKind::F) return delta;
+  for (const SkipEdge& e : s.skips) {
+    const bool local = s.rank_of(e.from_stage, a.index) == s.rank_of(e.to_stage, a.index);
+    if (local && e.from_stage == a.stage) delta += e.size;
+    if (!local && !lowered && e.to_stage == a.stage && s.rank_of(e.to_stage, a.index) == r) delta += e.size;
+  }
+  return delta;
 }
 
 void check_memory(const Schedule& s, const ValidateOptions& o) {
@@ -357,11 +435,15 @@ void check_memory(const Schedule& s, const ValidateOptions& o) {
   const CostModel costs =
       o.costs.stage.empty() ? CostModel::uniform(s.stages, StageCost{}, s.virtual_stages_per_rank()) : o.costs;
   costs.check(s.stages);
+  bool lowered = false;
+  for (const auto& row : s.actions)
+    for (const Action& x : row) lowered |= is_comm(x.kind);
   for (int r = 0; r < s.ranks; ++r) {
     double mem = 0;
     const auto& row = s.actions[static_cast<std::size_t>(r)];
     for (int pos = 0; pos < static_cast<int>(row.size()); ++pos) {
-      mem += costs.memory_delta(row[static_cast<std::size_t>(pos)]);
+      const Action& a = row[static_cast<std::size_t>(pos)];
+      mem += costs.memory_delta(a) + skip_memory_delta(s, lowered, r, a);
       if (mem > o.memory_limit + 1e-9) {
         std::ostringstream why;
         why << "rank " << r << " holds " << mem << " micro-batches of activations after "
@@ -377,6 +459,7 @@ void check_memory(const Schedule& s, const ValidateOptions& o) {
 
 void validate(const Schedule& s, const ValidateOptions& o) {
   check_structure(s);
+  check_skip_routes(s);
   const auto where = locate(s);
   check_pairs(s);
   check_complete(s, where);

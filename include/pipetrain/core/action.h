@@ -12,6 +12,13 @@
 //   3RB2  stage 3 receives the gradient of its output for micro-batch 2 (from the stage after)
 //   2SB2  stage 2 sends the gradient of its input for micro-batch 2 (to the stage before)
 //   1S0   stage 1 applies optimizer step 0
+//   0SF2@3  stage 0 sends its skip activation of micro-batch 2 straight to stage 3 (a skip route, schedule.h)
+//   3RF2@0  stage 3 receives that skip activation from stage 0
+//   3SB2@0  stage 3 sends the skip's gradient of micro-batch 2 back to stage 0
+//   0RB2@3  stage 0 receives it
+//
+// A transfer without `@` goes to the neighbouring stage (peer = -1); `@<stage>` names its peer stage and
+// marks a skip transfer, which only send and receive actions carry.
 //
 // parse_action(to_string(a)) == a for every valid action. Values are plain data; any thread may use them.
 //
@@ -47,15 +54,17 @@ struct Action {
   int stage = 0;  // virtual stage, numbered from the input side
   int index = 0;  // micro-batch, or step number for Step
   bool paired = false;  // opens a paired slot with the rank's next compute action (see above)
+  int peer = -1;  // transfers only: the peer stage of a skip transfer; -1 = the neighbouring stage
 
   friend bool operator==(const Action& a, const Action& b) {
-    return a.kind == b.kind && a.stage == b.stage && a.index == b.index;
+    return a.kind == b.kind && a.stage == b.stage && a.index == b.index && a.peer == b.peer;
   }
   friend bool operator!=(const Action& a, const Action& b) { return !(a == b); }
   friend bool operator<(const Action& a, const Action& b) {
     if (a.stage != b.stage) return a.stage < b.stage;
     if (a.kind != b.kind) return a.kind < b.kind;
-    return a.index < b.index;
+    if (a.index != b.index) return a.index < b.index;
+    return a.peer < b.peer;
   }
 };
 
@@ -87,6 +96,6 @@ template <>
 struct std::hash<pipetrain::Action> {
   std::size_t operator()(const pipetrain::Action& a) const noexcept {
     return (static_cast<std::size_t>(a.stage) * 1000003u + static_cast<std::size_t>(a.index)) * 16u +
-           static_cast<std::size_t>(a.kind);
+           static_cast<std::size_t>(a.kind) + static_cast<std::size_t>(a.peer + 1) * 7919u;
   }
 };

@@ -29,6 +29,9 @@ struct CostModel {
   std::vector<StageCost> stage;     // one entry per virtual stage
   double comm = 0.0;                // time of one activation or gradient transfer between two ranks
   double step = 0.0;                // time of an optimizer step
+  // Memory units per time unit a skip transfer moves (skip.h): a skip of size x costs comm + x / bandwidth.
+  // 0 (the default): unlimited, a skip costs `comm` like any other transfer.
+  double bandwidth = 0.0;
   // Extra time of stage s's optimizer step, e.g. the all-reduce of its replicas' gradients (1F1B-RR).
   // Empty: none; otherwise one entry per stage.
   std::vector<double> stage_step;

@@ -31,10 +31,10 @@ struct Token {
 std::vector<Token> required_tokens(const Action& a, int num_stages);
 // The token a compute action makes, if any.
 std::optional<Token> produced_token(const Action& a);
-// The token a send or receive action carries, if it is one.
+// The token a send or receive action carries, if it is one (skip transfers carry a SkipToken, skip.h).
 std::optional<Token> carried_token(const Action& a);
 // The action on the peer rank that completes a send or receive (SendAct(s,i) <-> RecvAct(s+1,i),
-// SendGrad(s,i) <-> RecvGrad(s-1,i)).
+// SendGrad(s,i) <-> RecvGrad(s-1,i); a skip transfer s..@t <-> t..@s).
 Action matching_comm(const Action& a);
 
 // Dense index for tokens of a schedule with `stages` stages and `micros` micro-batches.

@@ -16,7 +16,9 @@
 //   activation 1 is made (t=2) before gradient 0 (t=4), so both ranks move it first.
 //
 // The costs only decide how early each transfer is posted (performance), never whether the result is
-// deadlock-free. Pure; any thread may call it.
+// deadlock-free. Skip routes (schedule.h, skip.h) get transfers the same way: a skip send after the
+// producer's F (and of the gradient after the consumer's B or BW), its receive on the other rank at the
+// same place in the global order, so before the action that needs it. Pure; any thread may call it.
 #pragma once
 
 #include "pipetrain/core/cost.h"

@@ -17,6 +17,20 @@
 
 namespace pipetrain {
 
+// A skip connection across stages (docs/ALGORITHMS.md §1.10): a layer of `from_stage` stashes a tensor
+// that a layer of `to_stage` pops. The runtime sends it straight from one to the other and its gradient
+// straight back. `size` is what one micro-batch's skip tensor weighs, in the cost model's memory units
+// (those of StageCost::activation); its gradient weighs the same. Routes need to_stage >= from_stage + 2:
+// a skip between neighbours travels with the boundary bundle. See skip.h for the rules that use them.
+struct SkipEdge {
+  int from_stage = 0;
+  int to_stage = 0;
+  double size = 0.0;
+  friend bool operator==(const SkipEdge& a, const SkipEdge& b) {
+    return a.from_stage == b.from_stage && a.to_stage == b.to_stage && a.size == b.size;
+  }
+};
+
 struct Schedule {
   std::string name = "custom";   // generator name, or "custom" for hand-written schedules
   int ranks = 1;                 // p: number of ranks (devices / processes)
@@ -30,6 +44,9 @@ struct Schedule {
   // stage_rank[s] is then stage_replicas[s][0]. Every replica runs the stage's optimizer steps.
   std::vector<std::vector<int>> stage_replicas;
   std::vector<std::vector<Action>> actions;  // actions[r]: rank r's actions in order (size = ranks)
+  // The model's skip routes (empty: none). Lowering adds their transfers; the validator and the
+  // simulator wait for them; the simulator charges their time and memory.
+  std::vector<SkipEdge> skips;
 
   int steps() const { return (microbatches + microbatches_per_step - 1) / microbatches_per_step; }
   int virtual_stages_per_rank() const { return replicated() || ranks > stages ? 1 : stages / ranks; }
@@ -64,7 +81,7 @@ std::string rank_line(const Schedule& s, int rank);
 // The header comment is optional when loading: without it the sizes are inferred from the actions
 // (stages and micro-batches from the largest indices, the stage-to-rank map from where each stage
 // appears, one step over all micro-batches, synchronous). Blank lines and other lines starting with
-// '#' are ignored. Throws UsageError naming the line and cell on malformed input.
+// '#' are ignored. Skip routes travel in the header as skips=FROM:TO:SIZE,FROM:TO:SIZE. Throws UsageError naming the line and cell on malformed input.
 std::string to_csv(const Schedule& s);
 Schedule from_csv(const std::string& text);
 

@@ -4,7 +4,9 @@
 // Each rank executes its list in order; an action starts when the rank is free and its input tokens
 // (dependencies.h) have arrived: a token made on another rank arrives `comm` after it was made.
 // Send/receive actions in a lowered schedule are not timed separately: transfers are the `comm`
-// latency on the data edge. Steps take `costs.step`.
+// latency on the data edge. Steps take `costs.step`. Skip routes (skip.h) add edges that cost
+// comm + size / bandwidth between ranks, and peak memory counts each skip on its consumer's rank from
+// its arrival until the consumer's W or BW of that micro-batch (docs/ALGORITHMS.md §1.10, P-BUNDLE-2).
 // Pure function; any thread may call it.
 #pragma once
 
