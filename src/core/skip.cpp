@@ -72,29 +72,26 @@ void check_skip_routes(const Schedule& s) {
   }
 }
 
-std::vector<SkipToken> skip_needs(const Schedule& s, const Action& a) {
+namespace {
+// An F needs the activations of the routes that end at its stage and makes those of the routes that
+// start there; a backward (B or BW) needs the gradients of the routes that start at its stage and makes
+// those of the routes that end there. `needs` picks the side.
+std::vector<SkipToken> skip_tokens(const Schedule& s, const Action& a, bool needs) {
   std::vector<SkipToken> out;
   const bool backward = a.kind == ActionKind::B || a.kind == ActionKind::BW;
   if (a.kind != ActionKind::F && !backward) return out;
   for (std::size_t k = 0; k < s.skips.size(); ++k) {
     const SkipEdge& r = s.skips[k];
-    if (a.kind == ActionKind::F && r.to_stage == a.stage) out.push_back({static_cast<int>(k), false, a.index});
-    if (backward && r.from_stage == a.stage) out.push_back({static_cast<int>(k), true, a.index});
+    const bool at_start = r.from_stage == a.stage, at_end = r.to_stage == a.stage;
+    if (backward ? (needs ? at_start : at_end) : (needs ? at_end : at_start))
+      out.push_back({static_cast<int>(k), backward, a.index});
   }
   return out;
 }
+}  // namespace
 
-std::vector<SkipToken> skip_makes(const Schedule& s, const Action& a) {
-  std::vector<SkipToken> out;
-  const bool backward = a.kind == ActionKind::B || a.kind == ActionKind::BW;
-  if (a.kind != ActionKind::F && !backward) return out;
-  for (std::size_t k = 0; k < s.skips.size(); ++k) {
-    const SkipEdge& r = s.skips[k];
-    if (a.kind == ActionKind::F && r.from_stage == a.stage) out.push_back({static_cast<int>(k), false, a.index});
-    if (backward && r.to_stage == a.stage) out.push_back({static_cast<int>(k), true, a.index});
-  }
-  return out;
-}
+std::vector<SkipToken> skip_needs(const Schedule& s, const Action& a) { return skip_tokens(s, a, true); }
+std::vector<SkipToken> skip_makes(const Schedule& s, const Action& a) { return skip_tokens(s, a, false); }
 
 int skip_maker_stage(const Schedule& s, const SkipToken& t) {
   const SkipEdge& r = s.skips.at(static_cast<std::size_t>(t.route));
