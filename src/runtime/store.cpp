@@ -638,7 +638,7 @@ void recv_all(int fd, char* p, std::size_t n) {
     if (got == 0) throw std::runtime_error("the store closed the connection");
     if (got < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) throw std::runtime_error("no answer within 10 s");
+      if (errno == EAGAIN || errno == EWOULDBLOCK) throw std::runtime_error("no answer in time");
       throw std::runtime_error(errno_text(errno));
     }
     p += got;
@@ -678,7 +678,11 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
   put_str(hello, token);
   put_u32(hello, static_cast<uint32_t>(rank));
   put_u32(hello, static_cast<uint32_t>(world_size));
-  timeval tv{10, 0};  // a listener that is not a pipetrain store may never answer
+  // A listener that is not a pipetrain store may never answer, so the answer has a time limit. A store busy
+  // with silent strangers keeps this rank in its listen backlog until it hangs up on them (kHelloTime), so the
+  // limit covers two such rounds, or the caller's timeout where that is longer (at most a minute).
+  const milliseconds answer_limit = std::clamp(timeout, milliseconds(3 * kHelloTime), milliseconds(6 * kHelloTime));
+  timeval tv{static_cast<time_t>(answer_limit.count() / 1000), static_cast<suseconds_t>(answer_limit.count() % 1000 * 1000)};
   ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   std::string answer;
   try {
@@ -687,7 +691,8 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
   } catch (const std::exception& e) {
     ::close(fd_);
     fd_ = -1;
-    throw std::runtime_error(what_ + " does not answer as a pipetrain rendezvous store (" + e.what() +
+    throw std::runtime_error(what_ + " does not answer as a pipetrain rendezvous store (" + e.what() + ", " +
+                             std::to_string(answer_limit.count() / 1000) + " s" +
                              "): another program may listen there; pick a free MASTER_PORT");
   }
   tv = timeval{0, 0};
