@@ -26,6 +26,7 @@
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "bundle_wire.h"
+#include "fused_optimizer.h"
 #include "pass_util.h"
 #include "umpipe_pass.h"
 
@@ -942,7 +943,7 @@ struct PipelineRank::Impl {
                          std::to_string(lr));
       for (auto& group : it->second->param_groups()) group.options().set_lr(lr);
     }
-    weights.at(s).step([&] { if (it != optimizers.end()) it->second->step(); }, async);
+    weights.at(s).step([&] { if (it != optimizers.end()) detail::optimizer_step(*it->second); }, async);
     for (auto& p : stage_of(s).parameters()) p.mutable_grad() = torch::Tensor();
   }
 

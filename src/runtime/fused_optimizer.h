@@ -1,0 +1,22 @@
+// Internal to pipetrain_runtime: the optimizer step in one pass over each parameter.
+//
+// LibTorch's Adam runs about eight whole-tensor operations per parameter (and allocates the denominator).
+// On short steps that is most of the flush: about 0.9 ms for the 266k floats of the MLP's first stage,
+// against 0.1-0.2 ms for one loop that reads each element once (docs/BENCHMARKS.md, issue 15).
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+namespace pipetrain::detail {
+
+// Does what optimizer.step() does. Adam and AdamW without amsgrad, on contiguous float32 CPU parameters and
+// gradients, run one loop per parameter (fused_adam_kernel.h) on LibTorch's own state (step, exp_avg,
+// exp_avg_sq: checkpoints and weight prediction read it unchanged). The results agree with LibTorch's to a
+// few units in the last place (LibTorch may fuse a multiply-add where the loop does not). Anything else
+// (SGD, amsgrad, other dtypes or devices) is optimizer.step().
+void optimizer_step(torch::optim::Optimizer& optimizer);
+
+// Whether optimizer_step would take the fused loop for `optimizer` as it stands now.
+bool fused_step_applies(torch::optim::Optimizer& optimizer);
+
+}  // namespace pipetrain::detail

@@ -1,0 +1,156 @@
+// The fused optimizer step (src/runtime/fused_optimizer.h) against LibTorch's own Adam and AdamW: same
+// parameters, gradients and state after many steps, to rounding; the cases it does not cover fall back to
+// LibTorch's step unchanged.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fused_optimizer.h"
+
+namespace pipetrain {
+namespace {
+
+std::vector<torch::Tensor> make_params(torch::ScalarType dtype = torch::kFloat) {
+  torch::manual_seed(3);
+  // Odd sizes, so vector loops have tails; a scalar; one parameter that never gets a gradient.
+  std::vector<torch::Tensor> ps;
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{{37, 29}, {29}, {}, {5, 3, 7}, {11}})
+    ps.push_back(torch::randn(shape, dtype).requires_grad_(true));
+  return ps;
+}
+
+// Gives every parameter but the last a gradient (fused_step_applies looks at the gradients).
+void give_gradients(std::vector<torch::Tensor>& ps) {
+  for (std::size_t i = 0; i + 1 < ps.size(); ++i) ps[i].mutable_grad() = torch::randn_like(ps[i]);
+}
+
+std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.detach().clone().requires_grad_(true));
+  return out;
+}
+
+// Steps `a` with LibTorch's step and `b` with detail::optimizer_step on the same gradients, `steps` times;
+// the last parameter never gets a gradient.
+void step_both(torch::optim::Optimizer& a, std::vector<torch::Tensor>& pa, torch::optim::Optimizer& b,
+               std::vector<torch::Tensor>& pb, int steps) {
+  for (int k = 0; k < steps; ++k) {
+    for (std::size_t i = 0; i + 1 < pa.size(); ++i) {
+      const torch::Tensor g = torch::randn_like(pa[i]) * (k % 3 == 0 ? 10.0 : 0.1);
+      pa[i].mutable_grad() = g.clone();
+      pb[i].mutable_grad() = g.clone();
+    }
+    a.step();
+    detail::optimizer_step(b);
+  }
+}
+
+double max_abs(const torch::Tensor& t) { return t.abs().max().item<double>(); }
+
+void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, const std::string& what) {
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double diff = (a[i] - b[i]).abs().max().item<double>();
+    EXPECT_LT(diff, 1e-6) << what << ": parameter " << i << " differs by " << diff;
+  }
+}
+
+template <class Opt, class Options, class State>
+void check_against_libtorch(const Options& options, const std::string& what) {
+  std::vector<torch::Tensor> pa = make_params(), pb = clone_params(pa);
+  const std::vector<torch::Tensor> start = clone_params(pa);
+  Opt a(pa, options), b(pb, options);
+  give_gradients(pb);
+  ASSERT_TRUE(detail::fused_step_applies(b)) << what;
+  step_both(a, pa, b, pb, 25);
+  expect_close(pa, pb, what);
+  // The steps moved the weights (a loop that did nothing would fail here), all but the one with no gradient.
+  for (std::size_t i = 0; i + 1 < pb.size(); ++i)
+    EXPECT_GT((pb[i] - start[i]).abs().max().item<double>(), 1e-3) << what << ": parameter " << i << " did not move";
+  EXPECT_TRUE(torch::equal(pb.back(), start.back())) << what << ": a parameter without a gradient moved";
+  // LibTorch's state, in LibTorch's form: checkpoints and weight prediction read it as before.
+  for (std::size_t i = 0; i + 1 < pa.size(); ++i) {
+    const auto key_a = c10::guts::to_string(pa[i].unsafeGetTensorImpl());
+    const auto key_b = c10::guts::to_string(pb[i].unsafeGetTensorImpl());
+    ASSERT_EQ(b.state().count(key_b), 1u) << what;
+    const auto& sa = static_cast<const State&>(*a.state().at(key_a));
+    const auto& sb = static_cast<const State&>(*b.state().at(key_b));
+    EXPECT_EQ(sa.step(), sb.step()) << what;
+    EXPECT_LT(max_abs(sa.exp_avg() - sb.exp_avg()), 1e-6) << what;
+    EXPECT_LT(max_abs((sa.exp_avg_sq() - sb.exp_avg_sq()) / (sa.exp_avg_sq().abs() + 1e-12)), 1e-5) << what;
+  }
+  EXPECT_EQ(b.state().count(c10::guts::to_string(pb.back().unsafeGetTensorImpl())), 0u) << what;
+}
+
+TEST(FusedOptimizer, AdamMatchesLibTorch) {
+  check_against_libtorch<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      torch::optim::AdamOptions(1e-2), "adam");
+  check_against_libtorch<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      torch::optim::AdamOptions(3e-3).betas({0.8, 0.99}).eps(1e-6).weight_decay(0.05), "adam with weight decay");
+}
+
+TEST(FusedOptimizer, AdamWMatchesLibTorch) {
+  check_against_libtorch<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      torch::optim::AdamWOptions(1e-2).weight_decay(0.1), "adamw");
+  check_against_libtorch<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      torch::optim::AdamWOptions(1e-2).weight_decay(0), "adamw without decay");
+}
+
+TEST(FusedOptimizer, ContinuesFromLibTorchsStateAndBack) {
+  // A resumed run: LibTorch's steps made the state, the fused step continues it (and the other way round).
+  std::vector<torch::Tensor> pa = make_params(), pb = clone_params(pa);
+  torch::optim::Adam a(pa, torch::optim::AdamOptions(1e-2)), b(pb, torch::optim::AdamOptions(1e-2));
+  for (int k = 0; k < 3; ++k) {
+    for (std::size_t i = 0; i + 1 < pa.size(); ++i) {
+      const torch::Tensor g = torch::randn_like(pa[i]);
+      pa[i].mutable_grad() = g.clone();
+      pb[i].mutable_grad() = g.clone();
+    }
+    a.step();
+    b.step();
+  }
+  step_both(a, pa, b, pb, 10);
+  expect_close(pa, pb, "fused after LibTorch");
+}
+
+TEST(FusedOptimizer, OtherCasesFallBackToLibTorchExactly) {
+  struct Case {
+    std::string what;
+    torch::ScalarType dtype;
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)> make;
+  };
+  const std::vector<Case> cases = {
+      {"sgd", torch::kFloat,
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
+       }},
+      {"adam with amsgrad", torch::kFloat,
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-2).amsgrad(true));
+       }},
+      {"adam on doubles", torch::kDouble,
+       [](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-2));
+       }},
+  };
+  for (const Case& c : cases) {
+    std::vector<torch::Tensor> pa = make_params(c.dtype), pb = clone_params(pa);
+    auto a = c.make(pa);
+    auto b = c.make(pb);
+    give_gradients(pb);
+    EXPECT_FALSE(detail::fused_step_applies(*b)) << c.what;
+    step_both(*a, pa, *b, pb, 5);
+    for (std::size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pb[i])) << c.what << " parameter " << i;
+  }
+  // A non-contiguous gradient is not fused either.
+  std::vector<torch::Tensor> p = make_params();
+  torch::optim::Adam opt(p, torch::optim::AdamOptions(1e-2));
+  p[0].mutable_grad() = torch::randn({29, 37}).t();
+  EXPECT_FALSE(detail::fused_step_applies(opt));
+}
+
+}  // namespace
+}  // namespace pipetrain
