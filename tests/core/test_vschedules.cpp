@@ -317,6 +317,49 @@ TEST(PairedSlots, DualPipeVHasItsPairsAndTheyLowerAndValidate) {
       << rank_line(make("dualpipev", 2, 4), 0);
 }
 
+// What lets the runtime overlap a pair's transfers with its compute: in the lowered list, the paired
+// forward's activation send sits between the two passes (the fast path posts it before the backward
+// starts, so it travels while the backward computes), and the backward's gradient is awaited only after
+// the forward (the fast path posts that receive ahead, so it arrives while the forward computes).
+TEST(PairedSlots, LoweringSendsTheForwardsOutputBeforeThePairsBackward) {
+  for (int p : {2, 3, 4})
+    for (int m : {2 * p, 3 * p + 1}) {
+      const Schedule s = make("dualpipev", p, m);
+      const Schedule lowered = insert_communication(s, CostModel::uniform(s.stages, StageCost{1, 2, 1, 1}, 2, 0.3));
+      int checked_sends = 0, checked_receives = 0;
+      for (const auto& row : lowered.actions)
+        for (std::size_t i = 0; i < row.size(); ++i) {
+          if (!row[i].paired) continue;
+          const Action& f = row[i];
+          std::size_t j = i + 1;
+          while (j < row.size() && !is_compute(row[j].kind)) ++j;
+          ASSERT_LT(j, row.size());
+          const Action& b = row[j];
+          auto position = [&](ActionKind kind, int stage, int index) {
+            for (std::size_t k = 0; k < row.size(); ++k)
+              if (row[k].kind == kind && row[k].stage == stage && row[k].index == index && row[k].peer < 0) return k;
+            return row.size();
+          };
+          const std::size_t send = position(ActionKind::SendAct, f.stage, f.index);
+          if (send < row.size()) {  // the forward's output leaves the rank (not the V's turn)
+            EXPECT_GT(send, i) << to_string(f) << " p=" << p << " m=" << m;
+            EXPECT_LT(send, j) << to_string(f) << ": its send waits for the pair's backward " << to_string(b)
+                               << " p=" << p << " m=" << m;
+            ++checked_sends;
+          }
+          // The backward's gradient is awaited after the forward at the earliest (the fast path posts the
+          // receive ahead, so it travels while the forward computes).
+          const std::size_t recv = position(ActionKind::RecvGrad, b.stage, b.index);
+          if (recv < row.size()) {
+            EXPECT_LT(recv, j) << to_string(b) << " p=" << p << " m=" << m;
+            if (recv > i) ++checked_receives;
+          }
+        }
+      EXPECT_GT(checked_sends, 0) << "p=" << p << " m=" << m;
+      EXPECT_GT(checked_receives, 0) << "p=" << p << " m=" << m;
+    }
+}
+
 // The simulator charges both passes of a pair, one after the other: the same timeline as without pairs.
 TEST(PairedSlots, SimulatorChargesBothPasses) {
   const Schedule paired = make("dualpipev", 3, 8);
