@@ -12,10 +12,11 @@
 # rank), interleaved-zb and looped-bfs (--virtual 2: 4 stages), ROUNDS interleaved rounds. Per run: the
 # median step time (first 2 steps skipped), the simulator's efficiency on the run's own measured stage
 # costs (predicted/measured makespan of the last step), and each rank's peak heap growth in a step.
-# The predicted activation memory is `pipetrain simulate` on the same sizes (micro-batches of a rank's
-# slice); "MiB per predicted micro-batch" divides the measured growth by it: when the memory model
-# holds, that column is about the same for every schedule (it also carries the step's gradients, a
-# constant per rank).
+# The predicted memory of a rank is what a step adds to its heap: the activations the simulator holds at
+# its peak (`pipetrain simulate --profile` on a profile of the same model measured in this run at the
+# run's micro-batch size, with the run's balance: each layer's saved_bytes) plus the weight gradients of
+# the rank's layers (the profile's parameter bytes), which a step allocates and its Step frees. The last
+# column divides the measured peak heap growth by that prediction (1 = exact).
 # Raw outputs: bench/results/vsched/raw/; summary: bench/results/vsched/summary.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,12 +24,14 @@ ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-6}
 # shellcheck source=bench/lib/quick.sh
 source bench/lib/quick.sh  # QUICK, BUILD, bench_out, need_built, quick_done
-MODEL=(--model gpt --data synthetic --layers 6 --d-model 128 --heads 4 --vocab 96 --seq-len 64 --batch-size 32)
+MODEL=(--model gpt --data synthetic --layers 6 --d-model 128 --heads 4 --vocab 96 --seq-len 64)
+BATCH=32
 M=8
 SCHEDULES=(1f1b zb-h1 zb-v v-half v-min dualpipev interleaved-zb looped-bfs)
 if ((QUICK)); then
   ROUNDS=1 STEPS=3
-  MODEL=(--model gpt --data synthetic --layers 2 --d-model 16 --heads 2 --vocab 32 --seq-len 8 --batch-size 8)
+  MODEL=(--model gpt --data synthetic --layers 2 --d-model 16 --heads 2 --vocab 32 --seq-len 8)
+  BATCH=8
   M=4
 fi
 OUT=$(bench_out bench/results/vsched)
@@ -52,18 +55,35 @@ for round in $(seq 1 "$ROUNDS"); do
   for s in "${SCHEDULES[@]}"; do
     log=$OUT/raw/$s.round$round.txt
     if ! "$BIN" train --stages 2 --schedule "$s" --virtual "$(virtual_of "$s")" -m "$M" --steps "$STEPS" \
-         --threads 1 --memory --progress quiet "${MODEL[@]}" >"$log" 2>&1; then
+         --threads 1 --memory --progress quiet "${MODEL[@]}" --batch-size "$BATCH" >"$log" 2>&1; then
       echo "FAILED: $s round $round (see $log)" | tee -a "$log"
     fi
   done
 done
+# The model's profile at the run's micro-batch size (one thread, as the runs), for the memory prediction.
+"$BIN" profile "${MODEL[@]}" --microbatch-size "$((BATCH / M))" --threads 1 --repeats 3 \
+  --out "$OUT/raw/profile.json" >"$OUT/raw/profile.txt" 2>&1
 for s in "${SCHEDULES[@]}"; do
-  "$BIN" simulate --schedule "$s" --stages 2 -m "$M" --virtual "$(virtual_of "$s")" --json >"$OUT/raw/$s.predicted.json"
+  balance=$(grep -o "balance [0-9,]*[0-9]" "$OUT/raw/$s.round1.txt" | head -1 | cut -d' ' -f2)
+  echo "$balance" >"$OUT/raw/$s.balance.txt"
+  "$BIN" simulate --schedule "$s" --stages 2 -m "$M" --virtual "$(virtual_of "$s")" --profile "$OUT/raw/profile.json" \
+    --balance "$balance" --json >"$OUT/raw/$s.predicted.json"
 done
-
 /usr/bin/python3 - "$OUT" "$ROUNDS" "${SCHEDULES[@]}" <<'PY'
 import json, re, statistics, sys
 out, rounds, schedules = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+layers = json.load(open(f"{out}/raw/profile.json"))["layers"]
+V_SHAPED = {"zb-v", "v-half", "v-min", "dualpipev"}
+def balance_of(s):
+    return [int(c) for c in open(f"{out}/raw/{s}.balance.txt").read().strip().split(",")]
+def stages_of(s, r, p=2):
+    """The stages rank r holds: its own on a plain pipeline, r and 2p-1-r on a V, r and r+p looped."""
+    if len(balance_of(s)) == p: return [r]
+    return [r, 2 * p - 1 - r] if s in V_SHAPED else [r, r + p]
+def grad_bytes(s, r):
+    counts = balance_of(s)
+    first = [sum(counts[:k]) for k in range(len(counts))]
+    return sum(layers[l]["parameter_bytes"] for st in stages_of(s, r) for l in range(first[st], first[st] + counts[st]))
 rows = []
 for s in schedules:
     steps, eff, heap = [], [], {0: [], 1: []}
@@ -77,20 +97,22 @@ for s in schedules:
         for r, l in enumerate(lines[:2]):
             heap[r].append(float(re.search(r"peak heap growth in a step ([0-9.]+) MiB", l)[1]))
     pred = json.load(open(f"{out}/raw/{s}.predicted.json"))
-    mem = [st["peak_memory"] for st in pred["per_stage"]]
+    act = [st["peak_memory"] / 2**20 for st in pred["per_stage"]]
+    grads = [grad_bytes(s, r) / 2**20 for r in range(2)]
     med = lambda v: statistics.median(v) if v else float("nan")
     rows.append((s, med(steps), min(steps, default=float("nan")), max(steps, default=float("nan")), med(eff),
-                 [med(heap[0]), med(heap[1])], mem, pred["bubble_fraction"]))
+                 [med(heap[0]), med(heap[1])], act, grads))
 base = rows[0][1]
 with open(f"{out}/summary.md", "w") as f:
     f.write("| schedule | median step ms [min..max] | vs 1f1b | efficiency (predicted/measured) | "
-            "predicted bubble fraction | peak heap growth MiB rank 0 / 1 | predicted activation memory "
-            "(micro-batches) rank 0 / 1 | MiB per predicted micro-batch rank 0 / 1 |\n")
-    f.write("|---|---|---|---|---|---|---|---|\n")
-    for s, st, lo, hi, e, h, mem, bub in rows:
-        per = [h[r] / mem[r] if mem[r] > 0 else float("nan") for r in range(2)]
-        f.write(f"| {s} | {st:.1f} [{lo:.1f}..{hi:.1f}] | {base / st:.2f}x | {e:.2f} | {bub:.3f} | "
-                f"{h[0]:.1f} / {h[1]:.1f} | {mem[0]:.2f} / {mem[1]:.2f} | {per[0]:.1f} / {per[1]:.1f} |\n")
+            "peak heap growth MiB rank 0 / 1 | predicted MiB: activations + gradients, rank 0 / 1 | "
+            "measured / predicted rank 0 / 1 |\n")
+    f.write("|---|---|---|---|---|---|---|\n")
+    for s, st, lo, hi, e, h, act, grads in rows:
+        pred = [act[r] + grads[r] for r in range(2)]
+        ratio = [h[r] / pred[r] if pred[r] > 0 else float("nan") for r in range(2)]
+        f.write(f"| {s} | {st:.1f} [{lo:.1f}..{hi:.1f}] | {base / st:.2f}x | {e:.2f} | {h[0]:.1f} / {h[1]:.1f} | "
+                f"{act[0]:.1f} + {grads[0]:.1f} / {act[1]:.1f} + {grads[1]:.1f} | {ratio[0]:.2f} / {ratio[1]:.2f} |\n")
 print(open(f"{out}/summary.md").read())
 PY
 quick_done "$OUT" summary.md

@@ -49,6 +49,21 @@ CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, cons
     }
     costs.stage.push_back(sc);
   }
+  // What B frees of a micro-batch's activations, from the profile when it measured what split layers
+  // keep for their W (every split layer, at least one); else the cost model's default.
+  double held = 0, kept_for_w = 0;
+  bool measured = false, complete = true;
+  for (const LayerProfile& l : prof.layers) {
+    held += l.held_bytes();
+    if (!l.bw_split) continue;
+    if (l.w_held_bytes < 0) {
+      complete = false;
+    } else {
+      measured = true;
+      kept_for_w += std::min(l.w_held_bytes, l.held_bytes());
+    }
+  }
+  if (measured && complete && held > 0) costs.b_release_fraction = std::clamp(1.0 - kept_for_w / held, 0.0, 1.0);
   costs.comm = balance.size() > 1
                    ? o.latency_ms + (o.bandwidth_bytes_per_ms > 0 ? boundary / o.bandwidth_bytes_per_ms : 0.0)
                    : 0.0;

@@ -143,6 +143,7 @@ void validate_profile(const Profile& p, const std::string& origin) {
     }
     check_amount(origin, at + ".activation_bytes", l.activation_bytes, "bytes");
     check_amount(origin, at + ".saved_bytes", l.saved_bytes, "bytes");
+    if (l.w_held_bytes >= 0) check_amount(origin, at + ".w_held_bytes", l.w_held_bytes, "bytes");
     check_amount(origin, at + ".parameter_bytes", l.parameter_bytes, "bytes");
     check_amount(origin, at + ".optimizer_bytes", l.optimizer_bytes, "bytes");
     int previous = 0;
@@ -219,6 +220,7 @@ json profile_to_json(const Profile& p) {
     }
     o["activation_bytes"] = amount(l.activation_bytes);
     if (l.saved_bytes > 0) o["saved_bytes"] = amount(l.saved_bytes);
+    if (l.bw_split && l.w_held_bytes >= 0) o["w_held_bytes"] = amount(l.w_held_bytes);
     o["parameter_bytes"] = amount(l.parameter_bytes);
     o["optimizer_bytes"] = amount(l.optimizer_bytes);
     if (!l.by_micro_batch.empty()) {
@@ -288,7 +290,8 @@ Profile profile_from_json(const json& j, const std::string& origin) {
     at = layer_label(i, l.name);
     r.only_keys(o, at,
                 {"name", "type", "forward_ms", "backward_ms", "bw_split", "input_grad_ms", "weight_grad_ms",
-                 "activation_bytes", "saved_bytes", "parameter_bytes", "optimizer_bytes", "by_micro_batch"});
+                 "activation_bytes", "saved_bytes", "w_held_bytes", "parameter_bytes", "optimizer_bytes",
+                 "by_micro_batch"});
     l.type = r.text(o, at, "type");
     l.forward_ms = r.number(o, at, "forward_ms", "milliseconds");
     l.backward_ms = r.number(o, at, "backward_ms", "milliseconds");
@@ -300,8 +303,9 @@ Profile profile_from_json(const json& j, const std::string& origin) {
     if (l.bw_split) {
       l.input_grad_ms = r.number(o, at, "input_grad_ms", "milliseconds");
       l.weight_grad_ms = r.number(o, at, "weight_grad_ms", "milliseconds");
+      if (o.contains("w_held_bytes")) l.w_held_bytes = r.number(o, at, "w_held_bytes", "bytes");
     } else {
-      for (const char* key : {"input_grad_ms", "weight_grad_ms"})
+      for (const char* key : {"input_grad_ms", "weight_grad_ms", "w_held_bytes"})
         if (o.contains(key))
           fail(origin, at + "." + key, "is given but bw_split is false or absent",
                "set \"bw_split\": true if the layer's backward splits into input and weight gradients, else drop it");

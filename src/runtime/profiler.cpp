@@ -45,6 +45,7 @@ torch::Tensor resized(const torch::Tensor& x, int64_t size) {
 struct LayerTimes {
   double forward = 0, backward = 0, b = 0, w = 0;
   double saved_bytes = 0;  // heap growth of one forward with autograd on, output included
+  double w_held_bytes = -1;  // split layers: heap growth still there after B (kept for W); < 0: not measured
   bool split = false;
   torch::Tensor output;
 };
@@ -101,6 +102,21 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
     const double before = detail::heap_in_use();
     torch::Tensor out = run(in);
     t.saved_bytes = std::max(0.0, detail::heap_in_use() - before);
+    // And what a split layer still holds after its B, for its W: B runs under a weight-gradient store, the
+    // store keeps what W needs. The input gradient B made leaves the stage (it is sent), so it does not
+    // count; the parameters' gradients exist already (the timed runs made them), so B adds none.
+    if (t.split && out.requires_grad()) {
+      WeightGradStore store;
+      {
+        WeightGradStore::Scope scope(&store);
+        backward(out);
+      }
+      out = torch::Tensor();
+      double input_grad = 0;
+      if (in.grad().defined()) input_grad = static_cast<double>(in.grad().numel() * in.grad().element_size());
+      t.w_held_bytes = std::max(0.0, detail::heap_in_use() - before - input_grad);
+      store.run();
+    }
   }
   t.forward = median(fwd);
   t.backward = median(bwd);
@@ -159,6 +175,7 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     l.weight_grad_ms = t.split ? t.w : 0.0;
     l.activation_bytes = static_cast<double>(t.output.numel() * t.output.element_size());
     l.saved_bytes = t.saved_bytes;
+    if (t.split) l.w_held_bytes = t.w_held_bytes;
     for (const auto& param : module->parameters())
       if (param.requires_grad()) l.parameter_bytes += static_cast<double>(param.numel() * param.element_size());
     l.optimizer_bytes = state_factor * l.parameter_bytes;

@@ -13,6 +13,7 @@
 #include <functional>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/plan/costs.h"
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/profiler.h"
@@ -510,6 +511,42 @@ TEST(Profiler, SavedBytesCountWhatTheForwardKeeps) {
   LayerProfile old = p.layers[0];
   old.saved_bytes = 0;
   EXPECT_EQ(old.held_bytes(), out);
+}
+
+// The same wide layer built from pipetrain's split Linear (B and W apart): after its B, W still needs each
+// Linear's input and output gradient, so the layer holds the kept hidden activation plus the hidden
+// output gradient (2 x 32 x 1024 floats) and B frees nothing of what the forward kept. stage_costs turns
+// that into the cost model's b_release_fraction; a profile that did not measure it keeps the default.
+struct SplitWideImpl : torch::nn::Module {
+  pipetrain::nn::Linear up{nullptr}, down{nullptr};
+  SplitWideImpl()
+      : up(register_module("up", pipetrain::nn::Linear(16, 1024))),
+        down(register_module("down", pipetrain::nn::Linear(1024, 16))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return down(torch::relu(up(x))); }
+};
+TORCH_MODULE(SplitWide);
+
+TEST(Profiler, WHeldBytesCountWhatBKeepsForW) {
+  torch::nn::Sequential model{SplitWide(), torch::nn::Tanh()};
+  ProfilerOptions o;
+  o.repeats = 1;
+  o.warmup = 0;
+  const Profile p = profile_model(model, torch::randn({32, 16}), o);
+  const double hidden = 32.0 * 1024 * 4, out = 32.0 * 16 * 4;
+  ASSERT_TRUE(p.layers[0].bw_split);
+  EXPECT_GE(p.layers[0].w_held_bytes, 2 * hidden);
+  EXPECT_LE(p.layers[0].w_held_bytes, 1.1 * (2 * hidden + 2 * out));
+  EXPECT_FALSE(p.layers[1].bw_split);
+  EXPECT_LT(p.layers[1].w_held_bytes, 0);  // not a split layer: nothing to measure
+  const Profile back = profile_from_json_text(profile_to_json_text(p));
+  EXPECT_EQ(back.layers[0].w_held_bytes, p.layers[0].w_held_bytes);
+  EXPECT_LT(back.layers[1].w_held_bytes, 0);
+  // B keeps at least all the layer held, so the whole model's B frees only the Tanh's share.
+  const double h0 = p.layers[0].held_bytes(), h1 = p.layers[1].held_bytes();
+  EXPECT_DOUBLE_EQ(stage_costs(p, {1, 1}, StageCostOptions{}).b_release_fraction, 1.0 - h0 / (h0 + h1));
+  Profile unmeasured = p;
+  unmeasured.layers[0].w_held_bytes = -1;
+  EXPECT_DOUBLE_EQ(stage_costs(unmeasured, {1, 1}, StageCostOptions{}).b_release_fraction, CostModel{}.b_release_fraction);
 }
 
 // With a loss and a target, the last layer is timed with the loss on its output (forward and backward):

@@ -27,7 +27,9 @@ struct StageCostOptions {
 // backward split in its measured B:W proportion (all B for layers without a split), activation = the
 // bytes a micro-batch keeps (sum of the stage's layer outputs), comm = latency + the largest boundary
 // activation / bandwidth (the cost model has one transfer time), overhead = options.overhead_ms or the
-// profile's runtime overhead. Throws UsageError if the balance does not fit the profile.
+// profile's runtime overhead, b_release_fraction = 1 - (what split layers keep after B for W, w_held_bytes)
+// / (what all layers keep) when the profile measured it for every split layer, else the default.
+// Throws UsageError if the balance does not fit the profile.
 CostModel stage_costs(const Profile& profile, const std::vector<int>& balance, const StageCostOptions& options);
 
 // The transfer options a measured profile gives: its runtime's latency and bandwidth (an unlimited one

@@ -46,6 +46,10 @@ struct LayerProfile {
   // activation_bytes. Use held_bytes().
   double saved_bytes = 0;
   double held_bytes() const { return saved_bytes > 0 ? saved_bytes : activation_bytes; }
+  // Split layers (bw_split): what the layer still holds after its B for its W per micro-batch (the
+  // weight-gradient store's saved inputs and output gradients), measured by `pipetrain profile` as heap
+  // growth after B. < 0 = not measured. stage_costs turns it into the cost model's b_release_fraction.
+  double w_held_bytes = -1;
   double parameter_bytes = 0;   // trainable weights
   double optimizer_bytes = 0;   // optimizer state for those weights (e.g. Adam: 2 x parameter_bytes)
   std::vector<SizeMeasurement> by_micro_batch;  // optional; strictly increasing sizes
