@@ -13,7 +13,8 @@
 //   ... --quick (the `make test` run): 3 schedules, 5 steps
 //
 // Options: --stages P (2; the number of ranks for local), --microbatches M (8), --steps N (200),
-// --warmup W (20), --ops (LibTorch operator calls per step and rank, by name). One intra-op thread per rank.
+// --warmup W (20), --schedules gpipe,1f1b,... (all 7 by default), --ops (LibTorch operator calls per
+// step and rank, by name). One intra-op thread per rank.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/torch.h>
@@ -153,10 +154,22 @@ double compute_us(int m, int steps) {
   return median(us);
 }
 
+// "a,b,c" -> {"a", "b", "c"}.
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  for (;;) {
+    const std::size_t comma = text.find(',', start);
+    out.push_back(text.substr(start, comma == std::string::npos ? comma : comma - start));
+    if (comma == std::string::npos) return out;
+    start = comma + 1;
+  }
+}
+
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s --transport local|shm|gloo|mpi [--stages P (2)] [--microbatches M (8)] [--steps N (200)] "
-               "[--warmup W (20)] [--quick] [--ops]\nprocess transports run as ranks, e.g. pipetrain launch -n 2 -- %s "
+               "[--warmup W (20)] [--schedules a,b,...] [--quick] [--ops]\nprocess transports run as ranks, e.g. pipetrain launch -n 2 -- %s "
                "--transport shm\n",
                argv0, argv0);
   return 2;
@@ -188,6 +201,7 @@ int main(int argc, char** argv) {
     else if (a == "--microbatches") m = std::atoi(v.c_str());
     else if (a == "--steps") steps = std::atoi(v.c_str());
     else if (a == "--warmup") warmup = std::atoi(v.c_str());
+    else if (a == "--schedules") schedules = split_list(v);
     else return usage(argv[0]);
   }
   if (transport.empty() || steps < 1 || stages < 1 || m < 1) return usage(argv[0]);

@@ -26,8 +26,12 @@
 // byte is in the ring (isend of a message that fits returns with the work done).
 //
 // Waiting. A waiting rank spins for PIPETRAIN_SHM_SPIN_US (default 20 us) and then sleeps on a futex in
-// its control block ("bell"); a rank that writes into one of its rings, or frees space in one, rings the
-// bell with FUTEX_WAKE only when the other side says it sleeps, so a busy pair makes no system calls.
+// its control block ("bell"). A rank that writes into one of its rings rings the reader's bell with
+// FUTEX_WAKE only when the reader says it sleeps; one that frees space in a ring rings the writer's only
+// when the writer also says a send of its waits for that space (the ring's want_room), so a rank asleep
+// waiting for a gradient is not woken because the peer read its activation. A busy pair makes no system
+// calls. Each wake-up that is made costs both sides CPU time in the kernel; across cores of a virtual
+// machine much more than on one core (docs/BENCHMARKS.md, issue 15).
 //
 // Collectives. all_reduce_sum: every rank sends its tensor to every other and sums the n contributions in
 // rank order, so every rank gets bitwise the same result (and for two ranks the same as gloo's a + b).
@@ -101,7 +105,7 @@ using detail::getenv_string;
 using detail::parse_integer;
 using detail::rendezvous_fault;
 
-constexpr uint64_t kSegmentMagic = 0x3130484d53505050ull;  // "PPPSMH01"
+constexpr uint64_t kSegmentMagic = 0x3230484d53505050ull;  // "PPPSMH02"
 constexpr uint32_t kMsgMagic = 0x4d485350;                // "PSHM"
 constexpr int kCollectiveTag = 1 << 30;                   // user tags are 0 .. kCollectiveTag-1
 constexpr int64_t kAlign = 64;
@@ -141,6 +145,7 @@ struct RankControl {
 
 struct RingControl {
   alignas(64) std::atomic<uint64_t> head;  // written by the sender
+  std::atomic<uint32_t> want_room;         // written by the sender: 1 while a send waits for free space
   alignas(64) std::atomic<uint64_t> tail;  // written by the receiver
 };
 
@@ -326,9 +331,10 @@ class ShmTransport final : public Transport {
   void barrier() override;
   void abort(const std::string& message) noexcept override;
 
-  // Waits (progressing every ring) until `done()`; `what` names the wait in a timeout error.
-  template <class Done>
-  void wait_until(Done done, const std::string& what);
+  // Waits (progressing every ring) until `done()`; `what()` names the wait in a timeout error (built only
+  // then: a wait that ends in time formats nothing).
+  template <class Done, class What>
+  void wait_until(Done done, What what);
 
  private:
   // Rendezvous.
@@ -353,6 +359,12 @@ class ShmTransport final : public Transport {
       c.bell.fetch_add(1, std::memory_order_seq_cst);
       futex_wake(&c.bell);
     }
+  }
+  // After freeing space in `r` (its tail stored): wakes the sender only when a send of its waits for room,
+  // so a sender that sleeps waiting for something else is not woken for nothing.
+  void freed_room(RingControl& r, int src) {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (r.want_room.load(std::memory_order_seq_cst)) ring_bell(src);
   }
   void write_ring(RingControl& r, uint64_t pos, const void* src, int64_t n);
   void read_ring(RingControl& r, uint64_t pos, void* dst, int64_t n);
@@ -396,6 +408,7 @@ class ShmTransport final : public Transport {
   // The owner thread's state.
   std::vector<std::deque<std::shared_ptr<SendOp>>> out_;  // per destination, in order
   std::vector<uint64_t> head_;                            // per destination: bytes written
+  std::vector<char> want_room_;                           // per destination: this rank's want_room flag
   std::vector<uint64_t> tail_;                            // per source: bytes consumed
   std::vector<Incoming> in_;                              // per source
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<RecvOp>>> posted_;  // (src, tag)
@@ -435,6 +448,7 @@ ShmTransport::ShmTransport(const Rendezvous& rv) : rank_(rv.rank), world_(rv.wor
   spin_us_ = spin_us;
   out_.resize(world_);
   head_.assign(world_, 0);
+  want_room_.assign(world_, 0);
   tail_.assign(world_, 0);
   in_.resize(world_);
   if (world_ == 1) return;  // nothing to share
@@ -719,6 +733,14 @@ bool ShmTransport::push(int dst) {
     r.head.store(head, std::memory_order_release);
     ring_bell(dst);
   }
+  // Ask for a bell when space frees up while sends wait for it. The flag is stored before the waiter's
+  // last look at `tail` (wait_until's check after `sleeping`), so a receiver that freed space either
+  // sees the flag or its space is seen.
+  const bool blocked = !queue.empty();
+  if (blocked != want_room_[dst]) {
+    want_room_[dst] = blocked;
+    r.want_room.store(blocked ? 1 : 0, std::memory_order_seq_cst);
+  }
   return moved;
 }
 
@@ -808,7 +830,7 @@ bool ShmTransport::pull(int src) {
       avail -= n;
       if (in.got < padded) {  // free the space at once: the sender may be waiting for it
         r.tail.store(tail, std::memory_order_release);
-        ring_bell(src);
+        freed_room(r, src);
       }
     }
     if (in.got < padded) break;
@@ -817,7 +839,7 @@ bool ShmTransport::pull(int src) {
   if (tail == start) return false;
   tail_[src] = tail;
   r.tail.store(tail, std::memory_order_release);
-  ring_bell(src);
+  freed_room(r, src);
   return true;
 }
 
@@ -831,8 +853,8 @@ bool ShmTransport::progress() {
   return moved;
 }
 
-template <class Done>
-void ShmTransport::wait_until(Done done, const std::string& what) {
+template <class Done, class What>
+void ShmTransport::wait_until(Done done, What what) {
   progress();
   if (done()) return;
   RankControl& me = control(rank_);
@@ -861,7 +883,7 @@ void ShmTransport::wait_until(Done done, const std::string& what) {
     me.sleeping.store(0, std::memory_order_relaxed);
     if (Clock::now() - start > kOpTimeout)
       throw std::runtime_error("shm: rank " + std::to_string(rank_) + " timed out after " +
-                               std::to_string(kOpTimeout.count() / 60000) + " min waiting for " + what +
+                               std::to_string(kOpTimeout.count() / 60000) + " min waiting for " + what() +
                                ": does that rank send it (same tag, same order)?");
   }
 }
@@ -930,8 +952,11 @@ std::unique_ptr<Work> ShmTransport::irecv(torch::Tensor& tensor, int src, int ta
 
 void ShmSendWork::wait() {
   SendOp& op = *op_;
-  t_.wait_until([&] { return op.done; }, "its send of " + std::to_string(op.header.nbytes) + " bytes to rank " +
-                                             std::to_string(dst_) + " to be read");
+  t_.wait_until([&] { return op.done; },
+                [&] {
+                  return "its send of " + std::to_string(op.header.nbytes) + " bytes to rank " + std::to_string(dst_) +
+                         " to be read";
+                });
 }
 
 void ShmRecvWork::wait() {
@@ -940,7 +965,10 @@ void ShmRecvWork::wait() {
   RecvOp& rec = *op_;
   if (rec.state == RecvOp::Posted)
     t_.wait_until([&] { return rec.state != RecvOp::Posted; },
-                  describe(target_) + " from rank " + std::to_string(rec.src) + " (tag " + std::to_string(rec.tag) + ")");
+                  [&] {
+                    return describe(target_) + " from rank " + std::to_string(rec.src) + " (tag " +
+                           std::to_string(rec.tag) + ")";
+                  });
   if (rec.state == RecvOp::Failed) throw std::runtime_error(rec.error);
   if (!rec.buffer.is_same(target_)) target_.copy_(rec.buffer);
 }
@@ -964,7 +992,7 @@ void ShmTransport::all_reduce_sum(torch::Tensor& tensor) {
           if (rec && rec->state == RecvOp::Posted) return false;
         return true;
       },
-      "the other ranks in all_reduce_sum of " + describe(tensor));
+      [&] { return "the other ranks in all_reduce_sum of " + describe(tensor); });
   for (const auto& rec : recvs)
     if (rec && rec->state == RecvOp::Failed)
       throw std::runtime_error(rec->error + " (in all_reduce_sum: every rank must reduce the same tensors in the same "
@@ -991,7 +1019,7 @@ void ShmTransport::barrier() {
           if (rec->state == RecvOp::Posted) return false;
         return true;
       },
-      "the other ranks in a barrier");
+      [] { return std::string("the other ranks in a barrier"); });
   for (const auto& rec : recvs)
     if (rec->state == RecvOp::Failed)
       throw std::runtime_error(rec->error + " (in a barrier: every rank must call the collectives in the same order)");
