@@ -23,6 +23,13 @@ bool ExactFlags::apply(const ScheduleFlags& flags, Schedule& s, ZbExactResult& r
     throw UsageError("--exact searches zb-auto's schedules: use --schedule zb-auto (not " +
                      (flags.load.empty() ? "--schedule " + flags.schedule : "--load " + flags.load) + ")");
   if (!flags.replication.empty()) throw UsageError("--exact plans one rank per stage: drop --replication");
+  // The search's memory accounting and bounds know F, B and W only: a skip's memory held on its consumer
+  // (and a slow skip's delay) would make its optimum a wrong answer, so it refuses rather than drop them.
+  if (!flags.skips.empty())
+    throw UsageError("--exact searches schedules without skip routes (its memory limit and bounds leave out the "
+                     "skips' memory and transfers), but --skip " + flags.skips.front() +
+                     " was given: drop --skip to search, or drop --exact to simulate zb-auto's greedy schedule "
+                     "with the skips");
   ZbExactOptions o;
   o.memory_limit = flags.memory_limit;
   o.node_budget = nodes;

@@ -68,7 +68,10 @@ MeasuredRuntime measured_runtime(const Timeline& t) {
     } else if (k == ActionKind::RecvAct || k == ActionKind::RecvGrad) {
       unmodelled[e.rank] -= d;
       const bool act = k == ActionKind::RecvAct;
-      auto it = made.find({act ? e.action.stage - 1 : e.action.stage + 1, act, e.action.index});
+      // A skip receive's data was made by its peer stage (the stashing F, or the popping stage's
+      // backward); a boundary receive's by the neighbour.
+      const int maker = e.action.peer >= 0 ? e.action.peer : act ? e.action.stage - 1 : e.action.stage + 1;
+      auto it = made.find({maker, act, e.action.index});
       if (it == made.end() || it->second->rank == e.rank) continue;
       const double gap = e.end - it->second->end;
       if (gap < 0) continue;  // clocks that disagree; not a transfer time

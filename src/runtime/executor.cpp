@@ -66,7 +66,7 @@ Timeline gather_timeline(const Timeline& mine, Transport& transport) {
     if (r < transport.rank()) offset += c;
     total += c;
   }
-  torch::Tensor rows = torch::zeros({std::max<int64_t>(total, 1), 6}, torch::kDouble);
+  torch::Tensor rows = torch::zeros({std::max<int64_t>(total, 1), 7}, torch::kDouble);
   auto acc = rows.accessor<double, 2>();
   for (std::size_t k = 0; k < mine.events.size(); ++k) {
     const TimedAction& e = mine.events[k];
@@ -77,16 +77,18 @@ Timeline gather_timeline(const Timeline& mine, Transport& transport) {
     acc[row][3] = e.action.index;
     acc[row][4] = e.start;
     acc[row][5] = e.end;
+    acc[row][6] = e.action.peer;  // a skip transfer's peer stage (-1: the neighbour)
   }
   transport.all_reduce_sum(rows);
   Timeline out = mine;
   out.events.clear();
   auto all = rows.accessor<double, 2>();
-  for (int64_t row = 0; row < total; ++row)
-    out.events.push_back(TimedAction{static_cast<int>(all[row][0]),
-                                     Action{static_cast<ActionKind>(static_cast<int>(all[row][1])),
-                                            static_cast<int>(all[row][2]), static_cast<int>(all[row][3])},
-                                     all[row][4], all[row][5]});
+  for (int64_t row = 0; row < total; ++row) {
+    Action a{static_cast<ActionKind>(static_cast<int>(all[row][1])), static_cast<int>(all[row][2]),
+             static_cast<int>(all[row][3])};
+    a.peer = static_cast<int>(all[row][6]);
+    out.events.push_back(TimedAction{static_cast<int>(all[row][0]), a, all[row][4], all[row][5]});
+  }
   return out;
 }
 
@@ -238,6 +240,16 @@ std::vector<SkipRoute> skip_routes(const torch::nn::Sequential& model, const std
   return routes;
 }
 
+// The routes as the schedule's skip edges (schedule.h), in the same order, so a skip transfer's route
+// (skip_carried) indexes both. A route weighs one stage activation per tensor it carries: the memory unit
+// of the cost models built from measured timelines (measured_costs gives every stage an activation of
+// 1), which measure no bytes.
+std::vector<SkipEdge> skip_edges(const std::vector<SkipRoute>& routes) {
+  std::vector<SkipEdge> out;
+  for (const SkipRoute& r : routes) out.push_back(SkipEdge{r.from, r.to, static_cast<double>(r.names.size())});
+  return out;
+}
+
 // The tensors of each tie group (PipelineOptions::tied) in `model`, checked: two or more members, each
 // an existing parameter of its layer, all of one shape and dtype, each its own tensor, none in two groups.
 std::vector<std::vector<torch::Tensor>> resolve_ties(const torch::nn::Sequential& model,
@@ -321,9 +333,11 @@ struct PipelineRank::Impl {
     torch::Tensor loss;         // last stage: the micro-batch's scaled loss
     Bundle input_grad;          // dL/d input of the entries that carry a gradient, made by B or BW
     Bundle recv_grad;           // dL/d output of the entries that carry a gradient, received
-    Bundle skip_in;             // skips into this stage handed over on this rank, with their flags
+    Bundle skip_in;             // skips into this stage, handed over on this rank or received, with their flags
     std::vector<char> skip_in_grad;
-    Bundle skip_grad;           // gradients of this stage's skips out, handed back on this rank
+    Bundle skip_grad;           // gradients of this stage's skips out, handed back on this rank or received
+    Bundle skip_grad_out;       // gradients of the skips this stage popped, for their SB@ transfers
+    std::vector<int> pending_skips;  // fast path: keys in `posted_skips` waited for by this slot's F, B or BW
     bool checkpointed = false;
     uint64_t seed = 0;
     int pending_input = -1;  // fast path: key in `posted` of the input's receive, waited for by F
@@ -353,6 +367,12 @@ struct PipelineRank::Impl {
     std::unique_ptr<Work> work;
   };
   std::map<int, PendingRecv> posted;  // posted, unconsumed receives by action position (nodes stay put)
+  // Fast path: skip receives posted at their place in the list, waited for by the action that needs them.
+  struct PendingSkip {
+    PendingRecv recv;
+    Action action;  // the skip receive, recorded in the timeline when waited for
+  };
+  std::map<int, PendingSkip> posted_skips;
   std::size_t prefetch_cursor = 0;    // next action position the fast path may post a receive for
   std::vector<std::pair<torch::Tensor, std::unique_ptr<Work>>> pending_sends;
 
@@ -483,7 +503,7 @@ struct PipelineRank::Impl {
       x = sl.input.to(options.device);  // received by RF (transports deliver host tensors)
       if (x.empty()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
     }
-    receive_skips(s, i, x, sl.in_grad);
+    if (!skips.empty()) take_skips(s, i, x, sl.in_grad);
     for (std::size_t k = 0; k < x.size(); ++k) {
       torch::Tensor& t = x.items()[k].second;
       const bool leaf = sl.in_grad[k] && !forward_mode;
@@ -513,100 +533,167 @@ struct PipelineRank::Impl {
     }
     if (!forward_mode) sl.out_grad = gradient_entries(sl.input, sl.in_grad, out);
     sl.output = std::move(out);
-    send_skips(s, i);
+    if (!skips.empty()) hand_over_skips(s, i);
   }
 
   // ---- skip connections ------------------------------------------------------------------------------
-  // After F of stage s: each route out of s gets its entries, straight to the popping stage (handed
-  // over in memory when that stage is on this rank; otherwise sent without waiting).
-  void send_skips(int s, int i) {
-    Slot& sl = slot(s, i);
+  // The schedule carries the routes as skip edges (Schedule::skips, same order), so lowering puts each
+  // transfer between ranks in the list: <from>SF<i>@<to> after F(from, i), <to>RF<i>@<from> before
+  // F(to, i), <to>SB<i>@<from> after the consumer's backward, <from>RB<i>@<to> before the producer's. They
+  // run like boundary transfers: sends never wait; a receive blocks at its place, except on the fast path
+  // once its layout is agreed, where it is posted there and waited for (and timed) by the action that
+  // needs it. A route whose ends are on one rank has no transfers: its data is handed over in memory.
+
+  // The index of the route a skip transfer moves.
+  std::size_t route_of(const Action& a) const {
+    const bool at_from = a.kind == ActionKind::SendAct || a.kind == ActionKind::RecvGrad;
+    const int from = at_from ? a.stage : a.peer, to = at_from ? a.peer : a.stage;
+    for (std::size_t r = 0; r < skips.size(); ++r)
+      if (skips[r].from == from && skips[r].to == to) return r;
+    throw std::logic_error("skip transfer " + to_string(a) + " names no skip route of the model");
+  }
+
+  // Route r's entries of stage `from`'s output for micro-batch i, with their gradient flags.
+  Bundle skip_part(std::size_t r, int i, std::vector<char>& flags) {
+    const Slot& sl = slot(skips[r].from, i);
+    Bundle part;
+    flags.clear();
+    for (const std::string& name : skips[r].names) {
+      std::size_t k = 0;
+      while (k < sl.output.size() && sl.output.items()[k].first != name) ++k;
+      if (k == sl.output.size())
+        throw UsageError("stage " + std::to_string(skips[r].from) + " stashes '" + name + "' for stage " +
+                         std::to_string(skips[r].to) + " but its output " + describe(sl.output) +
+                         " lacks it: the layer that declares the stash must add the entry");
+      part.set(name, sl.output.items()[k].second);
+      flags.push_back(k < sl.out_grad.size() ? sl.out_grad[k] : 0);
+    }
+    return part;
+  }
+
+  // After F of stage s: the routes out of s whose popping stage is on this rank get their entries now
+  // (the others at their SF@ action).
+  void hand_over_skips(int s, int i) {
     for (std::size_t r = 0; r < skips.size(); ++r) {
-      if (skips[r].from != s) continue;
-      Bundle part;
+      if (skips[r].from != s || pass->rank_of(skips[r].to, i) != rank()) continue;
       std::vector<char> flags;
-      for (const std::string& name : skips[r].names) {
-        std::size_t k = 0;
-        while (k < sl.output.size() && sl.output.items()[k].first != name) ++k;
-        if (k == sl.output.size())
-          throw UsageError("stage " + std::to_string(s) + " stashes '" + name + "' for stage " +
-                           std::to_string(skips[r].to) + " but its output " + describe(sl.output) +
-                           " lacks it: the layer that declares the stash must add the entry");
-        part.set(name, sl.output.items()[k].second);
-        flags.push_back(k < sl.out_grad.size() ? sl.out_grad[k] : 0);
-      }
-      const int to_rank = pass->rank_of(skips[r].to, i);
-      if (to_rank == rank()) {
-        Slot& dst = slot(skips[r].to, i);
-        for (std::size_t k = 0; k < part.size(); ++k) {
-          dst.skip_in.set(part.items()[k].first, part.items()[k].second);
-          dst.skip_in_grad.push_back(flags[k]);
-        }
-      } else {
-        send_bundle(-1 - static_cast<int>(r), 0, i, part, flags, to_rank, skip_tag(r, i, 0, 0), skip_tag(r, i, 0, 1), true);
+      const Bundle part = skip_part(r, i, flags);
+      Slot& dst = slot(skips[r].to, i);
+      for (std::size_t k = 0; k < part.size(); ++k) {
+        dst.skip_in.set(part.items()[k].first, part.items()[k].second);
+        dst.skip_in_grad.push_back(flags[k]);
       }
     }
   }
 
-  // Before F of stage s: the skips popped on s join its input bundle (with their gradient flags).
-  void receive_skips(int s, int i, Bundle& x, std::vector<char>& flags) {
-    Slot& sl = slot(s, i);
-    for (std::size_t r = 0; r < skips.size(); ++r) {
-      if (skips[r].to != s) continue;
-      const int from_rank = pass->rank_of(skips[r].from, i);
-      if (from_rank == rank()) continue;  // in skip_in already
-      const auto [buf, l] = recv_bundle(-1 - static_cast<int>(r), 0, i, from_rank, skip_tag(r, i, 0, 0), skip_tag(r, i, 0, 1));
-      const Bundle part = detail::unpack(buf, l);
-      for (std::size_t k = 0; k < part.size(); ++k) {
-        x.set(part.items()[k].first, on_device(part.items()[k].second));
-        flags.push_back(l.entries[k].grad ? 1 : 0);
+  // <from>SF<i>@<to>: route r's entries straight to the popping stage's rank.
+  void send_skip(const Action& a) {
+    const std::size_t r = route_of(a);
+    std::vector<char> flags;
+    const Bundle part = skip_part(r, a.index, flags);
+    send_bundle(-1 - static_cast<int>(r), 0, a.index, part, flags, pass->rank_of(skips[r].to, a.index),
+                skip_tag(r, a.index, 0, 0), skip_tag(r, a.index, 0, 1), true);
+  }
+
+  // Whether any entry of route r carries a gradient back for micro-batch i (known on both ends: the
+  // producer's flags travel in the route's layout).
+  bool skip_has_grad(std::size_t r, int i) {
+    const Slot& sl = slot(skips[r].from, i);
+    for (std::size_t k = 0; k < sl.output.size() && k < sl.out_grad.size(); ++k)
+      if (sl.out_grad[k] && std::find(skips[r].names.begin(), skips[r].names.end(), sl.output.items()[k].first) !=
+                                skips[r].names.end())
+        return true;
+    return false;
+  }
+
+  // <to>SB<i>@<from>: the gradients of route r that the consumer's backward left for it. Returns false
+  // when no entry carries one (nothing is sent, nothing timed).
+  bool send_skip_grad(const Action& a) {
+    const std::size_t r = route_of(a);
+    Slot& sl = slot(a.stage, a.index);
+    Bundle part;
+    for (const std::string& name : skips[r].names)
+      if (sl.skip_grad_out.has(name)) part.set(name, sl.skip_grad_out.take(name));
+    if (part.empty()) return false;
+    send_bundle(-1 - static_cast<int>(r), 1, a.index, part, {}, pass->rank_of(skips[r].from, a.index),
+                skip_tag(r, a.index, 1, 0), skip_tag(r, a.index, 1, 1), true);
+    return true;
+  }
+
+  // Stores a received skip bundle where F (activations) or the backward (gradients) takes it.
+  void deliver_skip(const Action& a, const torch::Tensor& buffer, const BundleLayout& l) {
+    const Bundle part = detail::unpack(buffer, l);
+    Slot& sl = slot(a.stage, a.index);
+    for (std::size_t k = 0; k < part.size(); ++k) {
+      if (a.kind == ActionKind::RecvAct) {
+        sl.skip_in.set(part.items()[k].first, part.items()[k].second);
+        sl.skip_in_grad.push_back(l.entries[k].grad ? 1 : 0);
+      } else {
+        sl.skip_grad.set(part.items()[k].first, part.items()[k].second);
       }
     }
-    for (std::size_t k = 0; k < sl.skip_in.size(); ++k) {
-      x.set(sl.skip_in.items()[k].first, sl.skip_in.items()[k].second);
-      flags.push_back(sl.skip_in_grad[k]);
+  }
+
+  // <to>RF<i>@<from> and <from>RB<i>@<to>. Returns false when nothing was received here: a gradient
+  // receive of a route without gradients, or (fast path) a receive posted for its consumer to wait for.
+  bool receive_skip(const Action& a, int pos) {
+    const std::size_t r = route_of(a);
+    const bool act = a.kind == ActionKind::RecvAct;
+    if (!act && !skip_has_grad(r, a.index)) return false;
+    const int dir = act ? 0 : 1;
+    const int src = pass->rank_of(a.peer, a.index);
+    const int key = -1 - static_cast<int>(r);
+    const int data_tag = skip_tag(r, a.index, dir, 0), header_tag = skip_tag(r, a.index, dir, 1);
+    if (!options.reference) {
+      if (const BundleLayout* l = recv_layout(key, dir, a.index, src, false, header_tag)) {
+        PendingSkip& p = posted_skips[pos];
+        p.action = a;
+        p.recv.buffer = detail::empty_buffer(*l);
+        p.recv.layout = l;
+        p.recv.work = transport->irecv(p.recv.buffer, src, data_tag);
+        slot(a.stage, a.index).pending_skips.push_back(pos);
+        return false;
+      }
+    }
+    const auto [buf, l] = recv_bundle(key, dir, a.index, src, data_tag, header_tag);
+    deliver_skip(a, buf, l);
+    return true;
+  }
+
+  // Before F of stage s: the skips popped on s join its input bundle with their gradient flags, in route
+  // order (the bundle's layout must not depend on the order they arrived in).
+  void take_skips(int s, int i, Bundle& x, std::vector<char>& flags) {
+    Slot& sl = slot(s, i);
+    for (const SkipRoute& route : skips) {
+      if (route.to != s) continue;
+      for (const std::string& name : route.names) {
+        std::size_t k = 0;
+        while (k < sl.skip_in.size() && sl.skip_in.items()[k].first != name) ++k;
+        if (k == sl.skip_in.size())
+          throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no skip '" + name + "'");
+        x.set(name, on_device(sl.skip_in.items()[k].second));
+        flags.push_back(sl.skip_in_grad[k]);
+      }
     }
     sl.skip_in = Bundle();
     sl.skip_in_grad.clear();
   }
 
-  // After the backward of stage s: the gradients of the skips popped on s go straight back to their
-  // stashing stages; `grads` keeps the rest (for the previous stage).
-  void send_skip_grads(int s, int i, Bundle& grads) {
-    for (std::size_t r = 0; r < skips.size(); ++r) {
-      if (skips[r].to != s) continue;
-      Bundle part;
-      for (const std::string& name : skips[r].names)
-        if (grads.has(name)) part.set(name, grads.take(name));
-      if (part.empty()) continue;  // no entry of this route carries a gradient
-      const int from_rank = pass->rank_of(skips[r].from, i);
-      if (from_rank == rank()) {
-        Slot& dst = slot(skips[r].from, i);
-        for (const auto& [name, t] : part.items()) dst.skip_grad.set(name, t);
-      } else {
-        send_bundle(-1 - static_cast<int>(r), 1, i, part, {}, from_rank, skip_tag(r, i, 1, 0), skip_tag(r, i, 1, 1), true);
-      }
+  // After the backward of stage s: the gradients of the skips popped on s leave `grads` (which keeps what
+  // goes to the previous stage): handed back when the stashing stage is on this rank, else kept for SB@.
+  void route_skip_grads(int s, int i, Bundle& grads) {
+    for (const SkipRoute& route : skips) {
+      if (route.to != s) continue;
+      const bool local = pass->rank_of(route.from, i) == rank();
+      Bundle& dst = local ? slot(route.from, i).skip_grad : slot(s, i).skip_grad_out;
+      for (const std::string& name : route.names)
+        if (grads.has(name)) dst.set(name, grads.take(name));
     }
   }
 
-  // Before the backward of stage s: the gradients of its skips out that carry one (received, or handed
-  // back on this rank), added to `g`.
-  void receive_skip_grads(int s, int i, Bundle& g) {
+  // Before the backward of stage s: the gradients of its skips out (received or handed back), added to `g`.
+  void take_skip_grads(int s, int i, Bundle& g) {
     Slot& sl = slot(s, i);
-    for (std::size_t r = 0; r < skips.size(); ++r) {
-      if (skips[r].from != s) continue;
-      const int to_rank = pass->rank_of(skips[r].to, i);
-      if (to_rank == rank()) continue;
-      bool expected = false;  // whether any entry of the route carries a gradient
-      for (std::size_t k = 0; k < sl.output.size(); ++k)
-        if (k < sl.out_grad.size() && sl.out_grad[k] &&
-            std::find(skips[r].names.begin(), skips[r].names.end(), sl.output.items()[k].first) != skips[r].names.end())
-          expected = true;
-      if (!expected) continue;
-      const auto [buf, l] = recv_bundle(-1 - static_cast<int>(r), 1, i, to_rank, skip_tag(r, i, 1, 0), skip_tag(r, i, 1, 1));
-      const Bundle part = detail::unpack(buf, l);
-      for (const auto& [name, t] : part.items()) g.set(name, t);
-    }
     for (const auto& [name, t] : sl.skip_grad.items()) g.set(name, t);
     sl.skip_grad = Bundle();
   }
@@ -639,7 +726,7 @@ struct PipelineRank::Impl {
     } else {
       const bool local = pass->rank_of(s + 1, i) == rank();
       Bundle g = local ? slot(s + 1, i).input_grad : sl.recv_grad;
-      if (!skips.empty()) receive_skip_grads(s, i, g);
+      if (!skips.empty()) take_skip_grads(s, i, g);
       for (std::size_t k = 0; k < out.size(); ++k) {
         if (!sl.out_grad[k]) continue;
         const auto& [name, t] = out.items()[k];
@@ -663,7 +750,7 @@ struct PipelineRank::Impl {
         const auto& [name, t] = sl.input.items()[k];
         g.set(name, t.grad().defined() ? t.grad() : torch::zeros_like(t));
       }
-      if (!skips.empty()) send_skip_grads(s, i, g);
+      if (!skips.empty()) route_skip_grads(s, i, g);
       sl.input_grad = std::move(g);
     }
     sl.input = Bundle();   // W keeps what it needs in its own queue
@@ -786,11 +873,28 @@ struct PipelineRank::Impl {
     return true;
   }
 
-  // Before a compute action: waits for its deferred receive, if any, and records the wait as the
-  // receive action in the timeline.
+  // Before a compute action: waits for its deferred receives, if any (its boundary's and its skips'),
+  // and records each wait as the receive action in the timeline.
   void await_inputs(const Action& a, Timeline& timeline) {
     if (a.kind != ActionKind::F && a.kind != ActionKind::B && a.kind != ActionKind::BW) return;
     Slot& sl = slot(a.stage, a.index);
+    if (!sl.pending_skips.empty()) {
+      const ActionKind want = a.kind == ActionKind::F ? ActionKind::RecvAct : ActionKind::RecvGrad;
+      std::vector<int> later;  // the other direction's (a stage both pops and stashes)
+      for (int key : sl.pending_skips) {
+        auto it = posted_skips.find(key);
+        if (it->second.action.kind != want) {
+          later.push_back(key);
+          continue;
+        }
+        const double t0 = now_ms();
+        it->second.recv.work->wait();
+        deliver_skip(it->second.action, it->second.recv.buffer, *it->second.recv.layout);
+        timeline.events.push_back(TimedAction{rank(), it->second.action, t0, now_ms()});
+        posted_skips.erase(it);
+      }
+      sl.pending_skips = std::move(later);
+    }
     int& pending = a.kind == ActionKind::F ? sl.pending_input : sl.pending_grad;
     if (pending < 0) return;
     const double t0 = now_ms();
@@ -806,12 +910,13 @@ struct PipelineRank::Impl {
   // Fast path: keeps up to `prefetch` receives posted and not yet consumed, walking the rank's list in
   // order from `prefetch_cursor` (so each step costs O(actions), not O(actions x window)). A receive
   // whose layout is not agreed yet (always, with variable shapes) stops the walk: its header must be
-  // received in order, at its action.
+  // received in order, at its action. Skip receives are not prefetched: each is posted at its own place
+  // (receive_skip).
   void prefetch_from(const std::vector<Action>& actions, std::size_t pos) {
     prefetch_cursor = std::max(prefetch_cursor, pos);
     while (prefetch_cursor < actions.size() && posted.size() < static_cast<std::size_t>(options.prefetch)) {
       const Action& a = actions[prefetch_cursor];
-      if (a.kind == ActionKind::RecvAct || a.kind == ActionKind::RecvGrad) {
+      if ((a.kind == ActionKind::RecvAct || a.kind == ActionKind::RecvGrad) && a.peer < 0) {  // not a skip's
         const bool act = a.kind == ActionKind::RecvAct;
         const int boundary = act ? a.stage - 1 : a.stage + 1;
         const int dir = act ? 0 : 1;
@@ -955,17 +1060,22 @@ struct PipelineRank::Impl {
       case ActionKind::BW: backward(a.stage, a.index, false); break;
       case ActionKind::W: weight(a.stage, a.index); break;
       case ActionKind::SendAct: {
+        if (a.peer >= 0) {
+          send_skip(a);
+          break;
+        }
         std::vector<char> flags;
         const Bundle out = outgoing(a.stage, slot(a.stage, a.index), flags);
         send(a.stage, 0, a.index, out, flags, pass->rank_of(a.stage + 1, a.index));
         break;
       }
       case ActionKind::SendGrad:
+        if (a.peer >= 0) return send_skip_grad(a);
         send(a.stage, 1, a.index, slot(a.stage, a.index).input_grad, {}, pass->rank_of(a.stage - 1, a.index));
         slot(a.stage, a.index).input_grad = Bundle();
         break;
       case ActionKind::RecvAct:
-      case ActionKind::RecvGrad: return receive(a, pos);
+      case ActionKind::RecvGrad: return a.peer >= 0 ? receive_skip(a, pos) : receive(a, pos);
       case ActionKind::Step: optimizer_step(a.stage, a.index); break;
     }
     return true;
@@ -992,6 +1102,7 @@ struct PipelineRank::Impl {
     step_reduced.assign(static_cast<std::size_t>(steps), 0);
     slots.clear();
     posted.clear();
+    posted_skips.clear();
     prefetch_cursor = 0;
     pending_sends.clear();
     stats = StepStats{};
@@ -1070,13 +1181,19 @@ struct PipelineRank::Impl {
     stats.grad_norm = stats.grad_norms.empty() ? 0.0 : stats.grad_norms.back();
   }
 
-  // The unlowered schedule of a call of `steps` steps: the generator's, or round robin over replicas.
+  // The unlowered schedule of a call of `steps` steps: the generator's, or round robin over replicas;
+  // with the model's skip routes as its skip edges.
   Schedule make_plain(int steps) const {
-    if (!options.replication.empty())
-      return round_robin(options.schedule, options.replication, generator.microbatches, steps);
-    GeneratorOptions g = generator;
-    g.steps = steps;
-    return generate(options.schedule, g);
+    Schedule s;
+    if (!options.replication.empty()) {
+      s = round_robin(options.schedule, options.replication, generator.microbatches, steps);
+    } else {
+      GeneratorOptions g = generator;
+      g.steps = steps;
+      s = generate(options.schedule, g);
+    }
+    s.skips = skip_edges(skips);
+    return s;
   }
 
   // The lowered schedule and weight plan for a call of `steps` steps (made once per count).
@@ -1108,6 +1225,7 @@ struct PipelineRank::Impl {
     plain.microbatches = m;
     plain.microbatches_per_step = m;
     plain.stage_rank = schedule.stage_rank;
+    plain.skips = schedule.skips;
     plain.actions.resize(static_cast<std::size_t>(schedule.ranks));
     for (int s = 0; s < schedule.stages; ++s)
       for (int i = 0; i < m; ++i)
@@ -1247,6 +1365,9 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   g.costs = d.options.costs;
   g.memory_limit = d.options.memory_limit;
   d.generator = g;
+  d.skips = skip_routes(model, d.balance);
+  if (!d.skips.empty() && d.options.umpipe)
+    throw UsageError("UMPIPE pipelines one tensor per boundary; this model has skip connections across stages");
   Schedule plain = d.make_plain(1);
   validate(plain);
   d.schedule = insert_communication(plain, d.options.costs);
@@ -1266,9 +1387,6 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     for (auto& group : tied)
       for (std::size_t k = 1; k < group.size(); ++k) group[k].copy_(group.front());
   }
-  d.skips = skip_routes(model, d.balance);
-  if (!d.skips.empty() && d.options.umpipe)
-    throw UsageError("UMPIPE pipelines one tensor per boundary; this model has skip connections across stages");
   const auto all = cut(model, d.balance);
   for (int s = 0; s < total_stages; ++s)
     if (d.schedule.holds(d.transport->rank(), s)) {

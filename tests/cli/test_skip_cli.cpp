@@ -1,8 +1,12 @@
 // `--skip FROM:TO[:SIZE]` and `--skip-bandwidth` on `pipetrain simulate` and `schedule` (issue 13 item 2):
 // the routes reach the simulator's time and memory, the lowered schedule and the CSV, and bad routes are
-// usage errors that name the fix.
+// usage errors that name the fix; `--exact` refuses them. `train` on the zoo's U-Net, whose skip goes from
+// stage 0 straight to stage 2, records each skip transfer of the last step in its trace, naming the peer,
+// in process and over gloo.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -73,4 +77,43 @@ TEST(SkipCli, BadRoutesAreUsageErrors) {
     EXPECT_EQ(r.code, 2) << flags << "\n" << r.out;
     EXPECT_TRUE(r.has(why)) << flags << "\n" << r.out;
   }
+}
+
+TEST(SkipCli, ExactRefusesSkipsNamingTheFix) {
+  const Result r = pipetrain::testing::run_command(bin + " simulate -s zb-auto -p 3 -m 3 --skip 0:2 --exact");
+  EXPECT_EQ(r.code, 2) << r.out;
+  for (const char* part : {"--exact searches schedules without skip routes", "--skip 0:2", "drop --skip", "drop --exact"})
+    EXPECT_TRUE(r.has(part)) << part << "\n" << r.out;
+  const Result s = pipetrain::testing::run_command(bin + " schedule -s zb-auto -p 3 -m 3 --skip 0:2:0.5 --exact");
+  EXPECT_EQ(s.code, 2) << s.out;
+  EXPECT_TRUE(s.has("drop --skip")) << s.out;
+  EXPECT_EQ(pipetrain::testing::run_command(bin + " simulate -s zb-auto -p 3 -m 3 --skip 0:2").code, 0);  // greedy: fine
+}
+
+TEST(SkipCli, TrainTracesEverySkipTransferInProcessAndOverGloo) {
+  namespace fs = std::filesystem;
+  const fs::path dir = pipetrain::testing::fresh_temp_dir("skip", "trace");
+  for (const std::string transport : {"local", "gloo"}) {
+    const fs::path trace = dir / (transport + ".json");
+    const Result r = pipetrain::testing::run_pipetrain(
+        "train --transport " + transport + " --model unet --width 4 --stages 3 -m 4 --batch-size 16 --steps 2 "
+        "--eval-every 0 --progress quiet --trace " + trace.string());
+    ASSERT_EQ(r.code, 0) << transport << "\n" << r.out;
+    // name -> the ranks (tids) it ran on
+    std::multimap<std::string, int> seen;
+    const nlohmann::json doc = pipetrain::testing::read_json_file(trace);
+    for (const auto& e : doc.at("traceEvents"))
+      if (e["ph"] == "X") seen.emplace(e["name"].get<std::string>(), e["tid"].get<int>());
+    for (int i = 0; i < 4; ++i)
+      for (const auto& [name, rank] : std::vector<std::pair<std::string, int>>{
+               {"0SF" + std::to_string(i) + "@2", 0}, {"2RF" + std::to_string(i) + "@0", 2},
+               {"2SB" + std::to_string(i) + "@0", 2}, {"0RB" + std::to_string(i) + "@2", 0}}) {
+        ASSERT_EQ(seen.count(name), 1u) << transport << ": " << name;
+        EXPECT_EQ(seen.find(name)->second, rank) << transport << ": " << name;
+      }
+    int with_peer = 0;
+    for (const auto& [name, rank] : seen) with_peer += name.find('@') != std::string::npos ? 1 : 0;
+    EXPECT_EQ(with_peer, 16) << transport;  // nothing but route 0 -> 2, which skips rank 1
+  }
+  fs::remove_all(dir);
 }

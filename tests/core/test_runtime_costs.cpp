@@ -253,3 +253,37 @@ TEST(RuntimeCosts, MeasuredRuntimeFromATimeline) {
   EXPECT_NEAR(late.transfer, 0.3, 1e-12);
   EXPECT_DOUBLE_EQ(measured_runtime(Timeline{}).overhead, 0.0);
 }
+
+// Skip receives (docs/ALGORITHMS.md §1.10) are transfers like boundary ones, their data made by the peer
+// stage. Three ranks, one micro-batch, a skip from stage 0 to stage 2 (ms):
+//   rank 0: 0F0 [0,1], 0RB0@2 [1.1,6.4], 0RB0 [6.4,8.5], 0BW0 [8.5,9.5]
+//   rank 1: 1RF0 [0.5,1.3], 1F0 [1.3,3], 1RB0 [3,6.3], 1BW0 [6.3,8]
+//   rank 2: 2RF0@0 [0.8,1.5], 2RF0 [1.5,3.2], 2F0 [3.2,4], 2BW0 [4,6]
+// Every receive was waiting: 0RB0@2 after 2BW0 (6) 0.4, 0RB0 after 1BW0 (8) 0.5, 1RF0 0.3, 1RB0 0.3,
+// 2RF0@0 after 0F0 (1) 0.5, 2RF0 after 1F0 (3) 0.2: six samples, median 0.35. Taken for boundary receives
+// (their makers the neighbours' 1F0 and 1BW0, which end after them), the skip receives would be no samples
+// and the median of the other four 0.3.
+TEST(RuntimeCosts, MeasuredRuntimeCountsSkipReceivesFromTheirPeer) {
+  Timeline t;
+  t.ranks = 3;
+  auto ev = [&](int rank, ActionKind k, int stage, double start, double end, int peer = -1) {
+    Action a{k, stage, 0};
+    a.peer = peer;
+    t.events.push_back(TimedAction{rank, a, start, end});
+  };
+  ev(0, ActionKind::F, 0, 0, 1);
+  ev(0, ActionKind::RecvGrad, 0, 1.1, 6.4, 2);
+  ev(0, ActionKind::RecvGrad, 0, 6.4, 8.5);
+  ev(0, ActionKind::BW, 0, 8.5, 9.5);
+  ev(1, ActionKind::RecvAct, 1, 0.5, 1.3);
+  ev(1, ActionKind::F, 1, 1.3, 3);
+  ev(1, ActionKind::RecvGrad, 1, 3, 6.3);
+  ev(1, ActionKind::BW, 1, 6.3, 8);
+  ev(2, ActionKind::RecvAct, 2, 0.8, 1.5, 0);
+  ev(2, ActionKind::RecvAct, 2, 1.5, 3.2);
+  ev(2, ActionKind::F, 2, 3.2, 4);
+  ev(2, ActionKind::BW, 2, 4, 6);
+  const MeasuredRuntime m = measured_runtime(t);
+  EXPECT_EQ(m.transfer_samples, 6);
+  EXPECT_NEAR(m.transfer, 0.35, 1e-12);
+}

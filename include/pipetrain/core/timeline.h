@@ -89,7 +89,9 @@ CostModel measured_costs(const Timeline& t, int stages);
 //  - transfer: per receive that was already waiting when its data was made on another rank (it started
 //    before the producing F, B or BW ended), the time from that producer's end to the receive's end: the
 //    send, the move and the wake-up, and no waiting for the peer's compute. The median of those; when no
-//    receive waited, the smallest such gap of any receive (0 without receives).
+//    receive waited, the smallest such gap of any receive (0 without receives). A skip receive
+//    (`2RF0@0`) counts like a boundary one, its producer being its peer stage's F (or B/BW for a gradient):
+//    with an unlimited skip bandwidth the simulator charges it `comm` too.
 //  - overhead: per compute action, the ranks' time inside their spans that is neither compute, nor a
 //    receive, nor a Step: the executor's work between actions and posting sends, summed over ranks and
 //    divided by the compute actions.

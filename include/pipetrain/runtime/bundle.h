@@ -75,7 +75,8 @@ std::string describe(const Bundle& b);
 // apart, the entry does not pass through the stages in between: the runtime sends it straight from the
 // stashing stage to the popping one, and its gradient straight back (on one rank it is handed over in
 // memory). Each name is stashed once and popped once, by a later layer; the pipeline's constructor
-// refuses other declarations naming the layers.
+// refuses other declarations naming the layers. Such a route is a skip edge of the schedule the pipeline
+// runs (PipelineRank::schedule), and the measured timeline shows its transfers (`0SF2@2`, `2RF2@0`).
 class BundleModule : public torch::nn::Module {
  public:
   BundleModule() = default;  // named after the derived type, as any module

@@ -301,7 +301,9 @@ class PipelineRank {
   // naming it). The optimizer state is recreated; parameters are copied in place.
   void load_layer_state(int layer, const std::vector<std::pair<std::string, torch::Tensor>>& state);
 
-  const Schedule& schedule() const;            // lowered: with sends and receives (one step)
+  // Lowered: with sends and receives (one step); its `skips` are the model's skip routes across stages
+  // (bundle.h), whose transfers it lists like the boundary ones (`0SF2@2`).
+  const Schedule& schedule() const;
   const Schedule& schedule_for(int steps);     // lowered, for a call of `steps` steps (made on first use)
   WeightPolicy weight_policy() const;          // how passes choose their weights (weights.h)
   const std::vector<int>& balance() const;     // layers per (virtual) stage
