@@ -118,11 +118,13 @@ Bundle Stage::forward(Bundle b) {
                        "\", which the bundle lacks; name the activation \"x\" or make the layer a BundleModule");
     try {
       if (bundle_layer)
-        b = bundle_layer->forward(std::move(b));
+        b = bundle_layer->forward(Bundle(b));  // a copy (of handles), so an error can still describe the input
       else
         b.set(kMainTensor, it->forward<torch::Tensor>(b.at(kMainTensor)));
     } catch (const c10::Error& e) {
       throw std::runtime_error(context() + ": " + e.what_without_backtrace());
+    } catch (const UsageError& e) {  // e.g. an entry the layer reads that no one gave or added
+      throw UsageError(context() + ": " + e.what());
     }
   }
   return b;

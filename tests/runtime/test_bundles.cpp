@@ -425,6 +425,29 @@ TEST(Bundles, AOneTensorLayerWithoutXNamesTheLayerAndTheFix) {
   }
 }
 
+// A bundle that lacks an entry a later stage's layer reads (the batch without its mask): the first step
+// stops at that layer's first forward, before any weight changes, naming the layer, the missing name,
+// what the bundle holds and the fix.
+TEST(Bundles, AMissingEntryNamesTheLayerAndTheFixBeforeAnyWeightChanges) {
+  Counters c;
+  torch::nn::Sequential m = masked_model(3, c);
+  std::vector<torch::Tensor> before;
+  for (const auto& p : m->parameters()) before.push_back(p.detach().clone());
+  LocalPipeline pipe(m, ce, 3, options("1f1b", 2));
+  const Bundle without_mask{{"x", masked_batch(0).at("x")}};
+  try {
+    pipe.train_steps(without_mask, labels(0), kBatch, 1);
+    ADD_FAILURE() << "a batch without its mask was trained";
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("layer 1 (Masked) on {x: [6, 8] Float}"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("no entry 'mask'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("give it in the input bundle or add it in an earlier layer"), std::string::npos) << msg;
+  }
+  const auto after = m->parameters();
+  for (std::size_t k = 0; k < before.size(); ++k) EXPECT_TRUE(torch::equal(after[k].detach(), before[k])) << k;
+}
+
 // ---- skip connections ----------------------------------------------------------------------------------
 namespace {
 
