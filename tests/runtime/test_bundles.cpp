@@ -15,6 +15,7 @@
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/split_linear.h"
+#include "skip_layers.h"
 #include "pipetrain/zoo/data.h"
 #include "pipetrain/zoo/models.h"
 
@@ -451,31 +452,6 @@ TEST(Bundles, AMissingEntryNamesTheLayerAndTheFixBeforeAnyWeightChanges) {
 // ---- skip connections ----------------------------------------------------------------------------------
 namespace {
 
-// x -> Linear(x); stashes "skip" = tanh(x) for a later layer.
-struct StashImpl : BundleModule {
-  nn::Linear lin{nullptr};
-  StashImpl() { lin = register_module("lin", nn::Linear(kIn, kHidden)); }
-  Bundle forward(Bundle in) override {
-    const torch::Tensor h = lin(in.at("x"));
-    in.set("x", h);
-    in.set("skip", torch::tanh(h));
-    return in;
-  }
-  std::vector<std::string> stashes() const override { return {"skip"}; }
-};
-
-// Pops "skip": x -> Linear(x + skip).
-struct PopImpl : BundleModule {
-  nn::Linear lin{nullptr};
-  PopImpl() { lin = register_module("lin", nn::Linear(kHidden, kClasses)); }
-  Bundle forward(Bundle in) override {
-    const torch::Tensor skip = in.take("skip");
-    in.set("x", lin(in.at("x") + skip));
-    return in;
-  }
-  std::vector<std::string> pops() const override { return {"skip"}; }
-};
-
 // Counts the calls that saw "skip" in their bundle.
 struct ObserverImpl : BundleModule {
   std::atomic<int>* calls;
@@ -493,12 +469,12 @@ struct ObserverImpl : BundleModule {
 torch::nn::Sequential skip_model(uint64_t seed, Counters& c) {
   torch::manual_seed(seed);
   torch::nn::Sequential m;
-  m->push_back(std::make_shared<StashImpl>());
+  m->push_back(std::make_shared<pipetrain::testing::StashLayer>(kIn, kHidden));
   m->push_back(nn::Linear(kHidden, kHidden));
   m->push_back(std::make_shared<ObserverImpl>(&c.calls, &c.mask_with_grad));
   m->push_back(nn::Linear(kHidden, kHidden));
   m->push_back(torch::nn::Tanh());
-  m->push_back(std::make_shared<PopImpl>());
+  m->push_back(std::make_shared<pipetrain::testing::PopLayer>(kHidden, kClasses));
   return m;
 }
 

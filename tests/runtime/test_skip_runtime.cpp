@@ -18,6 +18,7 @@
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/split_linear.h"
+#include "skip_layers.h"
 #include "pipetrain/runtime/trainer.h"
 
 using namespace pipetrain;
@@ -27,41 +28,16 @@ namespace {
 constexpr int64_t kIn = 6, kHidden = 8, kClasses = 4, kBatch = 12;
 constexpr int kMicro = 4;
 
-// x -> Linear(x); stashes "skip" = tanh of it for a later layer.
-struct StashImpl : BundleModule {
-  nn::Linear lin{nullptr};
-  StashImpl() { lin = register_module("lin", nn::Linear(kIn, kHidden)); }
-  Bundle forward(Bundle in) override {
-    const torch::Tensor h = lin(in.at(kMainTensor));
-    in.set(kMainTensor, h);
-    in.set("skip", torch::tanh(h));
-    return in;
-  }
-  std::vector<std::string> stashes() const override { return {"skip"}; }
-};
-
-// Pops "skip": x -> Linear(x + skip).
-struct PopImpl : BundleModule {
-  nn::Linear lin{nullptr};
-  PopImpl() { lin = register_module("lin", nn::Linear(kHidden, kClasses)); }
-  Bundle forward(Bundle in) override {
-    const torch::Tensor skip = in.take("skip");
-    in.set(kMainTensor, lin(in.at(kMainTensor) + skip));
-    return in;
-  }
-  std::vector<std::string> pops() const override { return {"skip"}; }
-};
-
 // Six layers; at three stages of two the skip goes from stage 0 to stage 2, past stage 1.
 torch::nn::Sequential skip_model() {
   torch::manual_seed(11);
   torch::nn::Sequential m;
-  m->push_back(std::make_shared<StashImpl>());
+  m->push_back(std::make_shared<pipetrain::testing::StashLayer>(kIn, kHidden));
   m->push_back(torch::nn::Tanh());
   m->push_back(nn::Linear(kHidden, kHidden));
   m->push_back(torch::nn::Tanh());
   m->push_back(nn::Linear(kHidden, kHidden));
-  m->push_back(std::make_shared<PopImpl>());
+  m->push_back(std::make_shared<pipetrain::testing::PopLayer>(kHidden, kClasses));
   return m;
 }
 
