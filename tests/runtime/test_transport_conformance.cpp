@@ -314,10 +314,13 @@ class Conformance : public ::testing::TestWithParam<std::string> {
     if (kind == "local") {
       auto ts = make_local_transports(n, std::chrono::seconds(60));
       std::vector<int> codes(static_cast<std::size_t>(n), 0);
+      std::mutex output_mu;  // the ranks are threads: one appends at a time (a lost line failed this test)
       run_on_threads(n, [&](int k) {
         codes[static_cast<std::size_t>(k)] = play(scenario, *ts[static_cast<std::size_t>(k)], dir_.string());
-        if (codes[static_cast<std::size_t>(k)] == 0)
+        if (codes[static_cast<std::size_t>(k)] == 0) {
+          std::lock_guard<std::mutex> lk(output_mu);
           r.output += "rank " + std::to_string(k) + " finished scenario " + scenario + "\n";
+        }
       });
       r.code = 0;
       for (int c : codes) r.code = std::max(r.code, c);
