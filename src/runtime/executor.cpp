@@ -934,10 +934,7 @@ struct PipelineRank::Impl {
 
   // ---- optimizer --------------------------------------------------------------------------------------
   static double squared_norm(const std::vector<torch::Tensor>& params) {
-    double sq = 0;
-    for (const auto& p : params)
-      if (p.grad().defined()) sq += detail::without_graph(p.grad()).to(torch::kDouble).pow(2).sum().item<double>();
-    return sq;
+    return detail::gradient_sum_of_squares(params);
   }
   static void clip_to(const std::vector<torch::Tensor>& params, double norm, double clip) {
     if (!(clip > 0 && norm > clip)) return;
@@ -951,6 +948,12 @@ struct PipelineRank::Impl {
   // (a collective), then clipping by the global norm.
   void reduce_and_clip(int k) {
     const auto uk = static_cast<std::size_t>(k);
+    // The step's last sends complete before the flush's collectives. Their receivers take them before
+    // their own Step, so this cannot deadlock; and a send left in flight may need this rank's transport
+    // threads while the collective keeps its core busy: over gloo with ranks bound to one core each, the
+    // MLP's last gradient then arrived 5 ms late whenever the Step reached its all-reduce quickly.
+    for (auto& [t, work] : pending_sends) work->wait();
+    pending_sends.clear();
     std::vector<torch::Tensor> params;
     for (auto& [s, st] : stages)
       for (const auto& p : st.parameters()) params.push_back(p);

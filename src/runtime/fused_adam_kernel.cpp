@@ -40,4 +40,21 @@ void adam_update(float* p, const float* g, float* m, float* v, int64_t n, const 
     adam_loop<false>(p, g, m, v, n, s);
 }
 
+PIPETRAIN_CLONES
+double sum_of_squares(const float* g, int64_t n) {
+  double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int j = 0; j < 8; ++j) {
+      const double x = g[k + j];
+      part[j] += x * x;
+    }
+  double sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; k < n; ++k) {
+    const double x = g[k];
+    sum += x * x;
+  }
+  return sum;
+}
+
 }  // namespace pipetrain::detail

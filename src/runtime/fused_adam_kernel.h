@@ -1,5 +1,5 @@
-// Internal to pipetrain_runtime: the Adam/AdamW update as one loop over a parameter's elements
-// (fused_optimizer.cpp calls it; fused_adam_kernel.cpp is compiled without errno-setting math so the loop
+// Internal to pipetrain_runtime: the Adam/AdamW update as one loop over a parameter's elements, and the
+// squared gradient norm as one pass (fused_optimizer.cpp and the executor's flush call them; fused_adam_kernel.cpp is compiled without errno-setting math so the loop
 // vectorises, and without floating-point contraction so every build and CPU computes the same bits).
 #pragma once
 
@@ -26,5 +26,9 @@ struct AdamScalars {
 //   p  = p + neg_step_size * (m / (sqrt(v) / sqrt_bias_correction2 + eps))
 // The four arrays must not overlap.
 void adam_update(float* p, const float* g, float* m, float* v, int64_t n, const AdamScalars& s);
+
+// The sum of g[k]^2 over k < n, each square and sum in double: eight partial sums over k mod 8, added
+// pairwise at the end, then the tail in order. One pass, no temporaries (the flush's gradient norm).
+double sum_of_squares(const float* g, int64_t n);
 
 }  // namespace pipetrain::detail

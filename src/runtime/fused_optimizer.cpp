@@ -98,6 +98,19 @@ void fused_adam(torch::optim::Optimizer& opt, bool decoupled) {
 
 }  // namespace
 
+double gradient_sum_of_squares(const std::vector<torch::Tensor>& params) {
+  double sq = 0;
+  for (const auto& p : params) {
+    const torch::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    if (dense_float_cpu(g))
+      sq += sum_of_squares(g.data_ptr<float>(), g.numel());
+    else
+      sq += g.detach().to(torch::kDouble).pow(2).sum().item<double>();
+  }
+  return sq;
+}
+
 bool fused_step_applies(torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<torch::optim::AdamW*>(&optimizer))
     return fits<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(optimizer);

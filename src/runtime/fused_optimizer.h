@@ -7,6 +7,8 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <vector>
+
 namespace pipetrain::detail {
 
 // Does what optimizer.step() does. Adam and AdamW without amsgrad, on contiguous float32 CPU parameters and
@@ -18,5 +20,9 @@ void optimizer_step(torch::optim::Optimizer& optimizer);
 
 // Whether optimizer_step would take the fused loop for `optimizer` as it stands now.
 bool fused_step_applies(torch::optim::Optimizer& optimizer);
+
+// The sum of the squares of every defined gradient of `params`, in double: one pass per contiguous
+// float32 CPU gradient (fused_adam_kernel.h's sum_of_squares), LibTorch operations for any other.
+double gradient_sum_of_squares(const std::vector<torch::Tensor>& params);
 
 }  // namespace pipetrain::detail

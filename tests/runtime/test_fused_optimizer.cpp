@@ -152,5 +152,31 @@ TEST(FusedOptimizer, OtherCasesFallBackToLibTorchExactly) {
   EXPECT_FALSE(detail::fused_step_applies(opt));
 }
 
+// The flush's squared gradient norm in one pass: every size from 0 to 19 (the 8-wide partial sums and the
+// tail), a large one, a non-contiguous gradient (LibTorch's path) and a parameter without a gradient,
+// against the sum of squares in double.
+TEST(FusedOptimizer, GradientSumOfSquaresMatchesDoubleArithmetic) {
+  torch::manual_seed(5);
+  std::vector<torch::Tensor> params;
+  double want = 0;
+  auto add = [&](const torch::Tensor& p, const torch::Tensor& g) {
+    params.push_back(p);
+    if (!g.defined()) return;
+    params.back().mutable_grad() = g;
+    want += g.to(torch::kDouble).pow(2).sum().item<double>();
+  };
+  for (int64_t n = 0; n < 20; ++n) add(torch::zeros({n}).requires_grad_(true), torch::randn({n}));
+  add(torch::zeros({1000, 3}).requires_grad_(true), torch::randn({1000, 3}) * 1e3);
+  add(torch::zeros({7, 5}).requires_grad_(true), torch::randn({5, 7}).t());
+  add(torch::zeros({4}).requires_grad_(true), torch::Tensor());
+  const double got = detail::gradient_sum_of_squares(params);
+  EXPECT_NEAR(got, want, 1e-12 * want);
+  EXPECT_EQ(detail::gradient_sum_of_squares({}), 0.0);
+  // One element, exactly: 3^2.
+  torch::Tensor one = torch::zeros({1}).requires_grad_(true);
+  one.mutable_grad() = torch::full({1}, 3.0f);
+  EXPECT_EQ(detail::gradient_sum_of_squares({one}), 9.0);
+}
+
 }  // namespace
 }  // namespace pipetrain
