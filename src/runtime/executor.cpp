@@ -765,6 +765,12 @@ struct PipelineRank::Impl {
   // Fast path: waits for the oldest sends once more than `prefetch` are in flight, so sent tensors are
   // released during the step rather than at its end. Safe: the sends were posted in the lowered order,
   // so the receiver reaches each of them without needing anything this rank does later.
+  // Waits for every send still in flight.
+  void finish_sends() {
+    for (auto& [t, work] : pending_sends) work->wait();
+    pending_sends.clear();
+  }
+
   void reap_sends() {
     const std::size_t keep = static_cast<std::size_t>(std::max(1, options.prefetch));
     while (pending_sends.size() > keep) {
@@ -933,9 +939,6 @@ struct PipelineRank::Impl {
   }
 
   // ---- optimizer --------------------------------------------------------------------------------------
-  static double squared_norm(const std::vector<torch::Tensor>& params) {
-    return detail::gradient_sum_of_squares(params);
-  }
   static void clip_to(const std::vector<torch::Tensor>& params, double norm, double clip) {
     if (!(clip > 0 && norm > clip)) return;
     const double coef = clip / (norm + 1e-6);
@@ -952,8 +955,7 @@ struct PipelineRank::Impl {
     // their own Step, so this cannot deadlock; and a send left in flight may need this rank's transport
     // threads while the collective keeps its core busy: over gloo with ranks bound to one core each, the
     // MLP's last gradient then arrived 5 ms late whenever the Step reached its all-reduce quickly.
-    for (auto& [t, work] : pending_sends) work->wait();
-    pending_sends.clear();
+    finish_sends();
     std::vector<torch::Tensor> params;
     for (auto& [s, st] : stages)
       for (const auto& p : st.parameters()) params.push_back(p);
@@ -967,7 +969,7 @@ struct PipelineRank::Impl {
             return !c.primary && c.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
           }))
         counted.push_back(p);
-    torch::Tensor t = torch::tensor({step_loss[uk], norm_leader ? squared_norm(counted) : 0.0}, torch::kDouble);
+    torch::Tensor t = torch::tensor({step_loss[uk], norm_leader ? detail::gradient_sum_of_squares(counted) : 0.0}, torch::kDouble);
     transport->all_reduce_sum(t);
     step_loss[uk] = t[0].item<double>();
     step_sq[uk] = t[1].item<double>();
@@ -1038,7 +1040,7 @@ struct PipelineRank::Impl {
       // No stage knows the others' gradients of this mini-batch yet: clip by the stage's own norm; the
       // global norm is summed at the end of the call.
       const std::vector<torch::Tensor> params = stage_of(s).parameters();
-      const double sq = squared_norm(params);
+      const double sq = detail::gradient_sum_of_squares(params);
       step_sq[static_cast<std::size_t>(k)] += sq;
       clip_to(params, std::sqrt(sq), options.optimizer.clip_grad_norm);
       if (options.on_gradients) options.on_gradients(rank(), params);
@@ -1135,8 +1137,7 @@ struct PipelineRank::Impl {
         if (!options.reference) reap_sends();
         if (options.measure_memory) stats.peak_heap_growth = std::max(stats.peak_heap_growth, heap_in_use() - heap0);
       }
-      for (auto& [t, work] : pending_sends) work->wait();
-      pending_sends.clear();
+      finish_sends();
       if (!forward_mode) finish_call();
     } catch (const RemoteFailure&) {
       throw;

@@ -1,5 +1,5 @@
 // Internal to pipetrain_runtime: the Adam/AdamW update as one loop over a parameter's elements, and the
-// squared gradient norm as one pass (fused_optimizer.cpp and the executor's flush call them; fused_adam_kernel.cpp is compiled without errno-setting math so the loop
+// squared gradient norm as one pass (fused_optimizer.cpp calls them for the executor's flush; fused_adam_kernel.cpp is compiled without errno-setting math so the loop
 // vectorises, and without floating-point contraction so every build and CPU computes the same bits).
 #pragma once
 

@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "fused_adam_kernel.h"
 
@@ -22,48 +24,61 @@ bool dense_float_cpu(const torch::Tensor& t) {
 
 std::string key_of(const torch::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
 
+// One parameter the fused loop steps, with its state (null: not made yet).
 template <class State>
-bool state_fits(torch::optim::Optimizer& opt, const torch::Tensor& p) {
-  auto it = opt.state().find(key_of(p));
-  if (it == opt.state().end()) return true;  // made below, as LibTorch makes it
-  const auto* st = dynamic_cast<const State*>(it->second.get());
-  return st && dense_float_cpu(st->exp_avg()) && dense_float_cpu(st->exp_avg_sq()) &&
-         st->exp_avg().numel() == p.numel() && st->exp_avg_sq().numel() == p.numel();
-}
+struct Item {
+  torch::Tensor* p;
+  State* state;
+};
 
+// Per group, the parameters with a gradient and their states, looked up once; nullopt when any of them (or a
+// group's options) is not what the loop covers, so the caller falls back before anything changed.
 template <class Options, class State>
-bool fits(torch::optim::Optimizer& opt) {
+std::optional<std::vector<std::vector<Item<State>>>> fused_items(torch::optim::Optimizer& opt) {
+  std::vector<std::vector<Item<State>>> items;
   for (auto& group : opt.param_groups()) {
-    if (static_cast<const Options&>(group.options()).amsgrad()) return false;
-    for (const auto& p : group.params()) {
+    items.emplace_back();
+    if (static_cast<const Options&>(group.options()).amsgrad()) return std::nullopt;
+    for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      if (!dense_float_cpu(p) || !dense_float_cpu(p.grad()) || p.grad().numel() != p.numel()) return false;
-      if (!state_fits<State>(opt, p)) return false;
+      if (!dense_float_cpu(p) || !dense_float_cpu(p.grad()) || p.grad().numel() != p.numel()) return std::nullopt;
+      State* st = nullptr;
+      auto it = opt.state().find(key_of(p));
+      if (it != opt.state().end()) {
+        st = dynamic_cast<State*>(it->second.get());
+        if (!st || !dense_float_cpu(st->exp_avg()) || !dense_float_cpu(st->exp_avg_sq()) ||
+            st->exp_avg().numel() != p.numel() || st->exp_avg_sq().numel() != p.numel())
+          return std::nullopt;
+      }
+      items.back().push_back({&p, st});
     }
   }
-  return true;
+  return items;
 }
 
 // One step of Adam (decoupled = false) or AdamW (true) over every group, the arithmetic of LibTorch's step.
+// Returns false, having changed nothing, when the loop does not cover the optimizer.
 template <class Options, class State>
-void fused_adam(torch::optim::Optimizer& opt, bool decoupled) {
+bool fused_adam(torch::optim::Optimizer& opt, bool decoupled) {
+  auto items = fused_items<Options, State>(opt);
+  if (!items) return false;
   torch::NoGradGuard no_grad;
-  for (auto& group : opt.param_groups()) {
-    const auto& o = static_cast<const Options&>(group.options());
+  for (std::size_t g = 0; g < items->size(); ++g) {
+    const auto& o = static_cast<const Options&>(opt.param_groups()[g].options());
     const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      auto& slot = opt.state()[key_of(p)];
-      if (!slot) {
+    for (const Item<State>& item : (*items)[g]) {
+      torch::Tensor& p = *item.p;
+      State* st = item.state;
+      if (!st) {  // as LibTorch makes it on a parameter's first step
         auto fresh = std::make_unique<State>();
         fresh->step(0);
         fresh->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
         fresh->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
-        slot = std::move(fresh);
+        st = fresh.get();
+        opt.state()[key_of(p)] = std::move(fresh);
       }
-      auto& st = static_cast<State&>(*slot);
-      st.step(st.step() + 1);
-      const auto step = static_cast<double>(st.step());
+      st->step(st->step() + 1);
+      const auto step = static_cast<double>(st->step());
       AdamScalars s;
       s.beta1 = static_cast<float>(beta1);
       s.one_minus_beta1 = static_cast<float>(1 - beta1);
@@ -78,8 +93,8 @@ void fused_adam(torch::optim::Optimizer& opt, bool decoupled) {
         else
           s.l2 = static_cast<float>(o.weight_decay());
       }
-      torch::Tensor& m = st.exp_avg();
-      torch::Tensor& v = st.exp_avg_sq();
+      torch::Tensor& m = st->exp_avg();
+      torch::Tensor& v = st->exp_avg_sq();
       float* pp = p.data_ptr<float>();
       const float* gp = p.grad().data_ptr<float>();
       float* mp = m.data_ptr<float>();
@@ -94,6 +109,7 @@ void fused_adam(torch::optim::Optimizer& opt, bool decoupled) {
       v.unsafeGetTensorImpl()->bump_version();
     }
   }
+  return true;
 }
 
 }  // namespace
@@ -113,21 +129,19 @@ double gradient_sum_of_squares(const std::vector<torch::Tensor>& params) {
 
 bool fused_step_applies(torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<torch::optim::AdamW*>(&optimizer))
-    return fits<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(optimizer);
+    return fused_items<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(optimizer).has_value();
   if (dynamic_cast<torch::optim::Adam*>(&optimizer))
-    return fits<torch::optim::AdamOptions, torch::optim::AdamParamState>(optimizer);
+    return fused_items<torch::optim::AdamOptions, torch::optim::AdamParamState>(optimizer).has_value();
   return false;
 }
 
 void optimizer_step(torch::optim::Optimizer& optimizer) {
-  if (!fused_step_applies(optimizer)) {
-    optimizer.step();
-    return;
-  }
+  bool done = false;
   if (dynamic_cast<torch::optim::AdamW*>(&optimizer))
-    fused_adam<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(optimizer, true);
-  else
-    fused_adam<torch::optim::AdamOptions, torch::optim::AdamParamState>(optimizer, false);
+    done = fused_adam<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(optimizer, true);
+  else if (dynamic_cast<torch::optim::Adam*>(&optimizer))
+    done = fused_adam<torch::optim::AdamOptions, torch::optim::AdamParamState>(optimizer, false);
+  if (!done) optimizer.step();
 }
 
 }  // namespace pipetrain::detail

@@ -1,4 +1,5 @@
-// Internal to pipetrain_runtime: the optimizer step in one pass over each parameter.
+// Internal to pipetrain_runtime: the flush's optimizer step and squared gradient norm, each one pass over
+// each parameter.
 //
 // LibTorch's Adam runs about eight whole-tensor operations per parameter (and allocates the denominator).
 // On short steps that is most of the flush: about 0.9 ms for the 266k floats of the MLP's first stage,

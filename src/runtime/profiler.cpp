@@ -175,7 +175,7 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     l.weight_grad_ms = t.split ? t.w : 0.0;
     l.activation_bytes = static_cast<double>(t.output.numel() * t.output.element_size());
     l.saved_bytes = t.saved_bytes;
-    if (t.split) l.w_held_bytes = t.w_held_bytes;
+    l.w_held_bytes = t.w_held_bytes;  // < 0 unless the layer splits
     for (const auto& param : module->parameters())
       if (param.requires_grad()) l.parameter_bytes += static_cast<double>(param.numel() * param.element_size());
     l.optimizer_bytes = state_factor * l.parameter_bytes;

@@ -110,15 +110,18 @@ Bundle Stage::forward(Bundle b) {
   int k = 0;
   for (auto it = slice_->begin(); it != slice_->end(); ++it, ++k) {
     const auto& bundle_layer = bundle_layers_[static_cast<std::size_t>(k)];
+    // A bundle layer takes the bundle itself (no copy per call), so its errors cannot show it afterwards;
+    // Bundle::at's own message names what the bundle held.
     auto context = [&] {
-      return "layer " + std::to_string(first_ + k) + " (" + type_name_of(*it->ptr()) + ") on " + describe(b);
+      const std::string layer = "layer " + std::to_string(first_ + k) + " (" + type_name_of(*it->ptr()) + ")";
+      return bundle_layer ? layer : layer + " on " + describe(b);
     };
     if (!bundle_layer && !b.has(kMainTensor))
       throw UsageError(context() + ": a one-tensor layer reads the entry \"" + std::string(kMainTensor) +
                        "\", which the bundle lacks; name the activation \"x\" or make the layer a BundleModule");
     try {
       if (bundle_layer)
-        b = bundle_layer->forward(Bundle(b));  // a copy (of handles), so an error can still describe the input
+        b = bundle_layer->forward(std::move(b));
       else
         b.set(kMainTensor, it->forward<torch::Tensor>(b.at(kMainTensor)));
     } catch (const c10::Error& e) {
