@@ -1,6 +1,6 @@
 // Your own LibTorch model on your own tensors, trained with a 1F1B pipeline of 2 stages in one process
 // (each stage on its own thread). For one process per stage, build a PipelineRank per process over
-// make_process_transport("gloo") instead, and start it with `pipetrain launch -n 2 -- ./my_mlp`.
+// make_process_transport("auto") instead, and start it with `pipetrain launch -n 2 -- ./my_mlp`.
 #include <torch/torch.h>
 
 #include <iostream>

@@ -1,7 +1,7 @@
 // The library's training loop on your own model and data: a Trainer per rank runs a 2-stage 1F1B
 // pipeline with a warm-up + cosine learning-rate schedule, evaluates on held-out samples every 50
 // steps and saves a checkpoint at the end. Here each rank is a thread of one process; for one process
-// per rank, use make_process_transport("gloo") as the transport (world and pipeline alike) and start
+// per rank, use make_process_transport("auto") as the transport (world and pipeline alike) and start
 // the program with `pipetrain launch -n 2 -- ./my_trainer`.
 #include <torch/torch.h>
 

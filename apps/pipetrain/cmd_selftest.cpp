@@ -41,7 +41,7 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--tolerance", f->tolerance, "largest relative gradient error accepted, default 1e-5 (fp32)");
   cmd->footer(
       "Examples:\n"
-      "  pipetrain selftest --stages 2                      # two local processes over gloo\n"
+      "  pipetrain selftest --stages 2                      # two local processes over shared memory\n"
       "  pipetrain selftest --stages 4 --transport local    # threads\n"
       "  mpirun -n 2 pipetrain selftest --stages 2 --transport mpi");
   cmd->callback([f, &exit_code] {

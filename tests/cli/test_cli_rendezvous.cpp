@@ -115,8 +115,8 @@ TEST(CliRendezvous, RankKilledMidTrainingEndsTheRunWithin5s) {
 TEST(CliRendezvous, StrayRankWithAnotherTokenIsRefusedAndTheRunIsUndisturbed) {
   const auto dir = pipetrain::testing::fresh_temp_dir("rendezvous", "stray");
   const int port = free_port();
-  const std::string common = "-u PIPETRAIN_LAUNCHER_STORE MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-                             " WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=20 ";
+  const std::string common = "-u PIPETRAIN_LAUNCHER_STORE -u PIPETRAIN_SHM_PREFIX MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                             std::to_string(port) + " WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=20 ";
   const std::string train = " timeout 60 " + bin + mlp + " --steps 5";
   const std::string d = dir.string();
   // Rank 0 of run A; then a stray rank 1 with run B's token (it must be refused, not join run A); then
@@ -144,6 +144,8 @@ TEST(CliRendezvous, StrayRankWithAnotherTokenIsRefusedAndTheRunIsUndisturbed) {
   EXPECT_EQ(slurp("rank0.code"), "0\n") << slurp("rank0.txt");
   EXPECT_EQ(slurp("rank1.code"), "0\n") << slurp("rank1.txt");
   EXPECT_EQ(pipetrain::testing::log_losses(dir / "log0.jsonl").size(), 5u) << slurp("rank0.txt");
+  // Ranks started by hand (no pipetrain launcher, so no shm segment prefix) meet over gloo under auto.
+  EXPECT_NE(slurp("rank0.txt").find("2 stages over gloo"), std::string::npos) << slurp("rank0.txt");
   std::filesystem::remove_all(dir);
 }
 

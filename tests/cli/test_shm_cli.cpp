@@ -16,12 +16,13 @@ namespace {
 
 const std::string kRun = " --model mlp --data synthetic --stages 2 --steps 6 --batch-size 16 --progress quiet --log ";
 
+// Also: with no --transport, the ranks train starts on this host meet over shm (auto).
 TEST(ShmCli, TrainingOverShmIsBitwiseEqualToGloo) {
   const fs::path dir = pipetrain::testing::fresh_temp_dir("shm", "bitwise");
-  const CommandResult gloo = run_pipetrain("train" + kRun + (dir / "gloo.jsonl").string());
+  const CommandResult gloo = run_pipetrain("train --transport gloo" + kRun + (dir / "gloo.jsonl").string());
   ASSERT_EQ(gloo.code, 0) << gloo.out;
   EXPECT_TRUE(gloo.has("2 stages over gloo")) << gloo.out;
-  const CommandResult shm = run_pipetrain("train --transport shm" + kRun + (dir / "shm.jsonl").string());
+  const CommandResult shm = run_pipetrain("train" + kRun + (dir / "shm.jsonl").string());
   ASSERT_EQ(shm.code, 0) << shm.out;
   EXPECT_TRUE(shm.has("2 stages over shm")) << shm.out;
   const std::vector<double> a = log_losses(dir / "gloo.jsonl"), b = log_losses(dir / "shm.jsonl");
