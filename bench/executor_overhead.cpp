@@ -7,6 +7,12 @@
 // backward for rank 0's micro-batches, timed outside the executor) and the executor's overhead per
 // action: (CPU time - compute) / actions. A transport that spins while it waits (shm spins briefly
 // before it sleeps) counts that spin as CPU time, so its overhead is an upper bound.
+// The same CPU time is then split in two: what the rank's thread spends inside the transport's calls
+// (isend, irecv, Work::wait, all_reduce_sum, barrier: posting and copying messages, spinning, sleeping,
+// waking the peer and being woken), measured by wrapping the transport, per send and receive
+// ("xport_cpu_per_xfer"); and the rest, the executor's own work per action beside the layers' compute
+// ("exec_per_action"). The wrapper's two clock reads per call (well under a microsecond each) fall
+// partly into each share.
 //
 //   build/bench/bench_executor_overhead --transport local                        (threads of one process)
 //   build/pipetrain launch -n 2 -- build/bench/bench_executor_overhead --transport shm
@@ -93,15 +99,70 @@ double thread_cpu_us() {
   return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) * 1e-3;
 }
 
+// Forwards everything to the transport it wraps, and adds the calling thread's CPU time spent inside
+// its calls (isend, irecv, Work::wait, all_reduce_sum, barrier) to `wait_cpu_us`. Each rank's operations
+// come from one thread, so the counter is that rank's.
+class WaitTimingTransport : public pipetrain::Transport {
+ public:
+  explicit WaitTimingTransport(std::shared_ptr<pipetrain::Transport> inner) : inner_(std::move(inner)) {}
+  double wait_cpu_us = 0;
+
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::string name() const override { return inner_->name(); }
+  bool shares_process() const override { return inner_->shares_process(); }
+  std::unique_ptr<pipetrain::Work> isend(const torch::Tensor& tensor, int dst, int tag) override {
+    const double c0 = thread_cpu_us();
+    auto work = std::make_unique<TimedWork>(inner_->isend(tensor, dst, tag), &wait_cpu_us);
+    wait_cpu_us += thread_cpu_us() - c0;
+    return work;
+  }
+  std::unique_ptr<pipetrain::Work> irecv(torch::Tensor& tensor, int src, int tag) override {
+    const double c0 = thread_cpu_us();
+    auto work = std::make_unique<TimedWork>(inner_->irecv(tensor, src, tag), &wait_cpu_us);
+    wait_cpu_us += thread_cpu_us() - c0;
+    return work;
+  }
+  void all_reduce_sum(torch::Tensor& tensor) override {
+    const double c0 = thread_cpu_us();
+    inner_->all_reduce_sum(tensor);
+    wait_cpu_us += thread_cpu_us() - c0;
+  }
+  void barrier() override {
+    const double c0 = thread_cpu_us();
+    inner_->barrier();
+    wait_cpu_us += thread_cpu_us() - c0;
+  }
+  void abort(const std::string& message) noexcept override { inner_->abort(message); }
+
+ private:
+  class TimedWork : public pipetrain::Work {
+   public:
+    TimedWork(std::unique_ptr<pipetrain::Work> inner, double* total) : inner_(std::move(inner)), total_(total) {}
+    void wait() override {
+      const double c0 = thread_cpu_us();
+      inner_->wait();
+      *total_ += thread_cpu_us() - c0;
+    }
+
+   private:
+    std::unique_ptr<pipetrain::Work> inner_;
+    double* total_;
+  };
+  std::shared_ptr<pipetrain::Transport> inner_;
+};
+
 struct Row {
   double step_us = 0;
-  double cpu_us = 0;  // the rank's thread CPU time per step (median)
-  int actions = 0, transfers = 0;
+  double cpu_us = 0;       // the rank's thread CPU time per step (median)
+  double wait_cpu_us = 0;  // of which inside the transport's calls (median)
+  int actions = 0, transfers = 0, receives = 0;
 };
 
 // Runs `steps` steps of `schedule` on rank `t`'s pipeline; rank 0's median step and action counts.
-Row run_rank(const std::shared_ptr<pipetrain::Transport>& t, const std::string& schedule, int stages, int m, int steps,
-             int warmup, bool count) {
+Row run_rank(const std::shared_ptr<pipetrain::Transport>& inner, const std::string& schedule, int stages, int m,
+             int steps, int warmup, bool count) {
+  const auto t = std::make_shared<WaitTimingTransport>(inner);
   pipetrain::PipelineOptions o;
   o.schedule = schedule;
   o.microbatches = schedule == "pipedream" || schedule == "spectrain" ? 1 : m;
@@ -112,27 +173,32 @@ Row run_rank(const std::shared_ptr<pipetrain::Transport>& t, const std::string& 
   pipetrain::PipelineRank rank(tiny_model(layers), mse, t, o);
   const int64_t batch = o.microbatches;
   const torch::Tensor x = torch::ones({batch, 1}), y = torch::zeros({batch, 1});
-  std::vector<double> us, cpu;
+  std::vector<double> us, cpu, waits;
   for (int k = 0; k < warmup + steps; ++k) {
     t->barrier();
     if (k >= warmup && count) ops_rank = t->rank();
     const auto t0 = Clock::now();
+    const double w0 = t->wait_cpu_us;
     const double c0 = thread_cpu_us();
     rank.train_step(x, y, batch);
     const double c = thread_cpu_us() - c0;
+    const double w = t->wait_cpu_us - w0;
     ops_rank = -1;
     const double d = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
     if (k >= warmup) {
       us.push_back(d);
       cpu.push_back(c);
+      waits.push_back(w);
     }
   }
   Row r;
   r.step_us = median(us);
   r.cpu_us = median(cpu);
+  r.wait_cpu_us = median(waits);
   for (const auto& a : rank.schedule().actions[static_cast<std::size_t>(t->rank())]) {
     ++r.actions;
     if (a.kind == pipetrain::ActionKind::SendAct || a.kind == pipetrain::ActionKind::SendGrad) ++r.transfers;
+    if (a.kind == pipetrain::ActionKind::RecvAct || a.kind == pipetrain::ActionKind::RecvGrad) ++r.receives;
   }
   t->barrier();
   return r;
@@ -217,8 +283,9 @@ int main(int argc, char** argv) {
   }
   const bool leader = transport == "local" || mine->rank() == 0;
   if (leader)
-    std::printf("%-9s %-12s %6s %3s %10s %8s %10s %13s %10s %10s %12s\n", "transport", "schedule", "stages", "m",
-                "step_us", "actions", "transfers", "us_per_action", "cpu_us", "compute_us", "overhead_us");
+    std::printf("%-9s %-12s %6s %3s %10s %8s %10s %13s %10s %10s %12s %12s %16s %18s\n", "transport", "schedule",
+                "stages", "m", "step_us", "actions", "transfers", "us_per_action", "cpu_us", "compute_us", "overhead_us",
+                "xport_cpu_us", "exec_per_action", "xport_cpu_per_xfer");
   for (const std::string& s : schedules) {
     Row row;
     if (transport == "local") {
@@ -235,9 +302,11 @@ int main(int argc, char** argv) {
       const int per_rank = s == "interleaved" ? 2 : 1;
       const double compute = compute_us(mm * per_rank, std::max(steps, 20));
       const int actions = std::max(1, row.actions);
-      std::printf("%-9s %-12s %6d %3d %10.1f %8d %10d %13.2f %10.1f %10.1f %12.2f\n", transport.c_str(), s.c_str(),
-                  stages, mm, row.step_us, row.actions, row.transfers, row.step_us / actions, row.cpu_us, compute,
-                  (row.cpu_us - compute) / actions);
+      const int xfers = std::max(1, row.transfers + row.receives);
+      std::printf("%-9s %-12s %6d %3d %10.1f %8d %10d %13.2f %10.1f %10.1f %12.2f %12.1f %16.2f %18.2f\n",
+                  transport.c_str(), s.c_str(), stages, mm, row.step_us, row.actions, row.transfers,
+                  row.step_us / actions, row.cpu_us, compute, (row.cpu_us - compute) / actions, row.wait_cpu_us,
+                  (row.cpu_us - compute - row.wait_cpu_us) / actions, row.wait_cpu_us / xfers);
     }
     if (ops) {
       if (transport == "local")
