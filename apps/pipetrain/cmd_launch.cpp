@@ -16,6 +16,7 @@ void add_launch_command(CLI::App& app, int& exit_code) {
   struct Flags {
     int nprocs = 0;
     bool no_prefix = false;
+    bool bind = false;
     bool no_bind = false;
     double grace_s = 30.0;
     double timeout_s = 0.0;
@@ -24,8 +25,10 @@ void add_launch_command(CLI::App& app, int& exit_code) {
   CLI::App* cmd = app.add_subcommand(
       "launch", "start P local ranks of a command with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE set");
   CLI::Option* n_option = cmd->add_option("-n,--nprocs", flags->nprocs, "number of ranks (processes) to start, 1.." + std::to_string(kMaxLocalRanks));
-  cmd->add_flag("--no-bind", flags->no_bind,
-                "do not pin rank r to the r-th block of CPUs (C CPUs give each of P ranks C/P; ranks are pinned when C >= P)");
+  auto* bind = cmd->add_flag("--bind", flags->bind,
+                             "pin rank r to the r-th block of the launcher's CPUs (C CPUs give each of P ranks C/P, when "
+                             "C >= P), as mpirun binds ranks; faster for gloo ranks on a loaded machine, slower for shm");
+  cmd->add_flag("--no-bind", flags->no_bind, "leave the ranks' placement to the kernel (the default)")->excludes(bind);
   cmd->add_flag("--no-prefix", flags->no_prefix,
                 "do not prefix the ranks' output lines with [rank R] (they write straight to the terminal)");
   cmd->add_option("--grace", flags->grace_s,
@@ -60,7 +63,7 @@ void add_launch_command(CLI::App& app, int& exit_code) {
                          " must be a number of seconds >= 0 (0 = no limit)");
       LaunchOptions options;
       options.prefix_output = !flags->no_prefix;
-      options.bind_cores = !flags->no_bind;
+      options.bind_cores = flags->bind;
       options.grace = std::chrono::milliseconds(static_cast<long long>(std::llround(flags->grace_s * 1000)));
       options.timeout = std::chrono::milliseconds(static_cast<long long>(std::llround(flags->timeout_s * 1000)));
       return launch_local(flags->nprocs, *command, options);

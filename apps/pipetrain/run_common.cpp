@@ -257,7 +257,11 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
                        " pipetrain ...; or use --transport gloo");
     std::vector<std::string> args{"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    return launch_local(world, args);  // ranks on this host: "auto" means shm
+    // Ranks on this host: "auto" means shm. Gloo ranks are pinned to cores, shm ranks are not: each was
+    // the faster placement for its transport (LaunchOptions::bind_cores).
+    LaunchOptions options;
+    options.bind_cores = t == "gloo";
+    return launch_local(world, args, options);
   }
   auto mismatch = [&](int started) {
     return "the launcher started " + std::to_string(started) + " ranks but --stages is " +

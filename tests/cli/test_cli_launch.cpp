@@ -101,8 +101,9 @@ std::set<int> cpu_list(const std::string& text) {
   return out;
 }
 
-// Rank r is pinned to the r-th block of C / P of the launcher's CPUs (it was one CPU per rank, which put
-// all of a rank's intra-op threads on one core); --no-bind leaves every rank the launcher's CPUs.
+// With --bind, rank r is pinned to the r-th block of C / P of the launcher's CPUs (it was one CPU per rank,
+// which put all of a rank's intra-op threads on one core); without it (or with --no-bind) every rank
+// keeps the launcher's CPUs.
 TEST(CliLaunch, EachRankIsPinnedToItsBlockOfCpus) {
   cpu_set_t set;
   ASSERT_EQ(::sched_getaffinity(0, sizeof set, &set), 0);
@@ -115,11 +116,15 @@ TEST(CliLaunch, EachRankIsPinnedToItsBlockOfCpus) {
     return std::regex_search(r.out, m, line) ? cpu_list(m[1].str()) : std::set<int>{};
   };
   const std::string show = " -- grep Cpus_allowed_list /proc/self/status";
-  Result r = run("launch -n 1" + show);
+  Result r = run("launch -n 1 --bind" + show);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(allowed_of(r, 0), std::set<int>(mine.begin(), mine.end())) << r.out;
   if (mine.size() >= 2) {
     r = run("launch -n 2" + show);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(allowed_of(r, 0), std::set<int>(mine.begin(), mine.end())) << r.out;
+    EXPECT_EQ(allowed_of(r, 1), std::set<int>(mine.begin(), mine.end())) << r.out;
+    r = run("launch -n 2 --bind" + show);
     ASSERT_EQ(r.code, 0) << r.out;
     const std::size_t half = mine.size() / 2;
     EXPECT_EQ(allowed_of(r, 0), std::set<int>(mine.begin(), mine.begin() + half)) << r.out;

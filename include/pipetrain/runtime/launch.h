@@ -42,9 +42,12 @@ struct LaunchOptions {
   // Pin rank r to the r-th block of the CPUs this launcher may run on (sched_getaffinity): C CPUs give
   // each of P ranks C / P of them, in order, when C >= P, as mpirun binds ranks to cores: a rank's
   // memory and caches stay on its cores, and its intra-op threads have a core each when --threads is
-  // at most C / P. Off: the kernel places the ranks (better where other work loads the machine: a
-  // pinned rank cannot move to an idle core, docs/BENCHMARKS.md).
-  bool bind_cores = true;
+  // at most C / P. Off (the default): the kernel places the ranks. Measured on a 2-core machine
+  // (docs/BENCHMARKS.md, issue 15): shm ranks, which hand work to each other with futex wake-ups, are
+  // faster unpinned (a pinned rank woken while its core runs other work waits for that core; an
+  // unpinned one takes any idle core); gloo ranks were faster pinned. `train` and `selftest` pin the
+  // ranks they start when --transport gloo is named.
+  bool bind_cores = false;
   // Prefix each line the children print with "[rank R] " (stdout lines to stdout, stderr lines to
   // stderr). Off: the children write straight to the launcher's stdout/stderr, unbuffered by us.
   bool prefix_output = true;
