@@ -8,6 +8,7 @@
 #include "cli_common.h"
 #include "exact_option.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/heap.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/core/torch_csv.h"
@@ -17,7 +18,8 @@ namespace pipetrain::cli {
 
 namespace {
 
-nlohmann::json metrics_json(const Schedule& s, const SimResult& r) {
+nlohmann::json metrics_json(const Schedule& s, const SimResult& r, const std::vector<HeapPeak>& heap,
+                            const HeapOptions& policy) {
   nlohmann::json j;
   j["schedule"] = s.name;
   j["stages"] = s.ranks;
@@ -28,13 +30,21 @@ nlohmann::json metrics_json(const Schedule& s, const SimResult& r) {
   j["bubble_fraction"] = r.metrics.bubble_fraction;
   j["max_bubble"] = r.metrics.max_bubble();
   j["per_stage"] = nlohmann::json::array();
-  for (const RankMetrics& m : r.metrics.per_rank)
+  for (const RankMetrics& m : r.metrics.per_rank) {
+    const HeapPeak& h = heap.at(static_cast<std::size_t>(m.rank));
     j["per_stage"].push_back({{"stage", m.rank},
                               {"busy", m.busy},
                               {"span", m.span},
                               {"bubble", m.bubble},
                               {"peak_inflight", m.peak_inflight},
-                              {"peak_memory", m.peak_memory}});
+                              {"peak_memory", m.peak_memory},
+                              {"heap", {{"total", h.total()},
+                                        {"activations", h.activations},
+                                        {"gradients", h.gradients},
+                                        {"transfers", h.transfers},
+                                        {"after", h.position < 0 ? std::string() : to_string(h.after)}}}});
+  }
+  j["heap_policy"] = {{"receives_ahead", policy.receives_ahead}, {"sends_in_flight", policy.sends_in_flight}};
   if (!s.skips.empty()) {
     j["skips"] = nlohmann::json::array();
     for (const SkipEdge& k : s.skips)
@@ -94,6 +104,21 @@ void print_metrics_table(std::ostream& out, const Schedule& s, const SimResult& 
                        m.bubble, m.peak_inflight, m.peak_memory);
 }
 
+// The heap model's prediction per rank (core/heap.h), in MiB for a profile's bytes.
+void print_heap_table(std::ostream& out, const std::vector<HeapPeak>& heap, const HeapOptions& policy, bool bytes) {
+  const double unit = bytes ? 1048576.0 : 1.0;
+  out << fmt::format("predicted heap growth in a step{} ({} receives posted ahead, {} sends in flight):\n",
+                     bytes ? ", MiB" : "", policy.receives_ahead, policy.sends_in_flight);
+  out << fmt::format("{:>5}  {:>10}  {:>11}  {:>10}  {:>10}  {}\n", "stage", "total", "activations", "gradients",
+                     "transfers", "peak after");
+  for (std::size_t r = 0; r < heap.size(); ++r) {
+    const HeapPeak& h = heap[r];
+    out << fmt::format("{:>5}  {:>10.3f}  {:>11.3f}  {:>10.3f}  {:>10.3f}  {}\n", r, h.total() / unit,
+                       h.activations / unit, h.gradients / unit, h.transfers / unit,
+                       h.position < 0 ? std::string("-") : to_string(h.after));
+  }
+}
+
 void add_simulate_command(CLI::App& app, int& exit_code) {
   auto flags = std::make_shared<ScheduleFlags>();
   auto json = std::make_shared<bool>(false);
@@ -104,6 +129,7 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
   auto letters = std::make_shared<std::string>("detect");
   auto stage_rank = std::make_shared<std::vector<int>>();
   auto exact = std::make_shared<ExactFlags>();
+  auto reference = std::make_shared<bool>(false);
   CLI::App* cmd = app.add_subcommand("simulate", "predict a schedule's timeline, bubble and memory");
   flags->add_to(*cmd);
   exact->add_to(*cmd);
@@ -117,13 +143,18 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--stage-rank", *stage_rank,
                   "with --format torch: the rank of every stage, e.g. 0,1,1,0 (default: the row that names it)")
       ->delimiter(',');
+  cmd->add_flag("--reference", *reference,
+                "predict the heap of the blocking reference executor (train --reference): no receives posted "
+                "ahead, sends complete in place; default: the fast path (4 receives ahead, 4 sends in flight)");
   cmd->add_flag("--json", *json, "print one JSON object instead of the table");
   cmd->add_flag("--ascii", *ascii, "also print a text timeline (one line per stage)");
   cmd->add_option("--trace", *trace, "write a Chrome trace (open in Perfetto or chrome://tracing)");
   cmd->add_option("--svg", *svg, "write an SVG Gantt chart");
   cmd->footer(
       "Stage entries are per rank (a rank holds v virtual stages in interleaved schedules). Bubble per stage "
-      "is span - busy; bubble fraction is 1 - sum(busy) / (p * makespan).\n"
+      "is span - busy; bubble fraction is 1 - sum(busy) / (p * makespan). With --profile it also predicts what a "
+      "step adds to each rank's heap: activations, weight gradients and the runtime's transfer buffers "
+      "(docs/ALGORITHMS.md 1.5.1; --json: per_stage[].heap).\n"
       "Examples:\n"
       "  pipetrain simulate --schedule 1f1b --stages 4 --microbatches 8\n"
       "  pipetrain simulate --schedule zb-h1 --stages 4 --microbatches 8 --cost 1:1:1 --json\n"
@@ -141,11 +172,14 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       ZbExactResult found;
       const bool searched = exact->apply(*flags, s, found);
       if (searched && s.skips.empty()) flags->add_skips(s);  // the searched schedule, with the routes
-      const SimResult r = simulate(s, flags->costs(s));
+      const CostModel costs = flags->costs(s);
+      const SimResult r = simulate(s, costs);
+      const HeapOptions policy = *reference ? HeapOptions::reference() : HeapOptions{};
+      const std::vector<HeapPeak> heap = predict_heap(s, costs, policy);
       if (!trace->empty()) write_file_atomic(*trace, chrome_trace_json(r.timeline));
       if (!svg->empty()) write_file_atomic(*svg, gantt_svg(r.timeline, r.metrics));
       if (*json) {
-        nlohmann::json j = metrics_json(s, r);
+        nlohmann::json j = metrics_json(s, r, heap, policy);
         if (*format == "torch") j["notes"] = notes;
         if (searched)
           j["exact"] = {{"greedy_makespan", found.greedy_makespan}, {"makespan", found.makespan},
@@ -156,6 +190,10 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
         for (const std::string& n : notes) std::cout << "note: " << n << "\n";
         if (searched) std::cout << found.summary() << " (one step)\n";
         print_metrics_table(std::cout, s, r);
+        // With a profile (or byte amounts) the heap model has gradients and messages to add.
+        bool heap_inputs = false;
+        for (const StageCost& c : costs.stage) heap_inputs |= c.gradient_b + c.gradient_w + c.message > 0;
+        if (heap_inputs) print_heap_table(std::cout, heap, policy, !flags->profile.empty());
         if (*ascii) std::cout << ascii_gantt(r.timeline);
         if (!trace->empty()) std::cout << "trace written to " << *trace << "\n";
         if (!svg->empty()) std::cout << "timeline written to " << *svg << "\n";

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "pipetrain/core/error.h"
 
@@ -9,7 +10,9 @@ namespace pipetrain {
 
 CostModel CostModel::uniform(int stages, StageCost per_stage, int virtual_per_rank, double comm) {
   const double v = virtual_per_rank > 0 ? virtual_per_rank : 1;
-  StageCost chunk{per_stage.f / v, per_stage.b / v, per_stage.w / v, per_stage.activation / v};
+  // A chunk holds 1/v of the layers and so of their gradients; its output is as large as the stage's.
+  StageCost chunk{per_stage.f / v,          per_stage.b / v,          per_stage.w / v, per_stage.activation / v,
+                  per_stage.gradient_b / v, per_stage.gradient_w / v, per_stage.message};
   CostModel m;
   m.stage.assign(static_cast<std::size_t>(stages), chunk);
   m.comm = comm;
@@ -54,6 +57,13 @@ void CostModel::check(int stages) const {
           << ", activation=" << c.activation << "): costs must be finite, >= 0 and at most 1e12";
       throw UsageError(msg.str());
     }
+    for (const auto& [name, x] : {std::pair<const char*, double>{"gradient_b", c.gradient_b}, {"gradient_w", c.gradient_w},
+                                  {"message", c.message}})
+      if (!std::isfinite(x) || x < 0) {
+        std::ostringstream msg;
+        msg << "stage " << s << " has " << name << " = " << x << ": memory amounts must be finite and >= 0";
+        throw UsageError(msg.str());
+      }
   }
   if (bad(comm)) throw UsageError("communication cost " + std::to_string(comm) + " must be finite and >= 0");
   if (bad(bandwidth))

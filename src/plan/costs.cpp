@@ -45,6 +45,9 @@ CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, cons
       sc.b += bw * (1 - share_w);
       sc.w += bw * share_w;
       sc.activation += l.held_bytes() * scale;
+      // Weight gradients (heap model): a split layer's come with W, the others' with B.
+      (l.bw_split ? sc.gradient_w : sc.gradient_b) += l.parameter_bytes;
+      if (k + 1 == balance[s]) sc.message = l.activation_bytes * scale;
       if (k + 1 == balance[s] && s + 1 < balance.size()) boundary = std::max(boundary, l.activation_bytes * scale);
     }
     costs.stage.push_back(sc);

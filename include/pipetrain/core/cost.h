@@ -19,6 +19,10 @@ struct StageCost {
   double b = 1.0;           // input-gradient backward time per micro-batch
   double w = 1.0;           // weight-gradient backward time per micro-batch
   double activation = 1.0;  // activation memory one micro-batch holds from F until its backward ends
+  // For the heap model (heap.h), in the same memory units; 0 by default (synthetic costs model none):
+  double gradient_b = 0.0;  // weight-gradient memory the stage's first B (or BW) of a step makes
+  double gradient_w = 0.0;  // weight-gradient memory its first W (or BW) of a step makes
+  double message = 0.0;     // one micro-batch's output as sent to the next stage (and its gradient back)
 };
 
 // The largest time of one action a cost model accepts: the simulator sums many of them, and costs such

@@ -7,6 +7,8 @@
 // latency on the data edge. Steps take `costs.step`. Skip routes (skip.h) add edges that cost
 // comm + size / bandwidth between ranks, and peak memory counts each skip on its consumer's rank from
 // its arrival until the consumer's W or BW of that micro-batch (docs/ALGORITHMS.md §1.10, P-BUNDLE-2).
+// peak_memory counts activations only; what a step adds to a rank's heap besides them (weight gradients,
+// the runtime's transfer buffers) is the heap model's (heap.h).
 // Pure function; any thread may call it.
 #pragma once
 

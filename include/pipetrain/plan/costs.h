@@ -25,10 +25,12 @@ struct StageCostOptions {
 
 // Costs of the stages a balance cuts the profile into: F = sum of forward times, B and W = each layer's
 // backward split in its measured B:W proportion (all B for layers without a split), activation = the
-// bytes a micro-batch keeps (sum of the stage's layer outputs), comm = latency + the largest boundary
-// activation / bandwidth (the cost model has one transfer time), overhead = options.overhead_ms or the
-// profile's runtime overhead, b_release_fraction = 1 - (what split layers keep after B for W, w_held_bytes)
-// / (what all layers keep) when the profile measured it for every split layer, else the default.
+// bytes a micro-batch keeps (sum of the stage's layers' held_bytes), comm = latency + the largest
+// boundary activation / bandwidth (the cost model has one transfer time), overhead = options.overhead_ms
+// or the profile's runtime overhead, b_release_fraction = 1 - (what split layers keep after B for W,
+// w_held_bytes) / (what all layers keep) when the profile measured it for every split layer, else the
+// default. For the heap model (core/heap.h): gradient_w = the parameter bytes of the stage's split layers,
+// gradient_b those of its other layers, message = its last layer's activation_bytes at the micro-batch size.
 // Throws UsageError if the balance does not fit the profile.
 CostModel stage_costs(const Profile& profile, const std::vector<int>& balance, const StageCostOptions& options);
 
