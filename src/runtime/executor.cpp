@@ -861,19 +861,21 @@ struct PipelineRank::Impl {
     }
   }
 
-  // Runs a receive action. On the fast path a receive that was posted ahead is not waited for here:
-  // the action that consumes the data waits (await_inputs), so a receive placed early by the lowering
-  // never holds up unrelated work. Returns false when the wait was deferred that way.
+  // Runs a receive action. On the fast path a receive is not waited for here: it was posted ahead, or
+  // is posted now, and the action that consumes the data waits (await_inputs), so a receive placed early
+  // by the lowering never holds up unrelated work. Only a receive whose layout is not agreed yet blocks
+  // here (its header comes first). Returns false when the wait was deferred.
   bool receive(const Action& a, int pos) {
     const bool act = a.kind == ActionKind::RecvAct;
     Slot& sl = slot(a.stage, a.index);
+    const int boundary = act ? a.stage - 1 : a.stage + 1;
+    const int dir = act ? 0 : 1;
+    const int src = pass->rank_of(boundary, a.index);
+    if (!posted.count(pos) && !options.reference) post_receive(a, pos);
     if (posted.count(pos)) {
       (act ? sl.pending_input : sl.pending_grad) = pos;
       return false;
     }
-    const int boundary = act ? a.stage - 1 : a.stage + 1;
-    const int dir = act ? 0 : 1;
-    const int src = pass->rank_of(boundary, a.index);
     const auto [buf, l] = recv_bundle(boundary, dir, a.index, src, tag(boundary, a.index, dir, 0), tag(boundary, a.index, dir, 1));
     deliver(a, buf, l);
     return true;
@@ -913,27 +915,33 @@ struct PipelineRank::Impl {
     timeline.events.push_back(TimedAction{rank(), recv, t0, now_ms()});
   }
 
+  // Fast path: posts the receive `a` at list position `pos` unless its layout is not agreed yet (always,
+  // with variable shapes: its header must be received in order, at its action). Returns whether it did.
+  bool post_receive(const Action& a, int pos) {
+    const bool act = a.kind == ActionKind::RecvAct;
+    const int boundary = act ? a.stage - 1 : a.stage + 1;
+    const int dir = act ? 0 : 1;
+    const int src = pass->rank_of(boundary, a.index);
+    const BundleLayout* l = recv_layout(boundary, dir, a.index, src, false);
+    if (!l) return false;
+    PendingRecv& p = posted[pos];
+    p.buffer = detail::empty_buffer(*l);
+    p.layout = l;
+    p.work = transport->irecv(p.buffer, src, tag(boundary, a.index, dir, 0));
+    return true;
+  }
+
   // Fast path: keeps up to `prefetch` receives posted and not yet consumed, walking the rank's list in
   // order from `prefetch_cursor` (so each step costs O(actions), not O(actions x window)). A receive
-  // whose layout is not agreed yet (always, with variable shapes) stops the walk: its header must be
-  // received in order, at its action. Skip receives are not prefetched: each is posted at its own place
-  // (receive_skip).
+  // whose layout is not agreed yet stops the walk. A full window only delays posting: a receive whose
+  // place is reached before the walk posted it is posted there (receive), never waited for there. Skip
+  // receives are not prefetched: each is posted at its own place (receive_skip).
   void prefetch_from(const std::vector<Action>& actions, std::size_t pos) {
     prefetch_cursor = std::max(prefetch_cursor, pos);
     while (prefetch_cursor < actions.size() && posted.size() < static_cast<std::size_t>(options.prefetch)) {
       const Action& a = actions[prefetch_cursor];
-      if ((a.kind == ActionKind::RecvAct || a.kind == ActionKind::RecvGrad) && a.peer < 0) {  // not a skip's
-        const bool act = a.kind == ActionKind::RecvAct;
-        const int boundary = act ? a.stage - 1 : a.stage + 1;
-        const int dir = act ? 0 : 1;
-        const int src = pass->rank_of(boundary, a.index);
-        const BundleLayout* l = recv_layout(boundary, dir, a.index, src, false);
-        if (!l) return;
-        PendingRecv& p = posted[static_cast<int>(prefetch_cursor)];
-        p.buffer = detail::empty_buffer(*l);
-        p.layout = l;
-        p.work = transport->irecv(p.buffer, src, tag(boundary, a.index, dir, 0));
-      }
+      if ((a.kind == ActionKind::RecvAct || a.kind == ActionKind::RecvGrad) && a.peer < 0)  // not a skip's
+        if (!post_receive(a, static_cast<int>(prefetch_cursor))) return;
       ++prefetch_cursor;
     }
   }

@@ -48,7 +48,9 @@
 //
 // Two execution paths share the interpreter: the reference path (`reference = true`) does every send
 // and receive blocking, exactly where the lowered schedule puts it; the default fast path sends without
-// waiting and keeps up to `prefetch` receives posted ahead of need. Tests check they give identical numbers.
+// waiting, keeps up to `prefetch` receives posted ahead of their place in the list, posts a receive at its
+// place if the window was full, and waits for each only at the action that consumes it. Tests check the
+// two paths give identical numbers.
 //
 // Bundles (bundle.h): a stage maps a bundle of named tensors to a bundle; a model of plain one-tensor
 // layers passes the single entry "x". Every entry crosses the boundary; only those that carry a gradient
@@ -114,7 +116,7 @@ struct PipelineOptions {
   // generator is restored after each forward: it never sees the pipeline's draws (see PipelineRank).
   bool deterministic_rng = true;
   bool reference = false;                 // blocking reference path instead of the fast path
-  int prefetch = 4;                       // fast path: receives posted ahead and not yet consumed, at most
+  int prefetch = 4;                       // fast path: receives posted ahead of their place and not yet consumed, at most
   int threads = 0;                        // intra-op threads of this rank (at::set_num_threads); 0 = as is
   // Device of this rank's stages: cpu, or cuda[:N] with a CUDA LibTorch. Inputs, targets and received
   // tensors are moved there; transfers go through host memory (gloo, mpi, local).
