@@ -155,7 +155,7 @@ std::pair<double, double> fit(torch::nn::Sequential m, const zoo::Batch& b, int 
 
 zoo::Batch tiny_images(int64_t n) {
   torch::manual_seed(123);
-  return {torch::randn({n, 1, 28, 28}), torch::randint(10, {n}, torch::kLong)};
+  return {torch::randn({n, 1, 28, 28}), torch::randint(10, {n}, torch::kLong), {}};
 }
 
 torch::nn::Sequential seeded_small_cnn() {
