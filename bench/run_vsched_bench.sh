@@ -7,7 +7,7 @@
 #                                              # temporary folder; fails unless it wrote summary.md
 #
 # One GPT (6 blocks + embedding + head = 8 pipeline layers, d_model 128, 4 heads, vocab 96, context 64,
-# batch 32, m = 8) trained with `pipetrain train --stages 2 --threads 1 --memory` (2 processes over gloo,
+# batch 32, m = 8) trained with `pipetrain train --stages 2 --threads 1 --memory` (2 processes over the default transport,
 # one thread each) under 1f1b and zb-h1 (2 stages) and zb-v, v-half, v-min, dualpipev (a V: 4 stages, 2 per
 # rank), interleaved-zb and looped-bfs (--virtual 2: 4 stages), ROUNDS interleaved rounds. Per run: the
 # median step time (first 2 steps skipped), the simulator's efficiency on the run's own measured stage

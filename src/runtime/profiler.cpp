@@ -104,14 +104,20 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
     t.saved_bytes = std::max(0.0, detail::heap_in_use() - before);
     // And what a split layer still holds after its B, for its W: B runs under a weight-gradient store, the
     // store keeps what W needs. The input gradient B made leaves the stage (it is sent), so it does not
-    // count; the parameters' gradients exist already (the timed runs made them), so B adds none.
+    // count; the parameters' gradients exist already (the timed runs made them), so B adds none. The
+    // output gradient is a fresh copy made inside the window, as a received one is: it counts when W
+    // keeps it (a split Linear whose output is the layer's, directly or through a residual sum), and
+    // is freed with B otherwise.
     if (t.split && out.requires_grad()) {
+      const torch::Tensor received = grad;
+      if (!with_loss) grad = grad.clone();
       WeightGradStore store;
       {
         WeightGradStore::Scope scope(&store);
         backward(out);
       }
       out = torch::Tensor();
+      grad = received;
       double input_grad = 0;
       if (in.grad().defined()) input_grad = static_cast<double>(in.grad().numel() * in.grad().element_size());
       t.w_held_bytes = std::max(0.0, detail::heap_in_use() - before - input_grad);

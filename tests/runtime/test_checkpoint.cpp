@@ -549,6 +549,23 @@ TEST(Profiler, WHeldBytesCountWhatBKeepsForW) {
   EXPECT_DOUBLE_EQ(stage_costs(unmeasured, {1, 1}, StageCostOptions{}).b_release_fraction, CostModel{}.b_release_fraction);
 }
 
+// A split Linear that is the layer's last operation keeps the layer's output gradient for W (its weight
+// gradient is grad_output^T x input): that gradient arrives from the next stage and stays until W, so
+// w_held_bytes counts it. (The layer's input, also kept for W, is the previous layer's output or a
+// received buffer: counted there, not here.) Measured with the gradient allocated before the window, it
+// was left out (128 KiB here).
+TEST(Profiler, WHeldBytesCountTheOutputGradientWKeeps) {
+  torch::nn::Sequential model{pipetrain::nn::Linear(16, 1024)};
+  ProfilerOptions o;
+  o.repeats = 1;
+  o.warmup = 0;
+  const Profile p = profile_model(model, torch::randn({32, 16}), o);
+  const double input = 32.0 * 16 * 4, out_grad = 32.0 * 1024 * 4;
+  ASSERT_TRUE(p.layers[0].bw_split);
+  EXPECT_GE(p.layers[0].w_held_bytes, out_grad);
+  EXPECT_LE(p.layers[0].w_held_bytes, 1.1 * (out_grad + input) + 4096);
+}
+
 // With a loss and a target, the last layer is timed with the loss on its output (forward and backward):
 // the loss sees the last layer's output and the matching target rows at every size, every other layer
 // is timed without it, and the activation bytes stay the layer's output. A target with other rows is
