@@ -165,8 +165,10 @@ class RankWalk {
             const auto t = skip_carried(s_, a);
             if (t) act_ += s_.skips[static_cast<std::size_t>(t->route)].size;
           }
-        } else if (!posted_.count(pos)) {  // not posted ahead: it blocks here
+        } else if (!posted_.count(pos)) {  // not posted ahead: posted here (receive), its consumer waits
           allocate(a);
+          posted_.insert(pos);  // it fills the window until consumed, as one posted ahead does
+          (a.kind == ActionKind::RecvAct ? posted_input_ : posted_grad_)[{a.stage, a.index}] = pos;
         }
         break;
       case ActionKind::SendAct: sends_.push_back(Send{a.peer < 0, slot, 0.0}); break;

@@ -16,7 +16,9 @@
 //                  BW) of its stage and micro-batch frees the slot that holds it. The fast path allocates
 //                  it when it posts the receive: it keeps `receives_ahead` receives posted and not yet
 //                  consumed (a receive counts until the F, B or BW that needs it has waited for it),
-//                  walking the list in order; a receive it has not posted blocks at its own action;
+//                  walking the list in order; a receive it has not posted is posted at its own action
+//                  (the reference path blocks there instead) and fills the window the same way until
+//                  consumed;
 //                - an input gradient from the backward that makes it until the previous stage's backward
 //                  takes it (that stage on the same rank) or its send is released;
 //                - a sent activation whose send is still in flight when its stage's backward frees the
