@@ -109,7 +109,7 @@ void print_heap_table(std::ostream& out, const std::vector<HeapPeak>& heap, cons
   const double unit = bytes ? 1048576.0 : 1.0;
   out << fmt::format("predicted heap growth in a step{} ({} receives posted ahead, {} sends in flight):\n",
                      bytes ? ", MiB" : "", policy.receives_ahead, policy.sends_in_flight);
-  out << fmt::format("{:>5}  {:>10}  {:>11}  {:>10}  {:>10}  {}\n", "stage", "total", "activations", "gradients",
+  out << fmt::format("{:>5}  {:>10}  {:>11}  {:>10}  {:>10}  {}\n", "rank", "total", "activations", "gradients",
                      "transfers", "peak after");
   for (std::size_t r = 0; r < heap.size(); ++r) {
     const HeapPeak& h = heap[r];
