@@ -154,7 +154,7 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       "Stage entries are per rank (a rank holds v virtual stages in interleaved schedules). Bubble per stage "
       "is span - busy; bubble fraction is 1 - sum(busy) / (p * makespan). With --profile it also predicts what a "
       "step adds to each rank's heap: activations, weight gradients and the runtime's transfer buffers "
-      "(docs/ALGORITHMS.md 1.5.1; --json: per_stage[].heap).\n"
+      "(see docs/ALGORITHMS.md §1.5.1; --json: per_stage[].heap).\n"
       "Examples:\n"
       "  pipetrain simulate --schedule 1f1b --stages 4 --microbatches 8\n"
       "  pipetrain simulate --schedule zb-h1 --stages 4 --microbatches 8 --cost 1:1:1 --json\n"
