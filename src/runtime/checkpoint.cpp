@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -302,16 +303,20 @@ std::string prepare_checkpoint_dir(const std::string& dir_text, const std::strin
   const fs::path parent = fs::absolute(final_dir).parent_path();
   std::error_code ec;
   fs::create_directories(parent, ec);
-  if (ec)
+  std::error_code is_dir_ec;
+  if (ec && !fs::is_directory(parent, is_dir_ec))  // another rank may have made it meanwhile: that is fine
     throw UsageError(flag + " " + dir_text + ": cannot create the folder " + parent.string() + " (" + ec.message() +
                      "): pick a writable place");
-  // Probe: the save will create DIR.partial and rename it; do it once now.
-  if (!fs::exists(partial, ec)) {
-    if (::mkdir(partial.c_str(), 0755) != 0)
-      throw UsageError(flag + " " + dir_text + ": cannot create folders in " + parent.string() + " (" +
-                       errno_text(errno) + "): pick a writable place");
-    ::rmdir(partial.c_str());
-  }
+  // Probe: the save will create DIR.partial in the parent and rename it; create and remove a folder there
+  // now. Every rank of a run probes at start-up, at the same moment: the probe's name is this process's
+  // and this call's own, so two probes never meet (with one shared name, a rank whose mkdir came second
+  // failed with "File exists").
+  static std::atomic<unsigned> probes{0};
+  const fs::path probe(dir + ".probe-" + std::to_string(::getpid()) + "-" + std::to_string(probes++));
+  if (::mkdir(probe.c_str(), 0755) != 0)
+    throw UsageError(flag + " " + dir_text + ": cannot create folders in " + parent.string() + " (" +
+                     errno_text(errno) + "): pick a writable place");
+  ::rmdir(probe.c_str());
   return dir;
 }
 

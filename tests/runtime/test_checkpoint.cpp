@@ -7,10 +7,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <mutex>
+#include <thread>
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/plan/costs.h"
@@ -323,6 +326,37 @@ TEST(Checkpoint, SaveKeepsTheOnlyCompleteCopy) {
   EXPECT_FALSE(fs::exists(dir.string() + ".old"));
   EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
   fs::remove_all(dir);
+}
+
+// Every rank of a run checks --save at start-up, at the same moment. Their probes of the parent folder
+// used one shared name (DIR.partial), so a rank whose mkdir came second failed with "File exists" (seen
+// in `make demo`). Many concurrent calls on one new, nested path must all succeed and leave nothing.
+TEST(Checkpoint, ConcurrentPreparesOfOneFolderAllSucceed) {
+  const fs::path base = fresh_dir("concurrent");
+  const std::string dir = (base / "a" / "b" / "ckpt").string();
+  std::atomic<int> failures{0};
+  std::string first_error;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&] {
+      for (int k = 0; k < 50; ++k) {
+        try {
+          prepare_checkpoint_dir(dir);
+        } catch (const std::exception& e) {
+          if (failures++ == 0) {
+            std::lock_guard<std::mutex> g(mu);
+            first_error = e.what();
+          }
+        }
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0) << first_error;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(base / "a" / "b")) left.push_back(e.path().filename().string());
+  EXPECT_TRUE(left.empty()) << left.front();
+  fs::remove_all(base);
 }
 
 // `--save ckpt/` failed every save and left ckpt/.partial; `.` and unwritable places failed only at the
