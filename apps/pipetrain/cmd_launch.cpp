@@ -25,10 +25,10 @@ void add_launch_command(CLI::App& app, int& exit_code) {
   CLI::App* cmd = app.add_subcommand(
       "launch", "start P local ranks of a command with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE set");
   CLI::Option* n_option = cmd->add_option("-n,--nprocs", flags->nprocs, "number of ranks (processes) to start, 1.." + std::to_string(kMaxLocalRanks));
-  auto* bind = cmd->add_flag("--bind", flags->bind,
-                             "pin rank r to the r-th block of the launcher's CPUs (C CPUs give each of P ranks C/P, when "
-                             "C >= P), as mpirun binds ranks; faster for gloo ranks on a loaded machine, slower for shm");
-  cmd->add_flag("--no-bind", flags->no_bind, "leave the ranks' placement to the kernel (the default)")->excludes(bind);
+  cmd->add_flag("--bind", flags->bind,
+                "pin rank r to the r-th block of the launcher's CPUs (C CPUs give each of P ranks C/P, when "
+                "C >= P), as mpirun binds ranks; faster for gloo ranks on a loaded machine, slower for shm");
+  cmd->add_flag("--no-bind", flags->no_bind, "leave the ranks' placement to the kernel (the default)");
   cmd->add_flag("--no-prefix", flags->no_prefix,
                 "do not prefix the ranks' output lines with [rank R] (they write straight to the terminal)");
   cmd->add_option("--grace", flags->grace_s,
@@ -53,6 +53,9 @@ void add_launch_command(CLI::App& app, int& exit_code) {
       if (flags->nprocs < 1)
         throw UsageError("-n " + std::to_string(flags->nprocs) +
                          " is not a number of ranks: give -n P with P >= 1, e.g. -n 2");
+      if (flags->bind && flags->no_bind)
+        throw UsageError("--bind and --no-bind contradict each other: give one of them (without either, ranks "
+                         "are not pinned)");
       if (command->empty())
         throw UsageError("missing the command to run: pipetrain launch -n " + std::to_string(flags->nprocs) +
                          " -- COMMAND [ARGS...]");

@@ -765,18 +765,18 @@ struct PipelineRank::Impl {
   // Fast path: waits for the oldest sends once more than `prefetch` are in flight, so sent tensors are
   // released during the step rather than at its end. Safe: the sends were posted in the lowered order,
   // so the receiver reaches each of them without needing anything this rank does later.
-  // Waits for every send still in flight.
-  void finish_sends() {
-    for (auto& [t, work] : pending_sends) work->wait();
-    pending_sends.clear();
-  }
-
   void reap_sends() {
     const std::size_t keep = static_cast<std::size_t>(std::max(1, options.prefetch));
     while (pending_sends.size() > keep) {
       pending_sends.front().second->wait();
       pending_sends.erase(pending_sends.begin());
     }
+  }
+
+  // Waits for every send still in flight (the flush, the end of a call).
+  void finish_sends() {
+    for (auto& [t, work] : pending_sends) work->wait();
+    pending_sends.clear();
   }
 
   // ---- communication --------------------------------------------------------------------------------
@@ -867,15 +867,14 @@ struct PipelineRank::Impl {
   // here (its header comes first). Returns false when the wait was deferred.
   bool receive(const Action& a, int pos) {
     const bool act = a.kind == ActionKind::RecvAct;
-    Slot& sl = slot(a.stage, a.index);
-    const int boundary = act ? a.stage - 1 : a.stage + 1;
-    const int dir = act ? 0 : 1;
-    const int src = pass->rank_of(boundary, a.index);
-    if (!posted.count(pos) && !options.reference) post_receive(a, pos);
-    if (posted.count(pos)) {
+    if (!options.reference && (posted.count(pos) || post_receive(a, pos))) {
+      Slot& sl = slot(a.stage, a.index);
       (act ? sl.pending_input : sl.pending_grad) = pos;
       return false;
     }
+    const int boundary = act ? a.stage - 1 : a.stage + 1;
+    const int dir = act ? 0 : 1;
+    const int src = pass->rank_of(boundary, a.index);
     const auto [buf, l] = recv_bundle(boundary, dir, a.index, src, tag(boundary, a.index, dir, 0), tag(boundary, a.index, dir, 1));
     deliver(a, buf, l);
     return true;

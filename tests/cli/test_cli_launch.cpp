@@ -133,6 +133,9 @@ TEST(CliLaunch, EachRankIsPinnedToItsBlockOfCpus) {
     ASSERT_EQ(r.code, 0) << r.out;
     EXPECT_EQ(allowed_of(r, 1), std::set<int>(mine.begin(), mine.end())) << r.out;
   }
+  r = run("launch -n 1 --bind --no-bind" + show);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "--bind and --no-bind contradict each other: give one of them")) << r.out;
 }
 
 TEST(CliLaunch, HelpHasAnExample) {

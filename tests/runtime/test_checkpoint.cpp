@@ -516,6 +516,14 @@ TEST(Profiler, MeasuresEveryLayer) {
   EXPECT_THROW(profile_model(model, torch::randn({4, kIn}), bad), UsageError);
 }
 
+// The memory tests' profile: one run of a batch of 32 x 16, no warm-up (heap figures need no repeats).
+Profile profile_once(torch::nn::Sequential model) {
+  ProfilerOptions o;
+  o.repeats = 1;
+  o.warmup = 0;
+  return profile_model(std::move(model), torch::randn({32, 16}), o);
+}
+
 // A layer that keeps much more than it outputs (a 1024-wide hidden layer between 16-wide ends): its
 // saved_bytes is the hidden activation the ReLU keeps plus the output (32 x (1024 + 16) floats, within
 // the heap's rounding), while activation_bytes stays the output alone; the memory model (stage costs,
@@ -529,10 +537,7 @@ TORCH_MODULE(Wide);
 
 TEST(Profiler, SavedBytesCountWhatTheForwardKeeps) {
   torch::nn::Sequential model{Wide(), torch::nn::Tanh()};
-  ProfilerOptions o;
-  o.repeats = 1;
-  o.warmup = 0;
-  const Profile p = profile_model(model, torch::randn({32, 16}), o);
+  const Profile p = profile_once(model);
   const double hidden = 32.0 * 1024 * 4, out = 32.0 * 16 * 4;
   EXPECT_EQ(p.layers[0].activation_bytes, out);
   EXPECT_GE(p.layers[0].saved_bytes, hidden + out);
@@ -562,10 +567,7 @@ TORCH_MODULE(SplitWide);
 
 TEST(Profiler, WHeldBytesCountWhatBKeepsForW) {
   torch::nn::Sequential model{SplitWide(), torch::nn::Tanh()};
-  ProfilerOptions o;
-  o.repeats = 1;
-  o.warmup = 0;
-  const Profile p = profile_model(model, torch::randn({32, 16}), o);
+  const Profile p = profile_once(model);
   const double hidden = 32.0 * 1024 * 4, out = 32.0 * 16 * 4;
   ASSERT_TRUE(p.layers[0].bw_split);
   EXPECT_GE(p.layers[0].w_held_bytes, 2 * hidden);
@@ -590,10 +592,7 @@ TEST(Profiler, WHeldBytesCountWhatBKeepsForW) {
 // was left out (128 KiB here).
 TEST(Profiler, WHeldBytesCountTheOutputGradientWKeeps) {
   torch::nn::Sequential model{pipetrain::nn::Linear(16, 1024)};
-  ProfilerOptions o;
-  o.repeats = 1;
-  o.warmup = 0;
-  const Profile p = profile_model(model, torch::randn({32, 16}), o);
+  const Profile p = profile_once(model);
   const double input = 32.0 * 16 * 4, out_grad = 32.0 * 1024 * 4;
   ASSERT_TRUE(p.layers[0].bw_split);
   EXPECT_GE(p.layers[0].w_held_bytes, out_grad);
