@@ -10,10 +10,8 @@
 //   sleeps      the share of turns whose waiter went to sleep
 //
 //   build/bench/bench_wake_handoff [--turns N (20000)] [--work-us W (30)] [--spins 0,20,200] [--quick]
-#include <linux/futex.h>
 #include <sched.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -25,6 +23,8 @@
 #include <new>
 #include <string>
 #include <vector>
+
+#include "futex.h"  // src/runtime: the shm transport's own waiting primitives
 
 namespace {
 
@@ -48,13 +48,7 @@ void busy(double us) {
   }
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
+using pipetrain::detail::cpu_relax;
 
 // One process's side: `turns` turns of `work_us` each, waiting for the other's in between.
 void play(Shared* s, int me, int turns, double work_us, double spin_us) {
@@ -73,8 +67,7 @@ void play(Shared* s, int me, int turns, double work_us, double spin_us) {
       }
       s->sleeping[me].store(1, std::memory_order_seq_cst);
       if (s->turn.load(std::memory_order_seq_cst) == t) {
-        timespec limit{0, 200000000};
-        ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&s->turn), FUTEX_WAIT, t, &limit, nullptr, 0);
+        pipetrain::detail::futex_wait(&s->turn, t, std::chrono::milliseconds(200));
         ++sleeps;
       }
       s->sleeping[me].store(0, std::memory_order_relaxed);
@@ -82,7 +75,7 @@ void play(Shared* s, int me, int turns, double work_us, double spin_us) {
     busy(work_us);
     s->turn.fetch_add(1, std::memory_order_seq_cst);
     if (s->sleeping[1 - me].load(std::memory_order_seq_cst))
-      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&s->turn), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+      pipetrain::detail::futex_wake(&s->turn);
   }
   s->cpu_us[me] = now_us(CLOCK_THREAD_CPUTIME_ID) - c0;
   s->sleeps[me] = sleeps;

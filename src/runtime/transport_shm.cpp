@@ -87,6 +87,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/store.h"
 #include "pipetrain/runtime/transport.h"
+#include "futex.h"
 #include "transport_util.h"
 
 #ifndef SYS_pidfd_open
@@ -100,7 +101,10 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 using detail::byte_size;
 using detail::cpu_contiguous;
+using detail::cpu_relax;
 using detail::env_seconds;
+using detail::futex_wait;
+using detail::futex_wake;
 using detail::getenv_string;
 using detail::parse_integer;
 using detail::rendezvous_fault;
@@ -222,26 +226,6 @@ void shm_fault(int rank, const char* point) {
 uint64_t pid_namespace_id() {
   struct stat st {};
   return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
-}
-
-// --- futex -------------------------------------------------------------------------------------
-
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, milliseconds timeout) {
-  timespec ts{};
-  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000);
-  ts.tv_nsec = static_cast<long>((timeout.count() % 1000) * 1000000);
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-void futex_wake(std::atomic<uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
 }
 
 std::atomic<bool> g_exiting{false};
