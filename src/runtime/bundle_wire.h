@@ -45,9 +45,10 @@ torch::Tensor encode_header(const BundleLayout& l);
 // Throws std::runtime_error on a malformed header (a peer speaking another protocol).
 BundleLayout decode_header(const torch::Tensor& header);
 
-// `t` cut from its autograd graph: `t` itself when it has none (saves an operator call per transfer;
-// detach would only make an alias that reads the same data).
-inline torch::Tensor without_graph(const torch::Tensor& t) { return t.requires_grad() ? t.detach() : t; }
+// `t` cut from its autograd graph, for sending (a send that is kept until it completes must not keep
+// the graph alive): `t` itself when it has none; else an alias of its data made without an operator call
+// (variable_data: the alias does not share t's version counter, which nothing that sends it reads).
+inline torch::Tensor without_graph(const torch::Tensor& t) { return t.requires_grad() ? t.variable_data() : t; }
 
 // The data message of `b` (laid out as `l`) and the buffer that receives it.
 torch::Tensor pack(const Bundle& b, const BundleLayout& l);

@@ -103,6 +103,15 @@ using detail::shape_text;
 
 // The value of a one-element tensor, as item<double>() gives it; read in place (no operator call) for a
 // float or double tensor in host memory.
+// The values of a reduced tensor of doubles, read in place (no operator call per value, as t[k].item()
+// would make). A transport may have replaced the tensor (Transport is the user's to implement): then a
+// CPU copy is read.
+const double* host_doubles(torch::Tensor& t) {
+  if (!t.device().is_cpu() || t.scalar_type() != torch::kDouble || !t.is_contiguous())
+    t = t.to(torch::kCPU, torch::kDouble).contiguous();
+  return t.data_ptr<double>();
+}
+
 double scalar_value(const torch::Tensor& t) {
   if (t.is_cpu() && t.numel() == 1) {
     if (t.scalar_type() == torch::kFloat) return static_cast<double>(*t.data_ptr<float>());
@@ -302,6 +311,10 @@ struct PipelineRank::Impl {
   std::vector<int> balance;   // per virtual stage
   std::map<int, Stage> stages;  // stage id -> stage, for this rank's stages
   std::map<int, std::unique_ptr<torch::optim::Optimizer>> optimizers;
+  // Per stage, its parameters as Stage::parameters() lists them, taken once at construction (a Step
+  // needs them and listing them walks the modules): the handles stay valid, as the optimizers' and the
+  // weight versions' do (moves between devices and loaded states change their data in place).
+  std::map<int, std::vector<torch::Tensor>> stage_params;
   int step = 0;
   // 1F1B-RR: this rank's stage's replicas (null without replication) and whether this rank adds its
   // stage's squared gradient norm to the global one (one replica per stage does).
@@ -964,8 +977,8 @@ struct PipelineRank::Impl {
     // MLP's last gradient then arrived 5 ms late whenever the Step reached its all-reduce quickly.
     finish_sends();
     std::vector<torch::Tensor> params;
-    for (auto& [s, st] : stages)
-      for (const auto& p : st.parameters()) params.push_back(p);
+    for (const auto& [s, ps] : stage_params)
+      for (const auto& p : ps) params.push_back(p);
     if (options.data_parallel && options.data_parallel->world_size() > 1)
       all_reduce_gradients(*options.data_parallel, params, &step_loss[uk]);
     if (stage_replicas) all_reduce_gradients(*stage_replicas, params, nullptr);
@@ -976,10 +989,13 @@ struct PipelineRank::Impl {
             return !c.primary && c.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
           }))
         counted.push_back(p);
-    torch::Tensor t = torch::tensor({step_loss[uk], norm_leader ? detail::gradient_sum_of_squares(counted) : 0.0}, torch::kDouble);
+    double values[2] = {step_loss[uk], norm_leader ? detail::gradient_sum_of_squares(counted) : 0.0};
+    // One operator call (clone) makes the tensor; torch::tensor({a, b}) fills it element by element.
+    torch::Tensor t = torch::from_blob(values, {2}, torch::kDouble).clone();
     transport->all_reduce_sum(t);
-    step_loss[uk] = t[0].item<double>();
-    step_sq[uk] = t[1].item<double>();
+    const double* sums = host_doubles(t);
+    step_loss[uk] = sums[0];
+    step_sq[uk] = sums[1];
     clip_to(params, std::sqrt(step_sq[uk]), options.optimizer.clip_grad_norm);
     step_reduced[uk] = 1;
     if (options.on_gradients) options.on_gradients(rank(), params);
@@ -1046,7 +1062,7 @@ struct PipelineRank::Impl {
     } else {
       // No stage knows the others' gradients of this mini-batch yet: clip by the stage's own norm; the
       // global norm is summed at the end of the call.
-      const std::vector<torch::Tensor> params = stage_of(s).parameters();
+      const std::vector<torch::Tensor>& params = stage_params.at(s);
       const double sq = detail::gradient_sum_of_squares(params);
       step_sq[static_cast<std::size_t>(k)] += sq;
       clip_to(params, std::sqrt(sq), options.optimizer.clip_grad_norm);
@@ -1061,7 +1077,7 @@ struct PipelineRank::Impl {
       for (auto& group : it->second->param_groups()) group.options().set_lr(lr);
     }
     weights.at(s).step([&] { if (it != optimizers.end()) detail::optimizer_step(*it->second); }, async);
-    for (auto& p : stage_of(s).parameters()) p.mutable_grad() = torch::Tensor();
+    for (const auto& p : stage_params.at(s)) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
   }
 
   // Returns false when the action's work was deferred (a posted receive) and so should not be timed.
@@ -1167,15 +1183,15 @@ struct PipelineRank::Impl {
       for (std::size_t k = 0; k < K; ++k)  // a rank without Step actions still joins the reductions
         if (!step_reduced[k]) reduce_and_clip(static_cast<int>(k));
     } else {
-      torch::Tensor t = torch::zeros({2 * static_cast<int64_t>(K)}, torch::kDouble);
-      for (std::size_t k = 0; k < K; ++k) {
-        t[static_cast<int64_t>(k)] = step_loss[k];
-        t[static_cast<int64_t>(K + k)] = step_sq[k];
-      }
+      // One tensor made from the values and read in place: no operator call per value.
+      std::vector<double> values(step_loss);
+      values.insert(values.end(), step_sq.begin(), step_sq.end());
+      torch::Tensor t = torch::from_blob(values.data(), {static_cast<int64_t>(values.size())}, torch::kDouble).clone();
       transport->all_reduce_sum(t);
+      const double* sums = host_doubles(t);
       for (std::size_t k = 0; k < K; ++k) {
-        step_loss[k] = t[static_cast<int64_t>(k)].item<double>();
-        step_sq[k] = t[static_cast<int64_t>(K + k)].item<double>();
+        step_loss[k] = sums[k];
+        step_sq[k] = sums[K + k];
       }
       for (const auto& [s, w] : weights)
         stats.weight_memory.push_back(WeightMemory{s, w.peak_extra_sets(), w.set_bytes()});
@@ -1444,6 +1460,7 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     d.optimizers.emplace(s, std::move(opt));
   }
   for (auto& [s, st] : d.stages) {
+    d.stage_params[s] = st.parameters();
     std::vector<torch::Tensor> params;
     for (const auto& t : st.parameters())
       if (t.requires_grad()) params.push_back(t);
