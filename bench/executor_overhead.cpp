@@ -11,8 +11,11 @@
 // (isend, irecv, Work::wait, all_reduce_sum, barrier: posting and copying messages, spinning, sleeping,
 // waking the peer and being woken), measured by wrapping the transport, per send and receive
 // ("xport_cpu_per_xfer"); and the rest, the executor's own work per action beside the layers' compute
-// ("exec_per_action"). The wrapper's two clock reads per call (well under a microsecond each) fall
-// partly into each share.
+// ("exec_per_action"). The wrapper's two clock reads per call are the benchmark's own cost: it measures
+// one read (a system call, about half a microsecond here) and takes one per call off each share.
+// Asynchronous schedules (2bw, pipedream) run 8 steps per train_steps call, as the trainer runs them
+// (a call per stretch between evaluations), so their pipeline stays full across steps; the figures are
+// per step.
 //
 //   build/bench/bench_executor_overhead --transport local                        (threads of one process)
 //   build/pipetrain launch -n 2 -- build/bench/bench_executor_overhead --transport shm
@@ -34,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "pipetrain/core/generators.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/transport.h"
 
@@ -106,6 +110,7 @@ class WaitTimingTransport : public pipetrain::Transport {
  public:
   explicit WaitTimingTransport(std::shared_ptr<pipetrain::Transport> inner) : inner_(std::move(inner)) {}
   double wait_cpu_us = 0;
+  long calls = 0;  // calls timed (each reads the thread's CPU clock twice)
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
@@ -113,23 +118,27 @@ class WaitTimingTransport : public pipetrain::Transport {
   bool shares_process() const override { return inner_->shares_process(); }
   std::unique_ptr<pipetrain::Work> isend(const torch::Tensor& tensor, int dst, int tag) override {
     const double c0 = thread_cpu_us();
-    auto work = std::make_unique<TimedWork>(inner_->isend(tensor, dst, tag), &wait_cpu_us);
+    ++calls;
+    auto work = std::make_unique<TimedWork>(inner_->isend(tensor, dst, tag), this);
     wait_cpu_us += thread_cpu_us() - c0;
     return work;
   }
   std::unique_ptr<pipetrain::Work> irecv(torch::Tensor& tensor, int src, int tag) override {
     const double c0 = thread_cpu_us();
-    auto work = std::make_unique<TimedWork>(inner_->irecv(tensor, src, tag), &wait_cpu_us);
+    ++calls;
+    auto work = std::make_unique<TimedWork>(inner_->irecv(tensor, src, tag), this);
     wait_cpu_us += thread_cpu_us() - c0;
     return work;
   }
   void all_reduce_sum(torch::Tensor& tensor) override {
     const double c0 = thread_cpu_us();
+    ++calls;
     inner_->all_reduce_sum(tensor);
     wait_cpu_us += thread_cpu_us() - c0;
   }
   void barrier() override {
     const double c0 = thread_cpu_us();
+    ++calls;
     inner_->barrier();
     wait_cpu_us += thread_cpu_us() - c0;
   }
@@ -138,16 +147,17 @@ class WaitTimingTransport : public pipetrain::Transport {
  private:
   class TimedWork : public pipetrain::Work {
    public:
-    TimedWork(std::unique_ptr<pipetrain::Work> inner, double* total) : inner_(std::move(inner)), total_(total) {}
+    TimedWork(std::unique_ptr<pipetrain::Work> inner, WaitTimingTransport* owner) : inner_(std::move(inner)), owner_(owner) {}
     void wait() override {
       const double c0 = thread_cpu_us();
+      ++owner_->calls;
       inner_->wait();
-      *total_ += thread_cpu_us() - c0;
+      owner_->wait_cpu_us += thread_cpu_us() - c0;
     }
 
    private:
     std::unique_ptr<pipetrain::Work> inner_;
-    double* total_;
+    WaitTimingTransport* owner_;
   };
   std::shared_ptr<pipetrain::Transport> inner_;
 };
@@ -156,8 +166,25 @@ struct Row {
   double step_us = 0;
   double cpu_us = 0;       // the rank's thread CPU time per step (median)
   double wait_cpu_us = 0;  // of which inside the transport's calls (median)
-  int actions = 0, transfers = 0, receives = 0;
+  double calls = 0;        // the transport's calls per step, each timed with two clock reads
+  double actions = 0, transfers = 0, receives = 0;  // per step
 };
+
+// What one read of the thread's CPU clock costs (a system call): the median over 2000 reads.
+double clock_read_us() {
+  std::vector<double> us;
+  for (int k = 0; k < 20; ++k) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < 100; ++i) (void)thread_cpu_us();
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / 100);
+  }
+  return median(us);
+}
+
+// Steps per train_steps call: one for synchronous schedules; for the asynchronous ones as many as the
+// trainer runs between evaluations, here 8, so that the pipeline does not drain between steps (it
+// drains at a call's end) and the call's own work (its reductions) is shared by its steps.
+int steps_per_call(const std::string& schedule) { return pipetrain::schedule_traits(schedule).synchronous ? 1 : 8; }
 
 // Runs `steps` steps of `schedule` on rank `t`'s pipeline; rank 0's median step and action counts.
 Row run_rank(const std::shared_ptr<pipetrain::Transport>& inner, const std::string& schedule, int stages, int m,
@@ -171,35 +198,44 @@ Row run_rank(const std::shared_ptr<pipetrain::Transport>& inner, const std::stri
   o.optimizer.lr = 1e-3;
   const int layers = stages * o.virtual_stages;
   pipetrain::PipelineRank rank(tiny_model(layers), mse, t, o);
-  const int64_t batch = o.microbatches;
+  const int K = steps_per_call(schedule);
+  const int64_t batch = int64_t{o.microbatches} * K;
   const torch::Tensor x = torch::ones({batch, 1}), y = torch::zeros({batch, 1});
-  std::vector<double> us, cpu, waits;
-  for (int k = 0; k < warmup + steps; ++k) {
+  std::vector<double> us, cpu, waits, calls;
+  const int call_warmup = (warmup + K - 1) / K, call_count = std::max(1, steps / K);
+  for (int k = 0; k < call_warmup + call_count; ++k) {
     t->barrier();
-    if (k >= warmup && count) ops_rank = t->rank();
+    if (k >= call_warmup && count) ops_rank = t->rank();
     const auto t0 = Clock::now();
     const double w0 = t->wait_cpu_us;
+    const long n0 = t->calls;
     const double c0 = thread_cpu_us();
-    rank.train_step(x, y, batch);
+    rank.train_steps(x, y, batch, K);
     const double c = thread_cpu_us() - c0;
     const double w = t->wait_cpu_us - w0;
+    const long n = t->calls - n0;
     ops_rank = -1;
     const double d = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-    if (k >= warmup) {
-      us.push_back(d);
-      cpu.push_back(c);
-      waits.push_back(w);
+    if (k >= call_warmup) {
+      us.push_back(d / K);
+      cpu.push_back(c / K);
+      waits.push_back(w / K);
+      calls.push_back(static_cast<double>(n) / K);
     }
   }
   Row r;
   r.step_us = median(us);
   r.cpu_us = median(cpu);
   r.wait_cpu_us = median(waits);
-  for (const auto& a : rank.schedule().actions[static_cast<std::size_t>(t->rank())]) {
+  r.calls = median(calls);
+  for (const auto& a : rank.schedule_for(K).actions[static_cast<std::size_t>(t->rank())]) {
     ++r.actions;
     if (a.kind == pipetrain::ActionKind::SendAct || a.kind == pipetrain::ActionKind::SendGrad) ++r.transfers;
     if (a.kind == pipetrain::ActionKind::RecvAct || a.kind == pipetrain::ActionKind::RecvGrad) ++r.receives;
   }
+  r.actions /= K;  // per step
+  r.transfers /= K;
+  r.receives /= K;
   t->barrier();
   return r;
 }
@@ -282,10 +318,16 @@ int main(int argc, char** argv) {
     stages = mine->world_size();
   }
   const bool leader = transport == "local" || mine->rank() == 0;
+  // The wrapper's clock reads are the benchmark's, not the runtime's: each timed call reads the clock
+  // twice, about one read's cost falling inside the call and one outside, so one read per call is taken
+  // off the transport's share and one off the executor's.
+  const double clock_us = clock_read_us();
   if (leader)
-    std::printf("%-9s %-12s %6s %3s %10s %8s %10s %13s %10s %10s %12s %12s %16s %18s\n", "transport", "schedule",
-                "stages", "m", "step_us", "actions", "transfers", "us_per_action", "cpu_us", "compute_us", "overhead_us",
-                "xport_cpu_us", "exec_per_action", "xport_cpu_per_xfer");
+    std::printf("# rank 0's figures; one read of the thread CPU clock %.2f us, two per timed transport call, "
+                "taken off the CPU figures; steps per call: 1 (synchronous), 8 (asynchronous)\n"
+                "%-9s %-12s %6s %3s %10s %8s %10s %13s %10s %10s %12s %12s %16s %18s\n",
+                clock_us, "transport", "schedule", "stages", "m", "step_us", "actions", "transfers", "us_per_action",
+                "cpu_us", "compute_us", "overhead_us", "xport_cpu_us", "exec_per_action", "xport_cpu_per_xfer");
   for (const std::string& s : schedules) {
     Row row;
     if (transport == "local") {
@@ -301,18 +343,20 @@ int main(int argc, char** argv) {
       const int mm = s == "pipedream" ? 1 : m;
       const int per_rank = s == "interleaved" ? 2 : 1;
       const double compute = compute_us(mm * per_rank, std::max(steps, 20));
-      const int actions = std::max(1, row.actions);
-      const int xfers = std::max(1, row.transfers + row.receives);
-      std::printf("%-9s %-12s %6d %3d %10.1f %8d %10d %13.2f %10.1f %10.1f %12.2f %12.1f %16.2f %18.2f\n",
+      const double actions = std::max(1.0, row.actions);
+      const double xfers = std::max(1.0, row.transfers + row.receives);
+      const double cpu = row.cpu_us - 2 * row.calls * clock_us, xport = row.wait_cpu_us - row.calls * clock_us;
+      std::printf("%-9s %-12s %6d %3d %10.1f %8.1f %10.1f %13.2f %10.1f %10.1f %12.2f %12.1f %16.2f %18.2f\n",
                   transport.c_str(), s.c_str(), stages, mm, row.step_us, row.actions, row.transfers,
-                  row.step_us / actions, row.cpu_us, compute, (row.cpu_us - compute) / actions, row.wait_cpu_us,
-                  (row.cpu_us - compute - row.wait_cpu_us) / actions, row.wait_cpu_us / xfers);
+                  row.step_us / actions, cpu, compute, (cpu - compute) / actions, xport,
+                  (cpu - compute - xport) / actions, xport / xfers);
     }
     if (ops) {
+      const int counted = std::max(1, steps / steps_per_call(s)) * steps_per_call(s);
       if (transport == "local")
-        for (int r = 0; r < stages; ++r) print_ops(r, steps);
+        for (int r = 0; r < stages; ++r) print_ops(r, counted);
       else
-        print_ops(mine->rank(), steps);
+        print_ops(mine->rank(), counted);
     }
     std::fflush(stdout);
   }
