@@ -350,6 +350,7 @@ class ShmTransport final : public Transport {
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (r.want_room.load(std::memory_order_seq_cst)) ring_bell(src);
   }
+  void map_own_rings();
   void write_ring(RingControl& r, uint64_t pos, const void* src, int64_t n);
   void read_ring(RingControl& r, uint64_t pos, void* dst, int64_t n);
 
@@ -562,6 +563,7 @@ void ShmTransport::create_or_open_segment(milliseconds join_timeout) {
     if (layout_.total != header_->total_bytes)
       throw std::runtime_error("/dev/shm" + name_ + " has an unexpected size: is every rank the same pipetrain build?");
   }
+  map_own_rings();
   RankControl& me = control(rank_);
   me.pid.store(static_cast<int32_t>(::getpid()));
   me.pid_namespace = pid_namespace_id();
@@ -654,6 +656,33 @@ void ShmTransport::stop_watchdog() {
 }
 
 // --- rings -------------------------------------------------------------------------------------
+
+// Maps the pages of this rank's rings into its page tables now: the rings it writes for writing, those
+// it reads for reading. Otherwise each page costs a page fault the first time a message crosses it,
+// which made the first 4 MiB through a ring several times slower (a 4 KiB message one way took 4 us
+// instead of 0.8). madvise does it in one call per ring (Linux 5.14 and later); older kernels get a
+// touch per page. Writing into a ring this rank sends on is harmless before its first message: the
+// reader reads only what was published.
+void ShmTransport::map_own_rings() {
+  const auto page = static_cast<int64_t>(::sysconf(_SC_PAGESIZE) > 0 ? ::sysconf(_SC_PAGESIZE) : 4096);
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    for (const bool out : {true, false}) {
+      char* data = ring_data(out ? ring(rank_, peer) : ring(peer, rank_));
+      // The data area starts on a page boundary (ring_stride rounds up); align anyway.
+      auto* begin = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(data) & ~static_cast<uintptr_t>(page - 1));
+      const auto bytes = static_cast<std::size_t>(data + layout_.ring - begin);
+#if defined(MADV_POPULATE_WRITE) && defined(MADV_POPULATE_READ)
+      if (::madvise(begin, bytes, out ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0) continue;
+#endif
+      for (std::size_t at = 0; at < bytes; at += static_cast<std::size_t>(page)) {
+        volatile char* p = begin + at;
+        if (out) *p = 0;
+        else (void)*p;
+      }
+    }
+  }
+}
 
 void ShmTransport::write_ring(RingControl& r, uint64_t pos, const void* src, int64_t n) {
   char* data = ring_data(r);
