@@ -56,9 +56,10 @@ class LocalRecv : public Work {
     auto key = std::make_tuple(src_, rank_, tag_);
     s_->wait(lock, [&] { auto it = s_->mailbox.find(key); return it != s_->mailbox.end() && !it->second.empty(); },
              rank_, "a message from rank " + std::to_string(src_) + " with tag " + std::to_string(tag_));
-    auto& q = s_->mailbox[key];
-    at::Tensor msg = std::move(q.front());
-    q.pop_front();
+    auto it = s_->mailbox.find(key);
+    at::Tensor msg = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) s_->mailbox.erase(it);  // a tag used once leaves nothing behind
     lock.unlock();
     if (msg.numel() != dst_.numel() || msg.scalar_type() != dst_.scalar_type())
       throw std::runtime_error("rank " + std::to_string(rank_) + " expected " + std::to_string(dst_.numel()) + " " +

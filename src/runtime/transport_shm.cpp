@@ -396,6 +396,8 @@ class ShmTransport final : public Transport {
   std::vector<char> want_room_;                           // per destination: this rank's want_room flag
   std::vector<uint64_t> tail_;                            // per source: bytes consumed
   std::vector<Incoming> in_;                              // per source
+  // Receives waiting for a message, and messages waiting for a receive, per (src, tag): FIFO. A key
+  // whose queue empties is erased, so a transport used with ever new tags does not grow.
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<RecvOp>>> posted_;  // (src, tag)
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<Early>>> early_;    // (src, tag)
   int pending_sends_ = 0;
@@ -769,6 +771,7 @@ void ShmTransport::start_message(int src, Incoming& in, const MsgHeader& h) {
   if (pit != posted_.end() && !pit->second.empty()) {
     in.rec = pit->second.front();
     pit->second.pop_front();
+    if (pit->second.empty()) posted_.erase(pit);  // a (source, tag) used once leaves nothing behind
     RecvOp& rec = *in.rec;
     if (h.nbytes == byte_size(rec.buffer) && h.dtype == static_cast<int32_t>(rec.buffer.scalar_type())) {
       in.dest = static_cast<char*>(rec.buffer.data_ptr());
@@ -941,6 +944,7 @@ std::shared_ptr<RecvOp> ShmTransport::post_recv(const at::Tensor& buffer, int sr
   if (eit != early_.end() && !eit->second.empty()) {
     std::shared_ptr<Early> e = eit->second.front();
     eit->second.pop_front();
+    if (eit->second.empty()) early_.erase(eit);
     if (e->complete) finish_from_early(*rec, *e, rank_);
     else e->claimed = rec;
   } else {
