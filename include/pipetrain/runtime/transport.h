@@ -13,9 +13,7 @@
 //   differs is an error, never a hang or a silent truncation.
 // - Messages between one pair of ranks with the same tag arrive in the order they were sent.
 // - A transport keeps nothing per tag once that tag's messages are received, so a program may use new
-//   tags all the time (a step counter in the tag, say) without the transport growing. (Over gloo, the
-//   Gloo library itself keeps a little state per new tag: in our test, a page per 20 messages on one
-//   rank.)
+//   tags all the time (a step counter in the tag, say) without the transport growing.
 // - Collectives (all_reduce_sum, barrier) must be called by every rank in the same order.
 // - Failure: abort(message) tells every other rank that this rank failed. From then on, a blocked or new
 //   operation on any rank fails with RemoteFailure naming the failed rank and its message (the process
