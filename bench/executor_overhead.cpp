@@ -117,42 +117,37 @@ class WaitTimingTransport : public pipetrain::Transport {
   std::string name() const override { return inner_->name(); }
   bool shares_process() const override { return inner_->shares_process(); }
   std::unique_ptr<pipetrain::Work> isend(const torch::Tensor& tensor, int dst, int tag) override {
-    const double c0 = thread_cpu_us();
-    ++calls;
-    auto work = std::make_unique<TimedWork>(inner_->isend(tensor, dst, tag), this);
-    wait_cpu_us += thread_cpu_us() - c0;
-    return work;
+    const Timed timed(*this);
+    return std::make_unique<TimedWork>(inner_->isend(tensor, dst, tag), this);
   }
   std::unique_ptr<pipetrain::Work> irecv(torch::Tensor& tensor, int src, int tag) override {
-    const double c0 = thread_cpu_us();
-    ++calls;
-    auto work = std::make_unique<TimedWork>(inner_->irecv(tensor, src, tag), this);
-    wait_cpu_us += thread_cpu_us() - c0;
-    return work;
+    const Timed timed(*this);
+    return std::make_unique<TimedWork>(inner_->irecv(tensor, src, tag), this);
   }
   void all_reduce_sum(torch::Tensor& tensor) override {
-    const double c0 = thread_cpu_us();
-    ++calls;
+    const Timed timed(*this);
     inner_->all_reduce_sum(tensor);
-    wait_cpu_us += thread_cpu_us() - c0;
   }
   void barrier() override {
-    const double c0 = thread_cpu_us();
-    ++calls;
+    const Timed timed(*this);
     inner_->barrier();
-    wait_cpu_us += thread_cpu_us() - c0;
   }
   void abort(const std::string& message) noexcept override { inner_->abort(message); }
 
  private:
+  // One timed call: counts it, and adds the thread's CPU time from here to the end of the scope.
+  struct Timed {
+    explicit Timed(WaitTimingTransport& t) : owner(t) { ++owner.calls; }
+    ~Timed() { owner.wait_cpu_us += thread_cpu_us() - c0; }
+    WaitTimingTransport& owner;
+    const double c0 = thread_cpu_us();
+  };
   class TimedWork : public pipetrain::Work {
    public:
     TimedWork(std::unique_ptr<pipetrain::Work> inner, WaitTimingTransport* owner) : inner_(std::move(inner)), owner_(owner) {}
     void wait() override {
-      const double c0 = thread_cpu_us();
-      ++owner_->calls;
+      const Timed timed(*owner_);
       inner_->wait();
-      owner_->wait_cpu_us += thread_cpu_us() - c0;
     }
 
    private:
@@ -170,7 +165,7 @@ struct Row {
   double actions = 0, transfers = 0, receives = 0;  // per step
 };
 
-// What one read of the thread's CPU clock costs (a system call): the median over 2000 reads.
+// What one read of the thread's CPU clock costs (a system call): the median of 20 averages of 100 reads.
 double clock_read_us() {
   std::vector<double> us;
   for (int k = 0; k < 20; ++k) {

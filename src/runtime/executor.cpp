@@ -101,8 +101,6 @@ using detail::heap_in_use;
 using detail::now_ms;
 using detail::shape_text;
 
-// The value of a one-element tensor, as item<double>() gives it; read in place (no operator call) for a
-// float or double tensor in host memory.
 // The values of a reduced tensor of doubles, read in place (no operator call per value, as t[k].item()
 // would make). A transport may have replaced the tensor (Transport is the user's to implement): then a
 // CPU copy is read.
@@ -112,6 +110,15 @@ const double* host_doubles(torch::Tensor& t) {
   return t.data_ptr<double>();
 }
 
+// A host tensor of doubles holding `values`: one operator call (clone), where torch::tensor({a, b}) fills
+// it element by element.
+torch::Tensor host_tensor(const std::vector<double>& values) {
+  return torch::from_blob(const_cast<double*>(values.data()), {static_cast<int64_t>(values.size())}, torch::kDouble)
+      .clone();
+}
+
+// The value of a one-element tensor, as item<double>() gives it; read in place (no operator call) for a
+// float or double tensor in host memory.
 double scalar_value(const torch::Tensor& t) {
   if (t.is_cpu() && t.numel() == 1) {
     if (t.scalar_type() == torch::kFloat) return static_cast<double>(*t.data_ptr<float>());
@@ -989,9 +996,7 @@ struct PipelineRank::Impl {
             return !c.primary && c.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
           }))
         counted.push_back(p);
-    double values[2] = {step_loss[uk], norm_leader ? detail::gradient_sum_of_squares(counted) : 0.0};
-    // One operator call (clone) makes the tensor; torch::tensor({a, b}) fills it element by element.
-    torch::Tensor t = torch::from_blob(values, {2}, torch::kDouble).clone();
+    torch::Tensor t = host_tensor({step_loss[uk], norm_leader ? detail::gradient_sum_of_squares(counted) : 0.0});
     transport->all_reduce_sum(t);
     const double* sums = host_doubles(t);
     step_loss[uk] = sums[0];
@@ -1077,7 +1082,7 @@ struct PipelineRank::Impl {
       for (auto& group : it->second->param_groups()) group.options().set_lr(lr);
     }
     weights.at(s).step([&] { if (it != optimizers.end()) detail::optimizer_step(*it->second); }, async);
-    for (const auto& p : stage_params.at(s)) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+    for (auto& p : stage_params.at(s)) p.mutable_grad() = torch::Tensor();
   }
 
   // Returns false when the action's work was deferred (a posted receive) and so should not be timed.
@@ -1183,10 +1188,9 @@ struct PipelineRank::Impl {
       for (std::size_t k = 0; k < K; ++k)  // a rank without Step actions still joins the reductions
         if (!step_reduced[k]) reduce_and_clip(static_cast<int>(k));
     } else {
-      // One tensor made from the values and read in place: no operator call per value.
       std::vector<double> values(step_loss);
       values.insert(values.end(), step_sq.begin(), step_sq.end());
-      torch::Tensor t = torch::from_blob(values.data(), {static_cast<int64_t>(values.size())}, torch::kDouble).clone();
+      torch::Tensor t = host_tensor(values);
       transport->all_reduce_sum(t);
       const double* sums = host_doubles(t);
       for (std::size_t k = 0; k < K; ++k) {
@@ -1441,31 +1445,28 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   }
   const OptimizerOptions& o = d.options.optimizer;
   for (auto& [s, st] : d.stages) {
-    std::vector<torch::Tensor> params;
-    for (auto& t : st.parameters())
+    d.stage_params[s] = st.parameters();
+    std::vector<torch::Tensor> params;  // the trainable ones: the optimizer's and the weight versions'
+    for (auto& t : d.stage_params[s])
       if (t.requires_grad()) {
         params.push_back(t);
         t.mutable_grad() = torch::Tensor();
       }
-    if (params.empty()) continue;
-    std::unique_ptr<torch::optim::Optimizer> opt;
-    if (o.name == "sgd")
-      opt = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
-    else if (o.name == "adam")
-      opt = std::make_unique<torch::optim::Adam>(
-          params, torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
-    else
-      opt = std::make_unique<torch::optim::AdamW>(
-          params, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
-    d.optimizers.emplace(s, std::move(opt));
-  }
-  for (auto& [s, st] : d.stages) {
-    d.stage_params[s] = st.parameters();
-    std::vector<torch::Tensor> params;
-    for (const auto& t : st.parameters())
-      if (t.requires_grad()) params.push_back(t);
-    auto it = d.optimizers.find(s);
-    d.weights.emplace(s, StageWeights(params, it == d.optimizers.end() ? nullptr : it->second.get()));
+    torch::optim::Optimizer* optimizer = nullptr;
+    if (!params.empty()) {
+      std::unique_ptr<torch::optim::Optimizer> opt;
+      if (o.name == "sgd")
+        opt = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+      else if (o.name == "adam")
+        opt = std::make_unique<torch::optim::Adam>(
+            params, torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+      else
+        opt = std::make_unique<torch::optim::AdamW>(
+            params, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+      optimizer = opt.get();
+      d.optimizers.emplace(s, std::move(opt));
+    }
+    d.weights.emplace(s, StageWeights(params, optimizer));
   }
   if (d.options.umpipe)
     check_umpipe_pipeline(model, *d.options.umpipe, d.options.schedule, d.options.virtual_stages,
@@ -1758,8 +1759,7 @@ std::vector<int> PipelineRank::local_stages() const {
 }
 std::vector<torch::Tensor> PipelineRank::parameters() const {
   std::vector<torch::Tensor> out;
-  for (const auto& [s, st] : impl_->stages)
-    for (const auto& p : st.parameters()) out.push_back(p);
+  for (const auto& [s, ps] : impl_->stage_params) out.insert(out.end(), ps.begin(), ps.end());
   return out;
 }
 

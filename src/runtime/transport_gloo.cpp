@@ -325,7 +325,7 @@ class GlooTransport final : public Transport {
   // Matching of headers and receives (owner thread and header threads).
   std::mutex mu_;
   std::condition_variable cv_;
-  // Per (src, tag), FIFO; a key whose queue empties is erased, so ever new tags do not grow the maps.
+  // Per (src, tag), FIFO, taken with take_oldest (which erases emptied keys).
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<PendingRecv>>> posted_;  // (src, tag)
   std::map<std::pair<int, int>, std::deque<Header>> arrived_;
   std::vector<c10::intrusive_ptr<c10d::Work>> header_work_;  // per peer: the posted header receive
@@ -749,12 +749,8 @@ std::unique_ptr<Work> GlooTransport::irecv(torch::Tensor& tensor, int src, int t
                     : at::empty(tensor.sizes(), tensor.options().device(at::kCPU));
   {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = arrived_.find({src, tag});
-    if (it != arrived_.end() && !it->second.empty()) {
-      const Header h = it->second.front();
-      it->second.pop_front();
-      if (it->second.empty()) arrived_.erase(it);  // a (source, tag) used once leaves nothing behind
-      match(*rec, h);
+    if (const auto h = detail::take_oldest(arrived_, {src, tag})) {
+      match(*rec, *h);
     } else {
       posted_[{src, tag}].push_back(rec);
     }
@@ -936,12 +932,8 @@ void GlooTransport::header_loop(int peer) {
       cv_.notify_all();
       return;
     }
-    auto it = posted_.find({peer, h.tag});
-    if (it != posted_.end() && !it->second.empty()) {
-      std::shared_ptr<PendingRecv> rec = it->second.front();
-      it->second.pop_front();
-      if (it->second.empty()) posted_.erase(it);
-      match(*rec, h);
+    if (const auto rec = detail::take_oldest(posted_, {peer, h.tag})) {
+      match(**rec, h);
     } else {
       arrived_[{peer, h.tag}].push_back(h);
     }

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "pipetrain/runtime/transport.h"
+#include "transport_util.h"
 
 namespace pipetrain {
 namespace {
@@ -20,7 +21,8 @@ struct Shared {
   const std::chrono::milliseconds timeout;
   std::mutex mu;
   std::condition_variable cv;
-  std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> mailbox;  // (src, dst, tag) -> messages
+  // (src, dst, tag) -> messages, FIFO; a key is there only while it has messages (take_oldest).
+  std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> mailbox;
   int failed_rank = -1;
   std::string failure;
   // all_reduce / barrier state: contributions of the current generation.
@@ -54,12 +56,9 @@ class LocalRecv : public Work {
   void wait() override {
     std::unique_lock<std::mutex> lock(s_->mu);
     auto key = std::make_tuple(src_, rank_, tag_);
-    s_->wait(lock, [&] { auto it = s_->mailbox.find(key); return it != s_->mailbox.end() && !it->second.empty(); },
-             rank_, "a message from rank " + std::to_string(src_) + " with tag " + std::to_string(tag_));
-    auto it = s_->mailbox.find(key);
-    at::Tensor msg = std::move(it->second.front());
-    it->second.pop_front();
-    if (it->second.empty()) s_->mailbox.erase(it);  // a tag used once leaves nothing behind
+    s_->wait(lock, [&] { return s_->mailbox.count(key) > 0; }, rank_,
+             "a message from rank " + std::to_string(src_) + " with tag " + std::to_string(tag_));
+    at::Tensor msg = std::move(*detail::take_oldest(s_->mailbox, key));
     lock.unlock();
     if (msg.numel() != dst_.numel() || msg.scalar_type() != dst_.scalar_type())
       throw std::runtime_error("rank " + std::to_string(rank_) + " expected " + std::to_string(dst_.numel()) + " " +

@@ -396,8 +396,8 @@ class ShmTransport final : public Transport {
   std::vector<char> want_room_;                           // per destination: this rank's want_room flag
   std::vector<uint64_t> tail_;                            // per source: bytes consumed
   std::vector<Incoming> in_;                              // per source
-  // Receives waiting for a message, and messages waiting for a receive, per (src, tag): FIFO. A key
-  // whose queue empties is erased, so a transport used with ever new tags does not grow.
+  // Receives waiting for a message, and messages waiting for a receive, per (src, tag): FIFO, taken with
+  // take_oldest (which erases emptied keys).
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<RecvOp>>> posted_;  // (src, tag)
   std::map<std::pair<int, int>, std::deque<std::shared_ptr<Early>>> early_;    // (src, tag)
   int pending_sends_ = 0;
@@ -671,9 +671,11 @@ void ShmTransport::map_own_rings() {
     if (peer == rank_) continue;
     for (const bool out : {true, false}) {
       char* data = ring_data(out ? ring(rank_, peer) : ring(peer, rank_));
-      // The data area starts on a page boundary (ring_stride rounds up); align anyway.
-      auto* begin = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(data) & ~static_cast<uintptr_t>(page - 1));
-      const auto bytes = static_cast<std::size_t>(data + layout_.ring - begin);
+      // Whole pages of the data area only (it starts on a 4 KiB boundary; with larger pages its first
+      // page may hold the ring's control block, which the touch below must not write).
+      const auto up = (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(page - 1)) & ~static_cast<uintptr_t>(page - 1);
+      char* begin = reinterpret_cast<char*>(up);
+      const auto bytes = static_cast<std::size_t>(std::max<int64_t>(0, data + layout_.ring - begin));
 #if defined(MADV_POPULATE_WRITE) && defined(MADV_POPULATE_READ)
       if (::madvise(begin, bytes, out ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0) continue;
 #endif
@@ -767,11 +769,8 @@ void ShmTransport::start_message(int src, Incoming& in, const MsgHeader& h) {
   in = Incoming();
   in.active = true;
   in.header = h;
-  auto pit = posted_.find({src, h.tag});
-  if (pit != posted_.end() && !pit->second.empty()) {
-    in.rec = pit->second.front();
-    pit->second.pop_front();
-    if (pit->second.empty()) posted_.erase(pit);  // a (source, tag) used once leaves nothing behind
+  if (auto posted = detail::take_oldest(posted_, {src, h.tag})) {
+    in.rec = std::move(*posted);
     RecvOp& rec = *in.rec;
     if (h.nbytes == byte_size(rec.buffer) && h.dtype == static_cast<int32_t>(rec.buffer.scalar_type())) {
       in.dest = static_cast<char*>(rec.buffer.data_ptr());
@@ -940,11 +939,8 @@ std::shared_ptr<RecvOp> ShmTransport::post_recv(const at::Tensor& buffer, int sr
   rec->src = src;
   rec->tag = tag;
   rec->buffer = buffer;
-  auto eit = early_.find({src, tag});
-  if (eit != early_.end() && !eit->second.empty()) {
-    std::shared_ptr<Early> e = eit->second.front();
-    eit->second.pop_front();
-    if (eit->second.empty()) early_.erase(eit);
+  if (auto early = detail::take_oldest(early_, {src, tag})) {
+    const std::shared_ptr<Early> e = std::move(*early);
     if (e->complete) finish_from_early(*rec, *e, rank_);
     else e->claimed = rec;
   } else {

@@ -1,5 +1,5 @@
-// Internal to pipetrain_runtime: pieces the process transports (gloo, shm) share: environment
-// parsing, the start-up fault hook for tests, and how a message's tensor is described in errors.
+// Internal to pipetrain_runtime: pieces the transports share: environment parsing, the start-up fault
+// hook for tests, how a message's tensor is described in errors, and matching queues per tag.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -80,6 +80,19 @@ inline std::string describe(c10::ScalarType dtype, const int64_t* sizes, int ndi
     s += (i ? ", " : "") + std::to_string(sizes[i]);
   }
   return s + "] (" + std::to_string(nbytes) + " bytes)";
+}
+
+// Messages or receives waiting per key ((source, tag) and the like), first in, first out: the oldest
+// waiting for `key`, taken out, or nothing. A key whose queue empties is erased, so a program that uses
+// new tags all the time does not grow the map (transport.h's contract).
+template <class Map>
+std::optional<typename Map::mapped_type::value_type> take_oldest(Map& waiting, const typename Map::key_type& key) {
+  auto it = waiting.find(key);
+  if (it == waiting.end()) return std::nullopt;
+  auto oldest = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) waiting.erase(it);
+  return oldest;
 }
 
 // A CPU, contiguous view of `t` (itself when it already is one; else a copy).
