@@ -6,14 +6,17 @@
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -58,6 +61,22 @@ constexpr int64_t kMaxLayers = 1000000;
 constexpr const char* kPartialMarker = ".pipetrain-partial";
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+// JSON text parsed with its nesting bounded (a deeply nested file would otherwise exhaust the stack
+// where the value is later printed or destroyed): std::domain_error beyond kMaxJsonDepth.
+constexpr int kMaxJsonDepth = 64;
+nlohmann::json parse_json_limited(const std::string& text) {
+  return nlohmann::json::parse(text, [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+    if (depth > kMaxJsonDepth)
+      throw std::domain_error("nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
+    return true;
+  });
+}
+// A JSON value as at most 60 characters of text, for messages.
+std::string excerpt(const nlohmann::json& v) {
+  std::string s = v.dump(-1, ' ', true, nlohmann::json::error_handler_t::replace);
+  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+}
 
 // Reads a regular file that is not a symbolic link, at most `max_bytes` (and, when given, exactly
 // `expect` bytes: a size that differs is refused before anything is read). Throws UsageError naming the
@@ -153,121 +172,308 @@ void write_durable(const fs::path& path, const char* data, std::size_t size) {
 // The folder name of a --save/--resume argument without trailing slashes; refuses names that cannot be
 // a checkpoint folder of their own.
 std::string normalised_dir(const std::string& dir, const std::string& flag) {
-  if (dir.empty()) throw UsageError(flag + " needs a folder name, e.g. " + flag + " ckpt");
+  const std::string example = flag.rfind("--", 0) == 0 ? ", e.g. " + flag + " ckpt" : "";
+  if (dir.empty()) throw UsageError(flag + " needs a folder name" + example);
   std::string d = dir;
   while (d.size() > 1 && d.back() == '/') d.pop_back();
   const std::string name = fs::path(d).filename().string();
   if (d == "/" || name == "." || name == "..")
     throw UsageError(flag + " " + dir + " names an existing folder that holds other things (the current, parent or "
-                     "root folder); a checkpoint needs a folder of its own: name a new one, e.g. " + flag + " ckpt");
+                     "root folder); a checkpoint needs a folder of its own: name a new one" + example);
   return d;
 }
 
-// True when `dir` holds a pipetrain checkpoint manifest (its format field says so).
-bool holds_manifest(const fs::path& dir) {
+// What a save may prove to be its own. A save deletes or replaces nothing else (file comment):
+//  - DIR.partial with our marker: a save of ours that is running (its leader holds an flock on the
+//    marker) or failed; only the names a save writes may be in it.
+//  - DIR.partial without the marker: the checkpoint DIR replaced, left by a stop before its removal.
+//    Proof: DIR's manifest records the size and CRC-32 of the manifest it replaced ("replaces").
+//  - DIR.old (the two-rename fallback only): likewise, DIR's, or a complete DIR.partial's, predecessor.
+//  - DIR itself: a checkpoint (our manifest) holding nothing but its manifest and the files it lists.
+
+// The size and CRC-32 of a manifest's bytes: what a newer manifest records under "replaces".
+struct Fingerprint {
+  int64_t bytes = -1;
+  uint32_t crc32 = 0;
+  bool operator==(const Fingerprint& o) const { return bytes == o.bytes && crc32 == o.crc32; }
+};
+
+// A checkpoint manifest found on disk, read leniently (no UsageError): absent when `dir` holds none,
+// or one that is not a pipetrain manifest, or one that is not valid JSON.
+struct FoundManifest {
+  nlohmann::json json;
+  Fingerprint fingerprint;
+};
+std::optional<FoundManifest> find_manifest(const fs::path& dir) {
   std::error_code ec;
-  if (!fs::is_regular_file(dir / "manifest.json", ec)) return false;
+  if (!fs::is_regular_file(fs::symlink_status(dir / "manifest.json", ec))) return std::nullopt;
   try {
     const std::vector<char> bytes = read_regular_file(dir / "manifest.json", kMaxManifestBytes, std::nullopt);
-    const nlohmann::json m = nlohmann::json::parse(bytes.begin(), bytes.end());
-    return m.is_object() && m.value("format", std::string()) == kFormat;
+    FoundManifest f{parse_json_limited(std::string(bytes.begin(), bytes.end())),
+                    {static_cast<int64_t>(bytes.size()), crc_of(bytes)}};
+    if (!f.json.is_object() || f.json.value("format", std::string()) != kFormat) return std::nullopt;
+    return f;
   } catch (const std::exception&) {
-    return false;
+    return std::nullopt;
   }
 }
+
+// The fingerprint a manifest records for the checkpoint it replaced, if any.
+std::optional<Fingerprint> replaced_by(const std::optional<FoundManifest>& m) {
+  if (!m || !m->json.contains("replaces") || !m->json.at("replaces").is_object()) return std::nullopt;
+  const nlohmann::json& r = m->json.at("replaces");
+  if (!r.contains("bytes") || !r.contains("crc32") || !r.at("bytes").is_number_integer() ||
+      !r.at("crc32").is_number_unsigned())
+    return std::nullopt;
+  return Fingerprint{r.at("bytes").get<int64_t>(), r.at("crc32").get<uint32_t>()};
+}
+// True when `older` is the checkpoint that `newer`'s manifest says it replaced.
+bool replaced(const std::optional<FoundManifest>& newer, const std::optional<FoundManifest>& older) {
+  const std::optional<Fingerprint> r = replaced_by(newer);
+  return r && older && *r == older->fingerprint;
+}
+
 bool is_empty_dir(const fs::path& dir) {
   std::error_code ec;
   return fs::is_directory(dir, ec) && fs::is_empty(dir, ec) && !ec;
 }
-// A DIR.partial we may delete: one a save of ours made (its marker), or a whole previous checkpoint
-// that an exchange put there and a crash kept us from removing.
-// Or one that holds nothing but the names a save writes (what a failed save's ranks left behind).
-bool is_our_partial(const fs::path& p) {
+
+// The names in `dir`, sorted (at most `limit`, then "..." when there are more).
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> out;
   std::error_code ec;
-  if (fs::exists(p / kPartialMarker, ec) || holds_manifest(p)) return true;
-  for (const auto& e : fs::directory_iterator(p, ec)) {
-    const std::string name = e.path().filename().string();
-    const auto ends_with = [&](const std::string& tail) {
-      return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
-    };
-    const bool ours = name == "manifest.json" || name == "manifest.json.tmp" ||
-                      (name.rfind("layer-", 0) == 0 && (ends_with(".pt") || ends_with(".pt.tmp")));
-    if (!ours || !e.is_regular_file(ec)) return false;
-  }
-  return !ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+std::string name_list(const std::vector<std::string>& names) {
+  std::string s;
+  for (std::size_t i = 0; i < names.size() && i < 3; ++i) s += (i ? ", " : "") + names[i];
+  if (names.size() > 3) s += fmt::format(" and {} more", names.size() - 3);
+  return s;
 }
 
-// After a failed save: this rank's own files go, and whichever rank finishes last removes the folder
-// (rmdir succeeds only once it is empty; the others' files may still be being written). Only the
-// leader removes the marker it made, so the folder cannot empty (and vanish) while the leader has yet
-// to write: a rank that failed first used to remove it, and the leader then failed to create its file
-// with "No such file or directory" instead of reporting the first rank's error. Each rank removes its
-// own files before its rmdir, so the last rmdir comes after every removal and succeeds.
+// The entries of `dir` that a checkpoint with manifest `m` does not account for: anything but
+// manifest.json and the layer files it lists.
+std::vector<std::string> foreign_in_checkpoint(const fs::path& dir, const nlohmann::json& m) {
+  std::set<std::string> listed{"manifest.json"};
+  if (m.contains("files") && m.at("files").is_array())
+    for (const auto& f : m.at("files"))
+      if (f.is_object() && f.contains("file") && f.at("file").is_string()) listed.insert(f.at("file").get<std::string>());
+  std::vector<std::string> out;
+  for (const std::string& n : names_in(dir)) {
+    std::error_code ec;
+    if (!listed.count(n) || !fs::is_regular_file(fs::symlink_status(dir / n, ec))) out.push_back(n);
+  }
+  return out;
+}
+
+// The entries of a marked DIR.partial that a save does not write: anything but the marker, the
+// manifest and layer files (and their .tmp forms).
+bool save_writes(const std::string& name) {
+  const auto ends_with = [&](const std::string& tail) {
+    return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (name == kPartialMarker || name == "manifest.json" || name == "manifest.json.tmp") return true;
+  if (name.rfind("layer-", 0) != 0) return false;
+  const std::string digits = name.substr(6, name.find('.') == std::string::npos ? 0 : name.find('.') - 6);
+  const bool numbered = !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos;
+  return numbered && (ends_with(".pt") || ends_with(".pt.tmp"));
+}
+std::vector<std::string> foreign_in_partial(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const std::string& n : names_in(dir)) {
+    std::error_code ec;
+    if (!save_writes(n) || !fs::is_regular_file(fs::symlink_status(dir / n, ec))) out.push_back(n);
+  }
+  return out;
+}
+
+// Removes the named files from `dir`, then `dir` itself if that empties it. Returns true when `dir` is gone.
+bool remove_files_then_dir(const fs::path& dir, const std::vector<std::string>& names) {
+  std::error_code ec;
+  for (const std::string& n : names) fs::remove(dir / n, ec);
+  return ::rmdir(dir.c_str()) == 0 || errno == ENOENT;
+}
+// Removes a checkpoint we proved ours: its manifest's files and the manifest, then the folder.
+bool remove_checkpoint(const fs::path& dir, const nlohmann::json& m) {
+  std::vector<std::string> names;
+  for (const auto& f : m.at("files"))
+    if (f.is_object() && f.contains("file") && f.at("file").is_string()) {
+      const std::string n = f.at("file").get<std::string>();
+      if (n.find('/') == std::string::npos && n != "." && n != "..") names.push_back(n);
+    }
+  names.push_back("manifest.json");
+  return remove_files_then_dir(dir, names);
+}
+
+// An exclusive, non-blocking flock on a marker file: held by a save's leader from the marker's creation
+// until the new checkpoint is in place, so a second run saving to the same DIR is told so.
+class MarkerLock {
+ public:
+  MarkerLock() = default;
+  MarkerLock(const MarkerLock&) = delete;
+  MarkerLock& operator=(const MarkerLock&) = delete;
+  ~MarkerLock() { release(); }
+  // True when the lock was taken (or the marker is gone); false when a saving run holds it. The saver
+  // takes it exclusive; a check takes it shared, so that the ranks of one run checking at once never
+  // see each other as a saver.
+  bool take(const fs::path& marker, bool exclusive = true) {
+    release();
+    fd_ = ::open(marker.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd_ < 0) return true;
+    if (::flock(fd_, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) == 0) return true;
+    release();
+    return false;
+  }
+  void release() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// After a failed save: each rank removes the files it wrote. Only the leader removes the marker it made,
+// and only once the folder holds nothing else, so the folder cannot vanish while another rank has yet to
+// write (that rank would then fail with "No such file or directory" instead of the first rank's error),
+// and a file another rank could not remove (it was killed) stays in a marked folder, which the next save
+// proves its own and clears. The leader gives the others a moment to remove theirs after the abort.
 void remove_partial_share(const fs::path& partial, const std::vector<fs::path>& written, bool leader) {
   std::error_code ec;
-  for (const auto& f : written) fs::remove(f, ec);
-  if (leader) {
-    fs::remove(partial / "manifest.json", ec);
-    fs::remove(partial / kPartialMarker, ec);
+  for (const auto& f : written) {
+    fs::remove(f, ec);
+    fs::remove(f.string() + ".tmp", ec);
   }
-  ::rmdir(partial.c_str());
+  if (!leader) return;
+  fs::remove(partial / "manifest.json", ec);
+  fs::remove(partial / "manifest.json.tmp", ec);
+  const auto only_marker_left = [&] {
+    const std::vector<std::string> left = names_in(partial);
+    return left.empty() || (left.size() == 1 && left[0] == kPartialMarker);
+  };
+  for (int waited_ms = 0; waited_ms < 2000 && !only_marker_left(); waited_ms += 10) ::usleep(10 * 1000);
+  if (only_marker_left()) {
+    fs::remove(partial / kPartialMarker, ec);
+    ::rmdir(partial.c_str());
+  }
 }
 
 enum class Recover { No, Yes };
-// The checks that keep a save from touching what is not ours (file comment). With Recover::Yes it also
-// puts back a DIR.old left by a crash between the fallback path's two renames.
+// The checks that keep a save from touching what is not ours (see above). With Recover::Yes (the
+// leader, at save time) it also clears what it proved ours: a failed save's marked DIR.partial, the
+// previous checkpoint a stop left in DIR.partial or DIR.old, and finishes a two-rename swap that a stop
+// interrupted (no DIR, a complete DIR.partial that replaced DIR.old).
 void check_save_target(const fs::path& final_dir, const fs::path& partial, const fs::path& old,
                        const std::string& flag, Recover recover) {
   std::error_code ec;
   const std::string d = final_dir.string();
-  if (fs::exists(final_dir, ec) && !fs::is_directory(final_dir, ec))
-    throw UsageError(flag + " " + d + " is a file, not a folder: name a folder (it is created)");
+  // A stop between the fallback's two renames: no DIR, the new checkpoint complete in DIR.partial
+  // (unmarked) and the one it replaced in DIR.old. The save at hand finishes that swap first.
+  if (!fs::exists(fs::symlink_status(final_dir, ec)) &&
+      !fs::exists(fs::symlink_status(partial / kPartialMarker, ec))) {
+    const std::optional<FoundManifest> newer = find_manifest(partial), older = find_manifest(old);
+    if (replaced(newer, older) && foreign_in_checkpoint(partial, newer->json).empty() &&
+        foreign_in_checkpoint(old, older->json).empty()) {
+      if (recover == Recover::No) return;  // provably ours; the save finishes it
+      fs::rename(partial, final_dir);
+      fsync_dir(final_dir.parent_path());
+      remove_checkpoint(old, older->json);
+    }
+  }
   if (fs::is_symlink(final_dir, ec))
     throw UsageError(flag + " " + d + " is a symbolic link: name the real folder (a save replaces the folder, which "
                      "would replace the link)");
-  if (fs::exists(old, ec) && !(fs::is_directory(old, ec) && (holds_manifest(old) || is_empty_dir(old))))
-    throw UsageError(flag + " " + d + ": " + old.string() + " exists and is not a pipetrain checkpoint; a save uses "
-                     "that name for the previous checkpoint: move it away or save elsewhere");
-  if (fs::exists(partial, ec) && !(fs::is_directory(partial, ec) && is_our_partial(partial)))
-    throw UsageError(flag + " " + d + ": " + partial.string() + " exists and was not made by pipetrain; a save "
-                     "writes there first: move it away or save elsewhere");
-  if (fs::is_directory(final_dir, ec) && !holds_manifest(final_dir) && !is_empty_dir(final_dir))
-    throw UsageError(flag + " " + d + " is a folder that is not a pipetrain checkpoint (no pipetrain manifest.json) "
-                     "and is not empty; a save replaces the whole folder: name a new or empty folder, or an "
-                     "existing checkpoint");
-  if (recover == Recover::Yes && !fs::exists(final_dir, ec) && fs::is_directory(old, ec) && holds_manifest(old)) {
-    fs::rename(old, final_dir);  // the previous save stopped between its renames: DIR.old is the checkpoint
-    fsync_dir(final_dir.parent_path());
+  if (fs::exists(final_dir, ec) && !fs::is_directory(final_dir, ec))
+    throw UsageError(flag + " " + d + " is a file, not a folder: name a folder (it is created)");
+  const std::optional<FoundManifest> current = find_manifest(final_dir);
+  if (fs::is_directory(final_dir, ec) && !is_empty_dir(final_dir)) {
+    if (!current)
+      throw UsageError(flag + " " + d + " is a folder that is not a pipetrain checkpoint (no pipetrain manifest.json) "
+                       "and is not empty; a save replaces the whole folder: name a new or empty folder, or an "
+                       "existing checkpoint");
+    const std::vector<std::string> foreign = foreign_in_checkpoint(final_dir, current->json);
+    if (!foreign.empty())
+      throw UsageError(flag + " " + d + " is a pipetrain checkpoint that also holds " + name_list(foreign) +
+                       ", which the checkpoint does not list; a save replaces the whole folder: move " +
+                       (foreign.size() == 1 ? "it" : "them") + " out of " + d + ", or save elsewhere");
+  }
+  if (fs::exists(fs::symlink_status(partial, ec))) {
+    const std::optional<FoundManifest> left = find_manifest(partial);
+    const bool marked = fs::is_regular_file(fs::symlink_status(partial / kPartialMarker, ec));
+    if (!fs::is_directory(fs::symlink_status(partial, ec)) || (!marked && !replaced(current, left)))
+      throw UsageError(flag + " " + d + ": " + partial.string() + " exists and was not made by pipetrain (or "
+                       "cannot be proved to be a checkpoint that " + d + " replaced); a save writes there first: "
+                       "move it away or save elsewhere");
+    if (marked) {
+      const std::vector<std::string> foreign = foreign_in_partial(partial);
+      if (!foreign.empty())
+        throw UsageError(flag + " " + d + ": " + partial.string() + " is a save's unfinished folder but also holds " +
+                         name_list(foreign) + ", which a save does not write: move it away or save elsewhere");
+      MarkerLock probe;
+      if (!probe.take(partial / kPartialMarker, /*exclusive=*/false))
+        throw UsageError(flag + " " + d + ": another run is saving to " + d + " now (it holds " + partial.string() +
+                         "): wait for it to finish, or save elsewhere");
+    } else {
+      const std::vector<std::string> foreign = foreign_in_checkpoint(partial, left->json);
+      if (!foreign.empty())
+        throw UsageError(flag + " " + d + ": " + partial.string() + " is the checkpoint " + d + " replaced but also "
+                         "holds " + name_list(foreign) + ": move it away or save elsewhere");
+    }
+    if (recover == Recover::Yes) {
+      if (marked) {
+        remove_files_then_dir(partial, names_in(partial));
+      } else {
+        remove_checkpoint(partial, left->json);
+      }
+      if (fs::exists(partial, ec))
+        throw UsageError(flag + " " + d + ": cannot clear " + partial.string() + ", left by an earlier save: remove it");
+    }
+  }
+  if (fs::exists(fs::symlink_status(old, ec)) && recover == Recover::Yes) {
+    const std::optional<FoundManifest> previous = find_manifest(old);
+    if (previous && fs::is_directory(fs::symlink_status(old, ec)) && replaced(current, previous) &&
+        foreign_in_checkpoint(old, previous->json).empty())
+      remove_checkpoint(old, previous->json);  // the fallback's leftover: DIR replaced it
   }
 }
 
-// Puts the complete DIR.partial in DIR's place, and only then removes the previous checkpoint.
-void swap_in(const fs::path& partial, const fs::path& final_dir, const fs::path& old) {
+// The checkpoint in DIR.partial (complete, manifest written) takes DIR's place, and only then is the
+// previous one removed, file by file from its manifest (a stop before the removal leaves it in
+// DIR.partial, where the next save proves it ours). `previous` is DIR's manifest, if DIR held one.
+void swap_in(const fs::path& partial, const fs::path& final_dir, const fs::path& old,
+             const std::optional<FoundManifest>& previous) {
   const fs::path parent = final_dir.parent_path();
   std::error_code ec;
-  if (!fs::exists(final_dir, ec)) {
+  if (!fs::exists(fs::symlink_status(final_dir, ec))) {
     fs::rename(partial, final_dir);
     fsync_dir(parent);
     return;
   }
   if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
     fsync_dir(parent);
-    fs::remove_all(partial, ec);  // now the previous checkpoint; if it stays, the next save clears it
+    if (previous) remove_checkpoint(partial, previous->json);
+    else ::rmdir(partial.c_str());  // DIR was an empty folder
     return;
   }
   if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP)
     throw std::runtime_error("cannot put the new checkpoint in place of " + final_dir.string() + ": " +
                              errno_text(errno));
-  // A file system without RENAME_EXCHANGE: two renames; a crash between them leaves DIR.old, which the
-  // next save (or the loader's message) puts back.
-  fs::remove_all(old);  // an empty or stale one (check_save_target allowed only those)
+  // A file system without RENAME_EXCHANGE: two renames, through DIR.old. That name must be free: a
+  // DIR.old that this save cannot prove its own (check_save_target cleared the provable ones) stays.
+  if (fs::exists(fs::symlink_status(old, ec)))
+    throw UsageError("cannot put the new checkpoint in place of " + final_dir.string() + ": this file system cannot "
+                     "exchange folders, and the fallback needs the name " + old.string() + ", which holds something "
+                     "pipetrain did not make: move it away and save again");
   fs::rename(final_dir, old);
-  fs::rename(partial, final_dir);
+  fs::rename(partial, final_dir);  // a stop before this: the next save finishes the swap (check_save_target)
   fsync_dir(parent);
-  fs::remove_all(old, ec);  // if it stays, the next save clears it
+  if (previous) remove_checkpoint(old, previous->json);
+  else ::rmdir(old.c_str());
 }
 
-std::string kind_of(const nlohmann::json& j) { return j.is_null() ? "absent" : j.dump(); }
+std::string kind_of(const nlohmann::json& j) { return j.is_null() ? "absent" : excerpt(j); }
 
 void diff(const nlohmann::json& a, const nlohmann::json& b, const std::string& path, std::vector<std::string>& out) {
   if (a.is_object() && b.is_object()) {
@@ -279,9 +485,7 @@ void diff(const nlohmann::json& a, const nlohmann::json& b, const std::string& p
     return;
   }
   if (a != b) {
-    std::string as = kind_of(a), bs = kind_of(b);
-    if (as.size() > 60) as = as.substr(0, 57) + "...";
-    if (bs.size() > 60) bs = bs.substr(0, 57) + "...";
+    const std::string as = kind_of(a), bs = kind_of(b);
     out.push_back(path + ": " + as + " in the checkpoint, " + bs + " in this run");
   }
 }
@@ -323,11 +527,13 @@ std::string prepare_checkpoint_dir(const std::string& dir_text, const std::strin
 void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string& dir_text, const nlohmann::json& run) {
   const bool leader = transport.rank() == 0;
   std::string dir;
+  MarkerLock lock;  // the leader's, from the marker's creation until the swap
+  std::optional<FoundManifest> previous;
   // Rank 0 prepares the folder; the others wait for it (and learn of its failure through the abort).
   if (leader) {
     bool made_partial = false;
     try {
-      dir = normalised_dir(dir_text, "--save");
+      dir = normalised_dir(dir_text, "checkpoint folder");
       try {
         (void)run.dump();  // JSON text holds only UTF-8: found here, before anything is written
       } catch (const nlohmann::json::exception& e) {
@@ -335,18 +541,27 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
                          "): store byte strings as arrays of numbers");
       }
       const fs::path final_dir(dir), partial(dir + ".partial"), old(dir + ".old");
-      check_save_target(final_dir, partial, old, "--save", Recover::Yes);
-      fs::remove_all(partial);  // a stale one of ours (check_save_target refused any other)
+      check_save_target(final_dir, partial, old, "checkpoint folder", Recover::Yes);
+      previous = find_manifest(final_dir);
+      // mkdir, not create_directories: a folder that appeared since the check (another run's save) is
+      // not ours to write into.
+      if (::mkdir(partial.c_str(), 0755) != 0) {
+        const int err = errno;
+        throw UsageError("cannot create " + partial.string() + ": " + errno_text(err) +
+                         (err == EEXIST ? " (another run is saving to " + dir + " now: wait for it, or save elsewhere)"
+                                        : std::string()));
+      }
       made_partial = true;
-      fs::create_directories(partial);
       write_durable(partial / kPartialMarker, "", 0);
+      if (!lock.take(partial / kPartialMarker))
+        throw UsageError("another run is saving to " + dir + " now: wait for it, or save elsewhere");
     } catch (const std::exception& e) {
       transport.abort(std::string("cannot prepare the checkpoint folder: ") + e.what());
       if (made_partial) remove_partial_share(dir + ".partial", {}, true);
       throw;
     }
   } else {
-    dir = normalised_dir(dir_text, "--save");  // the same pure function: every rank agrees
+    dir = normalised_dir(dir_text, "checkpoint folder");  // the same pure function: every rank agrees
   }
   const fs::path final_dir(dir), partial(dir + ".partial"), old(dir + ".old");
   try {
@@ -368,7 +583,13 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
     try {
       for (int layer : rank.owned_layers()) {
         c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-        for (const auto& [name, t] : rank.layer_state(layer)) dict.insert(name, t);
+        for (const auto& [name, t] : rank.layer_state(layer)) {
+          // A diverged run's weights are not saved over the last good checkpoint.
+          if (t.is_floating_point() && !torch::isfinite(t).all().item<bool>())
+            throw NonFiniteError("tensor '" + name + "' of layer " + std::to_string(layer) + " holds NaN or infinite "
+                                 "values (the run diverged): not saved; the previous checkpoint is kept");
+          dict.insert(name, t);
+        }
         const std::vector<char> bytes = [&] {
           std::lock_guard<std::mutex> lk(pickle_mutex());
           return torch::pickle_save(dict);
@@ -398,12 +619,15 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
                                 {"file", layer_file(l)},
                                 {"bytes", static_cast<int64_t>(info[l][0].item<double>())},
                                 {"crc32", static_cast<uint32_t>(info[l][1].item<double>())}});
+        // What this checkpoint replaces, so that the next save can prove a leftover of it its own.
+        if (previous) m["replaces"] = {{"bytes", previous->fingerprint.bytes}, {"crc32", previous->fingerprint.crc32}};
         m["run"] = run;
         const std::string text = m.dump(2) + "\n";
-        write_durable(partial / "manifest.json", text.data(), text.size());
+        written.push_back(partial / "manifest.json");
+        write_durable(written.back(), text.data(), text.size());
         fs::remove(partial / kPartialMarker);
         fsync_dir(partial);
-        swap_in(partial, final_dir, old);
+        swap_in(partial, final_dir, old, previous);
         swapped = true;
       } catch (const std::exception& e) {
         transport.abort(std::string("rank 0: finishing the checkpoint failed: ") + e.what());
@@ -415,6 +639,7 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
     if (!swapped) remove_partial_share(partial, written, leader);
     throw;
   }
+  lock.release();
   transport.barrier();
 }
 
@@ -431,12 +656,12 @@ int64_t bounded_integer(const nlohmann::json& m, const std::string& key, int64_t
   const nlohmann::json& v = m.at(key);
   if (v.is_number_unsigned()) {
     const auto u = v.get<uint64_t>();
-    if (u > static_cast<uint64_t>(hi)) throw bad(v.dump());
+    if (u < static_cast<uint64_t>(std::max<int64_t>(lo, 0)) || u > static_cast<uint64_t>(hi)) throw bad(excerpt(v));
     return static_cast<int64_t>(u);
   }
-  if (!v.is_number_integer()) throw bad(v.dump());
+  if (!v.is_number_integer()) throw bad(excerpt(v));
   const auto i = v.get<int64_t>();
-  if (i < lo || i > hi) throw bad(v.dump());
+  if (i < lo || i > hi) throw bad(excerpt(v));
   return i;
 }
 
@@ -457,7 +682,10 @@ nlohmann::json read_manifest(const std::string& dir) {
   nlohmann::json m;
   try {
     const std::vector<char> bytes = read_regular_file(manifest_path, kMaxManifestBytes, std::nullopt);
-    m = nlohmann::json::parse(bytes.begin(), bytes.end());
+    m = parse_json_limited(std::string(bytes.begin(), bytes.end()));
+  } catch (const std::domain_error& e) {
+    throw UsageError("checkpoint manifest " + where + " is not a pipetrain manifest: its JSON is " + e.what() +
+                     "; the checkpoint is corrupted or crafted; use another one");
   } catch (const nlohmann::json::exception& e) {
     throw UsageError("checkpoint manifest " + where + " is not valid JSON (" + e.what() +
                      "): the checkpoint is corrupted; use another one");
@@ -465,7 +693,7 @@ nlohmann::json read_manifest(const std::string& dir) {
   if (!m.is_object() || m.value("format", nlohmann::json()) != kFormat)
     throw UsageError(where + " is not a pipetrain checkpoint manifest (format is not '" + std::string(kFormat) + "')");
   if (m.value("version", nlohmann::json()) != kVersion)
-    throw UsageError(where + " has version " + m.value("version", nlohmann::json()).dump() +
+    throw UsageError(where + " has version " + excerpt(m.value("version", nlohmann::json())) +
                      "; this pipetrain reads version " + std::to_string(kVersion));
   const int64_t layers = bounded_integer(m, "layers", 1, kMaxLayers, where);
   bounded_integer(m, "step", 0, INT_MAX, where);
@@ -479,7 +707,7 @@ nlohmann::json read_manifest(const std::string& dir) {
       if (ok) sum += b[i].get<int64_t>();
     }
     if (!ok || sum != layers)
-      throw UsageError("checkpoint manifest " + where + ": balance " + b.dump() + " is not a list of positive layer "
+      throw UsageError("checkpoint manifest " + where + ": balance " + excerpt(b) + " is not a list of positive layer "
                        "counts that add up to its " + std::to_string(layers) + " layers: the checkpoint is corrupted");
   }
   const auto& files = m.contains("files") ? m.at("files") : nlohmann::json();
@@ -491,11 +719,11 @@ nlohmann::json read_manifest(const std::string& dir) {
     const std::string entry = where + " files[" + std::to_string(i) + "]";
     if (!f.is_object()) throw UsageError("checkpoint manifest " + entry + " is not an object: the checkpoint is corrupted");
     if (bounded_integer(f, "layer", 0, layers - 1, entry) != static_cast<int64_t>(i))
-      throw UsageError("checkpoint manifest " + entry + " is for layer " + f.at("layer").dump() + ", not " +
+      throw UsageError("checkpoint manifest " + entry + " is for layer " + excerpt(f.at("layer")) + ", not " +
                        std::to_string(i) + ": the checkpoint is corrupted");
     // The file must be this layer's own name inside the folder: no path, no "..", nothing outside.
     if (!f.contains("file") || !f.at("file").is_string() || f.at("file").get<std::string>() != layer_file(static_cast<int>(i)))
-      throw UsageError("checkpoint manifest " + entry + " names the file " + (f.contains("file") ? f.at("file").dump() : "(none)") +
+      throw UsageError("checkpoint manifest " + entry + " names the file " + (f.contains("file") ? excerpt(f.at("file")) : "(none)") +
                        "; a checkpoint's layer " + std::to_string(i) + " is " + layer_file(static_cast<int>(i)) +
                        " inside its folder: the manifest is corrupted or crafted; use another checkpoint");
     bounded_integer(f, "bytes", 0, kMaxLayerFileBytes, entry);
@@ -517,15 +745,44 @@ std::vector<char> read_layer_file(const std::string& dir, const nlohmann::json& 
 
 }  // namespace
 
+namespace {
+
+// The manifest's fingerprint now (bytes -1 when it cannot be read).
+Fingerprint manifest_fingerprint(const std::string& dir) {
+  const std::optional<FoundManifest> m = find_manifest(dir);
+  return m ? m->fingerprint : Fingerprint{};
+}
+
+// Runs `read` (reads of DIR's layer files under the manifest `before`); when it fails and DIR's manifest
+// has changed meanwhile, says that a save replaced the checkpoint (a false "corrupted" otherwise).
+template <class F>
+auto unless_replaced(const std::string& dir, const Fingerprint& before, F&& read) {
+  try {
+    return read();
+  } catch (const UsageError&) {
+    if (!(manifest_fingerprint(dir) == before))
+      throw UsageError("checkpoint " + dir + " was replaced by a save while it was read (another run saves there): "
+                       "read it again once that save is done, or stop that run");
+    throw;
+  }
+}
+
+}  // namespace
+
 nlohmann::json read_checkpoint(const std::string& dir) {
+  const Fingerprint before = manifest_fingerprint(dir);
   const nlohmann::json m = read_manifest(dir);
-  for (const auto& f : m.at("files")) read_layer_file(dir, f);
+  unless_replaced(dir, before, [&] {
+    for (const auto& f : m.at("files")) read_layer_file(dir, f);
+    return 0;
+  });
   return m;
 }
 
 // Each rank reads, checks and loads only the layers it holds (the CLI checks the whole checkpoint once
 // before ranks start, with read_checkpoint).
 void load_checkpoint(PipelineRank& rank, const std::string& dir) {
+  const Fingerprint before = manifest_fingerprint(dir);
   const nlohmann::json m = read_manifest(dir);
   int layers = 0;
   for (int n : rank.balance()) layers += n;
@@ -537,15 +794,26 @@ void load_checkpoint(PipelineRank& rank, const std::string& dir) {
     const fs::path path = fs::path(dir) / entry.at("file").get<std::string>();
     c10::IValue v;
     try {
-      const std::vector<char> bytes = read_layer_file(dir, entry);
+      const std::vector<char> bytes = unless_replaced(dir, before, [&] { return read_layer_file(dir, entry); });
       std::lock_guard<std::mutex> lk(pickle_mutex());
       v = torch::pickle_load(bytes);
     } catch (const c10::Error& e) {
       throw UsageError("checkpoint file " + path.string() + " cannot be read: " + e.what_without_backtrace());
     }
     if (!v.isGenericDict()) throw UsageError("checkpoint file " + path.string() + " does not hold a tensor dictionary");
+    // Weights or optimizer state with NaN or infinity (saved from a run that diverged) would train NaN.
     std::vector<std::pair<std::string, torch::Tensor>> state;
-    for (const auto& item : v.toGenericDict()) state.emplace_back(item.key().toStringRef(), item.value().toTensor());
+    for (const auto& item : v.toGenericDict()) {
+      if (!item.key().isString() || !item.value().isTensor())
+        throw UsageError("checkpoint file " + path.string() + " holds an entry that is not a named tensor");
+      const std::string& name = item.key().toStringRef();
+      const torch::Tensor t = item.value().toTensor();
+      if (t.is_floating_point() && !torch::isfinite(t).all().item<bool>())
+        throw UsageError("checkpoint file " + path.string() + ": tensor '" + name + "' of layer " +
+                         std::to_string(layer) + " holds NaN or infinite values (saved from a run that diverged): "
+                         "resume from an earlier checkpoint");
+      state.emplace_back(name, t);
+    }
     return state;
   };
   for (int layer : rank.local_layers()) {

@@ -10,23 +10,32 @@
 //                        optimizer state), in torch.save's format, so Python's torch.load reads it too.
 //
 // Atomic and durable: a save writes everything into DIR.partial (marked as ours by a file
-// `.pipetrain-partial`), fsyncs every file and the folder, then rank 0 writes the manifest there and
-// exchanges the folders in one step (renameat2 RENAME_EXCHANGE; where the file system cannot, DIR ->
-// DIR.old, DIR.partial -> DIR), fsyncs the parent and only then removes the previous checkpoint. A crash
-// leaves the previous checkpoint or the new one whole, never a mix, and never deletes the only complete
-// copy: a DIR.old left by a crash between the two renames is moved back to DIR by the next save (or
-// named by the loader's message).
+// `.pipetrain-partial`, on which the saving run holds an flock), fsyncs every file and the folder, then
+// rank 0 writes the manifest there and exchanges the folders in one step (renameat2 RENAME_EXCHANGE;
+// where the file system cannot, DIR -> DIR.old, DIR.partial -> DIR), fsyncs the parent and only then
+// removes the previous checkpoint, file by file from its manifest. A crash leaves the previous
+// checkpoint or the new one whole, never a mix, and never deletes the only complete copy.
 //
-// Nothing that is not ours is deleted or overwritten: a save refuses a DIR that exists and is neither
-// empty nor a pipetrain checkpoint, a DIR.old or DIR.partial that is not ours, "." and "..", and a path
-// that is a file. prepare_checkpoint_dir runs those checks (and creates the parent folders, probing that
-// DIR.partial can be made) before training, so a bad path is found before the first step, not at the
-// first save. A failed save (full disk, no permission) removes its DIR.partial and keeps DIR.
+// A save touches only what it can prove its own; anything else is refused with its path and the fix:
+//  - DIR: empty, or a checkpoint holding nothing but manifest.json and the layer files it lists (a
+//    user's notes.txt inside it is refused, not deleted);
+//  - DIR.partial: marked (a failed save's leftovers: only names a save writes), or the checkpoint that
+//    DIR replaced, which DIR's manifest identifies by the size and CRC-32 of its manifest ("replaces");
+//    a copy of some checkpoint placed there is not ours;
+//  - DIR.old: only the checkpoint that DIR (or a complete DIR.partial, after a stop between the
+//    fallback's two renames: the save finishes that swap) replaced. A user's DIR.old is never touched.
+// A second run saving to the same DIR at the same time is told so (the marker's lock). "." and "..",
+// symbolic links and files are refused. prepare_checkpoint_dir runs these checks (and creates the parent
+// folders, probing that DIR.partial can be made) before training, so a bad path is found before the first
+// step, not at the first save. A failed save (full disk, no permission) removes what it wrote and keeps
+// DIR. A tensor holding NaN or infinity is never saved (NonFiniteError: the run diverged).
 //
-// Loading checks the manifest (types and ranges of every field; each layer file must be the plain name
-// layer-NNNNN.pt inside DIR: no path, no "..", no symlink, a regular file) and every layer file's size
-// (before reading it) and CRC-32 before any tensor is touched, so a truncated, corrupted or crafted
-// checkpoint is refused with what is wrong, and no read leaves DIR or reads more than the manifest says.
+// Loading checks the manifest (JSON nested at most 64 deep; types and ranges of every field; each layer
+// file must be the plain name layer-NNNNN.pt inside DIR: no path, no "..", no symlink, a regular file)
+// and every layer file's size (before reading it) and CRC-32 before any tensor is touched, so a
+// truncated, corrupted or crafted checkpoint is refused with what is wrong, and no read leaves DIR or
+// reads more than the manifest says. Tensors must be finite and of the model's type. A read that fails
+// because another run replaced DIR meanwhile says so (not "corrupted").
 //
 // Multi-process runs need DIR on a file system every rank sees (one host, or a shared mount).
 #pragma once
