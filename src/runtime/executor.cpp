@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 
+#include <fmt/format.h>
 #include <malloc.h>
 
 #include <algorithm>
@@ -109,6 +110,9 @@ const double* host_doubles(torch::Tensor& t) {
     t = t.to(torch::kCPU, torch::kDouble).contiguous();
   return t.data_ptr<double>();
 }
+
+// A loss or norm for a message: NaN without its sign bit ("-nan" read as a negative number).
+std::string number_text(double v) { return std::isnan(v) ? "NaN" : fmt::format("{:g}", v); }
 
 // A host tensor of doubles holding `values`: one operator call (clone), where torch::tensor({a, b}) fills
 // it element by element.
@@ -404,6 +408,7 @@ struct PipelineRank::Impl {
   std::vector<int64_t> step_sizes;                  // samples per mini-batch (step) of the call
   std::vector<double> step_loss, step_sq;           // per step: this rank's loss terms, squared gradient norms
   std::vector<char> step_reduced;                   // synchronous: step's reduction done
+  std::vector<char> step_skipped;                   // synchronous: non-finite, no optimizer step (nonfinite "skip")
   StepStats stats;
 
   int rank() const { return transport->rank(); }
@@ -996,14 +1001,42 @@ struct PipelineRank::Impl {
             return !c.primary && c.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
           }))
         counted.push_back(p);
-    torch::Tensor t = host_tensor({step_loss[uk], norm_leader ? detail::gradient_sum_of_squares(counted) : 0.0});
+    const double sq = detail::gradient_sum_of_squares(counted);
+    // Third entry: a bit per rank (the first 52; exact in a double) whose own gradients are not finite.
+    const double flag = std::isfinite(sq) ? 0.0 : std::ldexp(1.0, std::min(rank(), 51));
+    torch::Tensor t = host_tensor({step_loss[uk], norm_leader ? sq : 0.0, flag});
     transport->all_reduce_sum(t);
     const double* sums = host_doubles(t);
     step_loss[uk] = sums[0];
     step_sq[uk] = sums[1];
+    if (!std::isfinite(step_loss[uk]) || !std::isfinite(step_sq[uk])) nonfinite_step(k, sums[2]);
     clip_to(params, std::sqrt(step_sq[uk]), options.optimizer.clip_grad_norm);
     step_reduced[uk] = 1;
     if (options.on_gradients) options.on_gradients(rank(), params);
+  }
+
+  // A synchronous step k with a non-finite loss or global norm, the same on every rank (its values are
+  // all-reduced): "stop" throws, "skip" marks it so that no stage steps. `rank_bits` has bit r set when
+  // rank r's own gradients were not finite (ranks past 51 share bit 51).
+  void nonfinite_step(int k, double rank_bits) {
+    const auto uk = static_cast<std::size_t>(k);
+    if (options.optimizer.nonfinite == "ignore") return;
+    if (options.optimizer.nonfinite == "skip") {
+      step_skipped[uk] = 1;
+      return;
+    }
+    std::string stages;
+    const auto bits = static_cast<uint64_t>(rank_bits);
+    for (int s = 0; s < schedule.stages; ++s) {
+      const int r = std::min(schedule.rank_of(s), 51);
+      if (bits >> r & 1u) stages += (stages.empty() ? "" : ", ") + std::to_string(s);
+    }
+    throw NonFiniteError(fmt::format(
+        "training diverged at step {}: the loss is {} and the gradient norm {}{}; no optimizer step was taken. "
+        "Lower the learning rate, clip gradients (--clip), or resume from the last checkpoint{}",
+        step + k + 1, number_text(step_loss[uk]), number_text(std::sqrt(step_sq[uk])),
+        stages.empty() ? "" : " (gradients not finite on stage " + stages + ")",
+        " (or skip such steps: --nonfinite skip)"));
   }
 
   // Tied weights: every copy's gradient becomes the sum over all copies of its group (one all-reduce
@@ -1070,6 +1103,16 @@ struct PipelineRank::Impl {
       const std::vector<torch::Tensor>& params = stage_params.at(s);
       const double sq = detail::gradient_sum_of_squares(params);
       step_sq[static_cast<std::size_t>(k)] += sq;
+      if (!std::isfinite(sq) && options.optimizer.nonfinite == "stop")
+        throw NonFiniteError(fmt::format(
+            "training diverged at step {}: stage {}'s gradient norm is {}; no optimizer step was taken there. Lower "
+            "the learning rate, clip gradients (--clip), or resume from the last checkpoint (or skip such steps: "
+            "--nonfinite skip)", step + k + 1, s, number_text(std::sqrt(sq))));
+      if (!std::isfinite(sq) && options.optimizer.nonfinite == "skip") {
+        for (auto& p : params) const_cast<torch::Tensor&>(p).mutable_grad() = torch::Tensor();
+        stats.skipped_steps += 1;
+        return;
+      }
       clip_to(params, std::sqrt(sq), options.optimizer.clip_grad_norm);
       if (options.on_gradients) options.on_gradients(rank(), params);
     }
@@ -1080,6 +1123,11 @@ struct PipelineRank::Impl {
         throw UsageError("learning rate of step " + std::to_string(step + k) + " must be > 0, got " +
                          std::to_string(lr));
       for (auto& group : it->second->param_groups()) group.options().set_lr(lr);
+    }
+    if (!async && step_skipped[static_cast<std::size_t>(k)]) {  // nonfinite "skip": no stage steps
+      for (auto& p : stage_params.at(s)) p.mutable_grad() = torch::Tensor();
+      stats.skipped_steps += 1;
+      return;
     }
     weights.at(s).step([&] { if (it != optimizers.end()) detail::optimizer_step(*it->second); }, async);
     for (auto& p : stage_params.at(s)) p.mutable_grad() = torch::Tensor();
@@ -1133,6 +1181,7 @@ struct PipelineRank::Impl {
     step_loss.assign(static_cast<std::size_t>(steps), 0.0);
     step_sq.assign(static_cast<std::size_t>(steps), 0.0);
     step_reduced.assign(static_cast<std::size_t>(steps), 0);
+    step_skipped.assign(static_cast<std::size_t>(steps), 0);
     slots.clear();
     posted.clear();
     posted_skips.clear();
@@ -1177,6 +1226,7 @@ struct PipelineRank::Impl {
       const std::string msg = "rank " + std::to_string(rank()) + where + ": " + what;
       transport->abort(msg);
       if (dynamic_cast<const UsageError*>(&e)) throw UsageError(msg);
+      if (dynamic_cast<const NonFiniteError*>(&e)) throw NonFiniteError(msg);
       throw std::runtime_error(msg);
     }
   }
@@ -1197,6 +1247,14 @@ struct PipelineRank::Impl {
         step_loss[k] = sums[k];
         step_sq[k] = sums[K + k];
       }
+      // The call's losses and norms, the same on every rank: a non-finite one stops every rank here
+      // (a stage's own non-finite norm already stopped the call at its Step).
+      for (std::size_t k = 0; k < K && options.optimizer.nonfinite == "stop"; ++k)
+        if (!std::isfinite(step_loss[k]) || !std::isfinite(step_sq[k]))
+          throw NonFiniteError(fmt::format("training diverged at step {}: the loss is {} and the gradient norm {}. "
+                                           "Lower the learning rate, clip gradients (--clip), or resume from the last "
+                                           "checkpoint", step + static_cast<int>(k) + 1, number_text(step_loss[k]),
+                                           number_text(std::sqrt(step_sq[k]))));
       for (const auto& [s, w] : weights)
         stats.weight_memory.push_back(WeightMemory{s, w.peak_extra_sets(), w.set_bytes()});
     }
@@ -1332,8 +1390,19 @@ void check_options(const PipelineOptions& options, int ranks, bool generate_sche
   if (opt.name != "sgd" && opt.name != "adam" && opt.name != "adamw")
     throw UsageError("unknown optimizer '" + opt.name + "': use sgd, adam or adamw");
   if (!(opt.lr > 0)) throw UsageError("learning rate must be > 0, got " + std::to_string(opt.lr));
-  if (opt.clip_grad_norm < 0)
-    throw UsageError("gradient clipping norm must be >= 0, got " + std::to_string(opt.clip_grad_norm));
+  // Every number finite (NaN passed the old `< 0` checks and turned clipping off silently).
+  const auto finite_at_least = [](const char* what, double v, double lo, const char* fix) {
+    if (!std::isfinite(v) || v < lo) throw UsageError(fmt::format("{} must be a finite number >= {:g}, got {}{}", what, lo, v, fix));
+  };
+  if (!std::isfinite(opt.lr)) throw UsageError(fmt::format("learning rate must be a finite number > 0, got {}", opt.lr));
+  finite_at_least("gradient clipping norm", opt.clip_grad_norm, 0.0, " (0 turns clipping off)");
+  finite_at_least("momentum", opt.momentum, 0.0, "");
+  finite_at_least("weight decay", opt.weight_decay, 0.0, "");
+  finite_at_least("eps", opt.eps, 0.0, "");
+  for (const auto& [what, beta] : {std::pair<const char*, double>{"beta1", opt.beta1}, {"beta2", opt.beta2}})
+    if (!(beta >= 0 && beta < 1)) throw UsageError(fmt::format("{} must be in [0, 1), got {}", what, beta));
+  if (opt.nonfinite != "stop" && opt.nonfinite != "skip" && opt.nonfinite != "ignore")
+    throw UsageError("nonfinite must be stop, skip or ignore, got '" + opt.nonfinite + "'");
   if (!o.tied.empty()) {
     if (async)
       throw UsageError("tied weights need a synchronous schedule (their copies are summed at the flush); '" + o.schedule +
@@ -1696,8 +1765,16 @@ void PipelineRank::load_layer_state(int layer, const std::vector<std::pair<std::
     given.erase(it);
     return t;
   };
+  // A tensor of another type (a float64 file into a float32 model) failed deep inside LibTorch.
+  auto same_type = [&](const std::string& name, const torch::Tensor& src, const torch::Tensor& like) {
+    if (src.scalar_type() != like.scalar_type())
+      throw UsageError("layer " + std::to_string(layer) + " tensor '" + name + "' is " + c10::toString(src.scalar_type()) +
+                       " in the checkpoint but " + c10::toString(like.scalar_type()) + " in the model: convert it, or "
+                       "build the model with that type");
+    return src;
+  };
   auto copy_into = [&](const std::string& name, torch::Tensor dst) {
-    torch::Tensor src = take(name, true);
+    torch::Tensor src = same_type(name, take(name, true), dst);
     if (src.sizes() != dst.sizes())
       throw UsageError("layer " + std::to_string(layer) + " tensor '" + name + "' has shape " +
                        c10::str(src.sizes()) + " in the checkpoint but " + c10::str(dst.sizes()) + " in the model");
@@ -1715,7 +1792,8 @@ void PipelineRank::load_layer_state(int layer, const std::vector<std::pair<std::
     if (optimizer == "adam" || optimizer == "adamw") {
       torch::Tensor step = take(o + "step", false);
       if (!step.defined()) continue;  // not stepped yet when saved
-      torch::Tensor m1 = take(o + "exp_avg", true).to(dev), m2 = take(o + "exp_avg_sq", true).to(dev);
+      torch::Tensor m1 = same_type(o + "exp_avg", take(o + "exp_avg", true), item.value()).to(dev),
+                    m2 = same_type(o + "exp_avg_sq", take(o + "exp_avg_sq", true), item.value()).to(dev);
       if (optimizer == "adam") {
         auto a = std::make_unique<torch::optim::AdamParamState>();
         a->step(step.item<int64_t>());
@@ -1733,7 +1811,7 @@ void PipelineRank::load_layer_state(int layer, const std::vector<std::pair<std::
       torch::Tensor buf = take(o + "momentum_buffer", false);
       if (!buf.defined()) continue;
       auto g = std::make_unique<torch::optim::SGDParamState>();
-      g->momentum_buffer(buf.to(dev));
+      g->momentum_buffer(same_type(o + "momentum_buffer", buf, item.value()).to(dev));
       map[key] = std::move(g);
     }
   }

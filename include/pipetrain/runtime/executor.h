@@ -97,6 +97,12 @@ struct OptimizerOptions {
   double beta2 = 0.999;         // Adam/AdamW
   double eps = 1e-8;            // Adam/AdamW
   double clip_grad_norm = 0.0;  // clip by the global norm over all stages; 0 = off
+  // A step whose loss or gradient norm is NaN or infinite (a diverged run): "stop" throws NonFiniteError
+  // before its optimizer step (synchronous schedules: on every rank, weights untouched; asynchronous ones:
+  // on the rank of the stage whose own gradient norm is not finite, which stops the others); "skip" drops
+  // that step's gradients and takes no optimizer step (asynchronous: the stage's own step), counted in
+  // StepStats::skipped_steps; "ignore" steps anyway (the weights become NaN).
+  std::string nonfinite = "stop";
 };
 
 struct PipelineOptions {
@@ -213,6 +219,7 @@ struct StepStats {
   double grad_norm = 0.0;  // global gradient norm before clipping, of the call's last step
   std::vector<double> losses;      // per step of the call, on every rank
   std::vector<double> grad_norms;  // per step of the call
+  int skipped_steps = 0;  // OptimizerOptions::nonfinite == "skip": steps (this rank's stages) not taken
   std::vector<WeightUse> weight_uses;     // asynchronous schedules: every F and BW of this rank (LocalPipeline: all)
   std::vector<WeightMemory> weight_memory;  // asynchronous schedules: per stage of this rank (LocalPipeline: all)
   // With measure_memory: the largest growth of this process's heap in use (malloc's count, which holds
