@@ -49,7 +49,7 @@ constexpr milliseconds kHelloTime{10000};     // an unauthenticated connection's
 static_assert(kMaxFrame > 2 * kMaxValueBytes + kMaxKeyBytes + 64, "a CSET must fit in a frame");
 
 enum Op : uint8_t { kSet = 1, kCompareSet = 2, kGet = 3, kAdd = 4, kDelete = 5, kCheck = 6, kNumKeys = 7, kBye = 8 };
-enum HelloStatus : uint8_t { kOk = 0, kTokenDiffers = 1, kWorldDiffers = 2, kBusy = 3 };
+enum HelloStatus : uint8_t { kOk = 0, kTokenDiffers = 1, kWorldDiffers = 2, kBusy = 3, kRankTaken = 4 };
 
 void put_u32(std::string& out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -277,7 +277,7 @@ std::optional<std::string> StoreServer::value(const std::string& key) const {
 
 bool StoreServer::joined(int rank) const {
   std::lock_guard<std::mutex> lk(mu_);
-  return rank >= 0 && static_cast<std::size_t>(rank) < joined_.size() && joined_[static_cast<std::size_t>(rank)];
+  return rank >= 0 && static_cast<std::size_t>(rank) < joined_.size() && !joined_[static_cast<std::size_t>(rank)].empty();
 }
 
 bool StoreServer::store_value(const std::string& key, std::string value, std::string& error) {
@@ -416,7 +416,16 @@ bool StoreServer::handle_hello(Connection& c, const std::string& body) {
   const std::string token = r.str(kMaxTokenBytes);
   const auto rank = static_cast<int32_t>(r.u32());
   const auto world = static_cast<int32_t>(r.u32());
+  // The joining process's nonce (one per process: a rank's several clients share it), so that a second
+  // process claiming a rank that has joined (another run's rank on this port, or RANK given twice) is
+  // refused instead of joining as a duplicate and breaking the run.
+  const std::string nonce = r.str(kMaxTokenBytes);
   if (!r.done() || magic != std::string(kMagic, sizeof kMagic)) return false;  // not one of ours
+  const bool counted = rank >= 0 && static_cast<std::size_t>(rank) < joined_.size();
+  const bool taken = [&] {
+    std::lock_guard<std::mutex> lk(mu_);
+    return counted && !joined_[static_cast<std::size_t>(rank)].empty() && joined_[static_cast<std::size_t>(rank)] != nonce;
+  }();
   std::string answer;
   if (!equal_constant_time(token, token_)) {
     answer.push_back(static_cast<char>(kTokenDiffers));
@@ -427,13 +436,16 @@ bool StoreServer::handle_hello(Connection& c, const std::string& body) {
   } else if (world_size_ > 0 && rank >= world_size_) {
     answer.push_back(static_cast<char>(kWorldDiffers));
     put_str(answer, std::to_string(world_size_));
+  } else if (taken) {
+    answer.push_back(static_cast<char>(kRankTaken));
+    put_str(answer, "");
   } else {
     answer.push_back(static_cast<char>(kOk));
     put_str(answer, "");
     c.authenticated = true;
     c.rank = rank;
     std::lock_guard<std::mutex> lk(mu_);
-    if (rank >= 0 && static_cast<std::size_t>(rank) < joined_.size()) joined_[static_cast<std::size_t>(rank)] = true;
+    if (counted) joined_[static_cast<std::size_t>(rank)] = nonce.empty() ? std::string("-") : nonce;
   }
   reply(c, answer);
   if (!c.authenticated) {  // say why, then hang up (the answer is tiny: one send)
@@ -575,10 +587,35 @@ void StoreServer::connection_closed(Connection& c) {
 
 namespace {
 
+// A line on stderr every kWaitNoteEvery of a long wait, saying what is awaited (a rank whose peer died
+// before joining, or a silent listener on the port, was otherwise silent for minutes).
+constexpr auto kWaitNoteEvery = std::chrono::seconds(10);
+class WaitNotes {
+ public:
+  WaitNotes() : start_(Clock::now()), next_(start_ + kWaitNoteEvery) {}
+  // Prints `what` (with the seconds waited) when the next note is due.
+  void tick(const std::string& what, milliseconds limit) {
+    const auto now = Clock::now();
+    if (now < next_) return;
+    next_ = now + kWaitNoteEvery;
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start_).count();
+    std::fprintf(stderr, "pipetrain: still waiting after %lld s (at most %lld s) %s\n", static_cast<long long>(waited),
+                 static_cast<long long>(limit.count() / 1000), what.c_str());
+    std::fflush(stderr);
+  }
+
+ private:
+  Clock::time_point start_, next_;
+};
+
 // Connects to host:port within `deadline`, retrying while nobody listens yet. Returns the fd or throws.
 int connect_with_retry(const std::string& host, int port, Clock::time_point deadline, const std::string& what) {
   std::string why = "no attempt";
+  WaitNotes notes;
+  const auto limit = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
   for (;;) {
+    notes.tick("to connect to the rendezvous store at " + what + " (" + why + "): is its first rank (or the "
+               "launcher) running?", limit);
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -678,6 +715,8 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
   put_str(hello, token);
   put_u32(hello, static_cast<uint32_t>(rank));
   put_u32(hello, static_cast<uint32_t>(world_size));
+  static const std::string nonce = make_run_token();  // this process's
+  put_str(hello, nonce);
   // A listener that is not a pipetrain store may never answer, so the answer has a time limit. A store busy
   // with silent strangers keeps this rank in its listen backlog until it hangs up on them (kHelloTime), so the
   // limit covers two such rounds, or the caller's timeout where that is longer (at most a minute).
@@ -687,6 +726,12 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
   std::string answer;
   try {
     send_all(fd_, frame(hello));
+    // Until the first byte of the answer arrives, a note every 10 s (a silent listener was 60 s silent).
+    WaitNotes notes;
+    const auto answer_by = Clock::now() + answer_limit;
+    for (pollfd p{fd_, POLLIN, 0}; Clock::now() < answer_by && ::poll(&p, 1, 1000) == 0;)
+      notes.tick("for " + what_ + " to answer as a pipetrain rendezvous store: another program may listen there",
+                 answer_limit);
     answer = recv_frame(fd_);
   } catch (const std::exception& e) {
     ::close(fd_);
@@ -710,6 +755,11 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
       throw std::runtime_error(what_ + " hosts another pipetrain run (WORLD_SIZE=" + detail + ", this rank has RANK=" +
                                std::to_string(rank) + " of WORLD_SIZE=" + std::to_string(world_size) +
                                "): start every rank with the same WORLD_SIZE, or start this run on a free MASTER_PORT");
+    if (status == kRankTaken)
+      throw std::runtime_error(what_ + " hosts a run whose rank " + std::to_string(rank) + " has already joined from "
+                               "another process: another run may use this MASTER_PORT (start this run on a free "
+                               "MASTER_PORT, or give each run its own PIPETRAIN_RUN_TOKEN), or RANK=" +
+                               std::to_string(rank) + " was given to two processes");
     throw std::runtime_error(what_ + " refused this rank (" + (r.ok() ? "busy" : "a malformed answer") +
                              "): is it a pipetrain rendezvous store?");
   }
@@ -860,7 +910,11 @@ void StoreClient::wait_for(const std::vector<std::string>& keys, milliseconds ti
   const auto start = Clock::now();
   const bool forever = timeout == kNoTimeout;
   milliseconds pause{1};
+  WaitNotes notes;
   for (;;) {
+    if (!forever)
+      notes.tick("for " + key_list(keys) + " in the rendezvous store at " + what_ +
+                 ": has every rank started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?", timeout);
     // Keys already there are read even after a failure report: only real waiting ends with it (a rank
     // that reads the rendezvous data another rank published just before failing finishes its part).
     if (check(keys)) return;

@@ -209,3 +209,59 @@ TEST(CliRendezvous, ALoneRankStopsAfterTheRendezvousTimeout) {
   EXPECT_LT(r.seconds, 30.0) << r.out;
   EXPECT_TRUE(r.has("timed out after 2 s")) << r.out;
 }
+
+// issue 23: without a token, a second run's rank 1 joined another run's store as a duplicate rank 1 and
+// killed that run with a misleading Gloo message. The store refuses a second process claiming a rank
+// that has joined, and the first run trains on undisturbed.
+TEST(CliRendezvous, SecondProcessClaimingAJoinedRankIsRefused) {
+  const auto dir = pipetrain::testing::fresh_temp_dir("rendezvous", "duplicate");
+  const std::string d = dir.string();
+  const std::string common = "env -u PIPETRAIN_LAUNCHER_STORE -u PIPETRAIN_SHM_PREFIX -u PIPETRAIN_RUN_TOKEN "
+                             "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
+                             " WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=20 ";
+  const std::string train = " timeout 90 " + bin + mlp + " --steps 1500 --progress quiet --log ";
+  const std::string script =
+      common + "RANK=0" + train + d + "/log0.jsonl > " + d + "/rank0.txt 2>&1 & p0=$!; " +
+      common + "RANK=1" + train + d + "/log1.jsonl > " + d + "/rank1.txt 2>&1 & p1=$!; "
+      "for i in $(seq 300); do [ -s " + d + "/log0.jsonl ] && break; sleep 0.1; done; " +
+      common + "RANK=1" + train + d + "/logdup.jsonl > " + d + "/dup.txt 2>&1; echo $? > " + d + "/dup.code; "
+      "wait $p0; echo $? > " + d + "/rank0.code; wait $p1; echo $? > " + d + "/rank1.code";
+  run_command(script);
+  auto slurp = [&](const std::string& name) {
+    std::ifstream in(dir / name);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string dup = slurp("dup.txt");
+  EXPECT_EQ(slurp("dup.code"), "1\n") << dup;
+  EXPECT_NE(dup.find("whose rank 1 has already joined from another process"), std::string::npos) << dup;
+  EXPECT_EQ(slurp("rank0.code"), "0\n") << slurp("rank0.txt");
+  EXPECT_EQ(slurp("rank1.code"), "0\n") << slurp("rank1.txt");
+  EXPECT_EQ(pipetrain::testing::log_losses(dir / "log0.jsonl").size(), 1500u) << slurp("rank0.txt");
+  std::filesystem::remove_all(dir);
+}
+
+// issue 23: a rank whose peer never joined (it died first), or that found a silent listener on
+// MASTER_PORT, said nothing for minutes. A long wait now says every 10 s what it waits for.
+TEST(CliRendezvous, ALongWaitSaysWhatItWaitsFor) {
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
+                          " RANK=0 WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=12 ";
+  CommandResult r = run_command("timeout 120 env " + env + bin + mlp + " --steps 1");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("pipetrain: still waiting after 10 s (at most 12 s)")) << r.out;
+  EXPECT_TRUE(r.has("has every rank started")) << r.out;
+  // A listener that accepts and never answers.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 8), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const std::string silent = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(ntohs(a.sin_port)) +
+                             " RANK=1 WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=12 ";
+  r = run_command("timeout 120 env " + silent + bin + mlp + " --steps 1");
+  ::close(fd);
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("to answer as a pipetrain rendezvous store: another program may listen there")) << r.out;
+}

@@ -122,7 +122,7 @@ class StoreServer {
   mutable std::mutex mu_;
   std::map<std::string, std::string> data_;
   std::size_t stored_bytes_ = 0;
-  std::vector<bool> joined_;
+  std::vector<std::string> joined_;  // per rank: the nonce of the process that joined as it; empty: none yet
   std::vector<std::unique_ptr<Connection>> connections_;  // the server thread's
   std::thread thread_;
 };
