@@ -132,6 +132,7 @@ class Launcher {
   std::vector<Child> children_;
   bool piped_ = false;
   bool failed_ = false;
+  int exit_code_ = 0;  // the first failing rank's own exit code (2: bad input; 128 + N: stopped by signal N)
   bool stopping_ = false;
   bool deadline_passed_ = false;
   Clock::time_point deadline_{};
@@ -206,6 +207,20 @@ void Launcher::drain(Child& c) {
   for (int stream = 1; stream <= 2; ++stream) read_from(c, stream);
 }
 
+// True when process `pid` is stopped by a signal or traced (state T or t in /proc/PID/stat).
+bool process_stopped(pid_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  char buf[512];
+  const std::size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* paren = std::strrchr(buf, ')');  // the command name may hold spaces and parentheses
+  return paren && paren[1] == ' ' && (paren[2] == 'T' || paren[2] == 't');
+}
+
 void Launcher::kill_group(Child& c, int sig) {
   if (c.pid <= 0) return;
   ::kill(-c.pid, sig);  // its process group: what it started too
@@ -244,6 +259,7 @@ void Launcher::reap() {
     const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
     if (ok) continue;
     if (!c.killed_by_us) {
+      if (WIFEXITED(status) && exit_code_ == 0) exit_code_ = WEXITSTATUS(status);
       if (WIFEXITED(status)) {
         report("rank " + std::to_string(c.rank) + " exited with code " + std::to_string(WEXITSTATUS(status)));
         report_to_store(c, "it exited with code " + std::to_string(WEXITSTATUS(status)));
@@ -459,6 +475,16 @@ int Launcher::run(const std::vector<std::string>& argv) {
           kill_group(c, SIGKILL);
         }
     }
+    // A rank that is stopped (SIGSTOP, a debugger) cannot stop by itself: once the run is stopping it is
+    // killed at once instead of after the grace period (the run took 40 s to end, not ~11).
+    if (stopping_ && !deadline_passed_)
+      for (Child& c : children_)
+        if (c.running && !c.killed_by_us && process_stopped(c.pid)) {
+          report("rank " + std::to_string(c.rank) + " is stopped (SIGSTOP?) and cannot stop by itself after " +
+                 stop_reason_ + "; killing it");
+          c.killed_by_us = true;
+          kill_group(c, SIGKILL);
+        }
     if (stopping_ && !deadline_passed_ && now >= deadline_) {
       deadline_passed_ = true;
       for (Child& c : children_)
@@ -471,7 +497,11 @@ int Launcher::run(const std::vector<std::string>& argv) {
     }
   }
   cleanup();
-  return failed_ ? 1 : 0;
+  // The run's code is its first failing rank's: 2 for bad input, 128 + N for a stop by signal N (as a
+  // shell reports a signalled command), 1 otherwise.
+  if (!failed_) return 0;
+  if (exit_code_ == 2 || exit_code_ > 128) return exit_code_;
+  return 1;
 }
 
 void Launcher::remove_segments() noexcept {

@@ -50,10 +50,17 @@ bool holds(const std::vector<int>& stages, int s) { return std::find(stages.begi
 
 // The stop code some rank saw (0: none), the same on every rank: a collective.
 int agreed_stop(Transport& world, int mine) {
-  torch::Tensor t = torch::full({1}, static_cast<double>(mine), torch::kDouble);
+  // The number of ranks that were asked to stop and the sum of their codes: every rank then reports the
+  // same code (a SIGTERM sent to rank 1 alone was reported by rank 0 as SIGINT), the common one, or
+  // SIGTERM when ranks got different signals.
+  const double m = static_cast<double>(mine);
+  torch::Tensor t = torch::tensor({mine != 0 ? 1.0 : 0.0, m, m * m}, torch::kDouble);
   world.all_reduce_sum(t);
-  if (t.item<double>() == 0) return 0;
-  return mine != 0 ? mine : SIGINT;  // ranks report their own code, the others SIGINT
+  const double* v = t.data_ptr<double>();
+  if (v[0] == 0) return 0;
+  const double code = v[1] / v[0];
+  const bool same = v[2] == v[0] * code * code;  // every code equal to their mean
+  return same ? static_cast<int>(code) : SIGTERM;
 }
 
 double peak_rss_mib() {

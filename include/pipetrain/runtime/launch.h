@@ -67,7 +67,8 @@ struct LaunchOptions {
 };
 
 // Runs `argv` (argv[0] is looked up on PATH unless it contains '/') as `nprocs` ranks and waits for all
-// of them. Returns 0 when every rank exited with code 0, else 1 (after reporting each failure on stderr
+// of them. Returns 0 when every rank exited with code 0, else the first failing rank's code where it is 2
+// (bad input) or above 128 (stopped by a signal), else 1 (after reporting each failure on stderr
 // or to on_line). Throws UsageError when nprocs < 1 or > kMaxLocalRanks, argv is empty or argv[0] is not an
 // executable, and
 // std::runtime_error when the children cannot be started (then none is left running).
