@@ -4,7 +4,12 @@
 // simulator's prediction; the measured timeline can be written as a Chrome trace and an SVG.
 #include <fmt/format.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +18,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
@@ -40,6 +46,7 @@ PipelineOptions rank_options(const TrainFlags& f, const std::shared_ptr<Transpor
   o.optimizer.momentum = f.optimizer == "sgd" ? f.momentum : 0.0;
   o.optimizer.weight_decay = f.weight_decay;
   o.optimizer.clip_grad_norm = f.clip;
+  o.optimizer.nonfinite = f.nonfinite;
   o.measure_memory = f.memory;
   o.vertical_sync = f.vertical_sync;
   o.weight_stashing = !f.no_stash;
@@ -69,9 +76,49 @@ TrainerOptions trainer_options(const TrainFlags& f, const LrSchedule& lr) {
   return to;
 }
 
+// The per-step log (--log): every write checked, so a full disk or an unwritable target stops the run
+// with the path and the reason instead of ending with "written" over a log cut mid-line.
+class LogFile {
+ public:
+  LogFile(const std::string& path, bool append) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0644);
+    if (fd_ < 0) fail("cannot open it");
+  }
+  LogFile(const LogFile&) = delete;
+  LogFile& operator=(const LogFile&) = delete;
+  ~LogFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void write_line(const std::string& text) {
+    const std::string line = text + "\n";
+    std::size_t at = 0;
+    while (at < line.size()) {
+      const ssize_t n = ::write(fd_, line.data() + at, line.size() - at);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail("cannot write to it");
+      at += static_cast<std::size_t>(n);
+    }
+  }
+  // Closes the file, checking what the kernel reports at the end (a network file system's late error).
+  void close() {
+    const int fd = fd_;
+    fd_ = -1;
+    if (fd >= 0 && ::close(fd) != 0) fail("cannot finish writing it");
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    const int err = errno ? errno : EIO;
+    throw std::runtime_error("--log " + path_ + ": " + what + ": " + std::strerror(err) +
+                             (err == ENOSPC || err == EDQUOT ? " (the disk is full: free space or log elsewhere)" : ""));
+  }
+  std::string path_;
+  int fd_ = -1;
+};
+
 // What rank 0 shows while it trains: the progress bar or lines, and the per-step log.
 struct RankOutput {
-  std::unique_ptr<std::ofstream> log;
+  std::unique_ptr<LogFile> log;
   std::unique_ptr<Progress> progress;
 };
 
@@ -101,7 +148,7 @@ TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
       entry["eval_loss"] = s.eval->loss;
       entry["eval_accuracy"] = s.eval->accuracy;
     }
-    *out.log << entry.dump() << "\n" << std::flush;
+    out.log->write_line(entry.dump());
   };
   return cb;
 }
@@ -159,8 +206,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   trainer.prepare();
   total = trainer.total();
   if (leader && !f.log.empty()) {
-    out.log = std::make_unique<std::ofstream>(f.log, trainer.start() > 0 ? std::ios::app : std::ios::trunc);
-    if (!*out.log) throw std::runtime_error("cannot write the log file '" + f.log + "'");
+    out.log = std::make_unique<LogFile>(f.log, trainer.start() > 0);
   }
   if (leader) {
     std::cout << banner(f, trainer, rank, *transport, o.threads) << std::flush;
@@ -184,6 +230,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   if (f.model.is_text() && f.sample > 0 && trainer.eval_size() > 0)
     sample = generate_text(f, rank, *transport, dataset.get());
   const RunReport rep = trainer.report(r);
+  if (out.log) out.log->close();
   if (leader) print_outputs(f, rank, *transport, r, rep, sample);
   return 0;
 }
@@ -205,6 +252,11 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
   cmd->add_option("--momentum", f->momentum, "SGD momentum, default 0.9");
   cmd->add_option("--weight-decay", f->weight_decay, "weight decay, default 0");
   cmd->add_option("--clip", f->clip, "clip gradients to this global norm; 0 = off; default 1");
+  cmd->add_option("--nonfinite", f->nonfinite,
+                  "a step whose loss or gradient norm is NaN or infinite (the run diverged): stop (the run ends with "
+                  "exit 1 before that step's update; no checkpoint is written after it), skip (that step's update is "
+                  "dropped), or ignore; default stop")
+      ->check(CLI::IsMember({"stop", "skip", "ignore"}));
   cmd->add_option("--eval-every", f->eval_every,
                   "evaluate on the held-out split every K steps; 0 = never (no evaluation at all); default: 10 times a run");
   cmd->add_option("--eval-samples", f->eval_samples,
@@ -276,6 +328,14 @@ void check_run_flags(const TrainFlags* f, const CLI::App* cmd) {
   if (f->sample < 0) throw UsageError("--sample must be >= 0, got " + std::to_string(f->sample));
   if (!(f->temperature > 0)) throw UsageError("--temperature must be > 0, got " + fmt::format("{}", f->temperature));
   if (f->warmup < -1) throw UsageError("--warmup must be >= 0, got " + std::to_string(f->warmup));
+  // Finite numbers only: NaN passed `< 0` checks (--clip nan turned clipping off) and inf reached LibTorch.
+  for (const auto& [flag, v, fix] : {std::tuple<const char*, double, const char*>{"--lr", f->lr, "e.g. --lr 3e-4"},
+                                     {"--clip", f->clip, "0 turns clipping off"},
+                                     {"--momentum", f->momentum, "e.g. --momentum 0.9"},
+                                     {"--weight-decay", f->weight_decay, "0 turns it off"}})
+    if (!std::isfinite(v) || v < 0 || (v == 0 && std::string(flag) == "--lr"))
+      throw UsageError(fmt::format("{} must be a finite number {} 0, got {}: {}", flag,
+                                   std::string(flag) == "--lr" ? ">" : ">=", v, fix));
   if (f->lr_schedule != "constant" && f->lr_schedule != "cosine" && f->lr_schedule != "linear")
     throw UsageError("unknown --lr-schedule '" + f->lr_schedule + "': use constant, cosine or linear");
 }
@@ -299,6 +359,10 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
                      "schedules (gpipe, 1f1b, interleaved, zb-*) without --replication, not --schedule " +
                      f->pipe.schedule + (f->pipe.replication.empty() ? "" : " --replication " + f->pipe.replication));
   if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
+  // Before the model is built below: ranks started by a launcher are one per process; otherwise this
+  // command starts them all on this host.
+  const bool launched = std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RANK");
+  f->model.check_fits(f->batch_size, std::max(1, f->pipe.microbatches), launched ? 1 : f->pipe.world_size());
   auto model = f->model.factory()();
   check_balance_flags(f->pipe, f->model);
   if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
@@ -321,6 +385,8 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   o.optimizer.lr = f->lr;
   o.optimizer.momentum = f->optimizer == "sgd" ? f->momentum : 0.0;
   o.optimizer.clip_grad_norm = f->clip;
+  o.optimizer.weight_decay = f->weight_decay;
+  o.optimizer.nonfinite = f->nonfinite;
   o.vertical_sync = f->vertical_sync;
   o.weight_stashing = !f->no_stash;
   o.tied = f->model.ties();
@@ -333,7 +399,12 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
 void check_checkpoint_flags(TrainFlags* f) {
   if (!f->save.empty()) f->save = prepare_checkpoint_dir(f->save, "--save");  // before any step
   if (!f->resume.empty()) {
-    const nlohmann::json saved = read_checkpoint(f->resume).at("run");
+    const nlohmann::json manifest = read_checkpoint(f->resume);
+    const nlohmann::json saved = manifest.value("run", nlohmann::json());
+    if (!saved.is_object())
+      throw UsageError("checkpoint " + f->resume + " has no run description (its manifest.json lacks a \"run\" object): "
+                       "it was not written by pipetrain train, so its model and data cannot be checked; resume it from "
+                       "your own program with load_checkpoint");
     const nlohmann::json now = run_json(*f, 0);
     std::vector<std::string> diffs = run_differences(saved, now, {"model", "data"});
     for (const auto& d : run_differences({{"optimizer", {{"name", saved.value("optimizer", nlohmann::json::object())

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -115,6 +116,61 @@ void ModelFlags::prepare() {
       if (seen[static_cast<std::size_t>(ch)]) vocabulary_ += static_cast<char>(ch);
     gpt.vocab = static_cast<int64_t>(vocabulary_.size());
   }
+}
+
+namespace {
+
+// This host's memory for the run: physical memory, or the cgroup's limit where that is lower.
+double host_memory_bytes() {
+  double bytes = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  std::ifstream in("/sys/fs/cgroup/memory.max");
+  std::string limit;
+  if (in >> limit && limit != "max") {
+    try {
+      bytes = std::min(bytes, std::stod(limit));
+    } catch (const std::exception&) {
+    }
+  }
+  return bytes;
+}
+
+std::string gib(double bytes) { return fmt::format("{:.3g} GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
+
+}  // namespace
+
+void ModelFlags::check_fits(int64_t batch_size, int microbatches, int ranks_here) const {
+  const double b = static_cast<double>(batch_size), mb = std::ceil(b / std::max(1, microbatches));
+  const double ranks = std::max(1, ranks_here);
+  // Lower bounds, in bytes: every rank here builds the whole model (4-byte parameters); each holds at
+  // least one micro-batch's activations of one layer; the last stage's logits and the batch exist once.
+  double params = 0, layer_activations = 0, once = 0;
+  std::string fix;
+  if (model == "gpt") {
+    const double d = static_cast<double>(gpt.d_model), t = static_cast<double>(gpt.seq_len),
+                 v = static_cast<double>(gpt.vocab), h = static_cast<double>(gpt.heads), l = gpt.layers;
+    params = l * 12 * d * d + v * d * (gpt.tie_embeddings ? 1 : 2) + t * d;
+    // A block keeps its input, q, k, v, the MLP's 4d hidden activations, the attention scores and
+    // probabilities.
+    layer_activations = mb * (t * d * 8 + 2 * h * t * t) * 4;
+    once = mb * t * v * 4 + b * t * 8 * 2;  // logits; token ids and targets
+    fix = "use fewer --layers, a smaller --d-model, --seq-len, --vocab or --batch-size, or more --microbatches";
+  } else if (model == "mlp") {
+    const double w = static_cast<double>(mlp.hidden);
+    params = static_cast<double>(mlp.inputs) * w + std::max(0, mlp.layers - 2) * w * w + w * static_cast<double>(mlp.classes);
+    layer_activations = mb * w * 4;
+    once = b * static_cast<double>(mlp.inputs) * 4;
+    fix = "use fewer --layers, a smaller --hidden or --batch-size";
+  } else {
+    once = b * 28 * 28 * 4;
+    fix = "use a smaller --batch-size";
+  }
+  const double need = ranks * (params * 4 + layer_activations) + once, have = host_memory_bytes();
+  if (need > have)
+    throw UsageError(fmt::format(
+        "this model and batch need at least {} of memory ({:g} rank(s) here, each building the whole model of {:.3g} "
+        "parameters, 4 bytes each, and holding {} of one layer's activations; {} of batch and logits), more than "
+        "this host's {}: {}",
+        gib(need), ranks, params, gib(layer_activations), gib(once), gib(have), fix));
 }
 
 std::function<torch::nn::Sequential()> ModelFlags::factory() const {

@@ -139,6 +139,11 @@ PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
   o.reference = reference;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(threads));
+  // Past a few threads per core LibTorch only adds contention (and --threads 1000000 created threads until
+  // the machine ran out).
+  if (threads > 4 * cores)
+    throw UsageError("--threads " + std::to_string(threads) + " is more than 4 per core of this host's " +
+                     std::to_string(cores) + ": use at most " + std::to_string(4 * cores) + " (or 0: cores / ranks)");
   o.threads = threads > 0 ? threads : std::max(1, cores / std::max(1, world_size()));
   return o;
 }

@@ -37,6 +37,11 @@ struct ModelFlags {
   // Resolves "auto", checks the combination and, for text data, reads the text and sets the gpt's
   // vocabulary from it. Call once before factory(), dataset() or describe(). Throws UsageError.
   void prepare();
+  // Refuses (UsageError, with the estimate and the fix) a model and batch that cannot fit this host's
+  // memory (physical, or the cgroup's limit): `ranks_here` ranks on this host each build the whole model
+  // and hold one micro-batch of `batch_size / microbatches` samples. A lower bound, so nothing that fits
+  // is refused; it catches --layers 1000000 or --d-model 1e9 before any memory is taken.
+  void check_fits(int64_t batch_size, int microbatches, int ranks_here) const;
   // A factory that builds the same model on every call (seeded).
   std::function<torch::nn::Sequential()> factory() const;
   LossFn loss() const;

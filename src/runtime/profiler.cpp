@@ -1,5 +1,7 @@
 #include "pipetrain/runtime/profiler.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -204,10 +206,20 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
 
 namespace {
 
+// n layers 1 -> 1 with fixed weights. Building a layer draws its initial weights from LibTorch's default
+// generator, which belongs to the caller: its state is put back afterwards (it was reseeded with
+// torch::manual_seed(1) here, so a caller's random numbers after profiling depended on profiling).
 torch::nn::Sequential unit_layers(int n) {
-  torch::manual_seed(1);
   torch::nn::Sequential m;
-  for (int i = 0; i < n; ++i) m->push_back(torch::nn::Linear(1, 1));
+  {
+    std::lock_guard<std::mutex> lk(default_generator_mutex());
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    const at::Tensor state = gen.get_state();
+    for (int i = 0; i < n; ++i) m->push_back(torch::nn::Linear(1, 1));
+    gen.set_state(state);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& p : m->parameters()) p.fill_(0.5);
   return m;
 }
 

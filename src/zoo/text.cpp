@@ -305,6 +305,13 @@ std::string read_text_file(const std::string& path) {
     throw UsageError("text file " + path +
                      " does not exist or is not a regular file: pass an existing file "
                      "with --text FILE");
+  // Every rank holds the whole text, and its token ids (8 bytes a character): about 10 bytes of memory per
+  // byte of text per rank. A larger file (a 20 GB one was read whole) is refused before it is read.
+  const auto size = std::filesystem::file_size(path, ec);
+  if (!ec && size > kMaxTextBytes)
+    throw UsageError("text file " + path + " has " + std::to_string(size) + " bytes; a text is held in memory on every "
+                     "rank (about 10 bytes per character), at most " + std::to_string(kMaxTextBytes >> 20) +
+                     " MiB: train on a part of it, e.g. head -c 256M " + path + " > part.txt");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UsageError("cannot open text file " + path + ": " + std::strerror(errno) + ": check its permissions");
   std::ostringstream text;

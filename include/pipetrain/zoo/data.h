@@ -142,7 +142,9 @@ std::string decode_text(const std::string& vocabulary, const torch::Tensor& ids)
 // the program is missing or fails ("install the Debian package bible-kjv ... or pass --text FILE").
 std::string load_kjv(const std::string& program = "bible");
 
-// The bytes of a text file; throws UsageError naming the path if it cannot be read or is empty.
+// The bytes of a text file; throws UsageError naming the path if it cannot be read, is empty or is
+// larger than kMaxTextBytes (every rank holds the text and its token ids).
+constexpr std::uintmax_t kMaxTextBytes = std::uintmax_t{512} << 20;
 std::string read_text_file(const std::string& path);
 
 }  // namespace pipetrain::zoo
