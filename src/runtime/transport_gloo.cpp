@@ -1010,4 +1010,8 @@ Rendezvous Rendezvous::from_environment() {
 
 std::shared_ptr<Transport> make_gloo_transport(const Rendezvous& rv) { return std::make_shared<GlooTransport>(rv); }
 
+bool gloo_transport_available() { return true; }
+
+std::string gloo_transport_absent_reason() { return ""; }
+
 }  // namespace pipetrain
