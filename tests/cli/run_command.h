@@ -61,7 +61,7 @@ inline bool pipetrain_has_gloo() {
   return has;
 }
 #define SKIP_WITHOUT_GLOO() \
-  if (!pipetrain_has_gloo()) GTEST_SKIP() << "this build has no gloo transport (see `pipetrain info`)"
+  if (!::pipetrain::testing::pipetrain_has_gloo()) GTEST_SKIP() << "this build has no gloo transport (see `pipetrain info`)"
 
 // An empty folder pipetrain-PREFIX-NAME-PID under the system's temporary folder.
 inline std::filesystem::path fresh_temp_dir(const std::string& prefix, const std::string& name) {
