@@ -1,4 +1,5 @@
 # make demo | make test | make build | make deps | make clean | make fuzz | make test-sanitize-core
+# make test-libtorch2: the suite against Debian 13's LibTorch 2.6, in a Debian 13 root under build/debian13
 # Variables: TORCH_DIR=/path/to/share/cmake/Torch picks another LibTorch (e.g. a pip PyTorch's);
 #            BUILD_TYPE (Release), JOBS (all cores), CMAKE_ARGS (passed to cmake as they are);
 #            SANITIZE=address,undefined (or thread): `make test` builds in build-san-<list> with
@@ -21,7 +22,7 @@ ifneq ($(strip $(TORCH_DIR)),)
 CMAKE_ARGS += -DTorch_DIR=$(TORCH_DIR)
 endif
 
-.PHONY: all deps build demo test clean fuzz fuzz-build test-sanitize-core
+.PHONY: all deps build demo test clean fuzz fuzz-build test-sanitize-core test-libtorch2
 all: build
 
 deps:
@@ -65,6 +66,12 @@ test-sanitize-core:
 	  -DPIPETRAIN_SANITIZE=address,undefined $(CMAKE_ARGS)
 	cmake --build build-san-core -j$(JOBS) --target test_core
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ASAN_OPTIONS=detect_leaks=1 ./build-san-core/test_core
+
+# The same source tree against Debian 13's LibTorch 2.6 (scripts/test-libtorch2.sh): a Debian 13 root made
+# with debootstrap once (build/debian13/root, reused), the build dependencies installed there, a build in
+# build/debian13-build and the whole ctest suite. Needs root; JOBS and BUILD_TYPE apply, CTEST_ARGS too.
+test-libtorch2:
+	JOBS=$(JOBS) BUILD_TYPE=$(BUILD_TYPE) bash scripts/test-libtorch2.sh
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages pipetrain needs to build, test and benchmark.
+# Installs the Debian 12 packages pipetrain needs to build, test and benchmark (the same names serve Debian 13:
+# make test-libtorch2 runs this script inside its Debian 13 root).
 # Idempotent and quiet when everything is present; installs only what is missing.
 # Needs root (or sudo) only when something is missing.
 set -euo pipefail

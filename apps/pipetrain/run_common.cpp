@@ -246,6 +246,7 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
   const std::string& t = flags.transport;
   if (t != "local" && t != "shm" && t != "gloo" && t != "mpi" && t != "auto")
     throw UsageError("unknown transport '" + t + "': use local, shm, gloo, mpi or auto");
+  if (t == "gloo" && !gloo_transport_available()) throw UsageError("--transport gloo: " + gloo_transport_absent_reason());
   if (t == "local") {
     auto transports = make_local_transports(world);
     std::vector<int> codes(static_cast<std::size_t>(world), 0);

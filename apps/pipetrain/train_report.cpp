@@ -2,6 +2,7 @@
 #include "train_report.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (fmt 11 has it only here)
 
 #include <algorithm>
 #include <cmath>

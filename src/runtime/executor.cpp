@@ -29,6 +29,7 @@
 #include "bundle_wire.h"
 #include "fused_optimizer.h"
 #include "pass_util.h"
+#include "torch_compat.h"
 #include "umpipe_pass.h"
 
 namespace pipetrain {
@@ -1327,7 +1328,7 @@ struct PipelineRank::Impl {
     auto it = optimizers.find(s);
     if (it == optimizers.end()) return nullptr;
     auto& state = it->second->state();
-    auto found = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    auto found = state.find(compat::optimizer_state_key(p));
     return found == state.end() ? nullptr : found->second.get();
   }
 
@@ -1787,7 +1788,7 @@ void PipelineRank::load_layer_state(int layer, const std::vector<std::pair<std::
     if (!d.optimizers.count(s)) continue;
     const std::string o = "optim/" + item.key() + "/";
     auto& map = d.optimizers.at(s)->state();
-    const std::string key = c10::guts::to_string(item.value().unsafeGetTensorImpl());
+    const auto key = compat::optimizer_state_key(item.value());
     const auto dev = item.value().device();
     if (optimizer == "adam" || optimizer == "adamw") {
       torch::Tensor step = take(o + "step", false);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "fused_adam_kernel.h"
+#include "torch_compat.h"
 
 namespace pipetrain::detail {
 namespace {
@@ -22,7 +23,7 @@ bool dense_float_cpu(const torch::Tensor& t) {
          t.layout() == torch::kStrided;
 }
 
-std::string key_of(const torch::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+compat::OptimizerStateKey key_of(const torch::Tensor& p) { return compat::optimizer_state_key(p); }
 
 // One parameter the fused loop steps, with its state (null: not made yet).
 template <class State>

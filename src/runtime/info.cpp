@@ -10,6 +10,8 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 
+#include "pipetrain/runtime/transport.h"
+
 #include <climits>
 #include <cstdlib>
 
@@ -75,6 +77,7 @@ RuntimeInfo runtime_info() {
   info.cuda_devices = static_cast<int>(torch::cuda::device_count());
   info.blas = blas_from_config(info.build_config);
   info.blas_library = loaded_blas();
+  info.gloo = gloo_transport_available();
   return info;
 }
 
@@ -86,8 +89,10 @@ std::string describe(const RuntimeInfo& info) {
   return fmt::format(
       "LibTorch {}, {} intra-op thread(s), {} inter-op thread(s)\n"
       "BLAS: {}\n"
-      "CUDA: {}\n",
-      info.torch_version, info.intra_op_threads, info.inter_op_threads, blas, cuda);
+      "CUDA: {}\n"
+      "Transports: local, shm, mpi{}\n",
+      info.torch_version, info.intra_op_threads, info.inter_op_threads, blas, cuda,
+      info.gloo ? ", gloo" : " (no gloo in this build)");
 }
 
 }  // namespace pipetrain

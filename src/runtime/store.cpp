@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 #include "pipetrain/runtime/transport.h"
 
@@ -705,8 +706,8 @@ std::string key_list(const std::vector<std::string>& keys) {
 
 StoreClient::StoreClient(const std::string& host, int port, const std::string& token, int rank, int world_size,
                          milliseconds timeout, std::string what)
-    : c10d::Store(timeout), what_(what.empty() ? host + ":" + std::to_string(port) : std::move(what)),
-      wait_limit_(timeout) {
+    : c10d::Store(timeout), what_(what.empty() ? host + ":" + std::to_string(port) : std::move(what)), host_(host),
+      port_(port), token_(token), rank_(rank), world_size_(world_size), wait_limit_(timeout) {
   if (token.size() > kMaxTokenBytes)
     throw std::runtime_error("PIPETRAIN_RUN_TOKEN has " + std::to_string(token.size()) + " bytes: use at most " +
                              std::to_string(kMaxTokenBytes));
@@ -774,6 +775,17 @@ StoreClient::~StoreClient() {
   } catch (...) {
   }
   ::close(fd_);
+}
+
+// LibTorch 2.7+ makes c10d::Store::clone() pure virtual: this fails to compile if StoreClient's clone() does
+// not override it there.
+static_assert(!std::is_abstract_v<StoreClient>, "StoreClient must implement every pure virtual of c10d::Store");
+
+c10::intrusive_ptr<c10d::Store> StoreClient::clone() {
+  auto copy = c10::make_intrusive<StoreClient>(host_, port_, token_, rank_, world_size_, wait_limit_, what_);
+  copy->setTimeout(timeout_);
+  copy->abort_watch_rank_ = abort_watch_rank_.load();
+  return copy;
 }
 
 void StoreClient::drop_without_goodbye() {

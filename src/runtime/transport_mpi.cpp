@@ -298,6 +298,9 @@ std::shared_ptr<Transport> make_process_transport(const std::string& name) {
     // Ranks started otherwise (torchrun, by hand, across hosts) meet over gloo.
     const char* prefix = std::getenv("PIPETRAIN_SHM_PREFIX");
     if (prefix && *prefix) return make_shm_transport(Rendezvous::from_environment());
+    if (!gloo_transport_available())
+      throw UsageError("--transport auto needs gloo for ranks that neither mpirun nor pipetrain started, but " +
+                       gloo_transport_absent_reason());
     return make_gloo_transport(Rendezvous::from_environment());
   }
   if (name == "local")

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "pipetrain/core/simulate.h"
+#include "torch_compat.h"
 
 namespace pipetrain {
 
@@ -137,7 +138,7 @@ WeightPlan plan_weights(const Schedule& s, WeightPolicy policy, const CostModel&
 
 torch::Tensor update_direction(torch::optim::Optimizer& optimizer, const torch::Tensor& p) {
   auto& state = optimizer.state();
-  auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  auto it = state.find(compat::optimizer_state_key(p));
   if (it == state.end()) return torch::Tensor();
   torch::NoGradGuard no_grad;
   const torch::Tensor w = p.variable_data();

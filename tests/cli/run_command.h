@@ -54,6 +54,15 @@ inline CommandResult run_pipetrain(const std::string& args, bool with_stderr = t
   return run_command(std::string(PIPETRAIN_BIN) + " " + args, with_stderr);
 }
 
+// Whether this build has the gloo transport (`pipetrain info` lists its transports); a build against a
+// LibTorch without Gloo headers (pip's PyTorch) has none, and the tests that need it skip there.
+inline bool pipetrain_has_gloo() {
+  static const bool has = run_pipetrain("info").out.find("Transports: local, shm, mpi, gloo") != std::string::npos;
+  return has;
+}
+#define SKIP_WITHOUT_GLOO() \
+  if (!::pipetrain::testing::pipetrain_has_gloo()) GTEST_SKIP() << "this build has no gloo transport (see `pipetrain info`)"
+
 // An empty folder pipetrain-PREFIX-NAME-PID under the system's temporary folder.
 inline std::filesystem::path fresh_temp_dir(const std::string& prefix, const std::string& name) {
   const std::filesystem::path d =

@@ -30,6 +30,7 @@ void expect_same(const std::vector<double>& got, const std::vector<double>& want
 }  // namespace
 
 TEST(TiedCli, GlooMatchesInProcessAndACheckpointResumesAtAnotherStageCount) {
+  SKIP_WITHOUT_GLOO();
   const fs::path dir = pipetrain::testing::fresh_temp_dir("tied", "cli");
   CommandResult r = run_pipetrain("train --transport local --stages 2 --steps 4 -m 4" + kRun + " --log " + (dir / "local.jsonl").string());
   ASSERT_EQ(r.code, 0) << r.out;
@@ -53,6 +54,7 @@ TEST(TiedCli, GlooMatchesInProcessAndACheckpointResumesAtAnotherStageCount) {
 }
 
 TEST(TiedCli, EverySynchronousScheduleMatchesInProcessOverGloo) {
+  SKIP_WITHOUT_GLOO();
   // The tied copies' gradient sum and the flush work the same in every synchronous order; zb-v puts
   // both ends of the model (both copies) on rank 0.
   const fs::path dir = pipetrain::testing::fresh_temp_dir("tied", "schedules");
@@ -78,6 +80,7 @@ TEST(TiedCli, AsynchronousSchedulesAndOtherModelsAreRefused) {
 }
 
 TEST(UNetCli, SkipsAcrossStagesTrainTheSameOverGlooAsInProcess) {
+  SKIP_WITHOUT_GLOO();
   const fs::path dir = pipetrain::testing::fresh_temp_dir("unet", "cli");
   const std::string run = " --model unet --width 4 --stages 3 -m 4 --batch-size 16 --steps 3 --eval-every 0 --progress quiet --log ";
   CommandResult r = run_pipetrain("train --transport local" + run + (dir / "local.jsonl").string());
@@ -92,6 +95,7 @@ TEST(UNetCli, SkipsAcrossStagesTrainTheSameOverGlooAsInProcess) {
 }
 
 TEST(VariableLengthCli, TiedGptOnVersesTrainsTheSameOverGlooAsInProcess) {
+  SKIP_WITHOUT_GLOO();
   const fs::path dir = pipetrain::testing::fresh_temp_dir("varlen", "cli");
   const std::string text = (dir / "lines.txt").string();
   {

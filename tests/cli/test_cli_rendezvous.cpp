@@ -92,27 +92,33 @@ void expect_prompt_failure(const std::string& env, int lost, const std::string& 
 }
 
 TEST(CliRendezvous, RankKilledBeforeJoiningEndsTheRunWithin5s) {
+  SKIP_WITHOUT_GLOO();
   expect_prompt_failure("PIPETRAIN_RENDEZVOUS_FAULT=1:before-join:1", 1, "rank 1 was killed by signal 9");
 }
 
 TEST(CliRendezvous, RankKilledAfterJoiningBeforeGlooConnectsEndsTheRunWithin5s) {
+  SKIP_WITHOUT_GLOO();
   expect_prompt_failure("PIPETRAIN_RENDEZVOUS_FAULT=1:after-join:1", 1, "rank 1 was killed by signal 9");
 }
 
 TEST(CliRendezvous, Rank0KilledDuringTheRendezvousEndsTheRunWithin5s) {
+  SKIP_WITHOUT_GLOO();
   expect_prompt_failure("PIPETRAIN_RENDEZVOUS_FAULT=0:after-join:1", 0, "rank 0 was killed by signal 9");
 }
 
 TEST(CliRendezvous, RankKilledAtItsFirstTransferEndsTheRunWithin5s) {
+  SKIP_WITHOUT_GLOO();
   expect_prompt_failure("PIPETRAIN_FAULT=1:1RF0:kill", 1, "rank 1 was killed by signal 9");
 }
 
 TEST(CliRendezvous, RankKilledMidTrainingEndsTheRunWithin5s) {
+  SKIP_WITHOUT_GLOO();
   expect_prompt_failure("PIPETRAIN_FAULT=1:1F0:kill:20", 1, "rank 1 was killed by signal 9");
   expect_prompt_failure("PIPETRAIN_FAULT=0:0F0:kill:20", 0, "rank 0 was killed by signal 9");
 }
 
 TEST(CliRendezvous, StrayRankWithAnotherTokenIsRefusedAndTheRunIsUndisturbed) {
+  SKIP_WITHOUT_GLOO();
   const auto dir = pipetrain::testing::fresh_temp_dir("rendezvous", "stray");
   const int port = free_port();
   const std::string common = "-u PIPETRAIN_LAUNCHER_STORE -u PIPETRAIN_SHM_PREFIX MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
@@ -169,9 +175,10 @@ void expect_torchrun_trains(const std::string& how, const std::string& name) {
   std::filesystem::remove_all(dir);
 }
 
-TEST(CliRendezvous, TorchrunStandaloneStartsTrainWithNoPython) { expect_torchrun_trains("--standalone", "standalone"); }
+TEST(CliRendezvous, TorchrunStandaloneStartsTrainWithNoPython) { SKIP_WITHOUT_GLOO(); expect_torchrun_trains("--standalone", "standalone"); }
 
 TEST(CliRendezvous, TorchrunWithItsAgentStoreStartsTrainWithNoPython) {
+  SKIP_WITHOUT_GLOO();
   expect_torchrun_trains("--master_addr 127.0.0.1 --master_port " + std::to_string(free_port()), "static");
 }
 
@@ -182,6 +189,7 @@ TEST(CliRendezvous, TorchrunWithItsAgentStoreStartsTrainWithNoPython) {
 // the ranks' settings and both stop non-zero (2, or 1 when the other's report reaches it first), naming
 // the rank. (Different output file names are fine: the stray-rank and two-host tests use them.)
 TEST(CliRendezvous, RanksStartedWithDifferentArgumentsAreRefusedNotHung) {
+  SKIP_WITHOUT_GLOO();
   const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) + " WORLD_SIZE=2 ";
   const std::string log = (std::filesystem::temp_directory_path() /
                            ("pipetrain-diffargs-" + std::to_string(::getpid()) + ".jsonl")).string();
@@ -201,6 +209,7 @@ TEST(CliRendezvous, RanksStartedWithDifferentArgumentsAreRefusedNotHung) {
 // waits took Gloo's timeout, not PIPETRAIN_RENDEZVOUS_TIMEOUT). Now it stops after the rendezvous
 // timeout, naming what it waited for.
 TEST(CliRendezvous, ALoneRankStopsAfterTheRendezvousTimeout) {
+  SKIP_WITHOUT_GLOO();
   const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
                           " RANK=0 WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=2 ";
   const CommandResult r = run_command("timeout 120 env " + env + bin + mlp + " --steps 1");

@@ -227,6 +227,7 @@ TEST(PlanCli, UmpipePlannerWritesPartitionsPerStage) {
 }
 
 TEST(PlanCli, ReplicatedPipelinesTrainLikeOne) {
+  SKIP_WITHOUT_GLOO();
   // --replicas 2: two copies of a 2-stage pipeline, each on half of every mini-batch, average their
   // gradients; the losses equal one pipeline's on the whole batch with the same micro-batch size.
   const fs::path dir = temp_dir("replicas");

@@ -32,6 +32,7 @@ void expect_same_losses(const std::vector<double>& a, const std::vector<double>&
 }  // namespace
 
 TEST(ReplicationCli, RoundRobinRunsWithTheUnreplicatedLosses) {
+  SKIP_WITHOUT_GLOO();
   const fs::path dir = temp_dir("losses");
   CommandResult r = run_pipetrain("train --transport gloo --stages 2 --balance 3,3 -m 6" + kRun + (dir / "one.jsonl").string());
   ASSERT_EQ(r.code, 0) << r.out;
@@ -51,6 +52,7 @@ TEST(ReplicationCli, RoundRobinRunsWithTheUnreplicatedLosses) {
 }
 
 TEST(ReplicationCli, RunsThePipeDreamPlansReplication) {
+  SKIP_WITHOUT_GLOO();
   const fs::path dir = temp_dir("plan");
   CommandResult r = run_pipetrain("profile" + kModel + " --microbatch-size 4 --repeats 2 --out " +
                                   (dir / "profile.json").string());

@@ -18,6 +18,7 @@ const std::string kRun = " --model mlp --data synthetic --stages 2 --steps 6 --b
 
 // Also: with no --transport, the ranks train starts on this host meet over shm (auto).
 TEST(ShmCli, TrainingOverShmIsBitwiseEqualToGloo) {
+  SKIP_WITHOUT_GLOO();
   const fs::path dir = pipetrain::testing::fresh_temp_dir("shm", "bitwise");
   const CommandResult gloo = run_pipetrain("train --transport gloo" + kRun + (dir / "gloo.jsonl").string());
   ASSERT_EQ(gloo.code, 0) << gloo.out;

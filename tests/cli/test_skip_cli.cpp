@@ -91,6 +91,7 @@ TEST(SkipCli, ExactRefusesSkipsNamingTheFix) {
 }
 
 TEST(SkipCli, TrainTracesEverySkipTransferInProcessAndOverGloo) {
+  SKIP_WITHOUT_GLOO();
   namespace fs = std::filesystem;
   const fs::path dir = pipetrain::testing::fresh_temp_dir("skip", "trace");
   for (const std::string transport : {"local", "gloo"}) {

@@ -73,6 +73,7 @@ TEST(TrainAsync, EveryScheduleTrainsOverThreads) {
 }
 
 TEST(TrainAsync, PipeDreamOverGlooProcesses) {
+  SKIP_WITHOUT_GLOO();
   const CommandResult r = run_pipetrain("train --transport gloo --stages 2 --schedule pipedream --steps 12 --eval-every 6" + kSmall);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("over gloo")) << r.out;

@@ -26,6 +26,7 @@ const std::string small = " --data synthetic --d-model 32 --heads 2 --seq-len 16
 }  // namespace
 
 TEST(TrainCli, SelftestOverGlooForOneTwoFourStages) {
+  SKIP_WITHOUT_GLOO();
   for (int p : {1, 2, 4}) {
     const Result r = run(bin + " selftest --stages " + std::to_string(p) + " --transport gloo");
     EXPECT_EQ(r.code, 0) << r.out;
@@ -107,6 +108,7 @@ TEST(TrainCli, WorldSizeOtherThanStagesIsAUsageError) {
 }
 
 TEST(TrainCli, BadInputExitsTwo) {
+  SKIP_WITHOUT_GLOO();
   struct Case {
     std::string args, message;
   };

@@ -25,6 +25,7 @@ const std::string kModel = " --data synthetic --d-model 32 --heads 2 --seq-len 1
 }  // namespace
 
 TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
+  SKIP_WITHOUT_GLOO();
   const fs::path dir = temp_dir("flow");
   const std::string profile = (dir / "profile.json").string(), plan = (dir / "plan.json").string();
   CommandResult r = run_pipetrain("profile" + kModel + " --microbatch-size 4 --repeats 2 --sizes 1 8 --out " + profile);

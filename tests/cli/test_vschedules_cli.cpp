@@ -17,6 +17,7 @@ const std::string bin = PIPETRAIN_BIN;
 }  // namespace
 
 TEST(VSchedulesCli, SelftestOverGloo) {
+  SKIP_WITHOUT_GLOO();
   const Result r = pipetrain::testing::run_command(
       bin + " selftest --stages 2 --transport gloo --schedules zb-v v-half v-min dualpipev "
             "interleaved-zb looped-bfs --microbatch-counts 4 8");

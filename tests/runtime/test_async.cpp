@@ -33,6 +33,7 @@
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "pipetrain/runtime/weights.h"
+#include "torch_compat.h"
 
 using namespace pipetrain;
 
@@ -536,7 +537,7 @@ TEST(AsyncWeights, PredictionIdentityAndExactness) {
   torch::optim::SGD opt({p}, torch::optim::SGDOptions(lr).momentum(momentum));
   auto state = std::make_unique<torch::optim::SGDParamState>();
   state->momentum_buffer(g / (1 - momentum));
-  opt.state()[c10::guts::to_string(p.unsafeGetTensorImpl())] = std::move(state);
+  opt.state()[compat::optimizer_state_key(p)] = std::move(state);
   const torch::Tensor direction = update_direction(opt, p);
   ASSERT_TRUE(direction.defined());
   for (int s : {1, 2, 3, 5}) {
@@ -547,7 +548,7 @@ TEST(AsyncWeights, PredictionIdentityAndExactness) {
       torch::optim::SGD o2({q}, torch::optim::SGDOptions(lr).momentum(momentum));
       auto st2 = std::make_unique<torch::optim::SGDParamState>();
       st2->momentum_buffer(g / (1 - momentum));
-      o2.state()[c10::guts::to_string(q.unsafeGetTensorImpl())] = std::move(st2);
+      o2.state()[compat::optimizer_state_key(q)] = std::move(st2);
       for (int k = 0; k < s; ++k) {
         q.mutable_grad() = g.clone();
         o2.step();

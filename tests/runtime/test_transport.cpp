@@ -324,25 +324,33 @@ Outcome run_mpi(const std::string& scenario, int nprocs = 2) {
 #define SKIP_WITHOUT_MPIRUN() \
   if (!mpirun_path()) GTEST_SKIP() << "mpirun not found (install openmpi-bin); the mpi transport is not tested"
 
-TEST(GlooTransport, ExchangesTensorsBothWaysInOrderPerTag) {
+// The gloo transport's tests; skipped in a build without it (cmake/PipetrainGloo.cmake).
+class GlooTransport : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gloo_transport_available()) GTEST_SKIP() << gloo_transport_absent_reason();
+  }
+};
+
+TEST_F(GlooTransport, ExchangesTensorsBothWaysInOrderPerTag) {
   const Outcome r = run_gloo("exchange");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(r.all_finished("exchange", 2)) << r.output;
 }
 
-TEST(GlooTransport, AllReduceSumAndBarrierOverThreeRanks) {
+TEST_F(GlooTransport, AllReduceSumAndBarrierOverThreeRanks) {
   const Outcome r = run_gloo("allreduce", 3);
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(r.all_finished("allreduce", 3)) << r.output;
 }
 
-TEST(GlooTransport, SizeOrDtypeMismatchIsAnErrorAndLaterMessagesArrive) {
+TEST_F(GlooTransport, SizeOrDtypeMismatchIsAnErrorAndLaterMessagesArrive) {
   const Outcome r = run_gloo("mismatch");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(r.all_finished("mismatch", 2)) << r.output;
 }
 
-TEST(GlooTransport, AbortOnRank1StopsRank0WithItsMessage) {
+TEST_F(GlooTransport, AbortOnRank1StopsRank0WithItsMessage) {
   const Outcome r = run_gloo("abort1");
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_TRUE(r.has("pipetrain rank 0: stopping: rank 1 failed: injected failure on rank 1")) << r.output;
@@ -353,7 +361,7 @@ TEST(GlooTransport, AbortOnRank1StopsRank0WithItsMessage) {
   EXPECT_LT(r.seconds, 30) << r.output;
 }
 
-TEST(GlooTransport, AbortOnRank0WhichHostsTheStoreStopsTheOthers) {
+TEST_F(GlooTransport, AbortOnRank0WhichHostsTheStoreStopsTheOthers) {
   const Outcome r = run_gloo("abort0", 3);
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_TRUE(r.has("pipetrain rank 1: stopping: rank 0 failed: injected failure on rank 0")) << r.output;
@@ -366,7 +374,7 @@ TEST(GlooTransport, AbortOnRank0WhichHostsTheStoreStopsTheOthers) {
   EXPECT_LT(r.seconds, 30) << r.output;
 }
 
-TEST(GlooTransport, KilledIdleRankIsNoticedAtOnce) {
+TEST_F(GlooTransport, KilledIdleRankIsNoticedAtOnce) {
   const Outcome r = run_gloo("kill1-idle");  // 10 s heartbeat: this is the closed connection's doing
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_TRUE(r.has("rank 1 was killed by signal 9")) << r.output;
@@ -375,7 +383,7 @@ TEST(GlooTransport, KilledIdleRankIsNoticedAtOnce) {
   EXPECT_LT(r.seconds, 8) << r.output;
 }
 
-TEST(GlooTransport, KilledRankStopsTheRanksReceivingFromItAtOnce) {
+TEST_F(GlooTransport, KilledRankStopsTheRanksReceivingFromItAtOnce) {
   const Outcome r = run_gloo("kill1-recv", 3);
   EXPECT_EQ(r.code, 1) << r.output;
   for (int rank : {0, 2})
@@ -386,7 +394,7 @@ TEST(GlooTransport, KilledRankStopsTheRanksReceivingFromItAtOnce) {
   EXPECT_LT(r.seconds, 8) << r.output;
 }
 
-TEST(GlooTransport, KilledRank0WhichHostsTheStoreStopsTheOthers) {
+TEST_F(GlooTransport, KilledRank0WhichHostsTheStoreStopsTheOthers) {
   const Outcome r = run_gloo("kill0-idle", 3);
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_TRUE(r.has("pipetrain rank 1: stopping: rank 0 failed: ")) << r.output;
@@ -395,7 +403,7 @@ TEST(GlooTransport, KilledRank0WhichHostsTheStoreStopsTheOthers) {
   EXPECT_LT(r.seconds, 8) << r.output;
 }
 
-TEST(GlooTransport, HungRankIsDetectedByItsMissingHeartbeat) {
+TEST_F(GlooTransport, HungRankIsDetectedByItsMissingHeartbeat) {
   // Rank 1 stops itself (SIGSTOP): its connections stay open, only its heartbeat stops. The launcher
   // then kills it at once (a stopped process cannot stop by itself), not after the grace period.
   const Outcome r = run_gloo("stop1-idle", 2, "3", std::chrono::seconds(2));
@@ -573,6 +581,16 @@ TEST(ProcessTransport, UnknownAndLocalNamesAreUsageErrors) {
   EXPECT_NE(local.find("make_local_transports"), std::string::npos) << local;
 }
 
+TEST(ProcessTransport, GlooIsThereOrItsAbsenceNamesTheAlternatives) {
+  if (gloo_transport_available()) {
+    EXPECT_EQ(gloo_transport_absent_reason(), "");
+    return;
+  }
+  const std::string e = usage_error_of([] { make_process_transport("gloo"); });
+  EXPECT_NE(e.find("built without the gloo transport"), std::string::npos) << e;
+  for (const char* alternative : {"shm", "mpi", "local"}) EXPECT_NE(e.find(alternative), std::string::npos) << e;
+}
+
 TEST(ProcessTransport, MpiWithoutMpirunSaysHowToStartIt) {
   EnvGuard env({{"OMPI_COMM_WORLD_SIZE", unset}, {"OMPI_COMM_WORLD_RANK", unset}});
   const std::string e = usage_error_of([] { make_mpi_transport(); });
@@ -580,7 +598,7 @@ TEST(ProcessTransport, MpiWithoutMpirunSaysHowToStartIt) {
   EXPECT_NE(e.find("--transport gloo"), std::string::npos) << e;
 }
 
-TEST(GlooTransport, OneRankInProcess) {
+TEST_F(GlooTransport, OneRankInProcess) {
   Rendezvous rv;
   rv.master_port = pick_free_port();
   auto t = make_gloo_transport(rv);
@@ -597,7 +615,7 @@ TEST(GlooTransport, OneRankInProcess) {
 
 using pipetrain::testing::listening_addresses;
 
-TEST(GlooTransport, Rank0HostsTheStoreOnMasterAddrOnly) {
+TEST_F(GlooTransport, Rank0HostsTheStoreOnMasterAddrOnly) {
   // LibTorch 1.13's TCPStore listened on every interface here (the IPv6 or IPv4 wildcard).
   EnvGuard env({{"PIPETRAIN_LAUNCHER_STORE", unset}, {"PIPETRAIN_STORE_BIND", unset}});
   Rendezvous rv;
@@ -607,7 +625,7 @@ TEST(GlooTransport, Rank0HostsTheStoreOnMasterAddrOnly) {
   EXPECT_EQ(listening_addresses(rv.master_port), "0100007F ");
 }
 
-TEST(GlooTransport, ARankWithAnotherRunsTokenIsRefusedBeforeGloo) {
+TEST_F(GlooTransport, ARankWithAnotherRunsTokenIsRefusedBeforeGloo) {
   StoreServer other_run("127.0.0.1", 0, "token-of-run-a", 2);
   const std::string address = "127.0.0.1:" + std::to_string(other_run.port());
   EnvGuard env({{"PIPETRAIN_LAUNCHER_STORE", address}, {"PIPETRAIN_RUN_TOKEN", "token-of-run-b"}});
@@ -629,7 +647,7 @@ TEST(GlooTransport, ARankWithAnotherRunsTokenIsRefusedBeforeGloo) {
   EXPECT_FALSE(other_run.value(kAbortKey).has_value());  // the run is not disturbed
 }
 
-TEST(GlooTransport, Rank0ReportsAPortInUse) {
+TEST_F(GlooTransport, Rank0ReportsAPortInUse) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   ASSERT_GE(fd, 0);
   sockaddr_in addr{};

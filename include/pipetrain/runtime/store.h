@@ -139,6 +139,12 @@ class StoreClient : public c10d::Store {
               std::chrono::milliseconds timeout, std::string what = "");
   ~StoreClient() override;  // says goodbye: the server does not report this rank as gone
 
+  // A new client on its own connection to the same server, as the same rank, with the same timeout and
+  // abort watch. LibTorch 2.7+ declares clone() in c10d::Store (pure virtual), and this overrides it; with
+  // an older LibTorch it is an extra method (no `override`, so one declaration fits every version; the
+  // runtime checks that StoreClient is not abstract).
+  virtual c10::intrusive_ptr<c10d::Store> clone();
+
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
   std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& currentValue,
                                   const std::vector<uint8_t>& newValue) override;
@@ -165,6 +171,12 @@ class StoreClient : public c10d::Store {
   void wait_for(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
 
   std::string what_;
+  // How to connect again (clone()).
+  std::string host_;
+  int port_;
+  std::string token_;
+  int rank_;
+  int world_size_;
   // The constructor's timeout (PIPETRAIN_RENDEZVOUS_TIMEOUT for the gloo transport): Gloo waits on the
   // store only while its ranks connect, and passes its own operation timeout (30 min) to wait(keys,
   // timeout); a wait never lasts longer than this, so a rank whose peers never come stops in time.

@@ -117,7 +117,14 @@ struct Rendezvous {
 // RemoteFailure / a clean exit. Throws std::runtime_error when the store refuses this rank (another run's
 // token or world size: "ADDR:PORT (MASTER_ADDR:MASTER_PORT) hosts another pipetrain run ...") or the
 // rendezvous fails, and RemoteFailure when another rank failed during the rendezvous.
+// Without the gloo transport in this build (gloo_transport_available() false) it throws UsageError with
+// gloo_transport_absent_reason().
 std::shared_ptr<Transport> make_gloo_transport(const Rendezvous& rv);
+// Whether this build has the gloo transport: it is left out where no Gloo headers are known to match the
+// Gloo inside the LibTorch (pip's PyTorch ships none), or with PIPETRAIN_GLOO=OFF.
+bool gloo_transport_available();
+// Why it is missing and which transports to use instead ("" when it is there).
+std::string gloo_transport_absent_reason();
 
 // Shared memory between processes of one host (transport_shm.cpp has the details): the ranks meet in the
 // same rendezvous store as gloo's (the launcher's, or one rank 0 hosts at MASTER_ADDR:MASTER_PORT), map one
@@ -140,8 +147,8 @@ std::shared_ptr<Transport> make_group_transport(std::shared_ptr<Transport> base,
                                                 int collective_tag = 32767);
 
 // Picks by name: "local" is not valid here (it needs make_local_transports); "shm", "gloo", "mpi", or
-// "auto": mpi when launched by mpirun, else gloo (shm is chosen by name for now; see
-// transport_mpi.cpp). Throws UsageError listing the valid names otherwise.
+// "auto": mpi when launched by mpirun, shm for ranks of `pipetrain launch` on this host, else gloo (a build
+// without gloo refuses with the alternatives instead). Throws UsageError listing the valid names otherwise.
 std::shared_ptr<Transport> make_process_transport(const std::string& name);
 
 }  // namespace pipetrain

@@ -1,0 +1,41 @@
+// What differs between the LibTorch versions pipetrain builds against (1.13, 2.6, 2.11), in one place.
+// Internal (not installed); the runtime and its tests include it instead of spelling a version's API.
+//
+// - The optimizer state (torch::optim::Optimizer::state()) is keyed by the parameter's TensorImpl: in 1.x
+//   by its text (c10::guts::to_string of the pointer), since 2.0 by the pointer itself (void*), and
+//   c10::guts::to_string is gone. optimizer_state_key() gives the key either way.
+// - c10d::Store gained a pure virtual clone() (2.11 has it, 2.6 not): StoreClient declares clone() as a
+//   plain virtual, which overrides it where it exists and is an unused extra elsewhere
+//   (runtime/store.h); store.cpp asserts that StoreClient is not abstract on every version.
+// - Torch's bundled fmt (fmt 11 in pip's 2.x) needs <fmt/ranges.h> for fmt::join: include it wherever
+//   fmt::join is used (Debian's fmt 9 has it in both headers).
+// Nothing else differs: the same seeds give the same losses on every version.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+#include <torch/version.h>
+
+#include <type_traits>
+#include <utility>
+
+#if TORCH_VERSION_MAJOR < 2
+#include <c10/util/C++17.h>  // c10::guts::to_string
+#endif
+
+namespace pipetrain::compat {
+
+// The key type of this LibTorch's optimizer state map.
+using OptimizerStateKey =
+    typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+
+// The key under which `optimizer.state()` keeps parameter `p`'s state.
+inline OptimizerStateKey optimizer_state_key(const at::Tensor& p) {
+#if TORCH_VERSION_MAJOR < 2
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+#else
+  return static_cast<void*>(p.unsafeGetTensorImpl());
+#endif
+}
+
+}  // namespace pipetrain::compat
