@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "error_of.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/schedule.h"
 #include "pipetrain/core/timeline.h"
@@ -21,21 +22,8 @@
 using namespace pipetrain;
 
 namespace {
-template <class E = UsageError, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "accepted";
-}
-
-std::string temp_dir() {
-  std::string t = ::testing::TempDir() + "pipetrain-issue23-XXXXXX";
-  if (!::mkdtemp(t.data())) throw std::runtime_error("mkdtemp");
-  return t;
-}
+using pipetrain::testing::error_of;
+std::string temp_dir() { return pipetrain::testing::temp_dir("pipetrain-issue23"); }
 
 std::string profile_text(const std::string& forward_ms, const std::string& parameter_bytes, const std::string& backward_ms = "2") {
   return R"({"format": "pipetrain-profile", "version": 1, "model": "toy", "micro_batch_size": 4, "threads": 1,

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "pipetrain/core/config.h"
+#include "error_of.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/json_limits.h"
 #include "pipetrain/plan/planner.h"
@@ -15,16 +16,7 @@
 using namespace pipetrain;
 
 namespace {
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "accepted";
-}
-
+using pipetrain::testing::error_of;
 std::string nested(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
 
 // A message quotes at most a short excerpt of the file: never the bulk of a 140 KB value.
