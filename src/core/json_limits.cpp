@@ -85,7 +85,7 @@ std::string escaped(std::string_view text, bool one_line, std::size_t max_bytes,
   return out;
 }
 
-// Compact JSON for json_excerpt: stops descending below kLevels and once `out` passes `budget`.
+// Compact JSON for json_excerpt, as dump() writes it ({"a":[1,2]}): stops descending below kLevels and once `out` passes `budget`.
 void render(const nlohmann::json& v, std::size_t level, std::size_t budget, std::string& out) {
   constexpr std::size_t kLevels = 8;
   if (out.size() > budget) return;
@@ -115,14 +115,14 @@ void render(const nlohmann::json& v, std::size_t level, std::size_t budget, std:
       bool first = true;
       for (auto it = v.begin(); it != v.end(); ++it) {
         if (out.size() > budget) {
-          out += ", ...";
+          out += ",...";
           break;
         }
-        if (!first) out += ", ";
+        if (!first) out += ',';
         first = false;
         if (!array) {
           render(nlohmann::json(it.key()), level + 1, budget, out);
-          out += ": ";
+          out += ':';
         }
         render(*it, level + 1, budget, out);
       }
@@ -174,7 +174,7 @@ nlohmann::json parse_json_text(std::string_view text, const std::string& what, s
   try {
     return nlohmann::json::parse(text.begin(), text.end());
   } catch (const nlohmann::json::parse_error& e) {
-    throw UsageError(what + ": not valid JSON (" + excerpt(e.what(), 240) + "); fix the syntax at the byte it names");
+    throw UsageError(what + " is not valid JSON (" + excerpt(e.what(), 240) + "); fix the syntax at the byte it names");
   } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range for 1e309: a number no double holds
     throw UsageError(what + ": cannot read the JSON (" + excerpt(e.what(), 240) +
                      "); every number must be finite and fit a double (at most about 1.8e308)");
