@@ -14,7 +14,7 @@ CMAKE_ARGS += -DPIPETRAIN_SANITIZE=$(SANITIZE)
 endif
 FUZZ_SECONDS ?= 60
 FUZZ_MAX_LEN ?= 4096
-FUZZ_TARGETS := action schedule_csv torch_csv profile_json pipedream plan config pattern
+FUZZ_TARGETS := action schedule_csv torch_csv profile_json pipedream plan plan_file config json pattern
 BUILD_TYPE ?= Release
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=

@@ -2,4 +2,4 @@
 #include "fuzz_common.h"
 #include "pipetrain/core/config.h"
 
-PIPETRAIN_FUZZ_TARGET({ pipetrain::parse_config_text(text, "fuzz.json"); })
+PIPETRAIN_FUZZ_JSON_TARGET({ pipetrain::parse_config_text(text, "fuzz.json"); })

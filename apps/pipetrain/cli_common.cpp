@@ -3,11 +3,14 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <tuple>
 
 #include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/read_file.h"
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/costs.h"
@@ -265,17 +268,17 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
         std::vector<std::string> keys;
         for (const std::string& f : long_flag_names(*sub))
           if (f != "--help" && f != "--config") keys.push_back(f.substr(2));
-        throw UsageError("--config " + file + ": key '" + c.key + "' is not a flag of pipetrain " + args[1] +
+        throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' is not a flag of pipetrain " + args[1] +
                          did_you_mean(c.key, keys) + "; run 'pipetrain " + args[1] + " --help' for its flags");
       }
       const bool flag_only = o->get_items_expected_max() == 0;  // add_flag: expected(0)
       if (flag_only && !c.values.empty())
-        throw UsageError("--config " + file + ": key '" + c.key + "' is an on/off flag, but its value is '" +
-                         c.values.front() + "': give true or false");
+        throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' is an on/off flag, but its value is '" +
+                         excerpt(c.values.front()) + "': give true or false");
       if (!flag_only && c.values.empty())
-        throw UsageError("--config " + file + ": key '" + c.key + "' needs a value (true is only for on/off flags)");
+        throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' needs a value (true is only for on/off flags)");
       if (o->get_items_expected_max() == 1 && c.values.size() > 1)
-        throw UsageError("--config " + file + ": key '" + c.key + "' takes one value, but its value is an array of " +
+        throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' takes one value, but its value is an array of " +
                          std::to_string(c.values.size()) + ": give a single value");
     }
     flags.push_back(c.flag);
@@ -287,14 +290,63 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
   return out;
 }
 
+void refuse_non_finite(CLI::App& cmd) {
+  for (CLI::Option* o : cmd.get_options()) {
+    if (o->get_type_name().rfind("FLOAT", 0) != 0) continue;
+    o->check(CLI::Validator(
+        [](std::string& value) -> std::string {
+          const char* begin = value.c_str();
+          char* end = nullptr;
+          const double d = std::strtod(begin, &end);
+          if (end == begin || *end != '\0' || std::isfinite(d)) return "";  // a number, or CLI11's to refuse
+          return excerpt(value) + " is not a finite number (nan, inf or past 1.8e308): give a finite value";
+        },
+        "", "finite"));
+  }
+}
+
+std::string integer_range_hint(CLI::App& sub, const std::string& message) {
+  const std::string prefix = "Could not convert: ";
+  if (message.rfind(prefix, 0) != 0) return "";
+  for (CLI::Option* o : sub.get_options()) {
+    if (message.rfind(prefix + o->get_name() + " = ", 0) != 0) continue;
+    const std::string type = o->get_type_name();
+    const bool is_unsigned = type.rfind("UINT", 0) == 0;
+    if (!is_unsigned && type.rfind("INT", 0) != 0) return "";
+    auto converts = [&](const std::string& value) {
+      o->clear();
+      o->add_result(value);
+      try {
+        o->run_callback();
+        return true;
+      } catch (const CLI::ParseError&) {
+        return false;
+      }
+    };
+    std::string lo = "0", hi;
+    if (is_unsigned) {
+      hi = converts("4294967296") ? "18446744073709551615" : "4294967295";
+    } else {
+      const bool wide = converts("2147483648");
+      lo = wide ? "-9223372036854775808" : "-2147483648";
+      hi = wide ? "9223372036854775807" : "2147483647";
+    }
+    return o->get_name() + " takes a whole number from " + lo + " to " + hi +
+           ": give one in that range (its own limits, if any, are checked next)";
+  }
+  return "";
+}
+
 int guarded(const std::string& command, const std::function<int()>& body) {
+  // Messages quote input files and flags: escape_controls keeps a file's escape sequences from reaching
+  // the terminal (\x1b[2J cleared the screen).
   try {
     return body();
   } catch (const UsageError& e) {
-    std::cerr << "pipetrain " << command << ": error: " << e.what() << "\n";
+    std::cerr << "pipetrain " << command << ": error: " << escape_controls(e.what()) << "\n";
     return kExitUsage;
   } catch (const std::exception& e) {
-    std::cerr << "pipetrain " << command << ": error: " << e.what() << "\n";
+    std::cerr << "pipetrain " << command << ": error: " << escape_controls(e.what()) << "\n";
     return kExitFailure;
   }
 }

@@ -88,6 +88,16 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
 std::vector<std::string> subcommand_names(const CLI::App& app);
 std::vector<std::string> long_flag_names(const CLI::App& sub);
 
+// Refuses nan and inf (and numbers past a double's range, which read as inf) for every floating-point
+// flag of `cmd`, naming the flag: the torch-free commands hand their numbers to the simulator and
+// planners, which would otherwise run with them.
+void refuse_non_finite(CLI::App& cmd);
+
+// For CLI11's "Could not convert: --X = V" on an integer flag of `sub`: "--X takes a whole number from LO
+// to HI: ...", the range of the flag's C++ type (found by converting probe values; it leaves the option
+// changed, so call it only on the way out). "" for other messages.
+std::string integer_range_hint(CLI::App& sub, const std::string& message);
+
 // Runs `body`, mapping UsageError to exit 2 and any other exception to exit 1, with the message on
 // stderr prefixed by "pipetrain <command>: error: ".
 int guarded(const std::string& command, const std::function<int()>& body);

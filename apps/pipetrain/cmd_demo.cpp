@@ -8,6 +8,7 @@
 
 #include "cli_common.h"
 #include "pipetrain/core/simulate.h"
+#include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/core/validate.h"
 
@@ -34,8 +35,14 @@ void add_demo_command(CLI::App& app, int& exit_code) {
   cmd->callback([f, &exit_code] {
     exit_code = guarded("demo", [&] {
       std::error_code ec;
+      if (std::filesystem::exists(f->out, ec) && !std::filesystem::is_directory(f->out, ec))
+        throw UsageError("--out " + f->out + " is not a folder: give a folder for the SVG and trace files, e.g. --out " +
+                         f->out + "-demo");
       std::filesystem::create_directories(f->out, ec);
-      if (ec) throw std::runtime_error("cannot create output folder '" + f->out + "': " + ec.message());
+      if (ec)
+        throw UsageError("--out " + f->out + ": cannot create the folder (" + ec.message() +
+                         "): choose a folder you can write");
+      check_output_path((std::filesystem::path(f->out) / "gpipe.svg").string(), "--out");
       std::cout << fmt::format("Simulated pipeline: p={} stages, m={} micro-batches per step, {} steps, "
                                "cost F:B:W={}, comm={}\n\n",
                                f->stages, f->microbatches, f->steps, f->cost, f->comm);

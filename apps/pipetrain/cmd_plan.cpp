@@ -18,6 +18,7 @@
 
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/timeline.h"
@@ -164,7 +165,7 @@ Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
     f->latency_us = t->latency_ms * 1e3;
     std::cout << fmt::format("transfers and overhead as measured over {}: {:.2f} us + bytes at {}, {:.2f} us "
                              "per compute action\n",
-                             prof.runtime->transport, f->latency_us, bandwidth_text(f->bandwidth_gbps),
+                             excerpt(prof.runtime->transport), f->latency_us, bandwidth_text(f->bandwidth_gbps),
                              prof.runtime->overhead_ms * 1e3);
   }
   return prof;
@@ -178,7 +179,7 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
   const PlanCandidate& best = res.best_straight;
   const PlanCandidate& top = res.chosen();
   std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {}, {}, mini-batch {}\n",
-                           prof.model, layers, prof.micro_batch_size, f->ranks, bandwidth_text(f->bandwidth_gbps),
+                           excerpt(prof.model), layers, prof.micro_batch_size, f->ranks, bandwidth_text(f->bandwidth_gbps),
                            limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
   std::cout << fmt::format("  {:<34} {:>14} {:>8} {:>12}  {}\n", "", "ms/mini-batch", "bubble", "peak GiB", "balance");
   auto row = [&](const std::string& name, const PlanCandidate& c) {
@@ -292,6 +293,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("plan", [&] {
       check_plan_flags(f.get(), cmd);
+      check_output_path(f->out, "--out");
       const Profile prof = read_plan_profile(f.get(), cmd);
       const double limit = f->memory_gib * 1073741824.0;
       PlanSearchOptions so;

@@ -11,6 +11,7 @@
 
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/timeline.h"
 #include "pipetrain/plan/profile.h"
 #include "pipetrain/runtime/profiler.h"
 #include "pipetrain/runtime/info.h"
@@ -109,6 +110,7 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       "The JSON format is documented in docs/PROFILE.md.");
   cmd->callback([f, &exit_code] {
     exit_code = guarded("profile", [&] {
+      check_output_path(f->out, "--out");
       if (f->micro_batch < 1) throw UsageError("--microbatch-size must be >= 1, got " + std::to_string(f->micro_batch));
       if (f->threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(f->threads));
       if (f->threads > 0) at::set_num_threads(f->threads);

@@ -45,6 +45,7 @@ void add_schedule_command(CLI::App& app, int& exit_code) {
       "  pipetrain schedule -s 1f1b -p 4 -m 4 --skip 0:3 --lower   (skip transfers 0SF0@3 ... 0RB0@3)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("schedule", [&] {
+      check_output_path(*out, "--out");
       Schedule s = flags->build();
       ZbExactResult found;
       if (exact->apply(*flags, s, found)) {

@@ -8,6 +8,7 @@
 #include "cli_common.h"
 #include "exact_option.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/heap.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/timeline.h"
@@ -165,6 +166,8 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       "  pipetrain simulate -s 1f1b -p 4 -m 8 --skip 0:3:0.5 --skip-bandwidth 0.25   (a skip from stage 0 to 3)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("simulate", [&] {
+      check_output_path(*trace, "--trace");  // before any work: a bad path is known now
+      check_output_path(*svg, "--svg");
       if (*format != "torch" && (*letters != "detect" || !stage_rank->empty()))
         throw UsageError("--letters and --stage-rank apply to --format torch");
       std::vector<std::string> notes;
@@ -187,7 +190,7 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
                         {"lower_bound", found.lower_bound}, {"nodes", found.nodes}};
         std::cout << j.dump(2) << "\n";
       } else {
-        for (const std::string& n : notes) std::cout << "note: " << n << "\n";
+        for (const std::string& n : notes) std::cout << "note: " << escape_controls(n) << "\n";  // may quote the file
         if (searched) std::cout << found.summary() << " (one step)\n";
         print_metrics_table(std::cout, s, r);
         // With a profile (or byte amounts) the heap model has gradients and messages to add.

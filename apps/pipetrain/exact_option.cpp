@@ -10,7 +10,7 @@ void ExactFlags::add_to(CLI::App& app) {
                "with --schedule zb-auto: search for the shortest schedule under the memory limit (branch and "
                "bound, small p*m only) and report how far the greedy one is from it");
   nodes_option = app.add_option("--exact-nodes", nodes,
-                                "with --exact: search nodes before giving up the proof (default 5000000; the best "
+                                "with --exact: search nodes before giving up the proof (default 5000000, at most 50000000; the best "
                                 "schedule found and a bound are reported then)");
 }
 

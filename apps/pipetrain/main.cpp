@@ -7,6 +7,7 @@
 #include "cli_common.h"
 #include "pipetrain/core/config.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 
 int main(int argc, char** argv) {
   using namespace pipetrain::cli;
@@ -31,13 +32,14 @@ int main(int argc, char** argv) {
   add_selftest_command(app, exit_code);
   add_profile_command(app, exit_code);
   add_plan_command(app, exit_code);
+  for (const char* name : {"simulate", "plan", "schedule", "demo"}) refuse_non_finite(*app.get_subcommand(name));
   set_command_line(argc, argv);
   // Flags from a --config file go in ahead of the command line's own.
   std::vector<std::string> args(argv, argv + argc);
   try {
     args = expand_config(args, &app);
   } catch (const pipetrain::UsageError& e) {
-    std::cerr << "pipetrain: error: " << e.what() << "\n";
+    std::cerr << "pipetrain: error: " << pipetrain::escape_controls(e.what()) << "\n";
     return kExitUsage;
   }
   std::vector<char*> expanded;
@@ -49,17 +51,27 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    app.exit(e);  // prints CLI11's message
+    const std::vector<std::string> original(argv, argv + argc);
+    // CLI11's message, as app.exit(e) prints it, but escaped and cut short: it quotes the bad value,
+    // which may be a --config file's (a 300 KB string, a terminal escape sequence).
+    const std::string message = e.what();
+    std::cerr << (message.size() > 400 ? pipetrain::excerpt(message, 400) : pipetrain::escape_controls(message)) << "\n";
+    if (original.size() > 1)
+      for (CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; }))
+        if (s->get_name() == original[1]) {
+          const std::string hint = integer_range_hint(*s, message);
+          if (!hint.empty()) std::cerr << pipetrain::escape_controls(hint) << "\n";
+        }
+    std::cerr << "Run with --help for more information.\n";
     // The nearest names for a mistyped subcommand or flag, and where a bad value came from.
     const std::vector<std::string> commands = subcommand_names(app);
-    const std::vector<std::string> original(argv, argv + argc);
     const CLI::App* sub = nullptr;
     if (original.size() > 1) {
       for (const CLI::App* s : app.get_subcommands([](const CLI::App*) { return true; }))
         if (s->get_name() == original[1]) sub = s;
       if (!sub && original[1].rfind("-", 0) != 0) {
         const std::string near = pipetrain::nearest_name(original[1], commands);
-        if (!near.empty()) std::cerr << "'" << original[1] << "' is not a command; did you mean '" << near << "'?\n";
+        if (!near.empty()) std::cerr << "'" << pipetrain::excerpt(original[1]) << "' is not a command; did you mean '" << near << "'?\n";
       }
     }
     if (sub) {
@@ -70,7 +82,7 @@ int main(int argc, char** argv) {
         const std::string name = original[i].substr(0, original[i].find('='));
         if (std::find(flags.begin(), flags.end(), name) != flags.end()) continue;
         const std::string near = pipetrain::nearest_name(name, flags);
-        std::cerr << "pipetrain " << original[1] << " has no flag " << name
+        std::cerr << "pipetrain " << original[1] << " has no flag " << pipetrain::excerpt(name)
                   << (near.empty() ? "" : "; did you mean " + near + "?") << "\n";
       }
       const std::string what = e.what();

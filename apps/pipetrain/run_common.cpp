@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <numeric>
 #include <sstream>
@@ -22,6 +23,7 @@
 #include "pipetrain/plan/planner.h"
 #include "pipetrain/plan/profile.h"
 #include "pipetrain/plan/search.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/runtime/launch.h"
 #include "pipetrain/runtime/profiler.h"
 
@@ -101,10 +103,14 @@ std::vector<int> PipelineFlags::replication_counts() const {
 }
 
 int PipelineFlags::world_size() const {
-  if (replication.empty()) return stages * replicas;
-  int total = 0;
-  for (int r : replication_counts()) total += r;
-  return total;
+  // In 64 bits, saturated: --stages 100000 --replicas 100000 must not wrap to a small or negative count.
+  long long total = 0;
+  if (replication.empty()) {
+    total = static_cast<long long>(stages) * replicas;
+  } else {
+    for (int r : replication_counts()) total = std::min<long long>(total + r, std::numeric_limits<int>::max());
+  }
+  return static_cast<int>(std::min<long long>(total, std::numeric_limits<int>::max()));
 }
 
 
@@ -247,6 +253,22 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
   if (t != "local" && t != "shm" && t != "gloo" && t != "mpi" && t != "auto")
     throw UsageError("unknown transport '" + t + "': use local, shm, gloo, mpi or auto");
   if (t == "gloo" && !gloo_transport_available()) throw UsageError("--transport gloo: " + gloo_transport_absent_reason());
+  // Ranks this process starts itself (threads, or processes through the launcher) are bounded by what
+  // one host serves; the message names the user's flags, not the launcher's -n.
+  if ((t == "local" || (!launched() && t != "mpi")) && world > kMaxLocalRanks) {
+    const std::string given =
+        !flags.replication.empty()
+            ? "--replication " + excerpt(flags.replication) + " adds up to " + std::to_string(world) + " ranks"
+            : "--stages " + std::to_string(flags.stages) +
+                  (flags.replicas > 1 ? " x --replicas " + std::to_string(flags.replicas) : "") + " is " +
+                  std::to_string(world) + " ranks";
+    throw UsageError(given + ", more than the " + std::to_string(kMaxLocalRanks) +
+                     " one host runs (one rank per stage replica): give at most " + std::to_string(kMaxLocalRanks) +
+                     " in all" + (flags.replication.empty() && flags.replicas == 1
+                                      ? " (--stages <= " + std::to_string(kMaxLocalRanks) + ")"
+                                      : "") +
+                     ", or start the ranks on several hosts with torchrun or mpirun");
+  }
   if (t == "local") {
     auto transports = make_local_transports(world);
     std::vector<int> codes(static_cast<std::size_t>(world), 0);

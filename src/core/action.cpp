@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 
 namespace pipetrain {
 namespace {
@@ -67,7 +68,7 @@ std::string to_string(const Action& a) {
 Action parse_action(std::string_view text) {
   const std::string_view t = trim(text);
   auto fail = [&]() -> Action {
-    throw UsageError("malformed action '" + std::string(t) +
+    throw UsageError("malformed action '" + excerpt(t) +
                      "': expected <stage><KIND><micro-batch> such as 2F0, 1B3, 1W3, 0BW5, 0SF2, 1RF2, 2SB2, "
                      "3RB2 or 1S0 (KIND is one of F B W BW SF RF SB RB S); a skip transfer adds its peer stage, "
                      "as in 0SF2@3");
@@ -121,7 +122,7 @@ std::vector<Action> parse_cell(std::string_view text) {
   if (t.empty() || t.front() != '(') return {parse_action(t)};
   const std::size_t semi = t.find(';');
   if (t.back() != ')' || semi == std::string_view::npos || t.find(';', semi + 1) != std::string_view::npos)
-    throw UsageError("malformed paired cell '" + std::string(t) +
+    throw UsageError("malformed paired cell '" + excerpt(t) +
                      "': expected (<forward>;<backward>) such as (0F7;7BW3), a forward and a backward of another stage");
   Action first = parse_action(t.substr(1, semi - 1));
   const Action second = parse_action(t.substr(semi + 1, t.size() - semi - 2));

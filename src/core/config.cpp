@@ -5,16 +5,12 @@
 #include <nlohmann/json.hpp>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 
 namespace pipetrain {
 
 std::vector<ConfigFlag> parse_config_text(const std::string& text, const std::string& origin) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw UsageError("--config " + origin + " is not valid JSON: " + e.what() + "; fix the syntax where it says");
-  }
+  const nlohmann::json j = parse_json_text(text, "--config " + origin);
   if (!j.is_object())
     throw UsageError("--config " + origin + " must hold a JSON object of flags, e.g. {\"stages\": 4, \"schedule\": \"1f1b\"}");
   auto value = [&](const std::string& key, const nlohmann::json& v) -> std::string {
@@ -23,10 +19,10 @@ std::vector<ConfigFlag> parse_config_text(const std::string& text, const std::st
     if (v.is_number_float()) {
       const double d = v.get<double>();
       if (!std::isfinite(d))
-        throw UsageError("--config " + origin + ": key '" + key + "' has value " + v.dump() + "; give a finite number");
+        throw UsageError("--config " + origin + ": key '" + excerpt(key) + "' has value " + json_excerpt(v) + "; give a finite number");
       return v.dump();
     }
-    throw UsageError("--config " + origin + ": key '" + key + "' has value " + v.dump() +
+    throw UsageError("--config " + origin + ": key '" + excerpt(key) + "' has value " + json_excerpt(v) +
                      "; use a string, a number, true/false or an array of those");
   };
   std::vector<ConfigFlag> out;
@@ -34,7 +30,7 @@ std::vector<ConfigFlag> parse_config_text(const std::string& text, const std::st
     const std::string& key = it.key();
     if (key == "config") throw UsageError("--config " + origin + " names another config file; nest no config files");
     if (key.empty() || key[0] == '-' || key.find_first_of(" =\t\n") != std::string::npos)
-      throw UsageError("--config " + origin + ": key '" + key +
+      throw UsageError("--config " + origin + ": key '" + excerpt(key) +
                        "' is not a flag name; write flag names without dashes, e.g. \"stages\"");
     ConfigFlag f;
     f.key = key;
@@ -45,7 +41,7 @@ std::vector<ConfigFlag> parse_config_text(const std::string& text, const std::st
     } else if (v.is_array()) {
       f.is_array = true;
       if (v.empty())
-        throw UsageError("--config " + origin + ": key '" + key + "' is an empty array; give at least one value or drop the key");
+        throw UsageError("--config " + origin + ": key '" + excerpt(key) + "' is an empty array; give at least one value or drop the key");
       for (const auto& x : v) f.values.push_back(value(key, x));
     } else {
       f.values.push_back(value(key, v));

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 
 namespace pipetrain {
 
@@ -90,17 +91,17 @@ double parse_cost_number(const std::string& item, const std::string& whole) {
     const double v = std::stod(item, &used);
     if (used != item.size()) throw std::invalid_argument(item);
     if (!std::isfinite(v) || v < 0)
-      throw UsageError("cost '" + item + "' in '" + whole + "' must be a finite number >= 0");
+      throw UsageError("cost '" + excerpt(item) + "' in '" + excerpt(whole) + "' must be a finite number >= 0");
     // A schedule's makespan sums many costs: 1e308 overflowed to infinity and the simulator then
     // reported a deadlock. 1e12 time units per action is far past any real cost.
     if (v > kMaxActionCost)
-      throw UsageError("cost '" + item + "' in '" + whole + "' is over the limit of 1e12 time units per action (sums "
+      throw UsageError("cost '" + excerpt(item) + "' in '" + excerpt(whole) + "' is over the limit of 1e12 time units per action (sums "
                        "of such costs overflow): rescale the costs, e.g. to milliseconds");
     return v;
   } catch (const UsageError&) {
     throw;
   } catch (const std::exception&) {
-    throw UsageError("cost '" + item + "' in '" + whole + "' is not a number: expected F:B:W such as 1:1:1 or 1:2:0");
+    throw UsageError("cost '" + excerpt(item) + "' in '" + excerpt(whole) + "' is not a number: expected F:B:W such as 1:1:1 or 1:2:0");
   }
 }
 
@@ -116,12 +117,12 @@ std::vector<StageCost> parse_stage_costs(const std::string& text) {
     std::string item;
     while (std::getline(parts, item, ':')) v.push_back(parse_cost_number(item, text));
     if (v.size() != 3)
-      throw UsageError("cost '" + triple + "' in '" + text +
+      throw UsageError("cost '" + excerpt(triple) + "' in '" + excerpt(text) +
                        "' must have three parts F:B:W (forward, input-gradient backward, weight-gradient "
                        "backward), e.g. 1:1:1; for a fused backward of 2 write 1:2:0");
     out.push_back(StageCost{v[0], v[1], v[2], 1.0});
   }
-  if (out.empty()) throw UsageError("empty cost '" + text + "': expected F:B:W such as 1:1:1");
+  if (out.empty()) throw UsageError("empty cost '" + excerpt(text) + "': expected F:B:W such as 1:1:1");
   return out;
 }
 

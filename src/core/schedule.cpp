@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/read_file.h"
 #include "pipetrain/core/skip.h"
 
@@ -104,7 +105,7 @@ Schedule from_csv(const std::string& text) {
   std::map<std::string, std::string> header;
   int header_line = 0;
   std::vector<std::vector<Action>> rows;
-  std::istringstream in(text);
+  std::istringstream in{std::string(skip_utf8_bom(text))};  // a leading byte order mark is no cell
   std::string line;
   int line_no = 0;
   while (std::getline(in, line)) {

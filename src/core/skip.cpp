@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 
 namespace pipetrain {
 namespace {
@@ -24,7 +25,7 @@ int route_of(const Schedule& s, int from, int to) {
 
 SkipEdge parse_skip_route(const std::string& text) {
   auto fail = [&]() -> SkipEdge {
-    throw UsageError("malformed skip route '" + text +
+    throw UsageError("malformed skip route '" + excerpt(text) +
                      "': expected FROM:TO or FROM:TO:SIZE, stage numbers with TO >= FROM + 2 and SIZE >= 0 in the "
                      "cost model's memory units (e.g. 0:3 or 0:3:0.5)");
   };

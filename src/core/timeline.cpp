@@ -3,6 +3,8 @@
 #include "pipetrain/core/timeline.h"
 
 #include <fmt/format.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <utility>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 
 namespace pipetrain {
 namespace {
@@ -355,24 +358,94 @@ std::string gantt_svg(const Timeline& t, const Metrics& m) {
   return out;
 }
 
+namespace {
+
+// Writes all of `contents` to `fd`, then closes it; every write and the close are checked. Returns 0,
+// or the errno of the first failure (the descriptor is closed either way).
+int write_all_and_close(int fd, const std::string& contents) {
+  int err = 0;
+  for (std::size_t done = 0; done < contents.size();) {
+    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : EIO;
+      break;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::close(fd) != 0 && err == 0 && errno != EINTR) err = errno;
+  return err;
+}
+
+std::string parent_folder(const std::string& path) {
+  const std::size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+void check_output_path(const std::string& path, const std::string& flag) {
+  if (path.empty()) return;
+  const std::string shown = flag + " " + excerpt(path, 200);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode))
+      throw UsageError(shown + " is a folder: give a file path, e.g. " + flag + " " +
+                       (path.back() == '/' ? path : path + "/") + "out");
+    if (::access(path.c_str(), W_OK) != 0)
+      throw UsageError(fmt::format("{} cannot be written ({}): choose another path or fix its permissions", shown,
+                                   std::strerror(errno)));
+    return;  // a file to replace, or a device or FIFO to write to
+  }
+  if (errno != ENOENT && errno != ENOTDIR)
+    throw UsageError(fmt::format("{} cannot be written ({}): choose another path", shown, std::strerror(errno)));
+  if (path.back() == '/')
+    throw UsageError(shown + " names a folder that does not exist: give a file path, without the final '/'");
+  const std::string parent = parent_folder(path);
+  if (::stat(parent.c_str(), &st) != 0)
+    throw UsageError(fmt::format("{}: the folder '{}' does not exist ({}): create it first (mkdir -p {}) or "
+                                 "choose another path",
+                                 shown, excerpt(parent, 200), std::strerror(errno), excerpt(parent, 200)));
+  if (!S_ISDIR(st.st_mode))
+    throw UsageError(fmt::format("{}: '{}' is not a folder: choose another path", shown, excerpt(parent, 200)));
+  // Creating the file is the one sure test (root passes access(), yet /proc or a full quota refuse files);
+  // the probe is removed at once, so a run that fails later leaves nothing behind.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0)
+    throw UsageError(fmt::format("{}: cannot create a file in the folder '{}' ({}): choose another folder or fix "
+                                 "its permissions",
+                                 shown, excerpt(parent, 200), std::strerror(errno)));
+  ::close(fd);
+  ::unlink(path.c_str());
+}
+
 void write_file_atomic(const std::string& path, const std::string& contents) {
-  const std::string tmp = path + ".tmp." + std::to_string(static_cast<long>(::getpid()));
   auto fail = [&](const std::string& what, int err) {
-    std::remove(tmp.c_str());
     throw std::runtime_error(fmt::format("cannot write '{}': {}: {}", path, what, std::strerror(err)));
   };
-  {
-    errno = 0;
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) fail("cannot create temporary file '" + tmp + "'", errno ? errno : EIO);
-    f.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-    f.flush();
-    if (!f) fail("write to '" + tmp + "' failed", errno ? errno : EIO);
-    f.close();
-    if (!f) fail("closing '" + tmp + "' failed", errno ? errno : EIO);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+    throw UsageError("cannot write '" + path + "': it is a folder; give the path of a file (in that folder or "
+                     "elsewhere)");
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    // A device (/dev/stdout, /dev/full), FIFO or socket: written in place. Renaming a temporary file over
+    // it would replace the device node with a regular file.
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) fail("cannot open it for writing", errno);
+    if (const int err = write_all_and_close(fd, contents)) fail("writing failed", err);
+    return;
+  }
+  const std::string tmp = path + ".tmp." + std::to_string(static_cast<long>(::getpid()));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) fail("cannot create the temporary file '" + tmp + "' beside it (is the folder writable?)", errno);
+  if (const int err = write_all_and_close(fd, contents)) {
+    std::remove(tmp.c_str());
+    fail("writing the temporary file '" + tmp + "' failed", err);
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
+    std::remove(tmp.c_str());
     fail("renaming '" + tmp + "' over it failed", err);
   }
 }

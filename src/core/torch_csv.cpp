@@ -7,6 +7,7 @@
 
 #include "pipetrain/core/dependencies.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/read_file.h"
 
 namespace pipetrain {
@@ -53,7 +54,7 @@ bool read_number(const std::string& s, std::size_t& pos, long& out, int line, in
   while (pos < s.size() && s[pos] >= '0' && s[pos] <= '9') {
     out = out * 10 + (s[pos] - '0');
     if (out > INT_MAX)
-      throw UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + cell +
+      throw UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + excerpt(cell) +
                        "' has a number too large for a stage or micro-batch");
     ++pos;
   }
@@ -62,7 +63,7 @@ bool read_number(const std::string& s, std::size_t& pos, long& out, int line, in
 
 Cell parse_one(const std::string& cell, int line, int col) {
   auto bad = [&](const std::string& why) {
-    return UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + cell + "' " + why);
+    return UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + excerpt(cell) + "' " + why);
   };
   Cell c;
   c.line = line;
@@ -87,7 +88,7 @@ Cell parse_one(const std::string& cell, int line, int col) {
     if (cell[pos] == '_' && (c.word == Word::SendF || c.word == Word::SendB))
       throw bad("is a batched send and receive (older PyTorch's SEND_F_RECV_B / SEND_B_RECV_F): not supported; write "
                 "the send and the receive as two cells");
-    throw bad("has '" + cell.substr(pos) + "' after its action: " + kForm);
+    throw bad("has '" + excerpt(cell.substr(pos)) + "' after its action: " + kForm);
   }
   if (ignored(c.word)) return c;
   if (c.micro < 0) throw bad("has no micro-batch number: write it after the kind, e.g. " + cell + "0");
@@ -101,12 +102,12 @@ std::vector<Cell> parse_cell(const std::string& cell, int line, int col) {
   const std::size_t semi = cell.find(';'), close = cell.find(')');
   const std::string tail = close == std::string::npos ? "" : cell.substr(close + 1);
   if (semi == std::string::npos || close == std::string::npos || semi > close || tail != "OVERLAP_F_B")
-    throw UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + cell +
+    throw UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + excerpt(cell) +
                      "' is not a paired cell: write (<forward>;<backward>)OVERLAP_F_B, e.g. (0F7;7B3)OVERLAP_F_B");
   Cell f = parse_one(cell.substr(1, semi - 1), line, col);
   Cell b = parse_one(cell.substr(semi + 1, close - semi - 1), line, col);
   if (f.word != Word::F || (b.word != Word::B && b.word != Word::I && b.word != Word::BW))
-    throw UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + cell +
+    throw UsageError("PyTorch schedule CSV " + where(line, col) + ": '" + excerpt(cell) +
                      "' pairs other than a forward and a backward: OVERLAP_F_B is (<stage>F<mb>;<stage>B<mb>)");
   f.paired = true;
   return {f, b};
@@ -182,7 +183,7 @@ TorchCsvRead from_torch_csv(const std::string& text, const TorchCsvReadOptions& 
   // Rows, as Python's csv reader sees them: every line is a rank (an empty line a rank with nothing to
   // do); a final line break does not start another row.
   std::vector<std::vector<Cell>> rows;
-  std::size_t start = 0;
+  std::size_t start = text.size() - skip_utf8_bom(text).size();  // a leading byte order mark is no cell
   int line_no = 0, skipped = 0;
   while (start < text.size()) {
     std::size_t end = text.find('\n', start);

@@ -385,6 +385,11 @@ ZbExactResult zb_exact(int p, int m, const CostModel& costs, const ZbExactOption
   if (o.node_budget < 1)
     throw UsageError("zb-auto --exact: the node budget must be >= 1, got " + std::to_string(o.node_budget) +
                      ": use --exact-nodes 1 or more");
+  if (o.node_budget > kZbExactMaxNodes)
+    throw UsageError("zb-auto --exact: the node budget " + std::to_string(o.node_budget) + " is over the maximum of " +
+                     std::to_string(kZbExactMaxNodes) + " (tens of minutes of search): use --exact-nodes " +
+                     std::to_string(kZbExactMaxNodes) + " or less; a search that stops at its budget still reports "
+                     "the best schedule found and a lower bound");
   const CostModel c = per_rank_costs(costs, p);
   if (o.memory_limit < 0)
     throw UsageError("memory limit " + std::to_string(o.memory_limit) +

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/read_file.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/plan/balance.h"
@@ -449,23 +450,23 @@ const json& need(const json& obj, const std::string& origin, const std::string& 
 
 double number_or_inf(const json& v, const std::string& origin, const std::string& where) {
   if (v.is_null()) return kInf;
-  if (!v.is_number()) plan_fail(origin, where, "is " + v.dump(), "write a number, or null for unlimited");
+  if (!v.is_number()) plan_fail(origin, where, "is " + json_excerpt(v), "write a number, or null for unlimited");
   return v.get<double>();
 }
 
 double number(const json& v, const std::string& origin, const std::string& where) {
-  if (!v.is_number()) plan_fail(origin, where, "is " + v.dump(), "write a number");
+  if (!v.is_number()) plan_fail(origin, where, "is " + json_excerpt(v), "write a number");
   return v.get<double>();
 }
 
 bool boolean(const json& v, const std::string& origin, const std::string& where) {
-  if (!v.is_boolean()) plan_fail(origin, where, "is " + v.dump(), "write true or false");
+  if (!v.is_boolean()) plan_fail(origin, where, "is " + json_excerpt(v), "write true or false");
   return v.get<bool>();
 }
 
 template <class T>
 std::vector<T> array_of(const json& v, const std::string& origin, const std::string& where, std::size_t size) {
-  if (!v.is_array()) plan_fail(origin, where, "is " + v.dump(), "write an array with one entry per stage");
+  if (!v.is_array()) plan_fail(origin, where, "is " + json_excerpt(v), "write an array with one entry per stage");
   if (size != static_cast<std::size_t>(-1) && v.size() != size)
     plan_fail(origin, where, fmt::format("has {} entries for {} stages", v.size(), size), "give one entry per stage");
   std::vector<T> out;
@@ -473,7 +474,7 @@ std::vector<T> array_of(const json& v, const std::string& origin, const std::str
     const json& e = v[s];
     const std::string at = fmt::format("{}[{}]", where, s);
     if constexpr (std::is_integral_v<T>) {
-      if (!e.is_number_integer()) plan_fail(origin, at, "is " + e.dump(), "write an integer");
+      if (!e.is_number_integer()) plan_fail(origin, at, "is " + json_excerpt(e), "write an integer");
       out.push_back(e.get<T>());
     } else {
       out.push_back(number(e, origin, at));
@@ -515,18 +516,18 @@ Plan plan_from_json(const json& j, const std::string& origin) {
   if (!j.is_object()) plan_fail(origin, "the top level", "is not a JSON object", "a plan file is one object {...}");
   const json& format = need(j, origin, "the top level", "format");
   if (format != kPlanFormat)
-    plan_fail(origin, "format", "is " + format.dump(), std::string("a plan has \"format\": \"") + kPlanFormat + "\"");
+    plan_fail(origin, "format", "is " + json_excerpt(format), std::string("a plan has \"format\": \"") + kPlanFormat + "\"");
   const json& version = need(j, origin, "the top level", "version");
   if (!version.is_number_integer() || version.get<long long>() < 1 || version.get<long long>() > kPlanVersion)
-    plan_fail(origin, "version", "is " + version.dump(),
+    plan_fail(origin, "version", "is " + json_excerpt(version),
               fmt::format("this pipetrain reads plan versions 1..{}", kPlanVersion));
   Plan p;
   const json& model = need(j, origin, "the top level", "model");
-  if (!model.is_string()) plan_fail(origin, "model", "is " + model.dump(), "write a string");
+  if (!model.is_string()) plan_fail(origin, "model", "is " + json_excerpt(model), "write a string");
   p.model = model.get<std::string>();
   const json& layers = need(j, origin, "the top level", "layers");
   if (!layers.is_number_integer() || layers.get<long long>() < 1)
-    plan_fail(origin, "layers", "is " + layers.dump(), "write the model's layer count, an integer >= 1");
+    plan_fail(origin, "layers", "is " + json_excerpt(layers), "write the model's layer count, an integer >= 1");
   p.layers = layers.get<int>();
   p.balance =
       array_of<int>(need(j, origin, "the top level", "balance"), origin, "balance", static_cast<std::size_t>(-1));
@@ -554,15 +555,15 @@ Plan plan_from_json(const json& j, const std::string& origin) {
                             "speedup_over_data_parallel");
   p.data_parallel_fits = boolean(need(j, origin, "the top level", "data_parallel_fits"), origin, "data_parallel_fits");
   const json& o = need(j, origin, "the top level", "options");
-  if (!o.is_object()) plan_fail(origin, "options", "is " + o.dump(), "write an object");
+  if (!o.is_object()) plan_fail(origin, "options", "is " + json_excerpt(o), "write an object");
   const json& levels = need(o, origin, "options", "levels");
   if (!levels.is_array() || levels.empty())
-    plan_fail(origin, "options.levels", "is " + levels.dump(), "write an array of {machines, bandwidth_bytes_per_s}");
+    plan_fail(origin, "options.levels", "is " + json_excerpt(levels), "write an array of {machines, bandwidth_bytes_per_s}");
   for (std::size_t k = 0; k < levels.size(); ++k) {
     const std::string at = fmt::format("options.levels[{}]", k);
-    if (!levels[k].is_object()) plan_fail(origin, at, "is " + levels[k].dump(), "write an object");
+    if (!levels[k].is_object()) plan_fail(origin, at, "is " + json_excerpt(levels[k]), "write an object");
     const json& machines = need(levels[k], origin, at, "machines");
-    if (!machines.is_number_integer()) plan_fail(origin, at + ".machines", "is " + machines.dump(), "write an integer");
+    if (!machines.is_number_integer()) plan_fail(origin, at + ".machines", "is " + json_excerpt(machines), "write an integer");
     NetworkLevel l;
     l.machines = machines.get<int>();
     l.bandwidth =
@@ -571,7 +572,7 @@ Plan plan_from_json(const json& j, const std::string& origin) {
   }
   const json& form = need(o, origin, "options", "cost_form");
   if (!form.is_string())
-    plan_fail(origin, "options.cost_form", "is " + form.dump(), "write \"paper\" or \"reference\"");
+    plan_fail(origin, "options.cost_form", "is " + json_excerpt(form), "write \"paper\" or \"reference\"");
   try {
     p.options.cost_form = parse_planner_cost_form(form.get<std::string>());
   } catch (const UsageError& e) {
@@ -602,16 +603,7 @@ Plan plan_from_json(const json& j, const std::string& origin) {
 std::string plan_to_json_text(const Plan& plan) { return plan_to_json(plan).dump(2) + "\n"; }
 
 Plan plan_from_json_text(const std::string& text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw UsageError(origin + ": not valid JSON (" + e.what() + "); fix the syntax at the byte it names");
-  } catch (const json::exception& e) {  // e.g. out_of_range for 1e309
-    throw UsageError(origin + ": cannot read the JSON (" + e.what() +
-                     "); every number must be finite and fit a double (at most about 1.8e308)");
-  }
-  return plan_from_json(j, origin);
+  return plan_from_json(parse_json_text(text, origin), origin);
 }
 
 void save_plan(const std::string& path, const Plan& plan) { write_file_atomic(path, plan_to_json_text(plan)); }

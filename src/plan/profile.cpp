@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/read_file.h"
 #include "pipetrain/core/timeline.h"
 
@@ -24,7 +25,7 @@ using nlohmann::json;
 
 // "layers[3] (\"conv2\")": the index is what a script writer can find, the name what a person can.
 std::string layer_label(std::size_t index, const std::string& name) {
-  return fmt::format("layers[{}] (\"{}\")", index, name);
+  return fmt::format("layers[{}] (\"{}\")", index, excerpt(name));
 }
 
 [[noreturn]] void fail(const std::string& origin, const std::string& where, const std::string& problem,
@@ -32,9 +33,23 @@ std::string layer_label(std::size_t index, const std::string& name) {
   throw UsageError(fmt::format("{}: {}: {}; {}", origin, where, problem, fix));
 }
 
+// The largest amount a profile field may hold, by unit: far past any real layer, yet small enough that
+// sums over 100k layers, products with micro-batch counts and ratios stay finite and meaningful (a
+// parameter_bytes of 2^63 printed "18595431358.65x data parallelism").
+//   milliseconds: 1e9 (11.6 days for one layer's pass); bytes: 2^50 (1 PiB for one layer);
+//   bytes per millisecond: 1e12 (1 PB/s).
+double amount_cap(const std::string& unit) {
+  if (unit == "milliseconds") return 1e9;
+  if (unit == "bytes") return 1125899906842624.0;  // 2^50
+  return 1e12;
+}
+
 void check_amount(const std::string& origin, const std::string& where, double v, const char* unit) {
   if (!std::isfinite(v)) fail(origin, where, fmt::format("is {}", v), fmt::format("give a finite number of {}", unit));
   if (v < 0) fail(origin, where, fmt::format("is {}", v), fmt::format("{} cannot be negative", unit));
+  if (v > amount_cap(unit))
+    fail(origin, where, fmt::format("is {}", v),
+         fmt::format("the most a profile field takes is {} {}; check the number (the unit is {})", amount_cap(unit), unit, unit));
 }
 
 // --- strict JSON access ----------------------------------------------------------------------------
@@ -50,7 +65,7 @@ struct Reader {
     const json& v = field(obj, path, key, std::string("a number of ") + unit);
     // JSON booleans are not numbers here, though nlohmann would convert them.
     if (!v.is_number())
-      fail(origin, path + "." + key, "is " + std::string(v.type_name()) + " " + v.dump(),
+      fail(origin, path + "." + key, "is " + std::string(v.type_name()) + " " + json_excerpt(v),
            std::string("write a number of ") + unit);
     const double d = v.get<double>();
     check_amount(origin, path + "." + key, d, unit);
@@ -59,7 +74,7 @@ struct Reader {
   int positive_int(const json& obj, const std::string& path, const std::string& key) const {
     const json& v = field(obj, path, key, "an integer >= 1");
     if (!v.is_number_integer())
-      fail(origin, path + "." + key, "is " + std::string(v.type_name()) + " " + v.dump(), "write an integer >= 1");
+      fail(origin, path + "." + key, "is " + std::string(v.type_name()) + " " + json_excerpt(v), "write an integer >= 1");
     const long long n = v.get<long long>();
     if (n < 1 || n > 1000000000LL) fail(origin, path + "." + key, fmt::format("is {}", n), "write an integer >= 1");
     return static_cast<int>(n);
@@ -67,7 +82,7 @@ struct Reader {
   std::string text(const json& obj, const std::string& path, const std::string& key) const {
     const json& v = field(obj, path, key, "a string");
     if (!v.is_string())
-      fail(origin, path + "." + key, "is " + std::string(v.type_name()) + " " + v.dump(), "write a string in quotes");
+      fail(origin, path + "." + key, "is " + std::string(v.type_name()) + " " + json_excerpt(v), "write a string in quotes");
     return v.get<std::string>();
   }
   void only_keys(const json& obj, const std::string& path, const std::vector<std::string>& allowed) const {
@@ -75,7 +90,7 @@ struct Reader {
       if (std::find(allowed.begin(), allowed.end(), it.key()) == allowed.end()) {
         std::string list;
         for (const std::string& a : allowed) list += (list.empty() ? "" : ", ") + a;
-        fail(origin, path, "unknown field \"" + it.key() + "\"",
+        fail(origin, path, "unknown field \"" + excerpt(it.key()) + "\"",
              "the fields here are: " + list + " (check the spelling; docs/PROFILE.md)");
       }
   }
@@ -262,14 +277,14 @@ Profile profile_from_json(const json& j, const std::string& origin) {
               {"format", "version", "model", "micro_batch_size", "threads", "source", "meta", "layers", "runtime"});
   const std::string format = r.text(j, "the top level", "format");
   if (format != kProfileFormat)
-    fail(origin, "format", "is \"" + format + "\"",
+    fail(origin, "format", "is \"" + excerpt(format) + "\"",
          std::string("a pipetrain profile has \"format\": \"") + kProfileFormat +
              "\" (PipeDream's text profiles are read by load_profile / parse_pipedream_graph)");
   const json& version = r.field(j, "the top level", "version", "an integer");
   if (!version.is_number_integer())
-    fail(origin, "version", "is " + version.dump(), fmt::format("write \"version\": {}", kProfileVersion));
+    fail(origin, "version", "is " + json_excerpt(version), fmt::format("write \"version\": {}", kProfileVersion));
   if (version.get<long long>() < 1 || version.get<long long>() > kProfileVersion)
-    fail(origin, "version", "is " + version.dump(),
+    fail(origin, "version", "is " + json_excerpt(version),
          fmt::format("this pipetrain reads versions 1..{}; a newer pipetrain wrote it, or the number is wrong",
                      kProfileVersion));
   Profile p;
@@ -297,7 +312,7 @@ Profile profile_from_json(const json& j, const std::string& origin) {
     l.backward_ms = r.number(o, at, "backward_ms", "milliseconds");
     if (o.contains("bw_split")) {
       if (!o["bw_split"].is_boolean())
-        fail(origin, at + ".bw_split", "is " + o["bw_split"].dump(), "write true or false");
+        fail(origin, at + ".bw_split", "is " + json_excerpt(o["bw_split"]), "write true or false");
       l.bw_split = o["bw_split"].get<bool>();
     }
     if (l.bw_split) {
@@ -318,7 +333,7 @@ Profile profile_from_json(const json& j, const std::string& origin) {
     if (o.contains("by_micro_batch")) {
       const json& sizes = o["by_micro_batch"];
       if (!sizes.is_array())
-        fail(origin, at + ".by_micro_batch", "is " + sizes.dump(),
+        fail(origin, at + ".by_micro_batch", "is " + json_excerpt(sizes),
              "write an array of {\"micro_batch_size\", \"forward_ms\", \"backward_ms\"} objects");
       for (std::size_t k = 0; k < sizes.size(); ++k) {
         const std::string sat = fmt::format("{}.by_micro_batch[{}]", at, k);
@@ -347,7 +362,7 @@ Profile profile_from_json(const json& j, const std::string& origin) {
     if (o.contains("transfers")) {
       const json& ts = o["transfers"];
       if (!ts.is_array())
-        fail(origin, "runtime.transfers", "is " + ts.dump(), "write an array of {\"bytes\", \"one_way_ms\"} objects");
+        fail(origin, "runtime.transfers", "is " + json_excerpt(ts), "write an array of {\"bytes\", \"one_way_ms\"} objects");
       for (std::size_t k = 0; k < ts.size(); ++k) {
         const std::string at = fmt::format("runtime.transfers[{}]", k);
         r.object(ts[k], at);
@@ -365,16 +380,7 @@ Profile profile_from_json(const json& j, const std::string& origin) {
 std::string profile_to_json_text(const Profile& p) { return profile_to_json(p).dump(2) + "\n"; }
 
 Profile profile_from_json_text(const std::string& text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw UsageError(origin + ": not valid JSON (" + e.what() + "); fix the syntax at the byte it names");
-  } catch (const json::exception& e) {  // e.g. out_of_range for 1e309: a number no double holds
-    throw UsageError(origin + ": cannot read the JSON (" + e.what() +
-                     "); every number must be finite and fit a double (at most about 1.8e308)");
-  }
-  return profile_from_json(j, origin);
+  return profile_from_json(parse_json_text(text, origin), origin);
 }
 
 // --- PipeDream's text format -----------------------------------------------------------------------
@@ -630,7 +636,7 @@ Profile load_pipedream_graph(const std::string& path, const PipeDreamOptions& op
 }
 
 Profile load_profile(const std::string& path) {
-  const std::string text = read_whole_file(path);
+  const std::string text(skip_utf8_bom(read_whole_file(path)));
   const std::size_t first = text.find_first_not_of(" \t\r\n");
   if (first != std::string::npos && text[first] == '{') return profile_from_json_text(text, path);
   return parse_pipedream_graph(text, PipeDreamOptions{}, path);

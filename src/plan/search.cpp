@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/read_file.h"
 #include "pipetrain/core/simulate.h"
@@ -80,6 +81,14 @@ void check_search_options(const Profile& profile, const PlanSearchOptions& o) {
 
 PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
   check_search_options(prof, o);
+  // Every plan is compared by time, and the report divides by it: a profile without compute time made
+  // every candidate 0 ms and the speed-ups "infx".
+  double total_ms = 0;
+  for (const LayerProfile& l : prof.layers) total_ms += l.forward_ms + l.backward_ms;
+  if (!(total_ms > 0))
+    throw UsageError("the profile of " + excerpt(prof.model) + " has no compute time (every layer's forward_ms and "
+                     "backward_ms is 0), so every plan would take 0 ms: measure the model with pipetrain profile, or "
+                     "give the layers their times");
   PlanSearchResult res;
   const int64_t batch = o.batch_size > 0 ? o.batch_size : 8LL * prof.micro_batch_size;
   res.batch_size = batch;
@@ -228,7 +237,7 @@ namespace {
 
 [[noreturn]] void file_fail(const std::string& origin, const std::string& field, const nlohmann::json& value,
                             const std::string& fix) {
-  throw UsageError(fmt::format("{}: \"{}\" is {}: {}", origin, field, value.dump(), fix));
+  throw UsageError(fmt::format("{}: \"{}\" is {}: {}", origin, field, json_excerpt(value), fix));
 }
 
 // The optional run fields of a plan (or of its "pipedream" section).
@@ -285,16 +294,7 @@ void write_plan_file(const std::string& path, const PlanFile& file) {
 
 PlanFile read_plan_file(const std::string& path) {
   const std::string text = read_file_capped(path, "plan", kMaxPlanFileBytes);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw UsageError(path + ": not valid JSON (" + e.what() + "); fix the syntax at the byte it names");
-  } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range for 1e309
-    throw UsageError(path + ": cannot read the JSON (" + e.what() +
-                     "); every number must be finite and fit a double (at most about 1.8e308)");
-  }
-  return plan_file_from_json(j, path);
+  return plan_file_from_json(parse_json_text(text, path), path);
 }
 
 }  // namespace pipetrain

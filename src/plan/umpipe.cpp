@@ -12,6 +12,7 @@
 #include <set>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/profile.h"
 
@@ -532,7 +533,7 @@ UmpipeResult umpipe_result_from_json(const nlohmann::json& j, const std::string&
       if (!rows[s].is_array()) fail(fmt::format("{}[{}] must be an array of micro-batch sizes", key, s));
       std::vector<int> row;
       for (const auto& v : rows[s]) {
-        if (!v.is_number_integer()) fail(fmt::format("{}[{}] holds {}; sizes are integers", key, s, v.dump()));
+        if (!v.is_number_integer()) fail(fmt::format("{}[{}] holds {}; sizes are integers", key, s, json_excerpt(v)));
         row.push_back(v.get<int>());
       }
       out.push_back(row);

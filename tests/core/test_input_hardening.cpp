@@ -12,6 +12,7 @@
 #include <regex>
 
 #include "pipetrain/core/config.h"
+#include "error_of.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/pattern.h"
@@ -24,21 +25,8 @@
 using namespace pipetrain;
 
 namespace {
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "accepted";
-}
-
-std::string temp_dir() {
-  std::string t = ::testing::TempDir() + "pipetrain-hardening-XXXXXX";
-  if (!::mkdtemp(t.data())) throw std::runtime_error("mkdtemp");
-  return t;
-}
+using pipetrain::testing::error_of;
+std::string temp_dir() { return pipetrain::testing::temp_dir("pipetrain-hardening"); }
 
 void write(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;

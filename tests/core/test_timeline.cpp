@@ -517,12 +517,18 @@ TEST_F(WriteFileAtomic, MissingDirectoryThrowsAndLeavesNothing) {
   EXPECT_TRUE(entries().empty());
 }
 
-// The temporary file can be created but the rename fails (the target is a non-empty directory): the
-// temporary file is removed and the target is untouched.
-TEST_F(WriteFileAtomic, FailedRenameRemovesTemporary) {
+// A folder as the target is a usage error naming the path and the fix (issue 23; it was a failed rename
+// after the temporary file was written): no temporary file is left and the folder is untouched.
+TEST_F(WriteFileAtomic, FolderTargetIsRefusedAndLeftUntouched) {
   const fs::path target = dir_ / "is_a_dir";
   fs::create_directories(target / "child");
-  EXPECT_THROW(write_file_atomic(target.string(), "x"), std::runtime_error);
+  try {
+    write_file_atomic(target.string(), "x");
+    ADD_FAILURE() << "a folder was accepted as the target";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(target.string() + "': it is a folder; give the path of a file"),
+              std::string::npos) << e.what();
+  }
   EXPECT_EQ(entries(), std::vector<std::string>{"is_a_dir"});
   EXPECT_TRUE(fs::is_directory(target / "child"));
 }

@@ -66,8 +66,18 @@ std::string chrome_trace_json(const Timeline& t);
 std::string gantt_svg(const Timeline& t, const Metrics& m);
 
 // Writes `contents` to `path` atomically (temporary file, then rename), so a failure never leaves a
-// half-written file. Throws std::runtime_error naming the path on failure.
+// half-written file. An existing `path` that is not a regular file (/dev/stdout, /dev/full, a FIFO) is
+// written in place instead, every write and the close checked (renaming over it would replace the
+// device node). Throws UsageError for a folder, std::runtime_error naming the path and the system's
+// reason ("No space left on device") for any failed step.
 void write_file_atomic(const std::string& path, const std::string& contents);
+
+// Checks, before any work starts, that an output flag's `path` can be written: refuses (UsageError
+// naming `flag`, the path and the fix) a folder, a path ending in '/', a path whose folder does not exist,
+// is not a folder or where no file can be created (it creates and removes the file to know), and an
+// existing file that is not writable. An empty path (flag not given) passes. Devices and FIFOs pass
+// (write_file_atomic writes them in place).
+void check_output_path(const std::string& path, const std::string& flag);
 
 }  // namespace pipetrain
 

@@ -39,6 +39,14 @@ struct ZbExactResult {
 // The largest p * m the exact search accepts (it places 3 p m passes per step).
 inline constexpr int kZbExactMaxRanksTimesMicrobatches = 64;
 
+// The largest node budget the search accepts (--exact-nodes): 10 x the command's default of 5 million.
+// The budget counts nodes, not time, so that a search gives the same answer on every machine; this bound
+// keeps the longest search to tens of minutes (30,000-50,000 nodes a second on one core of the loaded
+// 2-core test machine, p x m = 64: 5 million nodes took 2-3 minutes) instead of the days that
+// 99999999999999 nodes would have run without a word. A search that stops at its budget still reports
+// the best schedule found and a lower bound.
+inline constexpr long long kZbExactMaxNodes = 50'000'000;
+
 // Searches the orders in which every rank runs its forwards and input-gradient backwards in micro-batch
 // order and its weight-gradient passes oldest first; on identical micro-batches this loses nothing (the
 // tests check it against an enumeration of all orders on tiny cases). Memory as zb_auto counts it: F adds
