@@ -48,8 +48,13 @@
 // A rank that fails during the rendezvous reports through the store (its waits end with RemoteFailure).
 //
 // Shutdown. The destructor is a barrier in the segment: a rank marks itself finished and waits for all
-// (its watchdog still watching); a finished rank's exit is not a failure. If the transport is destroyed
-// while an exception propagates, or after abort(), there is no barrier: it aborts (when not done yet).
+// (its watchdog still watching), for at most the operations' time limit (then it names the ranks that
+// never finished and goes); a finished rank's exit is not a failure. A rank that waits for a message
+// from a finished rank (or sends to one, or waits in a collective) fails as soon as it would sleep:
+// "rank K finished while rank R waits for ...", as when the ranks run different numbers of steps; the
+// finished rank has written every message it sent, so one last pass over the rings decides. If the
+// transport is destroyed while an exception propagates, or after abort(), there is no barrier: it
+// aborts (when not done yet).
 //
 // Threads: one rank's operations come from one thread (transport.h); abort() may come from any.
 // Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and the store variables of the gloo transport
@@ -315,10 +320,13 @@ class ShmTransport final : public Transport {
   void barrier() override;
   void abort(const std::string& message) noexcept override;
 
-  // Waits (progressing every ring) until `done()`; `what()` names the wait in a timeout error (built only
-  // then: a wait that ends in time formats nothing).
+  // Waits (progressing every ring) until `done()`, which needs rank `from` (-1: every other rank);
+  // `what()` names the wait in a timeout error or when `from` has finished (built only then: a wait that
+  // ends in time formats nothing).
   template <class Done, class What>
-  void wait_until(Done done, What what);
+  void wait_until(Done done, int from, What what);
+  // A rank among `from` (-1: every other rank) that has finished (destroyed its transport), or -1.
+  int finished_peer(int from) const;
 
  private:
   // Rendezvous.
@@ -635,10 +643,22 @@ void ShmTransport::finish_barrier() {
   header_->finished.fetch_add(1);
   for (int r = 0; r < world_; ++r)
     if (r != rank_) ring_bell(r);
-  // No time limit: a slower rank is still working; a failure meanwhile stops this process.
+  // A slower rank is still working (a failure meanwhile stops this process), or waits for a message
+  // from this one and fails as soon as it sees it finished; one that neither finishes nor fails within
+  // the operations' time limit is named, and this rank goes.
   const auto wait_start = Clock::now();
   while (header_->finished.load() < static_cast<uint32_t>(world_)) {
     check_report();
+    if (Clock::now() - wait_start > kOpTimeout) {
+      std::string missing;
+      for (int r = 0; r < world_; ++r)
+        if (!control(r).finished.load()) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      std::fprintf(stderr,
+                   "pipetrain rank %d: shm: gave up the final barrier after %lld min: rank(s) %s neither finished "
+                   "nor failed (still working, or waiting where nothing comes?)\n",
+                   rank_, static_cast<long long>(kOpTimeout.count() / 60000), missing.c_str());
+      return;
+    }
     RankControl& me = control(rank_);
     const uint32_t seq = me.bell.load();
     me.sleeping.store(1);
@@ -648,7 +668,6 @@ void ShmTransport::finish_barrier() {
     }
     futex_wait(&me.bell, seq, milliseconds(100));
     me.sleeping.store(0);
-    (void)wait_start;
   }
 }
 
@@ -869,8 +888,14 @@ bool ShmTransport::progress() {
   return moved;
 }
 
+int ShmTransport::finished_peer(int from) const {
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_ && (from < 0 || r == from) && control(r).finished.load(std::memory_order_acquire)) return r;
+  return -1;
+}
+
 template <class Done, class What>
-void ShmTransport::wait_until(Done done, What what) {
+void ShmTransport::wait_until(Done done, int from, What what) {
   progress();
   if (done()) return;
   RankControl& me = control(rank_);
@@ -886,6 +911,15 @@ void ShmTransport::wait_until(Done done, What what) {
     if ((i & 63) != 63 || Clock::now() < spin_until) {
       cpu_relax();
       continue;
+    }
+    if (const int gone = finished_peer(from); gone >= 0) {
+      // It wrote all it sent before it finished: what is not in the rings now never comes.
+      while (progress()) {
+      }
+      if (done()) return;
+      throw std::runtime_error("shm: rank " + std::to_string(gone) + " finished while rank " + std::to_string(rank_) +
+                               " waits for " + what() +
+                               ": do all ranks make the same calls (the same number of train_step calls, say)?");
     }
     const uint32_t seq = me.bell.load(std::memory_order_seq_cst);
     me.sleeping.store(1, std::memory_order_seq_cst);
@@ -966,7 +1000,7 @@ std::unique_ptr<Work> ShmTransport::irecv(torch::Tensor& tensor, int src, int ta
 
 void ShmSendWork::wait() {
   SendOp& op = *op_;
-  t_.wait_until([&] { return op.done; },
+  t_.wait_until([&] { return op.done; }, dst_,
                 [&] {
                   return "its send of " + std::to_string(op.header.nbytes) + " bytes to rank " + std::to_string(dst_) +
                          " to be read";
@@ -978,7 +1012,7 @@ void ShmRecvWork::wait() {
   done_ = true;
   RecvOp& rec = *op_;
   if (rec.state == RecvOp::Posted)
-    t_.wait_until([&] { return rec.state != RecvOp::Posted; },
+    t_.wait_until([&] { return rec.state != RecvOp::Posted; }, rec.src,
                   [&] {
                     return describe(target_) + " from rank " + std::to_string(rec.src) + " (tag " +
                            std::to_string(rec.tag) + ")";
@@ -1006,7 +1040,7 @@ void ShmTransport::all_reduce_sum(torch::Tensor& tensor) {
           if (rec && rec->state == RecvOp::Posted) return false;
         return true;
       },
-      [&] { return "the other ranks in all_reduce_sum of " + describe(tensor); });
+      -1, [&] { return "the other ranks in all_reduce_sum of " + describe(tensor); });
   for (const auto& rec : recvs)
     if (rec && rec->state == RecvOp::Failed)
       throw std::runtime_error(rec->error + " (in all_reduce_sum: every rank must reduce the same tensors in the same "
@@ -1033,7 +1067,7 @@ void ShmTransport::barrier() {
           if (rec->state == RecvOp::Posted) return false;
         return true;
       },
-      [] { return std::string("the other ranks in a barrier"); });
+      -1, [] { return std::string("the other ranks in a barrier"); });
   for (const auto& rec : recvs)
     if (rec->state == RecvOp::Failed)
       throw std::runtime_error(rec->error + " (in a barrier: every rank must call the collectives in the same order)");
