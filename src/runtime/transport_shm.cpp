@@ -320,13 +320,11 @@ class ShmTransport final : public Transport {
   void barrier() override;
   void abort(const std::string& message) noexcept override;
 
-  // Waits (progressing every ring) until `done()`, which needs rank `from` (-1: every other rank);
-  // `what()` names the wait in a timeout error or when `from` has finished (built only then: a wait that
-  // ends in time formats nothing).
-  template <class Done, class What>
-  void wait_until(Done done, int from, What what);
-  // A rank among `from` (-1: every other rank) that has finished (destroyed its transport), or -1.
-  int finished_peer(int from) const;
+  // Waits (progressing every ring) until `done()`, for which `needs(r)` says whether rank r still has to
+  // read or write something; `what()` names the wait in a timeout error or when a rank it needs has
+  // finished (built only then: a wait that ends in time formats nothing).
+  template <class Done, class Needs, class What>
+  void wait_until(Done done, Needs needs, What what);
 
  private:
   // Rendezvous.
@@ -888,14 +886,8 @@ bool ShmTransport::progress() {
   return moved;
 }
 
-int ShmTransport::finished_peer(int from) const {
-  for (int r = 0; r < world_; ++r)
-    if (r != rank_ && (from < 0 || r == from) && control(r).finished.load(std::memory_order_acquire)) return r;
-  return -1;
-}
-
-template <class Done, class What>
-void ShmTransport::wait_until(Done done, int from, What what) {
+template <class Done, class Needs, class What>
+void ShmTransport::wait_until(Done done, Needs needs, What what) {
   progress();
   if (done()) return;
   RankControl& me = control(rank_);
@@ -912,11 +904,14 @@ void ShmTransport::wait_until(Done done, int from, What what) {
       cpu_relax();
       continue;
     }
-    if (const int gone = finished_peer(from); gone >= 0) {
+    int gone = -1;
+    for (int r = 0; r < world_ && gone < 0; ++r)
+      if (r != rank_ && control(r).finished.load(std::memory_order_acquire) && needs(r)) gone = r;
+    if (gone >= 0) {
       // It wrote all it sent before it finished: what is not in the rings now never comes.
       while (progress()) {
       }
-      if (done()) return;
+      if (done() || !needs(gone)) continue;
       throw std::runtime_error("shm: rank " + std::to_string(gone) + " finished while rank " + std::to_string(rank_) +
                                " waits for " + what() +
                                ": do all ranks make the same calls (the same number of train_step calls, say)?");
@@ -1000,7 +995,7 @@ std::unique_ptr<Work> ShmTransport::irecv(torch::Tensor& tensor, int src, int ta
 
 void ShmSendWork::wait() {
   SendOp& op = *op_;
-  t_.wait_until([&] { return op.done; }, dst_,
+  t_.wait_until([&] { return op.done; }, [&](int r) { return r == dst_; },
                 [&] {
                   return "its send of " + std::to_string(op.header.nbytes) + " bytes to rank " + std::to_string(dst_) +
                          " to be read";
@@ -1012,7 +1007,7 @@ void ShmRecvWork::wait() {
   done_ = true;
   RecvOp& rec = *op_;
   if (rec.state == RecvOp::Posted)
-    t_.wait_until([&] { return rec.state != RecvOp::Posted; }, rec.src,
+    t_.wait_until([&] { return rec.state != RecvOp::Posted; }, [&](int r) { return r == rec.src; },
                   [&] {
                     return describe(target_) + " from rank " + std::to_string(rec.src) + " (tag " +
                            std::to_string(rec.tag) + ")";
@@ -1021,26 +1016,32 @@ void ShmRecvWork::wait() {
   if (!rec.buffer.is_same(target_)) target_.copy_(rec.buffer);
 }
 
+// A collective's exchange with rank r (per rank: the send to it, the receive from it; none for this rank)
+// is over; all of them are.
+bool exchanged_with(const std::vector<std::shared_ptr<SendOp>>& sends, const std::vector<std::shared_ptr<RecvOp>>& recvs,
+                    int r) {
+  return (!sends[r] || sends[r]->done) && (!recvs[r] || recvs[r]->state != RecvOp::Posted);
+}
+bool exchanged(const std::vector<std::shared_ptr<SendOp>>& sends, const std::vector<std::shared_ptr<RecvOp>>& recvs) {
+  for (std::size_t r = 0; r < sends.size(); ++r)
+    if (!exchanged_with(sends, recvs, static_cast<int>(r))) return false;
+  return true;
+}
+
 // Every rank sends its contribution to every other and adds the n contributions in rank order.
 void ShmTransport::all_reduce_sum(torch::Tensor& tensor) {
   if (world_ == 1) return;
   at::NoGradGuard no_grad;
   const at::Tensor mine = cpu_contiguous(tensor.detach());
-  std::vector<std::shared_ptr<SendOp>> sends;
+  std::vector<std::shared_ptr<SendOp>> sends(world_);
   std::vector<std::shared_ptr<RecvOp>> recvs(world_);
   for (int r = 0; r < world_; ++r)
     if (r != rank_) recvs[r] = post_recv(at::empty_like(mine), r, kCollectiveTag);
   for (int r = 0; r < world_; ++r)
-    if (r != rank_) sends.push_back(post_send(mine, r, kCollectiveTag));
+    if (r != rank_) sends[r] = post_send(mine, r, kCollectiveTag);
   wait_until(
-      [&] {
-        for (const auto& s : sends)
-          if (!s->done) return false;
-        for (const auto& rec : recvs)
-          if (rec && rec->state == RecvOp::Posted) return false;
-        return true;
-      },
-      -1, [&] { return "the other ranks in all_reduce_sum of " + describe(tensor); });
+      [&] { return exchanged(sends, recvs); }, [&](int r) { return !exchanged_with(sends, recvs, r); },
+      [&] { return "the other ranks in all_reduce_sum of " + describe(tensor); });
   for (const auto& rec : recvs)
     if (rec && rec->state == RecvOp::Failed)
       throw std::runtime_error(rec->error + " (in all_reduce_sum: every rank must reduce the same tensors in the same "
@@ -1053,23 +1054,17 @@ void ShmTransport::all_reduce_sum(torch::Tensor& tensor) {
 void ShmTransport::barrier() {
   if (world_ == 1) return;
   const at::Tensor none = at::empty({0}, at::kByte);
-  std::vector<std::shared_ptr<SendOp>> sends;
-  std::vector<std::shared_ptr<RecvOp>> recvs;
+  std::vector<std::shared_ptr<SendOp>> sends(world_);
+  std::vector<std::shared_ptr<RecvOp>> recvs(world_);
   for (int r = 0; r < world_; ++r)
-    if (r != rank_) recvs.push_back(post_recv(at::empty({0}, at::kByte), r, kCollectiveTag));
+    if (r != rank_) recvs[r] = post_recv(at::empty({0}, at::kByte), r, kCollectiveTag);
   for (int r = 0; r < world_; ++r)
-    if (r != rank_) sends.push_back(post_send(none, r, kCollectiveTag));
+    if (r != rank_) sends[r] = post_send(none, r, kCollectiveTag);
   wait_until(
-      [&] {
-        for (const auto& s : sends)
-          if (!s->done) return false;
-        for (const auto& rec : recvs)
-          if (rec->state == RecvOp::Posted) return false;
-        return true;
-      },
-      -1, [] { return std::string("the other ranks in a barrier"); });
+      [&] { return exchanged(sends, recvs); }, [&](int r) { return !exchanged_with(sends, recvs, r); },
+      [] { return std::string("the other ranks in a barrier"); });
   for (const auto& rec : recvs)
-    if (rec->state == RecvOp::Failed)
+    if (rec && rec->state == RecvOp::Failed)
       throw std::runtime_error(rec->error + " (in a barrier: every rank must call the collectives in the same order)");
 }
 
