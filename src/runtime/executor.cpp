@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -269,6 +270,15 @@ std::vector<SkipEdge> skip_edges(const std::vector<SkipRoute>& routes) {
   std::vector<SkipEdge> out;
   for (const SkipRoute& r : routes) out.push_back(SkipEdge{r.from, r.to, static_cast<double>(r.names.size())});
   return out;
+}
+
+// 52 bits of FNV-1a over the tensor's bytes: exact as a double, so all-reducible.
+double value_hash(const torch::Tensor& t) {
+  const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
+  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t i = 0, n = c.numel() * static_cast<int64_t>(c.element_size()); i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return static_cast<double>(h >> 12);
 }
 
 // The tensors of each tie group (PipelineOptions::tied) in `model`, checked: two or more members, each
@@ -1040,6 +1050,40 @@ struct PipelineRank::Impl {
         " (or skip such steps: --nonfinite skip)"));
   }
 
+  // Tied weights: before the first pass (a collective, so not in the constructor, which programs may
+  // call for every rank on one thread), every copy of each group must hold the same values on every
+  // rank holding one; ranks built with other seeds would train the copies apart. Throws UsageError
+  // naming the group and the ranks on each rank alike.
+  bool ties_checked = false;
+  void check_ties_agree() {
+    if (ties_checked || options.tied.empty()) return;
+    const int p = transport->world_size();
+    const auto n = static_cast<int64_t>(options.tied.size());
+    torch::Tensor hashes = torch::zeros({p, n}, torch::kDouble);  // 0: no copy; else 1 + value_hash
+    for (const auto& c : tied_copies) hashes[rank()][c.group] = 1 + value_hash(c.param);
+    transport->all_reduce_sum(hashes);
+    ties_checked = true;
+    const auto h = hashes.accessor<double, 2>();
+    for (int64_t g = 0; g < n; ++g) {
+      int first = -1;
+      std::string same, other;
+      for (int r = 0; r < p; ++r) {
+        if (h[r][g] == 0) continue;
+        if (first < 0) first = r;
+        std::string& list = h[r][g] == h[first][g] ? same : other;
+        list += (list.empty() ? "" : ", ") + std::to_string(r);
+      }
+      if (other.empty()) continue;
+      std::string members;
+      for (const ParameterRef& m : options.tied[static_cast<std::size_t>(g)])
+        members += (members.empty() ? "" : ", ") + std::to_string(m.layer) + ":" + m.name;
+      throw UsageError("tie group " + std::to_string(g) + " (" + members + ") has other values on rank(s) " + other +
+                       " than on rank(s) " + same + ", so its copies would train apart: build the model the same way "
+                       "on every rank (e.g. torch::manual_seed with one seed before building it), or load one "
+                       "checkpoint into every rank");
+    }
+  }
+
   // Tied weights: every copy's gradient becomes the sum over all copies of its group (one all-reduce
   // over the pipeline's ranks; ranks without a copy add zeros), so all copies step the same.
   void sum_tied_gradients() {
@@ -1387,6 +1431,12 @@ void check_options(const PipelineOptions& options, int ranks, bool generate_sche
   if (o.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(o.prefetch));
   check_replication(o, ranks);
   if (o.virtual_stages < 1) throw UsageError("virtual stages must be >= 1, got " + std::to_string(o.virtual_stages));
+  if (schedule_traits(o.schedule).virtual_stages && o.virtual_stages == 1)
+    throw UsageError("schedule '" + o.schedule + "' loops several stages over each rank, but virtual_stages is 1 " +
+                     "(--virtual 1), which would run " +
+                     (o.schedule == "interleaved" ? std::string("plain 1F1B") : "it without a loop") +
+                     ": set virtual_stages (--virtual) to 2 or more" +
+                     (o.schedule == "interleaved" ? ", or ask for 1f1b" : ""));
   const OptimizerOptions& opt = o.optimizer;
   if (opt.name != "sgd" && opt.name != "adam" && opt.name != "adamw")
     throw UsageError("unknown optimizer '" + opt.name + "': use sgd, adam or adamw");
@@ -1426,6 +1476,48 @@ void check_options(const PipelineOptions& options, int ranks, bool generate_sche
 }  // namespace
 
 void check_pipeline_options(const PipelineOptions& options, int ranks) { check_options(options, ranks, true); }
+
+namespace {
+
+// A schedule with W actions defers weight gradients only for layers that split their backward
+// (pipetrain::nn::Linear); every other parameter's gradient stays in B. Says so once per PipelineRank,
+// on stderr, with the share of this rank's trainable parameters that stays fused: a program that asked
+// for zero bubble learns without having to ask that it does not get it (the CLI's ranks print it too).
+template <class Stages>
+void warn_unsplit_weights(int rank, const std::string& schedule_name, const Schedule& schedule, const Stages& stages) {
+  const auto& mine = schedule.actions[static_cast<std::size_t>(rank)];
+  if (std::none_of(mine.begin(), mine.end(), [](const Action& a) { return a.kind == ActionKind::W; })) return;
+  int64_t total = 0, fused = 0;
+  std::string layers;
+  for (const auto& [s, st] : stages)
+    for (int k = 0; k < st.num_layers(); ++k) {
+      int64_t layer_fused = 0;
+      for (const auto& m : st.layer(k)->modules(/*include_self=*/true)) {
+        const bool split = dynamic_cast<const nn::LinearImpl*>(m.get()) != nullptr;
+        for (const auto& t : m->parameters(/*recurse=*/false))
+          if (t.requires_grad()) {
+            total += t.numel();
+            if (!split) layer_fused += t.numel();
+          }
+      }
+      fused += layer_fused;
+      if (layer_fused > 0) {
+        std::string type = st.layer(k)->name();  // e.g. torch::nn::LinearImpl
+        if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
+        layers += (layers.empty() ? "" : ", ") + std::to_string(st.first_layer() + k) + " (" + type + ")";
+      }
+    }
+  if (fused == 0) return;
+  std::fprintf(stderr,
+               "pipetrain rank %d: warning: schedule '%s' splits the backward into B and W, but %.0f%% of this "
+               "rank's trainable parameters (%lld of %lld, in layers %s) are in modules without a split (only "
+               "pipetrain::nn::Linear has one): their weight gradients are computed in B, and W is empty for "
+               "them. Use pipetrain::nn::Linear for torch::nn::Linear, or a schedule without W (1f1b)\n",
+               rank, schedule_name.c_str(), 100.0 * static_cast<double>(fused) / static_cast<double>(total),
+               static_cast<long long>(fused), static_cast<long long>(total), layers.c_str());
+}
+
+}  // namespace
 
 PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
                            PipelineOptions options)
@@ -1513,6 +1605,7 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
                                                &refs[k] == &*lowest});
     }
   }
+  warn_unsplit_weights(d.transport->rank(), d.options.schedule, d.schedule, d.stages);
   const OptimizerOptions& o = d.options.optimizer;
   for (auto& [s, st] : d.stages) {
     d.stage_params[s] = st.parameters();
@@ -1563,6 +1656,7 @@ StepStats PipelineRank::train_steps(const Bundle& input, const torch::Tensor& ta
                                     int steps) {
   Impl& d = *impl_;
   if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
+  d.check_ties_agree();
   if (d.options.umpipe) {  // the plan's partitions instead of the schedule (src/runtime/umpipe_pass.h)
     if (steps != 1)
       throw UsageError("UMPIPE runs one optimizer step per call (its plan cuts one mini-batch), got " +
@@ -1610,6 +1704,7 @@ StepStats PipelineRank::train_steps(const Bundle& input, const torch::Tensor& ta
 
 torch::Tensor PipelineRank::forward_only(const Bundle& input, int64_t batch_size, int microbatches) {
   Impl& d = *impl_;
+  d.check_ties_agree();
   if (d.options.threads > 0) at::set_num_threads(d.options.threads);
   const int m = microbatches > 0 ? microbatches
                                  : static_cast<int>(std::min<int64_t>(d.options.microbatches, std::max<int64_t>(batch_size, 1)));
@@ -1844,9 +1939,9 @@ std::vector<torch::Tensor> PipelineRank::parameters() const {
 
 LocalPipeline::LocalPipeline(torch::nn::Sequential model, LossFn loss, int stages, PipelineOptions options) {
   if (stages < 1) throw UsageError("stages must be >= 1, got " + std::to_string(stages));
-  auto transports = make_local_transports(stages);
+  transports_ = make_local_transports(stages);
   for (int r = 0; r < stages; ++r)
-    ranks_.push_back(std::make_unique<PipelineRank>(model, loss, transports[static_cast<std::size_t>(r)], options));
+    ranks_.push_back(std::make_unique<PipelineRank>(model, loss, transports_[static_cast<std::size_t>(r)], options));
 }
 
 LocalPipeline::~LocalPipeline() = default;
@@ -1859,22 +1954,50 @@ StepStats LocalPipeline::train_steps(const torch::Tensor& input, const torch::Te
   return train_steps(Bundle(input), target, input.size(0), steps);
 }
 
-StepStats LocalPipeline::train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps) {
-  const int p = static_cast<int>(ranks_.size());
-  std::vector<StepStats> stats(static_cast<std::size_t>(p));
-  run_on_threads(p, [&](int r) {
+namespace {
+
+// f(rank) on every rank, each on its own thread (run_on_threads); the results in rank order.
+template <class Result, class F>
+std::vector<Result> on_every_rank(const std::vector<std::unique_ptr<PipelineRank>>& ranks, F f) {
+  std::vector<Result> out(ranks.size());
+  run_on_threads(static_cast<int>(ranks.size()), [&](int r) {
     at::init_num_threads();
-    stats[static_cast<std::size_t>(r)] =
-        ranks_[static_cast<std::size_t>(r)]->train_steps(input, target, batch_size, steps);
+    out[static_cast<std::size_t>(r)] = f(*ranks[static_cast<std::size_t>(r)]);
   });
+  return out;
+}
+
+}  // namespace
+
+StepStats LocalPipeline::train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps) {
+  const auto stats = on_every_rank<StepStats>(
+      ranks_, [&](PipelineRank& rank) { return rank.train_steps(input, target, batch_size, steps); });
   StepStats out = stats[0];
-  for (int r = 1; r < p; ++r) {
-    const StepStats& s = stats[static_cast<std::size_t>(r)];
+  for (std::size_t r = 1; r < stats.size(); ++r) {
+    const StepStats& s = stats[r];
     out.timeline.events.insert(out.timeline.events.end(), s.timeline.events.begin(), s.timeline.events.end());
     out.weight_uses.insert(out.weight_uses.end(), s.weight_uses.begin(), s.weight_uses.end());
     out.weight_memory.insert(out.weight_memory.end(), s.weight_memory.begin(), s.weight_memory.end());
   }
   return out;
+}
+
+StepStats LocalPipeline::train_step(const Bundle& input, const torch::Tensor& target, int64_t batch_size) {
+  return train_steps(input, target, batch_size, 1);
+}
+
+torch::Tensor LocalPipeline::forward_only(const Bundle& input, int64_t batch_size, int microbatches) {
+  for (const auto& t : on_every_rank<torch::Tensor>(
+           ranks_, [&](PipelineRank& rank) { return rank.forward_only(input, batch_size, microbatches); }))
+    if (t.defined()) return t;  // the rank of the last stage's
+  return torch::Tensor();
+}
+
+EvalStats LocalPipeline::evaluate(const Bundle& input, const torch::Tensor& target, int64_t batch_size,
+                                  int microbatches) {
+  return on_every_rank<EvalStats>(
+             ranks_, [&](PipelineRank& rank) { return rank.evaluate(input, target, batch_size, microbatches); })
+      .front();  // known on every rank
 }
 
 const Schedule& LocalPipeline::schedule() const { return ranks_.front()->schedule(); }

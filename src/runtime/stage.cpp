@@ -110,11 +110,13 @@ Bundle Stage::forward(Bundle b) {
   int k = 0;
   for (auto it = slice_->begin(); it != slice_->end(); ++it, ++k) {
     const auto& bundle_layer = bundle_layers_[static_cast<std::size_t>(k)];
-    // A bundle layer takes the bundle itself (no copy per call), so its errors cannot show it afterwards;
-    // Bundle::at's own message names what the bundle held.
+    // A bundle layer takes the bundle itself; a shallow copy (the entries' handles) keeps what it got for
+    // its errors.
+    Bundle given;
+    if (bundle_layer) given = b;
     auto context = [&] {
       const std::string layer = "layer " + std::to_string(first_ + k) + " (" + type_name_of(*it->ptr()) + ")";
-      return bundle_layer ? layer : layer + " on " + describe(b);
+      return layer + " on " + describe(bundle_layer ? given : b);
     };
     if (!bundle_layer && !b.has(kMainTensor))
       throw UsageError(context() + ": a one-tensor layer reads the entry \"" + std::string(kMainTensor) +

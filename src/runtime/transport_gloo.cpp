@@ -56,13 +56,21 @@
 // read it before it exits). Worst case, every rank stops within the heartbeat timeout + 1 s.
 //
 // Shutdown. The destructor is a store barrier: each rank counts itself finished and waits until all
-// are (its watchdog still running, so a peer failing meanwhile still stops it), then stops its threads;
+// are (its watchdog still running, so a peer failing meanwhile still stops it; at most the operations'
+// time limit, then it names the ranks that never finished and goes), then stops its threads;
 // ranks 1.. then say they have detached and rank 0 keeps the store up until all have (at most 10 s).
 // So a rank must destroy its transport (or let it go out of scope) before exiting, and after the last
 // operation every rank has waited for; exiting with a live transport looks like a failure to the others.
 // If the transport is destroyed while an exception propagates, or after abort(), there is no barrier: it
 // calls abort() (when not done yet, with a message pointing at the rank's own output), and rank 0 keeps
 // the store up for up to 5 s until every other rank still connected has seen the failure.
+//
+// A finished rank first writes how many messages it sent to each peer and how many collectives it
+// called ("pipetrain/finished/K"). The watchdogs read that as soon as the finished count moves; a rank
+// that waits for a message from it that was never sent (all it sent has arrived), or in a collective it
+// never called, fails at once: "rank K finished while rank R waits for ...", as when the ranks run
+// different numbers of steps (a receive throws; a collective, which cannot be interrupted, stops the
+// process after reporting it).
 //
 // Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (or OMPI_COMM_WORLD_RANK/SIZE), GLOO_SOCKET_IFNAME
 // (the network interface for Gloo; default: the one that routes to MASTER_ADDR, loopback for 127.0.0.1),
@@ -130,6 +138,7 @@ const std::string kAbortSeenKey = "pipetrain/abort_seen";
 const std::string kFinishedKey = "pipetrain/finished";
 const std::string kDetachedKey = "pipetrain/detached";
 std::string heartbeat_key(int rank) { return "pipetrain/heartbeat/" + std::to_string(rank); }
+std::string finished_key(int rank) { return "pipetrain/finished/" + std::to_string(rank); }
 
 // --- environment -------------------------------------------------------------------------------
 
@@ -296,6 +305,9 @@ class GlooTransport final : public Transport {
   void watchdog_poll(std::vector<int64_t>& beats, std::vector<Clock::time_point>& changed,
                      Clock::time_point& next_beat, Clock::time_point& next_check);
   [[noreturn]] void lost_store(const std::string& why);
+  // Watchdog: reads what newly finished ranks sent; stops this rank if it waits in a collective one of
+  // them never called.
+  void poll_finished();
   // What stop_process does with the store first: kPublish writes the diagnosis as the abort key (or
   // reports the one already there), kAcknowledge only counts this rank in abort_seen (rank 0 instead
   // keeps the store up for the others for up to 2 s), kLeave does not touch it (it is gone or hung).
@@ -332,6 +344,15 @@ class GlooTransport final : public Transport {
   std::vector<std::string> peer_error_;  // per peer: why its receives fail from now on
   std::vector<bool> peer_gone_;          // per peer: ... because its connection failed
   bool stopping_ = false;
+
+  // Finished peers (see the file comment).
+  std::vector<int64_t> sent_;               // owner thread: headers sent per peer
+  std::vector<int64_t> received_;           // mu_: headers received per peer
+  std::vector<int64_t> peer_sent_;          // mu_: per peer, -1 until it finished; then what it sent here
+  std::vector<int64_t> peer_collectives_;   // watchdog: per peer, -1 until it finished; then its collectives
+  int64_t finished_seen_ = 0;               // watchdog: the finished count last read
+  std::atomic<int64_t> collectives_{0};     // owner thread: collectives entered
+  std::atomic<bool> in_collective_{false};  // owner thread: in one now
 
   // Watchdog.
   std::mutex wd_mu_;
@@ -424,6 +445,10 @@ GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_
   header_work_.resize(world_size_);
   peer_error_.resize(world_size_);
   peer_gone_.resize(world_size_);
+  sent_.assign(world_size_, 0);
+  received_.assign(world_size_, 0);
+  peer_sent_.assign(world_size_, -1);
+  peer_collectives_.assign(world_size_, -1);
   connected_ = true;
   set_phase("the run");
   for (int peer = 0; peer < world_size_; ++peer)
@@ -541,12 +566,25 @@ void GlooTransport::finish_barrier() {
   try {
     set_phase("shutdown (the final barrier)");
     {
+      std::string counts = std::to_string(collectives_.load()) + ";";
+      for (int k = 0; k < world_size_; ++k) counts += (k ? "," : "") + std::to_string(sent_[k]);
       std::lock_guard<std::mutex> lk(store_mu_);
+      store_->set(finished_key(rank_), bytes_of(counts));
       store_->add(kFinishedKey, 1);
     }
-    // No time limit: a slower rank is still working. A rank that fails meanwhile is caught by the
-    // watchdog, which ends this process.
-    wait_for_count(kFinishedKey, world_size_, kForever);
+    // A slower rank is still working; one that fails meanwhile is caught by the watchdog, which ends this
+    // process, and one that waits for this rank fails as soon as its watchdog reads the counts above.
+    if (!wait_for_count(kFinishedKey, world_size_, kOpTimeout)) {
+      std::string missing;
+      for (int k = 0; k < world_size_; ++k) {
+        std::lock_guard<std::mutex> lk(store_mu_);
+        if (!store_->check({finished_key(k)})) missing += (missing.empty() ? "" : ", ") + std::to_string(k);
+      }
+      std::fprintf(stderr,
+                   "pipetrain rank %d: gloo: gave up the final barrier after %lld min: rank(s) %s neither finished "
+                   "nor failed (still working, or waiting where nothing comes?)\n",
+                   rank_, static_cast<long long>(kOpTimeout.count() / 60000), missing.c_str());
+    }
   } catch (const std::exception& e) {
     lost_store(short_what(e));
   }
@@ -658,6 +696,7 @@ void GlooTransport::watchdog_poll(std::vector<int64_t>& beats, std::vector<Clock
       const std::string message = nl == std::string::npos ? value : value.substr(nl + 1);
       if (failed != rank_ && !aborted_) stop_process(failed, message, Store::kAcknowledge);
     }
+    if (connected_) poll_finished();
     if (!connected_) {  // ranks may join late: heartbeats count from the moment Gloo is connected
       next_check = now + kHeartbeatPeriod;
       std::fill(changed.begin(), changed.end(), now);
@@ -685,6 +724,40 @@ void GlooTransport::watchdog_poll(std::vector<int64_t>& beats, std::vector<Clock
     if (aborted_) return;
     lost_store(short_what(e));
   }
+}
+
+void GlooTransport::poll_finished() {
+  const int64_t finished = watch_store_->add(kFinishedKey, 0);
+  if (finished > finished_seen_) {
+    finished_seen_ = finished;  // each rank writes its counts before it counts itself finished
+    for (int k = 0; k < world_size_; ++k) {
+      if (k == rank_ || peer_collectives_[k] >= 0 || !watch_store_->check({finished_key(k)})) continue;
+      const std::vector<uint8_t> raw = watch_store_->get(finished_key(k));
+      const std::string value(raw.begin(), raw.end());
+      const auto semi = value.find(';');
+      std::vector<int64_t> counts;
+      for (std::size_t at = semi + 1; semi != std::string::npos && at <= value.size();) {
+        const auto comma = std::min(value.find(',', at), value.size());
+        counts.push_back(parse_integer(value.substr(at, comma - at)).value_or(0));
+        at = comma + 1;
+      }
+      peer_collectives_[k] = parse_integer(value.substr(0, semi)).value_or(0);
+      std::lock_guard<std::mutex> lk(mu_);
+      peer_sent_[k] = rank_ < static_cast<int>(counts.size()) ? counts[rank_] : 0;
+      cv_.notify_all();
+    }
+  }
+  if (!in_collective_) return;
+  const int64_t entered = collectives_.load();
+  for (int k = 0; k < world_size_; ++k)
+    if (k != rank_ && peer_collectives_[k] >= 0 && peer_collectives_[k] < entered && in_collective_)
+      stop_process(rank_,
+                   "rank " + std::to_string(k) + " finished after " + std::to_string(peer_collectives_[k]) +
+                       " collectives while rank " + std::to_string(rank_) + " waits in its collective number " +
+                       std::to_string(entered) +
+                       " (all_reduce_sum or barrier): do all ranks make the same calls (the same number of "
+                       "train_step calls, say)?",
+                   Store::kPublish);
 }
 
 void GlooTransport::monitor_loop() {
@@ -729,6 +802,7 @@ std::unique_ptr<Work> GlooTransport::isend(const torch::Tensor& tensor, int dst,
   try {
     std::vector<at::Tensor> hv{header};
     hw = pg_->send(hv, dst, kControlTag);
+    ++sent_[dst];
     if (h.nbytes > 0) {
       std::vector<at::Tensor> pv{payload};
       pw = pg_->send(pv, dst, tag);
@@ -838,10 +912,16 @@ void GlooRecvWork::wait() {
   {
     std::unique_lock<std::mutex> lk(t_.mu_);
     const std::string& peer_error = t_.peer_error_[rec.src];
+    // All that the source sent before it finished has arrived, and none of it matched.
+    auto never = [&] { return t_.peer_sent_[rec.src] >= 0 && t_.received_[rec.src] >= t_.peer_sent_[rec.src]; };
     const bool matched = t_.cv_.wait_for(lk, kOpTimeout, [&] {
-      return rec.state != PendingRecv::Waiting || !peer_error.empty() || t_.stopping_;
+      return rec.state != PendingRecv::Waiting || !peer_error.empty() || t_.stopping_ || never();
     });
     if (rec.state == PendingRecv::Waiting) {
+      if (peer_error.empty() && never())
+        throw std::runtime_error("gloo: rank " + std::to_string(rec.src) + " finished while rank " +
+                                 std::to_string(t_.rank_) + " waits for " + describe(target_) + " from " + from +
+                                 ": do all ranks make the same calls (the same number of train_step calls, say)?");
       if (!peer_error.empty()) {
         const std::string error = peer_error;
         const bool gone = t_.peer_gone_[rec.src];
@@ -932,6 +1012,8 @@ void GlooTransport::header_loop(int peer) {
       cv_.notify_all();
       return;
     }
+    ++received_[peer];
+    if (peer_sent_[peer] >= 0) cv_.notify_all();  // a wait may learn that nothing more comes
     if (const auto rec = detail::take_oldest(posted_, {peer, h.tag})) {
       match(**rec, h);
     } else {
@@ -946,8 +1028,12 @@ void GlooTransport::all_reduce_sum(torch::Tensor& tensor) {
   at::Tensor buffer = cpu_contiguous(tensor);
   try {
     std::vector<at::Tensor> v{buffer};
+    ++collectives_;
+    in_collective_ = true;
     pg_->allreduce(v)->wait();
+    in_collective_ = false;
   } catch (const std::exception& e) {
+    in_collective_ = false;
     fail("reducing " + describe(tensor) + " (all_reduce_sum) on rank " + std::to_string(rank_), short_what(e), -1);
   }
   if (!buffer.is_same(tensor)) tensor.copy_(buffer);
@@ -955,8 +1041,12 @@ void GlooTransport::all_reduce_sum(torch::Tensor& tensor) {
 
 void GlooTransport::barrier() {
   try {
+    ++collectives_;
+    in_collective_ = true;
     pg_->barrier()->wait();
+    in_collective_ = false;
   } catch (const std::exception& e) {
+    in_collective_ = false;
     fail("in a barrier on rank " + std::to_string(rank_), short_what(e), -1);
   }
 }

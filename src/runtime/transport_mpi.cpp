@@ -8,6 +8,14 @@
 // Failure: abort() prints "pipetrain rank R: failed: <message>" and calls MPI_Abort, which makes mpirun
 // kill every rank. A rank that dies or exits non-zero makes mpirun end the job too.
 //
+// Finished ranks: a transport's destructor sends every peer a note on the top tag (user tags end below
+// it): how many collectives it called and how many messages it sent to that peer. Each rank keeps a
+// receive for that note posted per peer, and every wait waits for its operation or a note
+// (MPI_Waitany). A rank waiting in a collective that a finished peer never called, or for a message
+// from (or a send to) a finished peer that is still not done a second after its note (Open MPI delivers
+// a peer's messages in order: the note comes after all it sent), fails with "rank K finished while rank
+// R waits for ...", as when the ranks run different numbers of steps.
+//
 // Lifetime: MPI is initialised once per process (MPI_THREAD_MULTIPLE when the library offers it,
 // else MPI_THREAD_SERIALIZED) by the first make_mpi_transport() and finalised at exit, but only after a
 // clean run: a process that leaves with a transport still alive, or that destroyed one while an
@@ -16,12 +24,17 @@
 #include <ATen/ATen.h>
 #include <mpi.h>
 
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/transport.h"
@@ -109,10 +122,99 @@ int checked_count(int64_t n, const std::string& what) {
   return static_cast<int>(n);
 }
 
+// The finished notes of the peers (see the file comment); the owner thread's.
+class PeerNotes {
+ public:
+  PeerNotes(MPI_Comm comm, int rank, int size, int tag) : comm_(comm), rank_(rank), tag_(tag) {
+    notes_.assign(static_cast<std::size_t>(size), {0, 0});
+    reqs_.assign(static_cast<std::size_t>(size), MPI_REQUEST_NULL);
+    done_.assign(static_cast<std::size_t>(size), 0);
+    for (int k = 0; k < size; ++k)
+      if (k != rank) MPI_Irecv(notes_[k].data(), 2, MPI_INT64_T, k, tag_, comm_, &reqs_[k]);
+  }
+  // Cancels the receives of notes that did not come (never blocks).
+  void cancel() {
+    for (auto& r : reqs_)
+      if (r != MPI_REQUEST_NULL) {
+        MPI_Cancel(&r);
+        MPI_Request_free(&r);
+      }
+  }
+  // Sends this rank's note to every peer: `collectives` called, sent[k] messages to rank k.
+  void send(int64_t collectives, const std::vector<int64_t>& sent) {
+    std::vector<std::array<int64_t, 2>> out(sent.size());
+    std::vector<MPI_Request> reqs;
+    for (std::size_t k = 0; k < sent.size(); ++k) {
+      if (static_cast<int>(k) == rank_) continue;
+      out[k] = {collectives, sent[k]};
+      reqs.emplace_back();
+      MPI_Isend(out[k].data(), 2, MPI_INT64_T, static_cast<int>(k), tag_, comm_, &reqs.back());
+    }
+    MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+  }
+  // Waits for `*req`, an operation with `peer` (-1: collective number `collective`, with every peer);
+  // returns MPI_Wait's code, or throws std::runtime_error naming `what()` when a peer finished first.
+  template <class What>
+  int wait(MPI_Request* req, MPI_Status* status, int peer, int64_t collective, What what) {
+    for (;;) {
+      reqs_of_wait_.assign(1, *req);
+      peers_of_wait_.assign(1, -1);
+      for (int k = 0; k < static_cast<int>(done_.size()); ++k) {
+        if (k == rank_ || (peer >= 0 && k != peer)) continue;
+        if (!done_[k]) {
+          reqs_of_wait_.push_back(reqs_[k]);
+          peers_of_wait_.push_back(k);
+          continue;
+        }
+        if (peer < 0 && notes_[k][0] >= collective) continue;  // it called this collective
+        if (peer >= 0) {  // what it sent before its note may still be arriving
+          int rc = MPI_SUCCESS;
+          if (settles(req, status, &rc)) return rc;
+        }
+        throw std::runtime_error("mpi: rank " + std::to_string(k) + " finished" +
+                                 (peer < 0 ? " after " + std::to_string(notes_[k][0]) + " collectives" : std::string()) +
+                                 " while rank " + std::to_string(rank_) + " waits for " + what() +
+                                 ": do all ranks make the same calls (the same number of train_step calls, say)?");
+      }
+      if (reqs_of_wait_.size() == 1) return MPI_Wait(req, status);
+      int index = MPI_UNDEFINED;
+      const int rc = MPI_Waitany(static_cast<int>(reqs_of_wait_.size()), reqs_of_wait_.data(), &index, status);
+      if (rc != MPI_SUCCESS || index == 0 || index == MPI_UNDEFINED) {
+        *req = reqs_of_wait_[0];
+        return rc;
+      }
+      const int k = peers_of_wait_[static_cast<std::size_t>(index)];
+      reqs_[k] = MPI_REQUEST_NULL;
+      done_[k] = 1;
+    }
+  }
+
+ private:
+  // Whether the operation completes within a second (what the peer sent before its note may still be
+  // arriving); its code in *rc.
+  static bool settles(MPI_Request* req, MPI_Status* status, int* rc) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    do {
+      int flag = 0;
+      *rc = MPI_Test(req, &flag, status);
+      if (*rc != MPI_SUCCESS || flag) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } while (std::chrono::steady_clock::now() < until);
+    return false;
+  }
+  MPI_Comm comm_;
+  int rank_, tag_;
+  std::vector<std::array<int64_t, 2>> notes_;
+  std::vector<MPI_Request> reqs_;
+  std::vector<char> done_;
+  std::vector<MPI_Request> reqs_of_wait_;  // one wait's: its operation, then the notes it also waits for
+  std::vector<int> peers_of_wait_;
+};
+
 class MpiSendWork final : public Work {
  public:
-  MpiSendWork(MPI_Request req, at::Tensor keep, std::string what)
-      : req_(req), keep_(std::move(keep)), what_(std::move(what)) {}
+  MpiSendWork(MPI_Request req, at::Tensor keep, std::string what, PeerNotes* notes, int dst)
+      : req_(req), keep_(std::move(keep)), what_(std::move(what)), notes_(notes), dst_(dst) {}
   ~MpiSendWork() override {
     if (req_ != MPI_REQUEST_NULL) {  // never waited (an error path): let MPI finish it, never block here;
       MPI_Request_free(&req_);       // the bytes it may still read are kept alive on purpose
@@ -122,7 +224,7 @@ class MpiSendWork final : public Work {
   void wait() override {
     if (req_ == MPI_REQUEST_NULL) return;
     MPI_Status status;
-    const int rc = MPI_Wait(&req_, &status);
+    const int rc = notes_->wait(&req_, &status, dst_, -1, [&] { return "its " + what_ + " to be received"; });
     req_ = MPI_REQUEST_NULL;
     if (rc != MPI_SUCCESS) throw std::runtime_error("mpi: " + what_ + " failed: " + mpi_error(rc));
   }
@@ -131,12 +233,15 @@ class MpiSendWork final : public Work {
   MPI_Request req_;
   at::Tensor keep_;
   std::string what_;
+  PeerNotes* notes_;
+  int dst_;
 };
 
 class MpiRecvWork final : public Work {
  public:
-  MpiRecvWork(MPI_Request req, at::Tensor buffer, at::Tensor target, int self, int src, int tag)
-      : req_(req), buffer_(std::move(buffer)), target_(std::move(target)), self_(self), src_(src), tag_(tag) {}
+  MpiRecvWork(MPI_Request req, at::Tensor buffer, at::Tensor target, int self, int src, int tag, PeerNotes* notes)
+      : req_(req), buffer_(std::move(buffer)), target_(std::move(target)), self_(self), src_(src), tag_(tag),
+        notes_(notes) {}
   ~MpiRecvWork() override {
     if (req_ != MPI_REQUEST_NULL) {  // never waited (an error path): cancel without blocking, and keep
       MPI_Cancel(&req_);             // the buffer alive in case MPI still writes into it
@@ -147,7 +252,9 @@ class MpiRecvWork final : public Work {
   void wait() override {
     if (req_ == MPI_REQUEST_NULL) return;
     MPI_Status status;
-    const int rc = MPI_Wait(&req_, &status);
+    const int rc = notes_->wait(&req_, &status, src_, -1, [&] {
+      return describe(target_) + " from rank " + std::to_string(src_) + " (tag " + std::to_string(tag_) + ")";
+    });
     req_ = MPI_REQUEST_NULL;
     const std::string from = "rank " + std::to_string(src_) + " (tag " + std::to_string(tag_) + ")";
     const std::string agree = ": sender and receiver must agree on the tensor's size and dtype";
@@ -172,6 +279,7 @@ class MpiRecvWork final : public Work {
   MPI_Request req_;
   at::Tensor buffer_, target_;
   int self_, src_, tag_;
+  PeerNotes* notes_;
 };
 
 class MpiTransport final : public Transport {
@@ -186,13 +294,18 @@ class MpiTransport final : public Transport {
     int flag = 0;
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag);
     tag_ub_ = flag && tag_ub ? *tag_ub : 32767;
+    sent_.assign(static_cast<std::size_t>(size_), 0);
+    notes_ = std::make_unique<PeerNotes>(comm_, rank_, size_, tag_ub_);  // tag_ub_ is the notes' tag
     std::lock_guard<std::mutex> lk(g_mpi_mu);
     ++g_alive;
   }
   ~MpiTransport() override {
+    const bool unclean = std::uncaught_exceptions() > 0 || aborted_;
+    if (!unclean) notes_->send(collectives_, sent_);
+    notes_->cancel();
     std::lock_guard<std::mutex> lk(g_mpi_mu);
     --g_alive;
-    if (std::uncaught_exceptions() > 0 || aborted_) g_unclean = true;
+    if (unclean) g_unclean = true;
     // comm_ is left to MPI_Finalize: freeing it is collective, and this may be a failing rank.
   }
 
@@ -209,7 +322,8 @@ class MpiTransport final : public Transport {
     MPI_Request req = MPI_REQUEST_NULL;
     const int rc = MPI_Isend(payload.data_ptr(), count, MPI_BYTE, dst, tag, comm_, &req);
     if (rc != MPI_SUCCESS) throw std::runtime_error("mpi: " + what + " failed: " + mpi_error(rc));
-    return std::make_unique<MpiSendWork>(req, payload, what);
+    ++sent_[static_cast<std::size_t>(dst)];
+    return std::make_unique<MpiSendWork>(req, payload, what, notes_.get(), dst);
   }
 
   std::unique_ptr<Work> irecv(torch::Tensor& tensor, int src, int tag) override {
@@ -223,7 +337,7 @@ class MpiTransport final : public Transport {
     if (rc != MPI_SUCCESS)
       throw std::runtime_error("mpi: receiving " + describe(tensor) + " from rank " + std::to_string(src) +
                                " failed: " + mpi_error(rc));
-    return std::make_unique<MpiRecvWork>(req, buffer, tensor, rank_, src, tag);
+    return std::make_unique<MpiRecvWork>(req, buffer, tensor, rank_, src, tag, notes_.get());
   }
 
   void all_reduce_sum(torch::Tensor& tensor) override {
@@ -239,14 +353,22 @@ class MpiTransport final : public Transport {
     }
     at::Tensor buffer = cpu_contiguous(tensor);
     const int count = checked_count(buffer.numel(), "all_reduce_sum of " + describe(tensor));
-    const int rc = MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), count, type, MPI_SUM, comm_);
+    MPI_Request req = MPI_REQUEST_NULL;
+    const int64_t number = ++collectives_;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, buffer.data_ptr(), count, type, MPI_SUM, comm_, &req);
+    if (rc == MPI_SUCCESS)
+      rc = notes_->wait(&req, MPI_STATUS_IGNORE, -1, number, [&] { return "the others in all_reduce_sum of " + describe(tensor); });
     if (rc != MPI_SUCCESS)
       throw std::runtime_error("mpi: all_reduce_sum of " + describe(tensor) + " failed: " + mpi_error(rc));
     if (!buffer.is_same(tensor)) tensor.copy_(buffer);
   }
 
   void barrier() override {
-    const int rc = MPI_Barrier(comm_);
+    MPI_Request req = MPI_REQUEST_NULL;
+    const int64_t number = ++collectives_;
+    int rc = MPI_Ibarrier(comm_, &req);
+    if (rc == MPI_SUCCESS)
+      rc = notes_->wait(&req, MPI_STATUS_IGNORE, -1, number, [] { return std::string("the others in a barrier"); });
     if (rc != MPI_SUCCESS) throw std::runtime_error("mpi: barrier failed: " + mpi_error(rc));
   }
 
@@ -264,9 +386,10 @@ class MpiTransport final : public Transport {
       throw std::invalid_argument(std::string("mpi ") + what + ": rank " + std::to_string(peer) +
                                   " is not a peer of rank " + std::to_string(rank_) + ": use 0.." +
                                   std::to_string(size_ - 1) + " except " + std::to_string(rank_));
-    if (tag < 0 || tag > tag_ub_)
+    if (tag < 0 || tag >= tag_ub_)
       throw std::invalid_argument(std::string("mpi ") + what + ": tag " + std::to_string(tag) +
-                                  " is out of range: this MPI allows 0.." + std::to_string(tag_ub_));
+                                  " is out of range: use 0.." + std::to_string(tag_ub_ - 1) +
+                                  " (this MPI's largest tag carries the finished notes)");
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -274,6 +397,9 @@ class MpiTransport final : public Transport {
   int size_ = 1;
   int tag_ub_ = 32767;
   std::atomic<bool> aborted_{false};
+  std::unique_ptr<PeerNotes> notes_;
+  std::vector<int64_t> sent_;  // messages sent per peer
+  int64_t collectives_ = 0;   // collectives called
 };
 
 }  // namespace

@@ -48,8 +48,13 @@
 // A rank that fails during the rendezvous reports through the store (its waits end with RemoteFailure).
 //
 // Shutdown. The destructor is a barrier in the segment: a rank marks itself finished and waits for all
-// (its watchdog still watching); a finished rank's exit is not a failure. If the transport is destroyed
-// while an exception propagates, or after abort(), there is no barrier: it aborts (when not done yet).
+// (its watchdog still watching), for at most the operations' time limit (then it names the ranks that
+// never finished and goes); a finished rank's exit is not a failure. A rank that waits for a message
+// from a finished rank (or sends to one, or waits in a collective) fails as soon as it would sleep:
+// "rank K finished while rank R waits for ...", as when the ranks run different numbers of steps; the
+// finished rank has written every message it sent, so one last pass over the rings decides. If the
+// transport is destroyed while an exception propagates, or after abort(), there is no barrier: it
+// aborts (when not done yet).
 //
 // Threads: one rank's operations come from one thread (transport.h); abort() may come from any.
 // Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and the store variables of the gloo transport
@@ -315,10 +320,11 @@ class ShmTransport final : public Transport {
   void barrier() override;
   void abort(const std::string& message) noexcept override;
 
-  // Waits (progressing every ring) until `done()`; `what()` names the wait in a timeout error (built only
-  // then: a wait that ends in time formats nothing).
-  template <class Done, class What>
-  void wait_until(Done done, What what);
+  // Waits (progressing every ring) until `done()`, for which `needs(r)` says whether rank r still has to
+  // read or write something; `what()` names the wait in a timeout error or when a rank it needs has
+  // finished (built only then: a wait that ends in time formats nothing).
+  template <class Done, class Needs, class What>
+  void wait_until(Done done, Needs needs, What what);
 
  private:
   // Rendezvous.
@@ -635,10 +641,22 @@ void ShmTransport::finish_barrier() {
   header_->finished.fetch_add(1);
   for (int r = 0; r < world_; ++r)
     if (r != rank_) ring_bell(r);
-  // No time limit: a slower rank is still working; a failure meanwhile stops this process.
+  // A slower rank is still working (a failure meanwhile stops this process), or waits for a message
+  // from this one and fails as soon as it sees it finished; one that neither finishes nor fails within
+  // the operations' time limit is named, and this rank goes.
   const auto wait_start = Clock::now();
   while (header_->finished.load() < static_cast<uint32_t>(world_)) {
     check_report();
+    if (Clock::now() - wait_start > kOpTimeout) {
+      std::string missing;
+      for (int r = 0; r < world_; ++r)
+        if (!control(r).finished.load()) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      std::fprintf(stderr,
+                   "pipetrain rank %d: shm: gave up the final barrier after %lld min: rank(s) %s neither finished "
+                   "nor failed (still working, or waiting where nothing comes?)\n",
+                   rank_, static_cast<long long>(kOpTimeout.count() / 60000), missing.c_str());
+      return;
+    }
     RankControl& me = control(rank_);
     const uint32_t seq = me.bell.load();
     me.sleeping.store(1);
@@ -648,7 +666,6 @@ void ShmTransport::finish_barrier() {
     }
     futex_wait(&me.bell, seq, milliseconds(100));
     me.sleeping.store(0);
-    (void)wait_start;
   }
 }
 
@@ -869,8 +886,8 @@ bool ShmTransport::progress() {
   return moved;
 }
 
-template <class Done, class What>
-void ShmTransport::wait_until(Done done, What what) {
+template <class Done, class Needs, class What>
+void ShmTransport::wait_until(Done done, Needs needs, What what) {
   progress();
   if (done()) return;
   RankControl& me = control(rank_);
@@ -886,6 +903,18 @@ void ShmTransport::wait_until(Done done, What what) {
     if ((i & 63) != 63 || Clock::now() < spin_until) {
       cpu_relax();
       continue;
+    }
+    int gone = -1;
+    for (int r = 0; r < world_ && gone < 0; ++r)
+      if (r != rank_ && control(r).finished.load(std::memory_order_acquire) && needs(r)) gone = r;
+    if (gone >= 0) {
+      // It wrote all it sent before it finished: what is not in the rings now never comes.
+      while (progress()) {
+      }
+      if (done() || !needs(gone)) continue;
+      throw std::runtime_error("shm: rank " + std::to_string(gone) + " finished while rank " + std::to_string(rank_) +
+                               " waits for " + what() +
+                               ": do all ranks make the same calls (the same number of train_step calls, say)?");
     }
     const uint32_t seq = me.bell.load(std::memory_order_seq_cst);
     me.sleeping.store(1, std::memory_order_seq_cst);
@@ -966,7 +995,7 @@ std::unique_ptr<Work> ShmTransport::irecv(torch::Tensor& tensor, int src, int ta
 
 void ShmSendWork::wait() {
   SendOp& op = *op_;
-  t_.wait_until([&] { return op.done; },
+  t_.wait_until([&] { return op.done; }, [&](int r) { return r == dst_; },
                 [&] {
                   return "its send of " + std::to_string(op.header.nbytes) + " bytes to rank " + std::to_string(dst_) +
                          " to be read";
@@ -978,7 +1007,7 @@ void ShmRecvWork::wait() {
   done_ = true;
   RecvOp& rec = *op_;
   if (rec.state == RecvOp::Posted)
-    t_.wait_until([&] { return rec.state != RecvOp::Posted; },
+    t_.wait_until([&] { return rec.state != RecvOp::Posted; }, [&](int r) { return r == rec.src; },
                   [&] {
                     return describe(target_) + " from rank " + std::to_string(rec.src) + " (tag " +
                            std::to_string(rec.tag) + ")";
@@ -987,25 +1016,31 @@ void ShmRecvWork::wait() {
   if (!rec.buffer.is_same(target_)) target_.copy_(rec.buffer);
 }
 
+// A collective's exchange with rank r (per rank: the send to it, the receive from it; none for this rank)
+// is over; all of them are.
+bool exchanged_with(const std::vector<std::shared_ptr<SendOp>>& sends, const std::vector<std::shared_ptr<RecvOp>>& recvs,
+                    int r) {
+  return (!sends[r] || sends[r]->done) && (!recvs[r] || recvs[r]->state != RecvOp::Posted);
+}
+bool exchanged(const std::vector<std::shared_ptr<SendOp>>& sends, const std::vector<std::shared_ptr<RecvOp>>& recvs) {
+  for (std::size_t r = 0; r < sends.size(); ++r)
+    if (!exchanged_with(sends, recvs, static_cast<int>(r))) return false;
+  return true;
+}
+
 // Every rank sends its contribution to every other and adds the n contributions in rank order.
 void ShmTransport::all_reduce_sum(torch::Tensor& tensor) {
   if (world_ == 1) return;
   at::NoGradGuard no_grad;
   const at::Tensor mine = cpu_contiguous(tensor.detach());
-  std::vector<std::shared_ptr<SendOp>> sends;
+  std::vector<std::shared_ptr<SendOp>> sends(world_);
   std::vector<std::shared_ptr<RecvOp>> recvs(world_);
   for (int r = 0; r < world_; ++r)
     if (r != rank_) recvs[r] = post_recv(at::empty_like(mine), r, kCollectiveTag);
   for (int r = 0; r < world_; ++r)
-    if (r != rank_) sends.push_back(post_send(mine, r, kCollectiveTag));
+    if (r != rank_) sends[r] = post_send(mine, r, kCollectiveTag);
   wait_until(
-      [&] {
-        for (const auto& s : sends)
-          if (!s->done) return false;
-        for (const auto& rec : recvs)
-          if (rec && rec->state == RecvOp::Posted) return false;
-        return true;
-      },
+      [&] { return exchanged(sends, recvs); }, [&](int r) { return !exchanged_with(sends, recvs, r); },
       [&] { return "the other ranks in all_reduce_sum of " + describe(tensor); });
   for (const auto& rec : recvs)
     if (rec && rec->state == RecvOp::Failed)
@@ -1019,23 +1054,17 @@ void ShmTransport::all_reduce_sum(torch::Tensor& tensor) {
 void ShmTransport::barrier() {
   if (world_ == 1) return;
   const at::Tensor none = at::empty({0}, at::kByte);
-  std::vector<std::shared_ptr<SendOp>> sends;
-  std::vector<std::shared_ptr<RecvOp>> recvs;
+  std::vector<std::shared_ptr<SendOp>> sends(world_);
+  std::vector<std::shared_ptr<RecvOp>> recvs(world_);
   for (int r = 0; r < world_; ++r)
-    if (r != rank_) recvs.push_back(post_recv(at::empty({0}, at::kByte), r, kCollectiveTag));
+    if (r != rank_) recvs[r] = post_recv(at::empty({0}, at::kByte), r, kCollectiveTag);
   for (int r = 0; r < world_; ++r)
-    if (r != rank_) sends.push_back(post_send(none, r, kCollectiveTag));
+    if (r != rank_) sends[r] = post_send(none, r, kCollectiveTag);
   wait_until(
-      [&] {
-        for (const auto& s : sends)
-          if (!s->done) return false;
-        for (const auto& rec : recvs)
-          if (rec->state == RecvOp::Posted) return false;
-        return true;
-      },
+      [&] { return exchanged(sends, recvs); }, [&](int r) { return !exchanged_with(sends, recvs, r); },
       [] { return std::string("the other ranks in a barrier"); });
   for (const auto& rec : recvs)
-    if (rec->state == RecvOp::Failed)
+    if (rec && rec->state == RecvOp::Failed)
       throw std::runtime_error(rec->error + " (in a barrier: every rank must call the collectives in the same order)");
 }
 

@@ -9,7 +9,13 @@ namespace pipetrain {
 VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
                                  const torch::Tensor& input, const torch::Tensor& target) {
-  const int64_t n = input.size(0);
+  return verify_transparency(factory, loss, transport, std::move(options), Bundle(input), target, input.size(0));
+}
+
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
+                                 const std::shared_ptr<Transport>& transport, PipelineOptions options,
+                                 const Bundle& input, const torch::Tensor& target, int64_t batch_size) {
+  const int64_t n = batch_size;
   // Pipelined step: capture this rank's gradients, by parameter name, before the optimizer touches them.
   torch::nn::Sequential model = factory();
   std::map<const void*, std::string> names;
@@ -29,7 +35,7 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
   Stage whole(ref, 0, layer_count(ref));  // plain layers on "x", BundleModules on the bundle
   double ref_loss = 0;
   for (const auto& [b, e] : split_equal(n, options.microbatches)) {
-    torch::Tensor l = loss(whole.forward(input.slice(0, b, e)), target.slice(0, b, e)) *
+    torch::Tensor l = loss(whole.forward(input.slice(b, e)).at(kMainTensor), target.slice(0, b, e)) *
                       (static_cast<double>(e - b) / static_cast<double>(n));
     l.backward();
     ref_loss += l.item<double>();

@@ -3,17 +3,19 @@
 // plain LibTorch on the same model and data in one process with gradient accumulation, the pipelined
 // losses and weights agree within 1e-5 (relative) over several steps for gpipe, 1f1b, interleaved and
 // zb-h1 (and the V shape, whose rank 0 holds both ends of a tied model). Plus: a mask passed along never
-// gets a gradient, tied copies stay bitwise equal, a tied model saved at 2 stages resumes at 3, sequence
+// gets a gradient, tied copies stay bitwise equal (and copies that differ between ranks are refused), a tied model saved at 2 stages resumes at 3, sequence
 // lengths differ across micro-batches and steps, and bad input is refused with the layer and the fix.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <atomic>
 #include <filesystem>
+#include <mutex>
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/verify.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "skip_layers.h"
 #include "pipetrain/zoo/data.h"
@@ -137,6 +139,25 @@ TEST(Bundles, MaskTravelsWithTheActivationAndNeverGetsAGradient) {
       EXPECT_GT(pipe_c.calls.load(), 0);
       EXPECT_EQ(pipe_c.mask_with_grad.load(), 0) << what << ": the mask was sent a gradient";
     }
+}
+
+// verify_transparency takes a bundle (before: a tensor only, so a masked model could not be checked),
+// and it can fail: a factory whose every call seeds differently gives other gradients.
+TEST(Bundles, TransparencyIsVerifiedOnABundleInput) {
+  std::atomic<int> seed{3};
+  for (bool same : {true, false}) {
+    Counters c;
+    auto factory = [&] {  // the ranks are threads: one seeds and draws at a time
+      std::lock_guard<std::mutex> lock(default_generator_mutex());
+      return masked_model(same ? 3 : seed++, c);
+    };
+    auto ts = make_local_transports(2);
+    std::vector<VerifyResult> results(2);
+    const Bundle in = masked_batch(0);
+    const torch::Tensor y = labels(0);
+    run_on_threads(2, [&](int r) { results[r] = verify_transparency(factory, ce, ts[r], options("1f1b", 4), in, y, kBatch); });
+    EXPECT_EQ(results[0].ok(1e-5), same) << results[0].max_grad_error << " " << results[0].loss_error;
+  }
 }
 
 TEST(Bundles, OneTensorModelsAreUnchangedThroughTheAdapter) {
@@ -293,6 +314,31 @@ TEST(TiedWeights, SavedAtTwoStagesResumesAtThree) {
   fs::remove_all(dir);
 }
 
+// Ranks that built the model from different seeds hold different tied copies: refused before the first
+// step, naming the group and the ranks (before, they trained the copies apart without a word).
+TEST(TiedWeights, CopiesThatDifferBetweenRanksAreRefusedBeforeTheFirstStep) {
+  PipelineOptions o = options("1f1b", 4);
+  o.tied = kTie;
+  auto ts = make_local_transports(2);
+  std::vector<std::unique_ptr<PipelineRank>> ranks;
+  for (int r = 0; r < 2; ++r) ranks.push_back(std::make_unique<PipelineRank>(tied_model(10 + r, false), ce, ts[r], o));
+  const torch::Tensor ids = token_batch(0), y = labels(0, kVocab);
+  try {
+    run_on_threads(2, [&](int r) { ranks[r]->train_step(ids, y, kBatch); });
+    ADD_FAILURE() << "trained with tied copies that differ";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("tie group 0 (0:weight, 4:weight) has other values on rank(s) 1 than on "
+                                         "rank(s) 0, so its copies would train apart"),
+              std::string::npos)
+        << e.what();
+  }
+  // The same seed on both ranks trains (on new transports: the failure stopped the others for good).
+  ranks.clear();
+  ts = make_local_transports(2);
+  for (int r = 0; r < 2; ++r) ranks.push_back(std::make_unique<PipelineRank>(tied_model(10, false), ce, ts[r], o));
+  run_on_threads(2, [&](int r) { ranks[r]->train_step(ids, y, kBatch); });
+}
+
 TEST(TiedWeights, BadGroupsAreRefusedBeforeTraining) {
   auto refused = [](PipelineOptions o, const std::vector<std::string>& needles, torch::nn::Sequential model) {
     try {
@@ -402,6 +448,19 @@ TEST(VariableShapes, WithoutTheOptionADriftingShapeIsAnErrorNotAHang) {
   }
 }
 
+namespace {
+// The error of the first step of `m` on 2 stages, or "accepted".
+std::string first_step_error(torch::nn::Sequential m) {
+  LocalPipeline pipe(m, ce, 2, options("1f1b", 2));
+  try {
+    pipe.train_step(masked_batch(0).at("x"), labels(0));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+}  // namespace
+
 TEST(Bundles, AOneTensorLayerWithoutXNamesTheLayerAndTheFix) {
   struct RenameImpl : BundleModule {
     Bundle forward(Bundle in) override {
@@ -414,16 +473,29 @@ TEST(Bundles, AOneTensorLayerWithoutXNamesTheLayerAndTheFix) {
   m->push_back(nn::Linear(kIn, kHidden));
   m->push_back(std::make_shared<RenameImpl>());
   m->push_back(nn::Linear(kHidden, kClasses));
-  LocalPipeline pipe(m, ce, 2, options("1f1b", 2));
-  try {
-    pipe.train_step(masked_batch(0).at("x"), labels(0));
-    ADD_FAILURE() << "accepted";
-  } catch (const std::exception& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("layer 2 (Linear)"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("BundleModule"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("h: [6, 8] Float"), std::string::npos) << msg;
-  }
+  const std::string msg = first_step_error(m);
+  EXPECT_NE(msg.find("layer 2 (Linear)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("BundleModule"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("h: [6, 8] Float"), std::string::npos) << msg;
+}
+
+// A LibTorch error inside a BundleModule names the layer and the bundle it got (before, the layer only).
+TEST(Bundles, AnErrorInsideABundleLayerNamesTheBundleItGot) {
+  struct WrongWidthImpl : BundleModule {
+    Bundle forward(Bundle in) override {
+      in.set("x", in.at("x").matmul(torch::ones({3, 3})));  // the activation is 8 wide
+      return in;
+    }
+  };
+  torch::manual_seed(1);
+  torch::nn::Sequential m;
+  m->push_back(nn::Linear(kIn, kHidden));
+  m->push_back(std::make_shared<WrongWidthImpl>());
+  m->push_back(nn::Linear(3, kClasses));
+  const std::string msg = first_step_error(m);
+  EXPECT_NE(msg.find("layer 1 ("), std::string::npos) << msg;
+  EXPECT_NE(msg.find("WrongWidth"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(") on {x: [6, 8] Float"), std::string::npos) << msg;
 }
 
 // A bundle that lacks an entry a later stage's layer reads (the batch without its mask): the first step

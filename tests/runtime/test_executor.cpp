@@ -3,8 +3,9 @@
 // the loss and every parameter gradient of plain LibTorch gradient accumulation over the same
 // micro-batches (same model, same seed), within fp32 relative 1e-5. Also: the fast and reference paths
 // agree bitwise; every re-materialisation mode gives the same numbers, with dropout too; optimizers and
-// global-norm clipping match LibTorch's; a failing rank or a drifting shape stops every rank with a
-// message; bad options are UsageErrors.
+// global-norm clipping match LibTorch's; a failing rank, a program's own error on one thread, one rank
+// stepping once more than the others, or a drifting shape stops every rank with a message; bad options
+// are UsageErrors.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -318,6 +319,57 @@ TEST(Executor, FailingRankStopsEveryRankWithItsMessage) {
   EXPECT_NE(msg.find("rank 1 at 1F2: injected failure"), std::string::npos) << msg;
 }
 
+// A program's own code throws on one rank (a checkpoint that does not fit, say) under run_on_threads
+// without on_error: the other rank stops at once and the program's error is what is reported. Before,
+// rank 0 waited out its transport's timeout and that timeout was the error.
+TEST(Executor, UsersOwnErrorOnOneThreadStopsTheOthersWithIt) {
+  const Data d = make_data();
+  const std::vector<torch::nn::Sequential> models{make_model(1), make_model(1)};
+  auto transports = make_local_transports(2, std::chrono::seconds(60));
+  std::string rank0;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    run_on_threads(2, [&](int r) {
+      PipelineRank rank(models[r], mse, transports[r], PipelineOptions{});
+      if (r == 1) throw std::runtime_error("the checkpoint holds another model");
+      try {
+        rank.train_step(d.x, d.y, kBatch);
+      } catch (const RemoteFailure& e) {
+        rank0 = e.what();
+        throw;
+      }
+    });
+    ADD_FAILURE() << "no error";
+  } catch (const RemoteFailure& e) {
+    ADD_FAILURE() << "reported another rank's report, not the cause: " << e.what();
+  } catch (const std::exception& e) {
+    EXPECT_EQ(std::string(e.what()), "the checkpoint holds another model");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_NE(rank0.find("rank 1 failed: the checkpoint holds another model"), std::string::npos) << rank0;
+}
+
+// One rank calls train_step once more than the other: it stops within seconds, saying that the other
+// finished while it waits for its message. Before, it waited out the transport's timeout.
+TEST(Executor, OneStepMoreOnOneRankStopsWithinSecondsNamingBoth) {
+  const Data d = make_data();
+  const std::vector<torch::nn::Sequential> models{make_model(1), make_model(1)};
+  auto transports = make_local_transports(2, std::chrono::seconds(60));
+  const auto start = std::chrono::steady_clock::now();
+  std::string error = "no error";
+  try {
+    run_on_threads(2, [&](int r) {
+      PipelineRank rank(models[r], mse, transports[r], PipelineOptions{});
+      for (int step = 0; step < (r == 0 ? 2 : 1); ++step) rank.train_step(d.x, d.y, kBatch);
+    });
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_NE(error.find("rank 1 finished while rank 0 waits for a message from rank 1"), std::string::npos) << error;
+  EXPECT_NE(error.find("the same number of train_step calls"), std::string::npos) << error;
+}
+
 TEST(Executor, DriftingShapeIsAnErrorNamingStageAndShapes) {
   const Data d = make_data();
   torch::manual_seed(0);
@@ -363,6 +415,11 @@ TEST(Executor, BadOptionsAreUsageErrors) {
   expect_usage(o, 9, "9 stages but the model has 8 layers");
   o.schedule = "fifo";
   expect_usage(o, 2, "valid schedules are");
+  o.schedule = "interleaved";  // virtual_stages 1 would run plain 1F1B (before: silently)
+  expect_usage(o, 2, "schedule 'interleaved' loops several stages over each rank, but virtual_stages is 1");
+  expect_usage(o, 2, "set virtual_stages (--virtual) to 2 or more, or ask for 1f1b");
+  o.schedule = "looped-bfs";
+  expect_usage(o, 2, "set virtual_stages (--virtual) to 2 or more");
   o.schedule = "pipedream";  // asynchronous schedules: test_async.cpp has the rest
   expect_usage(o, 2, "a mini-batch is one micro-batch: got 4 micro-batches per step; use --microbatches 1");
   o = {};
@@ -377,6 +434,55 @@ TEST(Executor, BadOptionsAreUsageErrors) {
     o.device = torch::Device(torch::kCUDA, 0);
     expect_usage(o, 2, "this LibTorch has no CUDA device");
   }
+}
+
+// A zero-bubble schedule on layers without a B/W split says, once per rank, how much of the backward
+// stays fused (before: an empty W without a word). At 4 + 4 layers rank 0 holds a LayerNorm (layer 3,
+// 20 of its 70 + 110 + 20 parameters) and rank 1 a torch::nn::Linear (layer 4, 110 of 110 + 110 + 33).
+TEST(Executor, ZeroBubbleOnLayersWithoutASplitSaysHowMuchStaysFused) {
+  auto model = make_model(1);
+  PipelineOptions o;
+  o.schedule = "zb-h1";
+  o.balance = "4,4";
+  ::testing::internal::CaptureStderr();
+  { LocalPipeline pipe(model, mse, 2, o); }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  const std::string head = "warning: schedule 'zb-h1' splits the backward into B and W, but ";
+  EXPECT_NE(err.find("pipetrain rank 0: " + head + "10% of this rank's trainable parameters (20 of 200, in layers 3 "
+                     "(torch::nn::LayerNorm))"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("pipetrain rank 1: " + head + "43% of this rank's trainable parameters (110 of 253, in layers 4 "
+                     "(torch::nn::Linear))"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("Use pipetrain::nn::Linear for torch::nn::Linear"), std::string::npos) << err;
+  EXPECT_EQ(err.find("rank 1: warning", err.find("rank 1: warning") + 1), std::string::npos) << "twice: " << err;
+  o.schedule = "1f1b";  // no W: nothing to say
+  ::testing::internal::CaptureStderr();
+  { LocalPipeline pipe(model, mse, 2, o); }
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+// LocalPipeline's bundle step, forward_only and evaluate are its ranks' (before it had none of them), and
+// transport(r) is rank r's.
+TEST(Executor, LocalPipelineEvaluatesAndStepsOnBundles) {
+  const Data d = make_data();
+  auto model = make_model(1);
+  LocalPipeline pipe(model, mse, 2, PipelineOptions{});
+  model->eval();
+  const torch::Tensor want = model->forward(d.x).detach();
+  model->train();
+  const torch::Tensor got = pipe.forward_only(Bundle(d.x), kBatch);
+  ASSERT_TRUE(got.defined());
+  EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6));
+  const EvalStats e = pipe.evaluate(Bundle(d.x), d.y, kBatch);
+  EXPECT_NEAR(e.loss, mse(want, d.y).item<double>(), 1e-5);
+  EXPECT_EQ(e.samples, kBatch);
+  const double bundle_loss = pipe.train_step(Bundle(d.x), d.y, kBatch).loss;
+  EXPECT_NEAR(bundle_loss, e.loss, 1e-5);  // the first step's loss is that of the weights evaluated
+  EXPECT_EQ(pipe.transport(1)->rank(), 1);
+  EXPECT_EQ(pipe.transport(1)->world_size(), 2);
 }
 
 TEST(Executor, ParameterBalanceSplitsByParameterCount) {

@@ -6,7 +6,9 @@
 // 64 MiB at once: more than an shm ring holds); all_reduce_sum bitwise equal on every rank and close to
 // the exact sum; barrier (no rank leaves before all arrived); size and dtype mismatches; abort() on one
 // rank stops the others with its message; a SIGKILLed peer stops the others; messages on ever new tags
-// take no new memory (and over shm, a fresh ring no page fault per page). For shm also: a SIGSTOPped
+// take no new memory (and over shm, a fresh ring no page fault per page); a rank that finishes while
+// another waits for one more message from it, or in one more collective (the ranks ran different
+// numbers of steps), stops every rank within seconds, naming both. For shm also: a SIGSTOPped
 // peer is caught by its heartbeat, its segment has no name in /dev/shm once the transport is up, and no
 // segment is left in /dev/shm after a SIGKILL of rank 0 or 1, during the rendezvous or the run.
 #include <ATen/ATen.h>
@@ -200,6 +202,28 @@ int scenario_abort(Transport& t) {
   return 0;
 }
 
+// Both ranks exchange once; then rank 1 finishes (returns: its transport is destroyed, or its thread
+// ends) while rank 0 waits for one more message from it, or in one more all_reduce_sum.
+int scenario_extra(Transport& t, bool collective) {
+  at::Tensor out = at::full({4}, t.rank(), at::kFloat), in = at::empty({4}, at::kFloat);
+  auto s = t.isend(out, 1 - t.rank(), 1);
+  t.recv(in, 1 - t.rank(), 1);
+  s->wait();
+  if (t.rank() == 1) return 0;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    if (collective) t.all_reduce_sum(in);
+    else t.recv(in, 1, 2);
+  } catch (const std::exception& e) {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    note("rank 0: caught after " + std::to_string(ms.count()) + " ms: " + e.what());
+    t.abort(e.what());
+    return 1;
+  }
+  note("rank 0: the extra wait returned");
+  return 0;
+}
+
 // No segment of this run has a name in /dev/shm (the shm transport removes it once all ranks mapped it).
 void expect_no_segment_named() {
   const char* prefix = std::getenv("PIPETRAIN_SHM_PREFIX");
@@ -283,6 +307,8 @@ int play(const std::string& scenario, Transport& t, const std::string& dir) {
   else if (scenario == "kill1-recv") return scenario_kill(t, 1, false, SIGKILL);
   else if (scenario == "kill0-idle") return scenario_kill(t, 0, true, SIGKILL);
   else if (scenario == "stop1-idle") return scenario_kill(t, 1, true, SIGSTOP);
+  else if (scenario == "extra-recv") return scenario_extra(t, false);
+  else if (scenario == "extra-collective") return scenario_extra(t, true);
   else ADD_FAILURE() << "unknown scenario " << scenario;
   return 0;
 }
@@ -455,6 +481,34 @@ TEST_P(Conformance, AKilledPeerStopsTheOthers) {
       EXPECT_TRUE(r.has("pipetrain rank " + std::to_string(rank) + ": stopping: rank 1 failed: it went away"))
           << r.output;
   }
+}
+
+// The ranks ran different numbers of steps: before, shm and gloo hung for good (rank 0 in its wait,
+// rank 1 in its transport's destructor) and local waited out its timeout (60 s here).
+void expect_extra_wait_stops_every_rank(const std::string& kind, const Outcome& r, double seconds,
+                                        const std::string& waits_for) {
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_LT(seconds, 20.0) << r.output;
+  EXPECT_FALSE(r.has("the extra wait returned")) << r.output;
+  EXPECT_FALSE(r.has("did not stop")) << r.output;  // stopped by itself, not by the launcher
+  EXPECT_TRUE(r.has("rank 1 finished") && r.has("rank 0 waits " + waits_for)) << r.output;
+  if (kind == "shm" || kind == "gloo") EXPECT_TRUE(r.has("pipetrain rank 1: stopping: rank 0 failed: ")) << r.output;
+}
+
+TEST_P(Conformance, ARankThatFinishedStopsOneWaitingForItsMessage) {
+  skip_unless_available();
+  const auto start = std::chrono::steady_clock::now();
+  const Outcome r = run("extra-recv", 2);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  expect_extra_wait_stops_every_rank(GetParam(), r, s, "for ");
+}
+
+TEST_P(Conformance, ARankThatFinishedStopsOneWaitingInACollective) {
+  skip_unless_available();
+  const auto start = std::chrono::steady_clock::now();
+  const Outcome r = run("extra-collective", 2);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  expect_extra_wait_stops_every_rank(GetParam(), r, s, GetParam() == "gloo" ? "in its collective" : "for ");
 }
 
 TEST_P(Conformance, MessagesOnEverNewTagsTakeNoNewMemory) {

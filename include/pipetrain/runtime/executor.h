@@ -172,7 +172,10 @@ struct PipelineOptions {
   // Tied weights (DeepSpeed's TiedLayerSpec, Megatron's embedding group): each group lists parameters of
   // different layers that are one weight, such as a language model's token embedding and output head.
   // Each member is its own tensor of the same shape (not one tensor shared by two modules); the
-  // constructor copies the first member's values into the others. Every stage holding a member keeps
+  // constructor copies the first member's values into the others, and the first pass (train_step or
+  // forward_only; a collective) checks that every rank holding a copy holds the same values (ranks that
+  // built the model from different seeds would not): UsageError naming the group and the ranks
+  // otherwise. Every stage holding a member keeps
   // its copy; at the flush the copies' gradients are summed over the group (one all-reduce per step)
   // before the global norm (which counts the weight once) and the step, so the copies stay bitwise
   // equal. Checkpoints store the weight once, with its lowest layer. Synchronous schedules without
@@ -334,12 +337,21 @@ class LocalPipeline {
   StepStats train_step(const torch::Tensor& input, const torch::Tensor& target);
   StepStats train_steps(const torch::Tensor& input, const torch::Tensor& target, int steps);
   // With a bundle of inputs; `batch_size` samples (every entry has that many rows).
+  StepStats train_step(const Bundle& input, const torch::Tensor& target, int64_t batch_size);
   StepStats train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps);
+  // PipelineRank::forward_only on every rank: the outputs of the whole batch (the last stage's "x").
+  torch::Tensor forward_only(const Bundle& input, int64_t batch_size, int microbatches = 0);
+  // PipelineRank::evaluate on every rank.
+  EvalStats evaluate(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int microbatches = 0);
   const Schedule& schedule() const;
   PipelineRank& rank(int r) { return *ranks_.at(static_cast<std::size_t>(r)); }
+  // Rank r's transport, for what takes one next to its PipelineRank (checkpoints, a Trainer); call those
+  // for every rank at once, e.g. with run_on_threads.
+  std::shared_ptr<Transport> transport(int r) const { return transports_.at(static_cast<std::size_t>(r)); }
   const std::vector<int>& balance() const;
 
  private:
+  std::vector<std::shared_ptr<Transport>> transports_;
   std::vector<std::unique_ptr<PipelineRank>> ranks_;
 };
 

@@ -21,6 +21,13 @@
 //   without calling abort (killed) is detected too. Either way every rank stops within 30 s; the gloo
 //   transport's ranks within a second or two of a death (at any phase, the rendezvous included) and
 //   within its heartbeat timeout + 5 s of a hang or a silent network.
+// - Finishing: a rank whose transport is destroyed (local: also whose thread of run_on_threads returned)
+//   has finished. A rank that waits for a message from it that it never sent, or in a collective it
+//   never called, fails within seconds with std::runtime_error "rank K finished while rank R waits for
+//   ..." (the ranks made different calls: different numbers of steps, say) and is expected to abort()
+//   with it (gloo stops the process of a rank blocked in such a collective itself). A destructor that
+//   waits for the other ranks to finish (shm, gloo) gives up after the operations' time limit (30 min),
+//   naming the ranks it waited for.
 // - A transport object belongs to its rank; only that rank's thread calls it (abort may be called from
 //   any thread).
 #pragma once
@@ -83,8 +90,12 @@ class Transport {
 
 // Runs body(r) for r = 0..n-1, each on its own thread, and joins them. If any threw, rethrows the
 // failing rank's own error: the first that is not a RemoteFailure (another rank's report of it), else
-// the first RemoteFailure. `on_error(r)` runs on rank r's thread right after it threw (e.g. to abort
-// its transport so the others stop waiting).
+// the first RemoteFailure. `on_error(r)` runs on rank r's thread right after it threw (optional).
+// With local transports (make_local_transports) no thread waits for a failed or finished one: when a
+// thread throws, every local transport the call's threads have used is aborted with its error (the
+// others stop at once with RemoteFailure carrying it); once a thread has returned, a receive from its
+// rank that has no message, or a collective it did not join, fails at once naming both ranks (the
+// ranks made different calls, such as different numbers of steps).
 void run_on_threads(int n, const std::function<void(int)>& body,
                     const std::function<void(int)>& on_error = {});
 
@@ -147,8 +158,9 @@ std::shared_ptr<Transport> make_group_transport(std::shared_ptr<Transport> base,
                                                 int collective_tag = 32767);
 
 // Picks by name: "local" is not valid here (it needs make_local_transports); "shm", "gloo", "mpi", or
-// "auto": mpi when launched by mpirun, shm for ranks of `pipetrain launch` on this host, else gloo (a build
-// without gloo refuses with the alternatives instead). Throws UsageError listing the valid names otherwise.
+// "auto": mpi when launched by mpirun, shm for ranks that pipetrain launch started on this host
+// (PIPETRAIN_SHM_PREFIX set), else gloo (torchrun, ranks started by hand, several hosts; a build without
+// gloo refuses with the alternatives instead). Throws UsageError listing the valid names otherwise.
 std::shared_ptr<Transport> make_process_transport(const std::string& name);
 
 }  // namespace pipetrain

@@ -23,5 +23,9 @@ struct VerifyResult {
 VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
                                  const torch::Tensor& input, const torch::Tensor& target);
+// The same with a bundle of inputs (bundle.h) of `batch_size` samples, for models of BundleModules.
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
+                                 const std::shared_ptr<Transport>& transport, PipelineOptions options,
+                                 const Bundle& input, const torch::Tensor& target, int64_t batch_size);
 
 }  // namespace pipetrain
