@@ -1480,9 +1480,10 @@ void check_pipeline_options(const PipelineOptions& options, int ranks) { check_o
 namespace {
 
 // A schedule with W actions defers weight gradients only for layers that split their backward
-// (pipetrain::nn::Linear); every other parameter's gradient stays in B. Says so once per PipelineRank,
-// on stderr, with the share of this rank's trainable parameters that stays fused: a program that asked
-// for zero bubble learns without having to ask that it does not get it (the CLI's ranks print it too).
+// (pipetrain::nn::Linear); every other parameter's gradient stays in B. When that is more than a tenth
+// of this rank's trainable parameters, says so once per PipelineRank, on stderr, with the share and the
+// layers: a program that asked for zero bubble learns without having to ask that it does not get it
+// (the CLI's ranks print it too). Below a tenth (a transformer's norms) W is what the schedule assumes.
 template <class Stages>
 void warn_unsplit_weights(int rank, const std::string& schedule_name, const Schedule& schedule, const Stages& stages) {
   const auto& mine = schedule.actions[static_cast<std::size_t>(rank)];
@@ -1507,7 +1508,7 @@ void warn_unsplit_weights(int rank, const std::string& schedule_name, const Sche
         layers += (layers.empty() ? "" : ", ") + std::to_string(st.first_layer() + k) + " (" + type + ")";
       }
     }
-  if (fused == 0) return;
+  if (fused * 10 <= total) return;
   std::fprintf(stderr,
                "pipetrain rank %d: warning: schedule '%s' splits the backward into B and W, but %.0f%% of this "
                "rank's trainable parameters (%lld of %lld, in layers %s) are in modules without a split (only "
