@@ -12,7 +12,8 @@
 //   the default first and, refused for that reason, makes the store without libuv.
 // - Torch's bundled fmt (fmt 11 in pip's 2.x) needs <fmt/ranges.h> for fmt::join: include it wherever
 //   fmt::join is used (Debian's fmt 9 has it in both headers).
-// Nothing else differs: the same seeds give the same losses on every version.
+// pipetrain does nothing else differently per version; losses then agree to float32 rounding across
+// versions (LibTorch's own kernels differ), and bitwise within one.
 #pragma once
 
 #include <ATen/core/Tensor.h>
