@@ -50,7 +50,10 @@ fi
 RES=$(bench_out "$ROOT/bench/results/runtime")
 RAW=$RES/raw
 PY=/usr/bin/python3
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo -n 2)
+# Open MPI 4 (Debian 12) keeps its out-of-band channel on loopback; Open MPI 5 (Debian 13) refuses that.
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader)
+if mpirun --version 2>/dev/null | head -1 | grep -qE ' [1-4]\.[0-9]'; then MPIRUN+=(--mca oob_tcp_if_include lo); fi
+MPIRUN+=(-n 2)
 
 # --- build, then run private copies (others may rebuild build/ while this runs) -------------------------
 if ((QUICK)); then

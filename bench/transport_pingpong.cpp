@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "pipetrain/runtime/transport.h"
+#include "torch_compat.h"
 
 #include "bench_util.h"
 
@@ -112,7 +113,7 @@ int main(int argc, char** argv) {
     so.port = static_cast<uint16_t>(rv.master_port);
     so.isServer = rv.rank == 0;
     so.numWorkers = rv.world_size;
-    store = c10::make_intrusive<c10d::TCPStore>(rv.master_addr, so);
+    store = pipetrain::compat::make_tcp_store<c10d::TCPStore>(rv.master_addr, so);
     auto options = c10d::ProcessGroupGloo::Options::create();
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(rv.master_addr));
     options->threads = 1;

@@ -11,6 +11,7 @@ PACKAGES=(
   libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist bible-kjv
+  time            # /usr/bin/time: the benchmark scripts time their runs with it
   python3-torch   # the PyTorch peer the benchmarks compare against
 )
 # Extra names for testing this script, e.g. PIPETRAIN_EXTRA_DEPS=no-such-package.

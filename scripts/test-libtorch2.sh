@@ -3,7 +3,7 @@
 # ("trixie") root made with debootstrap (minbase) under build/debian13/root. Needs root and Debian's package
 # registry (the mirror this machine's apt uses). The root is made once (build/debian13/root.stamp) and reused;
 # its packages come from scripts/install-deps.sh, run inside it each time (quiet when nothing is missing).
-# The build goes to build/debian13-build (never build/). Inside the root: /proc, a private tmpfs on /dev/shm
+# The build goes to build/debian13-build (never build/). Inside the root: /proc, /sys (read only), a private tmpfs on /dev/shm
 # (the shm transport), and this work tree bind-mounted at /pipetrain; every mount is undone on exit, failure
 # or interrupt included.
 #
@@ -61,7 +61,7 @@ if [[ ! -f $stamp ]]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
   fi
   # Nothing may still be mounted inside a half-made root before it is removed.
-  for m in "$root/pipetrain" "$root/dev/shm" "$root/proc" "$root.partial/proc"; do
+  for m in "$root/pipetrain" "$root/dev/shm" "$root/sys" "$root/proc" "$root.partial/proc"; do
     if mountpoint -q "$m"; then umount -l "$m"; fi
   done
   if grep -qF " $base/" /proc/mounts; then
@@ -81,6 +81,7 @@ if [[ ! -f $stamp ]]; then
 fi
 
 mount_in "$root/proc" -t proc proc
+mount_in "$root/sys" -t sysfs -o ro sysfs  # Open MPI's hwloc reads the CPU topology there
 mount_in "$root/dev/shm" -t tmpfs -o size=4g,mode=1777 tmpfs
 mount_in "$root/pipetrain" --bind "$repo"
 

@@ -7,15 +7,23 @@
 // - c10d::Store gained a pure virtual clone() (2.11 has it, 2.6 not): StoreClient declares clone() as a
 //   plain virtual, which overrides it where it exists and is an unused extra elsewhere
 //   (runtime/store.h); store.cpp asserts that StoreClient is not abstract on every version.
+// - c10d::TCPStoreOptions gained useLibUV (true by default in 2.x); a LibTorch built without libuv
+//   (Debian 13's 2.6) then refuses to make any TCPStore, client or server. make_tcp_store() asks for
+//   the default first and, refused for that reason, makes the store without libuv.
 // - Torch's bundled fmt (fmt 11 in pip's 2.x) needs <fmt/ranges.h> for fmt::join: include it wherever
 //   fmt::join is used (Debian's fmt 9 has it in both headers).
-// Nothing else differs: the same seeds give the same losses on every version.
+// pipetrain does nothing else differently per version; losses then agree to float32 rounding across
+// versions (LibTorch's own kernels differ), and bitwise within one.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 #include <torch/version.h>
 
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -36,6 +44,28 @@ inline OptimizerStateKey optimizer_state_key(const at::Tensor& p) {
 #else
   return static_cast<void*>(p.unsafeGetTensorImpl());
 #endif
+}
+
+template <class Options, class = void>
+struct HasUseLibUV : std::false_type {};
+template <class Options>
+struct HasUseLibUV<Options, std::void_t<decltype(std::declval<Options&>().useLibUV)>> : std::true_type {};
+
+// c10::make_intrusive<Store>(host, options) for Store = c10d::TCPStore (a template, so that this header
+// needs no c10d headers), without libuv where this LibTorch has none.
+template <class Store, class Options>
+c10::intrusive_ptr<Store> make_tcp_store(const std::string& host, Options options) {
+  try {
+    return c10::make_intrusive<Store>(host, options);
+  } catch (const c10::Error& e) {
+    if constexpr (HasUseLibUV<Options>::value) {
+      if (options.useLibUV && std::string(e.what()).find("without libuv") != std::string::npos) {
+        options.useLibUV = false;
+        return c10::make_intrusive<Store>(host, options);
+      }
+    }
+    throw;
+  }
 }
 
 }  // namespace pipetrain::compat

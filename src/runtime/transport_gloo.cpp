@@ -109,6 +109,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/store.h"
 #include "pipetrain/runtime/transport.h"
+#include "torch_compat.h"
 #include "transport_util.h"
 
 namespace pipetrain {
@@ -481,9 +482,9 @@ void GlooTransport::connect_store(const Rendezvous& rv, milliseconds join_timeou
       o.waitWorkers = false;
       o.timeout = join_timeout;
       auto prefix = "pipetrain/attempt-" + attempt;  // a restarted group must not read the last one's keys
-      store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, c10::make_intrusive<c10d::TCPStore>(rv.master_addr, o));
+      store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, compat::make_tcp_store<c10d::TCPStore>(rv.master_addr, o));
       watch_store_ =
-          c10::make_intrusive<c10d::PrefixStore>(prefix, c10::make_intrusive<c10d::TCPStore>(rv.master_addr, o));
+          c10::make_intrusive<c10d::PrefixStore>(prefix, compat::make_tcp_store<c10d::TCPStore>(rv.master_addr, o));
     } catch (const std::exception& e) {
       throw std::runtime_error("rank " + std::to_string(rank_) + " could not join torchrun's store at " + master +
                                " (TORCHELASTIC_USE_AGENT_STORE=True): " + short_what(e));

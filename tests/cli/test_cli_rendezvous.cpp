@@ -168,6 +168,10 @@ void expect_torchrun_trains(const std::string& how, const std::string& name) {
   const CommandResult r = run_command("cd " + dir.string() + " && timeout 120 torchrun " + how +
                                       " --nproc_per_node 2 --no_python -r 1 -t 1 --log_dir " + dir.string() +
                                       "/logs " + bin + mlp + " --steps 3 --log " + dir.string() + "/log.jsonl");
+  // Debian 13's torchrun (2.6) cannot start its own store: its TCPStore asks for libuv by default, and the
+  // package is built without it (USE_LIBUV=0 does not reach that store). Nothing of pipetrain ran.
+  if (r.code != 0 && r.has("use_libuv was requested but PyTorch was build without libuv support"))
+    GTEST_SKIP() << "this torchrun cannot start its TCPStore (built without libuv); the torchrun path is not tested";
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_FALSE(r.has("Address already in use")) << r.out;
   EXPECT_EQ(pipetrain::testing::log_losses(dir / "log.jsonl").size(), 3u) << r.out;

@@ -11,6 +11,7 @@
 #include <regex>
 #include <string>
 
+#include "../runtime/mpi_env.h"
 #include "run_command.h"
 
 namespace {
@@ -40,8 +41,9 @@ TEST(TrainCli, SelftestOverGlooForOneTwoFourStages) {
 
 TEST(TrainCli, SelftestOverMpi) {
   if (run("command -v mpirun").code != 0) GTEST_SKIP() << "mpirun not installed";
-  const Result r = run(pipetrain::testing::asan_mpi_env() + "mpirun --allow-run-as-root --oversubscribe --mca btl self,vader --mca "
-                       "oob_tcp_if_include lo -n 2 " + bin + " selftest --stages 2 --transport mpi");
+  std::string mpirun = "mpirun";
+  for (const std::string& f : pipetrain::testing::mpirun_local_flags("mpirun")) mpirun += " " + f;
+  const Result r = run(pipetrain::testing::asan_mpi_env() + mpirun + " -n 2 " + bin + " selftest --stages 2 --transport mpi");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("selftest over mpi:") && r.has(" 0 failed")) << r.out;
 }

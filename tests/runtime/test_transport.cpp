@@ -310,12 +310,14 @@ std::optional<std::string> mpirun_path() {
   return std::nullopt;
 }
 
-// mpirun as one launched process (it starts the ranks); the flags are the ones Open MPI needs on one host as root (--allow-run-as-root, --oversubscribe, the vader shared-memory transport, loopback).
+// mpirun as one launched process (it starts the ranks), with the flags Open MPI needs on one host as root
+// (mpirun_local_flags).
 Outcome run_mpi(const std::string& scenario, int nprocs = 2) {
   std::vector<std::pair<std::string, std::string>> env{{kScenarioVar, scenario}, {kKindVar, "mpi"}};
   pipetrain::testing::add_asan_mpi_env(env);
-  std::vector<std::string> argv{*mpirun_path(), "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
-                                "--mca", "oob_tcp_if_include", "lo", "-n", std::to_string(nprocs)};
+  std::vector<std::string> argv{*mpirun_path()};
+  for (const std::string& f : pipetrain::testing::mpirun_local_flags(argv[0])) argv.push_back(f);
+  argv.insert(argv.end(), {"-n", std::to_string(nprocs)});
   for (const auto& kv : env) argv.insert(argv.end(), {"-x", kv.first});
   argv.insert(argv.end(), {self_exe(), "--gtest_filter=TransportChild.Run", "--gtest_brief=1", "--gtest_color=no"});
   return run_ranks(argv, 1, env);

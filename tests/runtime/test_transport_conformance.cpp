@@ -408,8 +408,9 @@ class Conformance : public ::testing::TestWithParam<std::string> {
     int procs = n;
     if (kind == "mpi") {
       pipetrain::testing::add_asan_mpi_env(env);
-      std::vector<std::string> mpi = {*mpirun_path(), "--allow-run-as-root", "--oversubscribe", "--mca", "btl",
-                                      "self,vader", "--mca", "oob_tcp_if_include", "lo", "-n", std::to_string(n)};
+      std::vector<std::string> mpi = {*mpirun_path()};
+      for (const std::string& f : pipetrain::testing::mpirun_local_flags(mpi[0])) mpi.push_back(f);
+      mpi.insert(mpi.end(), {"-n", std::to_string(n)});
       for (const auto& [k, v] : env) {
         mpi.push_back("-x");
         mpi.push_back(k);
