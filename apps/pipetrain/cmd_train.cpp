@@ -336,6 +336,10 @@ void check_run_flags(const TrainFlags* f, const CLI::App* cmd) {
     if (!std::isfinite(v) || v < 0 || (v == 0 && std::string(flag) == "--lr"))
       throw UsageError(fmt::format("{} must be a finite number {} 0, got {}: {}", flag,
                                    std::string(flag) == "--lr" ? ">" : ">=", v, fix));
+  // Output files are checked now, not after training (--trace / was found only at the end).
+  check_output_path(f->trace, "--trace");
+  check_output_path(f->svg, "--svg");
+  check_output_path(f->log, "--log");
   if (f->lr_schedule != "constant" && f->lr_schedule != "cosine" && f->lr_schedule != "linear")
     throw UsageError("unknown --lr-schedule '" + f->lr_schedule + "': use constant, cosine or linear");
 }

@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 
 namespace pipetrain {
 namespace fs = std::filesystem;
@@ -62,21 +63,8 @@ constexpr const char* kPartialMarker = ".pipetrain-partial";
 
 std::string errno_text(int err) { return std::strerror(err); }
 
-// JSON text parsed with its nesting bounded (a deeply nested file would otherwise exhaust the stack
-// where the value is later printed or destroyed): std::domain_error beyond kMaxJsonDepth.
-constexpr int kMaxJsonDepth = 64;
-nlohmann::json parse_json_limited(const std::string& text) {
-  return nlohmann::json::parse(text, [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-    if (depth > kMaxJsonDepth)
-      throw std::domain_error("nested more than " + std::to_string(kMaxJsonDepth) + " levels deep");
-    return true;
-  });
-}
-// A JSON value as at most 60 characters of text, for messages.
-std::string excerpt(const nlohmann::json& v) {
-  std::string s = v.dump(-1, ' ', true, nlohmann::json::error_handler_t::replace);
-  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
-}
+// A JSON value as a short excerpt for messages (never the whole of a crafted manifest).
+std::string short_json(const nlohmann::json& v) { return json_excerpt(v, 60); }
 
 // Reads a regular file that is not a symbolic link, at most `max_bytes` (and, when given, exactly
 // `expect` bytes: a size that differs is refused before anything is read). Throws UsageError naming the
@@ -209,7 +197,7 @@ std::optional<FoundManifest> find_manifest(const fs::path& dir) {
   if (!fs::is_regular_file(fs::symlink_status(dir / "manifest.json", ec))) return std::nullopt;
   try {
     const std::vector<char> bytes = read_regular_file(dir / "manifest.json", kMaxManifestBytes, std::nullopt);
-    FoundManifest f{parse_json_limited(std::string(bytes.begin(), bytes.end())),
+    FoundManifest f{parse_json_text(std::string_view(bytes.data(), bytes.size()), (dir / "manifest.json").string()),
                     {static_cast<int64_t>(bytes.size()), crc_of(bytes)}};
     if (!f.json.is_object() || f.json.value("format", std::string()) != kFormat) return std::nullopt;
     return f;
@@ -473,7 +461,7 @@ void swap_in(const fs::path& partial, const fs::path& final_dir, const fs::path&
   else ::rmdir(old.c_str());
 }
 
-std::string kind_of(const nlohmann::json& j) { return j.is_null() ? "absent" : excerpt(j); }
+std::string kind_of(const nlohmann::json& j) { return j.is_null() ? "absent" : short_json(j); }
 
 void diff(const nlohmann::json& a, const nlohmann::json& b, const std::string& path, std::vector<std::string>& out) {
   if (a.is_object() && b.is_object()) {
@@ -656,12 +644,12 @@ int64_t bounded_integer(const nlohmann::json& m, const std::string& key, int64_t
   const nlohmann::json& v = m.at(key);
   if (v.is_number_unsigned()) {
     const auto u = v.get<uint64_t>();
-    if (u < static_cast<uint64_t>(std::max<int64_t>(lo, 0)) || u > static_cast<uint64_t>(hi)) throw bad(excerpt(v));
+    if (u < static_cast<uint64_t>(std::max<int64_t>(lo, 0)) || u > static_cast<uint64_t>(hi)) throw bad(short_json(v));
     return static_cast<int64_t>(u);
   }
-  if (!v.is_number_integer()) throw bad(excerpt(v));
+  if (!v.is_number_integer()) throw bad(short_json(v));
   const auto i = v.get<int64_t>();
-  if (i < lo || i > hi) throw bad(excerpt(v));
+  if (i < lo || i > hi) throw bad(short_json(v));
   return i;
 }
 
@@ -671,29 +659,20 @@ nlohmann::json read_manifest(const std::string& dir) {
   const fs::path d(dir), manifest_path = d / "manifest.json";
   if (!fs::is_directory(d)) {
     if (fs::is_directory(dir + ".old"))
-      throw UsageError("checkpoint " + dir + " is missing but " + dir + ".old exists: a save was interrupted while "
-                       "swapping folders; " + dir + ".old holds the previous checkpoint (rename it to " + dir + ")");
-    throw UsageError("checkpoint folder " + dir + " does not exist: pass the folder given to --save");
+      throw UsageError("checkpoint " + dir + " is missing but " + dir + ".old exists: if a save was interrupted while "
+                       "swapping folders, " + dir + ".old holds the previous checkpoint (rename it to " + dir + ")");
+    throw UsageError("checkpoint folder " + dir + " does not exist: pass the folder a save wrote");
   }
   if (!fs::exists(fs::symlink_status(manifest_path)))
     throw UsageError("checkpoint " + dir + " has no manifest.json: it is not a pipetrain checkpoint, or its save "
                      "did not finish");
   const std::string where = manifest_path.string();
-  nlohmann::json m;
-  try {
-    const std::vector<char> bytes = read_regular_file(manifest_path, kMaxManifestBytes, std::nullopt);
-    m = parse_json_limited(std::string(bytes.begin(), bytes.end()));
-  } catch (const std::domain_error& e) {
-    throw UsageError("checkpoint manifest " + where + " is not a pipetrain manifest: its JSON is " + e.what() +
-                     "; the checkpoint is corrupted or crafted; use another one");
-  } catch (const nlohmann::json::exception& e) {
-    throw UsageError("checkpoint manifest " + where + " is not valid JSON (" + e.what() +
-                     "): the checkpoint is corrupted; use another one");
-  }
+  const std::vector<char> bytes = read_regular_file(manifest_path, kMaxManifestBytes, std::nullopt);
+  const nlohmann::json m = parse_json_text(std::string_view(bytes.data(), bytes.size()), "checkpoint manifest " + where);
   if (!m.is_object() || m.value("format", nlohmann::json()) != kFormat)
     throw UsageError(where + " is not a pipetrain checkpoint manifest (format is not '" + std::string(kFormat) + "')");
   if (m.value("version", nlohmann::json()) != kVersion)
-    throw UsageError(where + " has version " + excerpt(m.value("version", nlohmann::json())) +
+    throw UsageError(where + " has version " + short_json(m.value("version", nlohmann::json())) +
                      "; this pipetrain reads version " + std::to_string(kVersion));
   const int64_t layers = bounded_integer(m, "layers", 1, kMaxLayers, where);
   bounded_integer(m, "step", 0, INT_MAX, where);
@@ -707,7 +686,7 @@ nlohmann::json read_manifest(const std::string& dir) {
       if (ok) sum += b[i].get<int64_t>();
     }
     if (!ok || sum != layers)
-      throw UsageError("checkpoint manifest " + where + ": balance " + excerpt(b) + " is not a list of positive layer "
+      throw UsageError("checkpoint manifest " + where + ": balance " + short_json(b) + " is not a list of positive layer "
                        "counts that add up to its " + std::to_string(layers) + " layers: the checkpoint is corrupted");
   }
   const auto& files = m.contains("files") ? m.at("files") : nlohmann::json();
@@ -719,11 +698,11 @@ nlohmann::json read_manifest(const std::string& dir) {
     const std::string entry = where + " files[" + std::to_string(i) + "]";
     if (!f.is_object()) throw UsageError("checkpoint manifest " + entry + " is not an object: the checkpoint is corrupted");
     if (bounded_integer(f, "layer", 0, layers - 1, entry) != static_cast<int64_t>(i))
-      throw UsageError("checkpoint manifest " + entry + " is for layer " + excerpt(f.at("layer")) + ", not " +
+      throw UsageError("checkpoint manifest " + entry + " is for layer " + short_json(f.at("layer")) + ", not " +
                        std::to_string(i) + ": the checkpoint is corrupted");
     // The file must be this layer's own name inside the folder: no path, no "..", nothing outside.
     if (!f.contains("file") || !f.at("file").is_string() || f.at("file").get<std::string>() != layer_file(static_cast<int>(i)))
-      throw UsageError("checkpoint manifest " + entry + " names the file " + (f.contains("file") ? excerpt(f.at("file")) : "(none)") +
+      throw UsageError("checkpoint manifest " + entry + " names the file " + (f.contains("file") ? short_json(f.at("file")) : "(none)") +
                        "; a checkpoint's layer " + std::to_string(i) + " is " + layer_file(static_cast<int>(i)) +
                        " inside its folder: the manifest is corrupted or crafted; use another checkpoint");
     bounded_integer(f, "bytes", 0, kMaxLayerFileBytes, entry);

@@ -52,8 +52,9 @@ namespace pipetrain {
 
 // Checks a checkpoint folder we will write later (see the file comment) and returns it normalised
 // (trailing slashes removed). Creates the parent folders; probes by creating and removing DIR.partial.
-// Throws UsageError naming `flag` (e.g. "--save"), the path and the fix. Call it before training.
-std::string prepare_checkpoint_dir(const std::string& dir, const std::string& flag = "--save");
+// Throws UsageError naming `flag` (a command-line flag such as "--save", or by default the words
+// "checkpoint folder"), the path and the fix. Call it before training.
+std::string prepare_checkpoint_dir(const std::string& dir, const std::string& flag = "checkpoint folder");
 
 // Collective: every rank of the pipeline calls it. `run` is stored as the manifest's "run" object (it
 // must be valid UTF-8 JSON: store byte strings as arrays of numbers). Refuses (UsageError, on every rank)
