@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -409,15 +410,20 @@ void check_output_path(const std::string& path, const std::string& flag) {
                                  shown, excerpt(parent, 200), std::strerror(errno), excerpt(parent, 200)));
   if (!S_ISDIR(st.st_mode))
     throw UsageError(fmt::format("{}: '{}' is not a folder: choose another path", shown, excerpt(parent, 200)));
-  // Creating the file is the one sure test (root passes access(), yet /proc or a full quota refuse files);
-  // the probe is removed at once, so a run that fails later leaves nothing behind.
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  // Creating a file is the one sure test (root passes access(), yet /proc or a full quota refuse files);
+  // the probe is removed at once, so a run that fails later leaves nothing behind. Its name is this
+  // process's and this call's own: every rank of a run checks its flags at the same moment, and with the
+  // target's own name a rank whose create came second failed with "File exists".
+  static std::atomic<unsigned> probes{0};
+  const std::string probe = path + ".probe-" + std::to_string(static_cast<long>(::getpid())) + "-" +
+                            std::to_string(probes++);
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0)
     throw UsageError(fmt::format("{}: cannot create a file in the folder '{}' ({}): choose another folder or fix "
                                  "its permissions",
                                  shown, excerpt(parent, 200), std::strerror(errno)));
   ::close(fd);
-  ::unlink(path.c_str());
+  ::unlink(probe.c_str());
 }
 
 void write_file_atomic(const std::string& path, const std::string& contents) {

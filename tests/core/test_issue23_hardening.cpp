@@ -7,7 +7,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <filesystem>
 #include <fstream>
+#include <thread>
+#include <vector>
 #include <sstream>
 
 #include "error_of.h"
@@ -83,6 +87,32 @@ TEST(CheckOutputPath, RefusesFoldersMissingFoldersAndUnwritablePaths) {
   EXPECT_NO_THROW(check_output_path(d + "/file", "--trace"));
   EXPECT_NO_THROW(check_output_path("/dev/null", "--trace"));
   EXPECT_NO_THROW(check_output_path("", "--trace"));
+}
+
+// Every rank of a run checks its output flags at the same moment: with a probe of the target's own
+// name, a rank whose create came second failed with "File exists" (seen as a failed --log in a 2-rank
+// run). Many concurrent checks of one new path all pass and leave nothing.
+TEST(CheckOutputPath, ConcurrentChecksOfOnePathAllPass) {
+  const std::string d = temp_dir();
+  const std::string path = d + "/log.jsonl";
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&] {
+      for (int k = 0; k < 100; ++k) {
+        try {
+          check_output_path(path, "--log");
+        } catch (const std::exception&) {
+          ++failures;
+        }
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_FALSE(std::ifstream(path).good());
+  std::size_t left = 0;
+  for (const auto& e : std::filesystem::directory_iterator(d)) left += e.path().filename().string().rfind("log.jsonl", 0) == 0;
+  EXPECT_EQ(left, 0u);
 }
 
 // --- D: bad numbers ----------------------------------------------------------------------------------
