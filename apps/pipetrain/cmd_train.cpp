@@ -26,6 +26,7 @@
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/info.h"
+#include "pipetrain/runtime/launch.h"
 #include "pipetrain/runtime/trainer.h"
 #include "run_common.h"
 #include "train_report.h"
@@ -366,7 +367,10 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   // Before the model is built below: ranks started by a launcher are one per process; otherwise this
   // command starts them all on this host.
   const bool launched = std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RANK");
-  f->model.check_fits(f->batch_size, std::max(1, f->pipe.microbatches), launched ? 1 : f->pipe.world_size());
+  // (More ranks than one host runs are refused with the user's flag when the ranks start: counted here as
+  // that maximum, so this check does not pre-empt that message.)
+  f->model.check_fits(f->batch_size, std::max(1, f->pipe.microbatches),
+                      launched ? 1 : std::min(f->pipe.world_size(), kMaxLocalRanks));
   auto model = f->model.factory()();
   check_balance_flags(f->pipe, f->model);
   if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
