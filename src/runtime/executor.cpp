@@ -1012,10 +1012,12 @@ struct PipelineRank::Impl {
             return !c.primary && c.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
           }))
         counted.push_back(p);
-    const double sq = detail::gradient_sum_of_squares(counted);
-    // Third entry: a bit per rank (the first 52; exact in a double) whose own gradients are not finite.
+    // Only the norm leader's share is counted (its replicas hold the same, already reduced, gradients), so
+    // only it pays for the pass over them. Third entry: a bit per rank (the first 52; exact in a double)
+    // whose share of the gradients is not finite.
+    const double sq = norm_leader ? detail::gradient_sum_of_squares(counted) : 0.0;
     const double flag = std::isfinite(sq) ? 0.0 : std::ldexp(1.0, std::min(rank(), 51));
-    torch::Tensor t = host_tensor({step_loss[uk], norm_leader ? sq : 0.0, flag});
+    torch::Tensor t = host_tensor({step_loss[uk], sq, flag});
     transport->all_reduce_sum(t);
     const double* sums = host_doubles(t);
     step_loss[uk] = sums[0];
