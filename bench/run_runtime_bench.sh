@@ -129,6 +129,16 @@ PT_COMMON=(--stages 2 --threads 1 --memory "${MODEL[@]}" "${PT_DATA[@]}" --batch
            --lr 1e-3 --lr-schedule constant --clip 0)
 HAVE_MPI=0
 command -v mpirun >/dev/null && HAVE_MPI=1
+# The peer, PyTorch's Pipe (torch.distributed.pipeline.sync), exists up to PyTorch 2.3: Debian 12's 1.13 has it,
+# Debian 13's 2.6 and pip's 2.x do not. Without it the Pipe rows stay empty and the run says why.
+HAVE_PIPE=0
+if "$PY" -c 'import torch.distributed.pipeline.sync' 2>/dev/null; then
+  HAVE_PIPE=1
+else
+  echo "peer: this PyTorch ($("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)) has no" \
+    "torch.distributed.pipeline.sync.Pipe (removed in PyTorch 2.4): the PyTorch Pipe rows are left out;" \
+    "run this benchmark with Debian 12's python3-torch 1.13 to compare against it" | tee "$RAW/peer-missing.txt"
+fi
 
 # --- interleaved rounds ------------------------------------------------------------------------------
 START=$(date +%s)
@@ -150,9 +160,9 @@ for round in $(seq 1 "$ROUNDS"); do
       --microbatches "$m" --steps "$STEPS" --threads 2
     run plain-1t "$round" "$m" "$BATCH" -- "$BIN/bench_plain_gpt" "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
       --steps "$STEPS" --threads 1 --stage-times
-    run pipe-2t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
+    ((!HAVE_PIPE)) || run pipe-2t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" --microbatches "$m" \
       --steps "$STEPS" --threads 2 --partitions 2
-    ((QUICK)) || run pipe-1t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" \
+    ((QUICK || !HAVE_PIPE)) || run pipe-1t "$round" "$m" "$BATCH" -- "$PY" bench/peer_pipe.py "${MODEL[@]}" --batch-size "$BATCH" \
       --microbatches "$m" --steps "$STEPS" --threads 1 --partitions 2
   done
 done
