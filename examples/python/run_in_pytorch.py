@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 import pipetrain
 import pipetrain.torch as pttorch
 
-WIDTH, LAYERS, BATCH, STEPS, LR = 32, 8, 64, 10, 0.05
+WIDTH, LAYERS, BATCH, STEPS, LR = 32, 8, 64, 5, 0.05
 
 
 def model():

@@ -4,6 +4,7 @@ The command needs LibTorch to build; where it is absent (a PIPETRAIN_CORE_ONLY b
 skipped with that reason (ctest shows them as skipped).
 """
 
+import concurrent.futures
 import json
 import math
 import os
@@ -50,6 +51,18 @@ def run_cli(*args):
     return r.returncode, r.stdout, r.stderr
 
 
+_cache = {}
+
+
+def run_cli_all(commands):
+    """Runs the commands 4 at a time (each start loads LibTorch, about a second) and caches their results."""
+    todo = [tuple(c) for c in commands if tuple(c) not in _cache]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        for c, r in zip(todo, pool.map(lambda c: run_cli(*c), todo)):
+            _cache[c] = r
+    return [_cache[tuple(c)] for c in commands]
+
+
 def assert_same(test, a, b, path="$"):
     """Equal structure, numbers equal within 1e-9 relative (both sides print the same doubles)."""
     if isinstance(a, dict):
@@ -81,9 +94,9 @@ class CliAgreement(unittest.TestCase):
                                      reference=reference)
 
     def test_simulate_json(self):
-        for flags, kw in CASES:
+        results = run_cli_all([["simulate", *flags, "--json"] for flags, _ in CASES])
+        for (flags, kw), (rc, out, err) in zip(CASES, results):
             with self.subTest(flags=" ".join(flags)):
-                rc, out, err = run_cli("simulate", *flags, "--json")
                 self.assertEqual(rc, 0, err)
                 cli = json.loads(out)
                 cli.pop("exact", None)  # the search's own report (the schedule it found is compared)
@@ -97,32 +110,37 @@ class CliAgreement(unittest.TestCase):
         self.assertEqual(out, self.python_case(kw)[1].table())
 
     def test_schedule_text_csv_torch_and_lowered(self):
-        for flags, kw in CASES[:8]:
-            with self.subTest(flags=" ".join(flags)):
-                s, _ = self.python_case(kw)
-                rc, out, err = run_cli("schedule", *flags)
+        # (case, what to print): text and the lowered form of three cases, the CSV of one, PyTorch's CSV in
+        # both letter sets of one with split backwards (each command start costs about a second).
+        checks = [(i, extra) for i in (1, 2, 6) for extra in ([], ["--lower"])]
+        checks += [(6, ["--format", "csv"])]
+        checks += [(4, ["--format", "torch", "--letters", letters]) for letters in ("current", "legacy")]
+        results = run_cli_all([["schedule", *CASES[i][0], *extra] for i, extra in checks])
+        for (i, extra), (rc, out, err) in zip(checks, results):
+            flags, kw = CASES[i]
+            with self.subTest(flags=" ".join(flags + extra)):
                 self.assertEqual(rc, 0, err)
-                self.assertEqual(out, s.text())
-                rc, out, err = run_cli("schedule", *flags, "--format", "csv")
-                self.assertEqual(out, s.to_csv())
-                rc, out, err = run_cli("schedule", *flags, "--lower")
-                self.assertEqual(out, pipetrain.lower(s, pipetrain.costs(s, cost=kw.get("cost", "1:1:1"),
-                                                                        comm=kw.get("comm", 0.0))).text())
-                if s.steps == 1:
-                    for letters in ("current", "legacy"):
-                        rc, out, err = run_cli("schedule", *flags, "--format", "torch", "--letters", letters)
-                        self.assertEqual(rc, 0, err)
-                        self.assertEqual(out, pipetrain.to_torch_csv(s, letters=letters))
+                s, _ = self.python_case(kw)
+                if not extra:
+                    want = s.text()
+                elif extra == ["--lower"]:
+                    want = pipetrain.lower(s, pipetrain.costs(s, cost=kw.get("cost", "1:1:1"), comm=kw.get("comm", 0.0))).text()
+                elif extra[1] == "csv":
+                    want = s.to_csv()
+                else:
+                    want = pipetrain.to_torch_csv(s, letters=extra[3])
+                self.assertEqual(out, want)
 
     def test_profile_costs(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "toy.json")
             with open(path, "w") as f:
                 json.dump(PROFILE, f)
-            for balance in ("time", "memory", "2,2,2"):
+            balances = ("memory", "2,2,2")
+            results = run_cli_all([["simulate", "-s", "1f1b", "-p", "3", "-m", "6", "--profile", path, "--balance", b,
+                                    "--bandwidth", "2", "--latency", "30", "--json"] for b in balances])
+            for balance, (rc, out, err) in zip(balances, results):
                 with self.subTest(balance=balance):
-                    rc, out, err = run_cli("simulate", "-s", "1f1b", "-p", "3", "-m", "6", "--profile", path,
-                                           "--balance", balance, "--bandwidth", "2", "--latency", "30", "--json")
                     self.assertEqual(rc, 0, err)
                     sim = pipetrain.simulate("1f1b", stages=3, microbatches=6, profile=PROFILE, balance=balance,
                                              bandwidth=2, latency=30)

@@ -83,6 +83,8 @@ def run_case(case, rank, world):
         "interleaved": ts.ScheduleInterleaved1F1B}[name]
     if "scale_grads" in inspect.signature(cls.__init__).parameters:
         extra["scale_grads"] = False
+    if case["runner"] == "torch" and name == "zb-v":  # PyTorch 2.6's ZBV needs the V placement spelled out
+        extra["stage_index_to_group_rank"] = {s: min(s, 2 * world - 1 - s) for s in range(2 * world)}
     parts = chunks(full_model(), num_stages)
     mods = {i: parts[i] for i in mine}
     stages = [PipelineStage(mods[i], i, num_stages, torch.device("cpu")) for i in sorted(mine)]
@@ -112,6 +114,10 @@ def run_case(case, rank, world):
 
 
 def main():
+    import faulthandler
+
+    # A rank that hangs prints every thread's stack before the test's own timeout kills it.
+    faulthandler.dump_traceback_later(int(os.environ.get("PIPETRAIN_WORKER_DUMP_S", "200")), exit=True)
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     init_file, out_path = sys.argv[3], sys.argv[4]
     cases = json.loads(sys.argv[5])
@@ -121,6 +127,7 @@ def main():
     results = {}
     try:
         for case in cases:
+            print(f"rank {rank}: {case['label']}", file=sys.stderr, flush=True)
             results[case["label"]] = run_case(case, rank, world)
             dist.barrier()
     finally:
