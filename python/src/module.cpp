@@ -401,7 +401,7 @@ PYBIND11_MODULE(_pipetrain, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const ScheduleError& e) {
-      schedule_error(e.what());
+      PyErr_SetString(schedule_error.ptr(), e.what());
     } catch (const UsageError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
