@@ -71,6 +71,8 @@ test-sanitize-core:
 # The same source tree against Debian 13's LibTorch 2.6 (scripts/test-libtorch2.sh): a Debian 13 root made
 # with debootstrap once (build/debian13/root, reused), the build dependencies installed there, a build in
 # build/debian13-build and the whole ctest suite. Needs root; JOBS and BUILD_TYPE apply, CTEST_ARGS too.
+# PYTHON_ONLY=1: the torch-free core and the Python module only, and the Python tests (pipetrain.torch against
+# Debian 13's PyTorch 2.6), in build/debian13-python: minutes instead of a LibTorch build.
 test-libtorch2:
 	JOBS=$(JOBS) BUILD_TYPE=$(BUILD_TYPE) bash scripts/test-libtorch2.sh
 
