@@ -78,12 +78,6 @@ ActionKind parse_kind(const std::string& name) {
   throw UsageError("action kind '" + name + "' is not one of F, B, W, BW, SF, RF, SB, RB, S");
 }
 
-std::string list_text(const std::vector<int>& v) {
-  std::string s;
-  for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
-  return s;
-}
-
 // ---- what `pipetrain schedule` / `simulate` do with their flags (apps/pipetrain/cli_common.cpp) --------
 struct CostFlags {
   std::string cost = "1:1:1";
