@@ -1,5 +1,6 @@
 # make demo | make test | make build | make deps | make clean | make fuzz | make test-sanitize-core
 # make test-libtorch2: the suite against Debian 13's LibTorch 2.6, in a Debian 13 root under build/debian13
+# make python: the Python module alone (no LibTorch build), in build-python/python; `make build` builds it too
 # Variables: TORCH_DIR=/path/to/share/cmake/Torch picks another LibTorch (e.g. a pip PyTorch's);
 #            BUILD_TYPE (Release), JOBS (all cores), CMAKE_ARGS (passed to cmake as they are);
 #            SANITIZE=address,undefined (or thread): `make test` builds in build-san-<list> with
@@ -22,7 +23,7 @@ ifneq ($(strip $(TORCH_DIR)),)
 CMAKE_ARGS += -DTorch_DIR=$(TORCH_DIR)
 endif
 
-.PHONY: all deps build demo test clean fuzz fuzz-build test-sanitize-core test-libtorch2
+.PHONY: all deps build demo test clean fuzz fuzz-build test-sanitize-core test-libtorch2 python
 all: build
 
 deps:
@@ -70,8 +71,17 @@ test-sanitize-core:
 # The same source tree against Debian 13's LibTorch 2.6 (scripts/test-libtorch2.sh): a Debian 13 root made
 # with debootstrap once (build/debian13/root, reused), the build dependencies installed there, a build in
 # build/debian13-build and the whole ctest suite. Needs root; JOBS and BUILD_TYPE apply, CTEST_ARGS too.
+# PYTHON_ONLY=1: the torch-free core and the Python module only, and the Python tests (pipetrain.torch against
+# Debian 13's PyTorch 2.6), in build/debian13-python: minutes instead of a LibTorch build.
 test-libtorch2:
 	JOBS=$(JOBS) BUILD_TYPE=$(BUILD_TYPE) bash scripts/test-libtorch2.sh
+
+# The Python module over the torch-free layers (python/), built without LibTorch, and its own tests.
+python: deps
+	cmake -S . -B build-python -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DPIPETRAIN_CORE_ONLY=ON -DPIPETRAIN_PYTHON=ON $(CMAKE_ARGS)
+	cmake --build build-python -j$(JOBS) --target pipetrain_python
+	cd build-python && ctest --output-on-failure -R '^Python\.'
+	@echo "use it: PYTHONPATH=$(CURDIR)/build-python/python python3 -c 'import pipetrain'"
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -12,7 +12,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   dataset-fashion-mnist bible-kjv
   time            # /usr/bin/time: the benchmark scripts time their runs with it
-  python3-torch   # the PyTorch peer the benchmarks compare against
+  python3-torch   # the PyTorch peer the benchmarks compare against; Debian 13's (2.6) runs pipetrain.torch's test
+  pybind11-dev python3-dev  # the Python module (python/, cmake -DPIPETRAIN_PYTHON)
 )
 # Extra names for testing this script, e.g. PIPETRAIN_EXTRA_DEPS=no-such-package.
 if [[ -n "${PIPETRAIN_EXTRA_DEPS:-}" ]]; then

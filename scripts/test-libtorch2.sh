@@ -7,7 +7,12 @@
 # (the shm transport), and this work tree bind-mounted at /pipetrain; every mount is undone on exit, failure
 # or interrupt included.
 #
+# The suite includes the Python module's tests (ctest -R Python): there, pipetrain.torch's test trains with
+# Debian 13's PyTorch 2.6 (python3-torch) under its own pipelining runtime.
+#
 # Variables: JOBS (all cores), BUILD_TYPE (Release), CTEST_ARGS (extra ctest arguments, e.g. "-R Executor"),
+#            PYTHON_ONLY=1: only the torch-free core and the Python module (no LibTorch build, a few minutes),
+#            in build/debian13-python, and only the Python tests,
 #            DEBIAN13_MIRROR (default: the first Debian mirror of this machine's apt sources).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -93,6 +98,18 @@ in_root bash /pipetrain/scripts/install-deps.sh
 in_root bash -c 'echo "LibTorch $(dpkg-query -W -f="\${Version}" libtorch-dev), g++ $(g++ -dumpversion), cmake $(cmake --version | head -1 | cut -d" " -f3)"'
 
 # 3. Build and test.
+if [[ ${PYTHON_ONLY:-0} == 1 ]]; then
+  in_root python3 -c 'import torch; print("PyTorch", torch.__version__)'
+  say "configuring build/debian13-python (core and the Python module only)"
+  in_root cmake -S /pipetrain -B /pipetrain/build/debian13-python -DCMAKE_BUILD_TYPE="$build_type" -DPIPETRAIN_CORE_ONLY=ON \
+    -DPIPETRAIN_PYTHON=ON >"$base/configure-python.log" 2>&1 || { cat "$base/configure-python.log"; exit 1; }
+  say "building the Python module (-j$jobs)"
+  in_root cmake --build /pipetrain/build/debian13-python -j"$jobs" --target pipetrain_python
+  say "running the Python tests"
+  in_root bash -c 'cd /pipetrain/build/debian13-python && ctest --output-on-failure -R "^Python\." "$@"' ctest
+  say "Python module and PyTorch 2.6 tests passed"
+  exit 0
+fi
 say "configuring build/debian13-build"
 in_root cmake -S /pipetrain -B /pipetrain/build/debian13-build -DCMAKE_BUILD_TYPE="$build_type" >"$base/configure.log" 2>&1 ||
   { cat "$base/configure.log"; exit 1; }
