@@ -255,3 +255,36 @@ TEST(Loss, BadCombinationsAndTermsAreRefusedWithTheFix) {
     }
   }
 }
+
+TEST(Loss, PerTokenAcrossDataParallelCopiesIsTheFullBatchTokenMean) {
+  // Two copies of a 2-stage pipeline, copy 0 on the 5 long samples, copy 1 on the 5 short ones: their
+  // counts differ, so averaging the copies' token means would be off; the summed counts are not.
+  const Batch b = make_batch();
+  const Reference ref = full_batch(b);
+  auto world = make_local_transports(4);
+  std::vector<torch::nn::Sequential> models{make_model(), make_model()};
+  std::vector<std::map<std::string, torch::Tensor>> got(2);
+  std::vector<double> loss(4);
+  std::mutex mu;
+  run_on_threads(4, [&](int r) {
+    const int copy = r / 2, stage = r % 2;
+    std::map<const void*, std::string> names;
+    for (const auto& item : models[static_cast<std::size_t>(copy)]->named_parameters())
+      names[item.value().unsafeGetTensorImpl()] = item.key();
+    PipelineOptions o;
+    o.schedule = "1f1b";
+    o.microbatches = 2;
+    o.data_parallel = make_group_transport(world[static_cast<std::size_t>(r)], {stage, 2 + stage});
+    o.on_gradients = [&, copy](int, const std::vector<torch::Tensor>& held) {
+      std::lock_guard<std::mutex> g(mu);
+      for (const auto& p : held) got[static_cast<std::size_t>(copy)][names.at(p.unsafeGetTensorImpl())] = p.grad().clone();
+    };
+    PipelineRank rank(models[static_cast<std::size_t>(copy)], Loss::per_token(token_sum),
+                      make_group_transport(world[static_cast<std::size_t>(r)], {2 * copy, 2 * copy + 1}), o);
+    const int64_t begin = copy * kBatch / 2, end = begin + kBatch / 2;
+    loss[static_cast<std::size_t>(r)] =
+        rank.train_step(b.input.slice(begin, end), b.target.slice(begin, end), kBatch / 2).loss;
+  });
+  for (int r = 0; r < 4; ++r) EXPECT_NEAR(loss[static_cast<std::size_t>(r)], ref.loss, 1e-6 * ref.loss) << "rank " << r;
+  for (int copy = 0; copy < 2; ++copy) EXPECT_LE(max_grad_error(got[static_cast<std::size_t>(copy)], ref), 2e-6) << "copy " << copy;
+}
