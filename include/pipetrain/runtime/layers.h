@@ -48,6 +48,7 @@ struct LayerwiseModel {
   int layers = 0;
   // Builds layer i (0 <= i < layers) on the CPU: a plain one-tensor module or a BundleModule, e.g.
   // torch::nn::AnyModule(torch::nn::Linear(4, 4)) or torch::nn::AnyModule(std::make_shared<Mine>()).
+  // It runs under default_generator_mutex() (build_layer), so it must not take that lock itself.
   std::function<torch::nn::AnyModule(int layer)> build;
   uint64_t seed = 0;  // layer i's initial weights come from (seed, i)
   // Optional: what layer i is, without building it (see the file comment).
