@@ -189,8 +189,11 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   // One asynchronous call runs several steps: each stage sets the learning rate of its step just before
   // stepping.
   if (is_async(f.pipe.schedule)) o.learning_rate = [lr, &total](int k) { return lr.at(k, total); };
-  auto model = f.model.factory()();
-  PipelineRank rank(model, f.model.loss(), transport, o);
+  // The gpt's ranks build only their own layers (each from its own seed: the weights of the whole model);
+  // UMPIPE checks the whole model, so with a plan's partitions every rank builds it (the same weights).
+  const std::optional<LayerwiseModel> layers = o.umpipe ? std::nullopt : f.model.layerwise();
+  PipelineRank rank = layers ? PipelineRank(*layers, f.model.loss(), transport, o)
+                             : PipelineRank(f.model.factory()(), f.model.loss(), transport, o);
   const std::vector<int> mine = rank.local_stages();
   const int last_stage = rank.schedule().stages - 1;
   // Only the ranks of the first and the last stage (and rank 0, which holds stage 0) touch the data.
@@ -287,6 +290,10 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
   cmd->add_option("--steps-per-call", f->steps_per_call,
                   "asynchronous schedules: steps the pipeline runs between drains; default 0 = up to the next "
                   "evaluation or checkpoint, at most 256");
+  cmd->add_option("--rank-memory", f->rank_memory,
+                  "memory one rank may use, in GiB: a model and batch whose rank needs more are refused before "
+                  "training (the gpt's ranks build only their own layers, so more --stages fit a larger gpt); "
+                  "default: only this host's memory (or cgroup limit) is checked");
   cmd->add_flag("--memory", f->memory,
                 "measure each rank's peak heap growth during a step (activations, buffers, gradients); with "
                 "--transport local all ranks share one heap");
@@ -369,9 +376,15 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   const bool launched = std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RANK");
   // (More ranks than one host runs are refused with the user's flag when the ranks start: counted here as
   // that maximum, so this check does not pre-empt that message.)
+  if (!(f->rank_memory >= 0) || !std::isfinite(f->rank_memory))
+    throw UsageError(fmt::format("--rank-memory must be a finite number of GiB >= 0, got {}", f->rank_memory));
   f->model.check_fits(f->batch_size, std::max(1, f->pipe.microbatches),
-                      launched ? 1 : std::min(f->pipe.world_size(), kMaxLocalRanks));
-  auto model = f->model.factory()();
+                      launched ? 1 : std::min(f->pipe.world_size(), kMaxLocalRanks),
+                      f->pipe.umpipe_chosen ? 1  // UMPIPE's ranks build the whole model
+                      : f->pipe.replication.empty() ? f->pipe.stages
+                                                    : static_cast<int>(f->pipe.replication_counts().size()),
+                      f->rank_memory * 1073741824.0);
+  if (!f->model.layerwise()) f->model.factory()();  // the gpt is not built here: its ranks build their own layers
   check_balance_flags(f->pipe, f->model);
   if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
   if (f->pipe.plan_use != "pipeline" && f->pipe.plan_file.empty())

@@ -138,7 +138,8 @@ std::string gib(double bytes) { return fmt::format("{:.3g} GiB", bytes / (1024.0
 
 }  // namespace
 
-void ModelFlags::check_fits(int64_t batch_size, int microbatches, int ranks_here) const {
+void ModelFlags::check_fits(int64_t batch_size, int microbatches, int ranks_here, int pipeline_ranks,
+                            double rank_memory) const {
   const double b = static_cast<double>(batch_size), mb = std::ceil(b / std::max(1, microbatches));
   const double ranks = std::max(1, ranks_here);
   // Lower bounds, in bytes: every rank here builds the whole model (4-byte parameters); each holds at
@@ -164,13 +165,25 @@ void ModelFlags::check_fits(int64_t batch_size, int microbatches, int ranks_here
     once = b * 28 * 28 * 4;
     fix = "use a smaller --batch-size";
   }
-  const double need = ranks * (params * 4 + layer_activations) + once, have = host_memory_bytes();
+  // The gpt's ranks build their own layers only (layerwise()): a rank holds at least its share.
+  const bool own_layers = layerwise().has_value();
+  const double share = own_layers ? params / std::max(1, pipeline_ranks) : params;
+  const std::string built = own_layers ? fmt::format("building only its own layers, at least 1/{} of the model's {:.3g} "
+                                                     "parameters", std::max(1, pipeline_ranks), params)
+                                       : fmt::format("building the whole model of {:.3g} parameters", params);
+  const double per_rank = share * 4 + layer_activations;
+  if (rank_memory > 0 && per_rank > rank_memory)
+    throw UsageError(fmt::format(
+        "one rank of this model and batch needs at least {} of memory ({}, 4 bytes each, and {} of one layer's "
+        "activations), more than --rank-memory {}: {}{}",
+        gib(per_rank), built, gib(layer_activations), gib(rank_memory),
+        own_layers ? "use more --stages (each rank builds only its share), or " : "", fix));
+  const double need = ranks * per_rank + once, have = host_memory_bytes();
   if (need > have)
     throw UsageError(fmt::format(
-        "this model and batch need at least {} of memory ({:g} rank(s) here, each building the whole model of {:.3g} "
-        "parameters, 4 bytes each, and holding {} of one layer's activations; {} of batch and logits), more than "
-        "this host's {}: {}",
-        gib(need), ranks, params, gib(layer_activations), gib(once), gib(have), fix));
+        "this model and batch need at least {} of memory ({:g} rank(s) here, each {}, 4 bytes each, and holding {} of "
+        "one layer's activations; {} of batch and logits), more than this host's {}: {}",
+        gib(need), ranks, built, gib(layer_activations), gib(once), gib(have), fix));
 }
 
 std::function<torch::nn::Sequential()> ModelFlags::factory() const {
@@ -200,8 +213,32 @@ std::function<torch::nn::Sequential()> ModelFlags::factory() const {
     zoo::check(unet);
     return seeded([c = unet] { return zoo::make_unet(c); });
   }
-  zoo::check(gpt);
-  return seeded([c = gpt] { return zoo::make_gpt(c); });
+  // The gpt layer by layer, each layer from its own seed: the weights its ranks build for themselves.
+  const LayerwiseModel layers = *layerwise();
+  return [layers] { return build_all(layers); };
+}
+
+std::optional<LayerwiseModel> ModelFlags::layerwise() const {
+  if (model != "gpt") return std::nullopt;
+  return zoo::gpt_layers(gpt, seed);
+}
+
+int ModelFlags::layer_count() const {
+  if (const auto l = layerwise()) return l->layers;
+  return pipetrain::layer_count(factory()());
+}
+
+std::vector<int> ModelFlags::choose_balance(int stages, const std::string& kind, const std::string& solver) const {
+  if (const auto l = layerwise()) {
+    std::vector<std::string> types;
+    std::vector<double> counts;
+    for (const LayerInfo& info : layer_infos(*l)) {
+      types.push_back(info.type);
+      counts.push_back(info.parameters);
+    }
+    return pipetrain::choose_balance(types, counts, stages, kind, solver);
+  }
+  return pipetrain::choose_balance(factory()(), stages, kind, solver);
 }
 
 LossFn ModelFlags::loss() const { return zoo::cross_entropy; }

@@ -162,7 +162,7 @@ void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model) {
   parse_balance_solver(pipe.balance_solver);
   const int stages = pipe.stages * stages_per_rank(pipe.schedule, pipe.virtual_stages);
   {  // each (virtual) stage needs a layer: the fix is more layers or fewer stages, said in the model's terms
-    const int layers = layer_count(model.factory()());
+    const int layers = model.layer_count();
     if (stages > layers) {
       const std::string asked = stages > pipe.stages
                                     ? fmt::format("--stages {} x {} stages per rank = {} stages", pipe.stages,
@@ -182,14 +182,14 @@ void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model) {
   }
   if (!pipe.profile_file.empty()) {
     const Profile p = load_profile(pipe.profile_file);
-    const int layers = layer_count(model.factory()());
+    const int layers = model.layer_count();
     if (static_cast<int>(p.layers.size()) != layers)
       throw UsageError("--profile " + pipe.profile_file + " has " + std::to_string(p.layers.size()) +
                        " layers but the model has " + std::to_string(layers) +
                        ": profile this model (pipetrain profile with the same model flags)");
     plan_balance(p, stages, pipe.balance, parse_balance_solver(pipe.balance_solver));
   } else if (!measured_kind(pipe.balance)) {
-    choose_balance(model.factory()(), stages, pipe.balance, pipe.balance_solver);
+    model.choose_balance(stages, pipe.balance, pipe.balance_solver);
   }
 }
 
@@ -202,7 +202,7 @@ std::vector<int> resolve_balance(const PipelineFlags& pipe, const ModelFlags& mo
     balance = plan_balance(load_profile(pipe.profile_file), stages, pipe.balance, solver);
   } else if (!measured_kind(pipe.balance)) {
     if (solver == BalanceSolver::min_max) return {};  // PipelineOptions::balance (the kind) does it
-    balance = choose_balance(model.factory()(), stages, pipe.balance, pipe.balance_solver);
+    balance = model.choose_balance(stages, pipe.balance, pipe.balance_solver);
   } else {
     // Measured on rank 0 only, so every rank cuts the model the same way.
     torch::Tensor counts = torch::zeros({stages}, torch::kDouble);

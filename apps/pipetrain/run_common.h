@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -38,12 +39,21 @@ struct ModelFlags {
   // vocabulary from it. Call once before factory(), dataset() or describe(). Throws UsageError.
   void prepare();
   // Refuses (UsageError, with the estimate and the fix) a model and batch that cannot fit this host's
-  // memory (physical, or the cgroup's limit): `ranks_here` ranks on this host each build the whole model
-  // and hold one micro-batch of `batch_size / microbatches` samples. A lower bound, so nothing that fits
-  // is refused; it catches --layers 1000000 or --d-model 1e9 before any memory is taken.
-  void check_fits(int64_t batch_size, int microbatches, int ranks_here) const;
-  // A factory that builds the same model on every call (seeded).
+  // memory (physical, or the cgroup's limit), or one rank's `rank_memory` bytes (--rank-memory; 0: not
+  // given): `ranks_here` ranks on this host each hold one micro-batch of `batch_size / microbatches`
+  // samples and the parameters they build: the gpt's ranks their own layers only (1/`pipeline_ranks` of
+  // the model at least, layerwise()), the other models' ranks the whole model. A lower bound, so nothing
+  // that fits is refused; it catches --layers 1000000 or --d-model 1e9 before any memory is taken.
+  void check_fits(int64_t batch_size, int microbatches, int ranks_here, int pipeline_ranks = 1,
+                  double rank_memory = 0) const;
+  // A factory that builds the same model on every call (seeded). The gpt's is build_all(layerwise()).
   std::function<torch::nn::Sequential()> factory() const;
+  // The model layer by layer, for ranks that build only their own layers (runtime/layers.h): the gpt's;
+  // none for the other models.
+  std::optional<LayerwiseModel> layerwise() const;
+  // Pipeline layers, and choose_balance (stage.h) for the model, without building it where layerwise().
+  int layer_count() const;
+  std::vector<int> choose_balance(int stages, const std::string& kind, const std::string& solver) const;
   LossFn loss() const;
   std::vector<std::vector<ParameterRef>> ties() const;  // PipelineOptions::tied for the model
   std::unique_ptr<zoo::Dataset> dataset() const;

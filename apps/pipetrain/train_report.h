@@ -27,6 +27,7 @@ struct TrainFlags {
   double momentum = 0.9;
   double weight_decay = 0.0;
   double clip = 1.0;
+  double rank_memory = 0;  // --rank-memory GiB: what one rank may use, for the memory check; 0: not given
   std::string nonfinite = "stop";  // stop | skip | ignore: a step whose loss or gradient norm is not finite
   std::string lr_schedule = "cosine";  // constant | cosine | linear
   int warmup = -1;  // -1: 5% of the steps, at most 100

@@ -225,18 +225,15 @@ struct SkipRoute {
 
 // The skips of `model` cut by `balance`, checked: each name stashed once and popped once, by a later
 // layer. Throws UsageError naming the layers and the fix.
-std::vector<SkipRoute> skip_routes(const torch::nn::Sequential& model, const std::vector<int>& balance) {
-  const auto types = layer_type_names(model);
+std::vector<SkipRoute> skip_routes(const std::vector<LayerInfo>& infos, const std::vector<int>& balance) {
   std::vector<int> stage_of_layer;
   for (std::size_t s = 0; s < balance.size(); ++s)
     for (int k = 0; k < balance[s]; ++k) stage_of_layer.push_back(static_cast<int>(s));
-  auto layer_text = [&](std::size_t l) { return "layer " + std::to_string(l) + " (" + types[l] + ")"; };
+  auto layer_text = [&](std::size_t l) { return "layer " + std::to_string(l) + " (" + infos[l].type + ")"; };
   std::map<std::string, std::size_t> live;  // stashed, not yet popped: name -> stashing layer
   std::vector<SkipRoute> routes;
-  for (std::size_t l = 0; l < model->size(); ++l) {
-    auto bm = std::dynamic_pointer_cast<BundleModule>(model->ptr(l));
-    if (!bm) continue;
-    for (const std::string& name : bm->pops()) {
+  for (std::size_t l = 0; l < infos.size(); ++l) {
+    for (const std::string& name : infos[l].pops) {
       auto it = live.find(name);
       if (it == live.end())
         throw UsageError(layer_text(l) + " pops '" + name + "' but no earlier layer stashes it: declare it in the " +
@@ -248,7 +245,7 @@ std::vector<SkipRoute> skip_routes(const torch::nn::Sequential& model, const std
       if (route == routes.end()) route = routes.insert(routes.end(), SkipRoute{from, to, {}});
       route->names.push_back(name);
     }
-    for (const std::string& name : bm->stashes()) {
+    for (const std::string& name : infos[l].stashes) {
       auto it = live.find(name);
       if (it != live.end())
         throw UsageError("'" + name + "' is stashed twice, by " + layer_text(it->second) + " and " + layer_text(l) +
@@ -281,13 +278,15 @@ double value_hash(const torch::Tensor& t) {
   return static_cast<double>(h >> 12);
 }
 
-// The tensors of each tie group (PipelineOptions::tied) in `model`, checked: two or more members, each
-// an existing parameter of its layer, all of one shape and dtype, each its own tensor, none in two groups.
-std::vector<std::vector<torch::Tensor>> resolve_ties(const torch::nn::Sequential& model,
+// The tensors of each tie group (PipelineOptions::tied) of a model of `layers` layers, checked: two or
+// more members, each an existing parameter of its layer, all of one shape and dtype, each its own
+// tensor, none in two groups. `module_of(layer)` gives a layer's module, or null for a layer not built
+// here (a model built layer by layer): such members are undefined tensors, checked at the first pass.
+std::vector<std::vector<torch::Tensor>> resolve_ties(int layers,
+                                                     const std::function<std::shared_ptr<torch::nn::Module>(int)>& module_of,
                                                      const std::vector<std::vector<ParameterRef>>& groups) {
   std::vector<std::vector<torch::Tensor>> out;
   std::vector<const void*> seen;  // storages of the members so far
-  const int layers = layer_count(model);
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const std::string group = "tie group " + std::to_string(g);
     if (groups[g].size() < 2)
@@ -298,7 +297,12 @@ std::vector<std::vector<torch::Tensor>> resolve_ties(const torch::nn::Sequential
       const std::string what = group + " member " + std::to_string(ref.layer) + ":" + ref.name;
       if (ref.layer < 0 || ref.layer >= layers)
         throw UsageError(what + ": the model has layers 0.." + std::to_string(layers - 1));
-      auto params = model->ptr(static_cast<std::size_t>(ref.layer))->named_parameters(true);
+      const auto module = module_of(ref.layer);
+      if (!module) {
+        members.emplace_back();
+        continue;
+      }
+      auto params = module->named_parameters(true);
       const torch::Tensor* found = params.find(ref.name);
       if (!found) {
         std::string names;
@@ -307,9 +311,12 @@ std::vector<std::vector<torch::Tensor>> resolve_ties(const torch::nn::Sequential
                          "'; it has: " + (names.empty() ? "none" : names));
       }
       const torch::Tensor t = *found;
-      if (!members.empty() && (t.sizes() != members.front().sizes() || t.scalar_type() != members.front().scalar_type()))
-        throw UsageError(what + " is " + shape_text(t.sizes().vec(), t.scalar_type()) + " but the group's first member is " +
-                         shape_text(members.front().sizes().vec(), members.front().scalar_type()) +
+      const auto like = std::find_if(members.begin(), members.end(), [](const torch::Tensor& m) { return m.defined(); });
+      if (like != members.end() && (t.sizes() != like->sizes() || t.scalar_type() != like->scalar_type()))
+        throw UsageError(what + " is " + shape_text(t.sizes().vec(), t.scalar_type()) + " but the group's member " +
+                         std::to_string(groups[g][static_cast<std::size_t>(like - members.begin())].layer) + ":" +
+                         groups[g][static_cast<std::size_t>(like - members.begin())].name + " is " +
+                         shape_text(like->sizes().vec(), like->scalar_type()) +
                          ": tied parameters must have one shape and dtype");
       const void* storage = t.storage().data();
       if (std::find(seen.begin(), seen.end(), storage) != seen.end())
@@ -326,7 +333,10 @@ std::vector<std::vector<torch::Tensor>> resolve_ties(const torch::nn::Sequential
 }  // namespace
 
 struct PipelineRank::Impl {
-  LossFn loss_fn;
+  Loss loss;
+  bool per_token = false;  // loss.normalization() == Token
+  LossFn umpipe_loss;      // UMPIPE's tensor loss (Sample normalisation only)
+  bool layerwise = false;  // built from a LayerwiseModel: this rank built its own layers only
   std::shared_ptr<Transport> transport;
   PipelineOptions options;
   Schedule schedule;          // lowered
@@ -413,11 +423,12 @@ struct PipelineRank::Impl {
 
   // Call inputs.
   Bundle input;
-  torch::Tensor target;
+  Bundle target;
   int64_t batch_size = 0;
   std::vector<std::pair<int64_t, int64_t>> ranges;  // per micro-batch of the call
   std::vector<int64_t> step_sizes;                  // samples per mini-batch (step) of the call
   std::vector<double> step_loss, step_sq;           // per step: this rank's loss terms, squared gradient norms
+  std::vector<double> step_count;                   // per step, per-token loss: this rank's token counts
   std::vector<char> step_reduced;                   // synchronous: step's reduction done
   std::vector<char> step_skipped;                   // synchronous: non-finite, no optimizer step (nonfinite "skip")
   StepStats stats;
@@ -564,7 +575,7 @@ struct PipelineRank::Impl {
     }
     finish_weights(s, i, true, pw, scope);
     if (s == last_stage() && !forward_mode) {
-      sl.loss = scaled_loss(out.at(kMainTensor), i);
+      sl.loss = scaled_loss(out, i);
       return;
     }
     if (!forward_mode) sl.out_grad = gradient_entries(sl.input, sl.in_grad, out);
@@ -734,16 +745,30 @@ struct PipelineRank::Impl {
     sl.skip_grad = Bundle();
   }
 
-  torch::Tensor scaled_loss(const torch::Tensor& out, int i) {
-    if (!target.defined())
+  bool has_target() const { return !target.empty() && target.items().front().second.defined(); }
+
+  // The micro-batch's loss as its backward root. Sample: the mean times b_k / N. Per token: the sum,
+  // counted in the step's count (the division by the step's total count waits for the flush, when the
+  // total is known, see reduce_and_clip); with one micro-batch per step (pipedream, spectrain) the count
+  // is the total already, so the sum is divided at once.
+  torch::Tensor scaled_loss(const Bundle& out, int i) {
+    if (!has_target())
       throw UsageError("rank " + std::to_string(rank()) + " holds the last stage but train_step got no target batch");
     const auto [b, e] = ranges[static_cast<std::size_t>(i)];
-    torch::Tensor l = loss_fn(out, on_device(target.slice(0, b, e)));
-    if (l.numel() != 1)
-      throw UsageError("the loss function returned " + std::to_string(l.numel()) +
-                       " values for micro-batch " + std::to_string(i) + ": it must return one (the mean over the micro-batch)");
+    LossTerm term = loss(out, target.slice(b, e).to(options.device), i);
     const auto k = static_cast<std::size_t>(i / per_step);
-    l = l * (static_cast<double>(e - b) / static_cast<double>(step_sizes[k]));
+    torch::Tensor l = term.value.reshape({});
+    if (per_token) {
+      if (async) {
+        l = l / std::max(term.count, 1.0);
+      } else {
+        step_count[k] += term.count;
+        step_loss[k] += scalar_value(l);
+        return l;
+      }
+    } else {
+      l = l * (static_cast<double>(e - b) / static_cast<double>(step_sizes[k]));
+    }
     step_loss[k] += scalar_value(l);
     return l;
   }
@@ -982,9 +1007,12 @@ struct PipelineRank::Impl {
   }
 
   // ---- optimizer --------------------------------------------------------------------------------------
-  static void clip_to(const std::vector<torch::Tensor>& params, double norm, double clip) {
-    if (!(clip > 0 && norm > clip)) return;
-    const double coef = clip / (norm + 1e-6);
+  // Multiplies the gradients by `scale` (a per-token loss's 1 / count), then clips them to the global
+  // norm `norm` (of the scaled gradients) if it exceeds `clip`: one pass over the gradients.
+  static void clip_to(const std::vector<torch::Tensor>& params, double norm, double clip, double scale = 1.0) {
+    double coef = scale;
+    if (clip > 0 && norm > clip) coef *= clip / (norm + 1e-6);
+    if (coef == 1.0) return;
     torch::NoGradGuard no_grad;
     for (const auto& p : params)
       if (p.grad().defined()) p.mutable_grad().mul_(coef);
@@ -1003,7 +1031,7 @@ struct PipelineRank::Impl {
     for (const auto& [s, ps] : stage_params)
       for (const auto& p : ps) params.push_back(p);
     if (options.data_parallel && options.data_parallel->world_size() > 1)
-      all_reduce_gradients(*options.data_parallel, params, &step_loss[uk]);
+      all_reduce_gradients(*options.data_parallel, params, &step_loss[uk], per_token ? &step_count[uk] : nullptr);
     if (stage_replicas) all_reduce_gradients(*stage_replicas, params, nullptr);
     sum_tied_gradients();
     std::vector<torch::Tensor> counted;  // each tied weight once
@@ -1017,13 +1045,16 @@ struct PipelineRank::Impl {
     // whose share of the gradients is not finite.
     const double sq = norm_leader ? detail::gradient_sum_of_squares(counted) : 0.0;
     const double flag = std::isfinite(sq) ? 0.0 : std::ldexp(1.0, std::min(rank(), 51));
-    torch::Tensor t = host_tensor({step_loss[uk], sq, flag});
+    // Fourth entry (per-token loss): the step's token count, by which the summed losses and gradients are
+    // divided here (a step without tokens counts 1: its sums are zero).
+    torch::Tensor t = per_token ? host_tensor({step_loss[uk], sq, flag, step_count[uk]}) : host_tensor({step_loss[uk], sq, flag});
     transport->all_reduce_sum(t);
     const double* sums = host_doubles(t);
-    step_loss[uk] = sums[0];
-    step_sq[uk] = sums[1];
+    const double count = per_token && sums[3] > 0 ? sums[3] : 1.0;
+    step_loss[uk] = sums[0] / count;
+    step_sq[uk] = sums[1] / (count * count);
     if (!std::isfinite(step_loss[uk]) || !std::isfinite(step_sq[uk])) nonfinite_step(k, sums[2]);
-    clip_to(params, std::sqrt(step_sq[uk]), options.optimizer.clip_grad_norm);
+    clip_to(params, std::sqrt(step_sq[uk]), options.optimizer.clip_grad_norm, 1.0 / count);
     step_reduced[uk] = 1;
     if (options.on_gradients) options.on_gradients(rank(), params);
   }
@@ -1059,6 +1090,7 @@ struct PipelineRank::Impl {
   bool ties_checked = false;
   void check_ties_agree() {
     if (ties_checked || options.tied.empty()) return;
+    if (layerwise) return share_ties();
     const int p = transport->world_size();
     const auto n = static_cast<int64_t>(options.tied.size());
     torch::Tensor hashes = torch::zeros({p, n}, torch::kDouble);  // 0: no copy; else 1 + value_hash
@@ -1083,6 +1115,51 @@ struct PipelineRank::Impl {
                        " than on rank(s) " + same + ", so its copies would train apart: build the model the same way "
                        "on every rank (e.g. torch::manual_seed with one seed before building it), or load one "
                        "checkpoint into every rank");
+    }
+  }
+
+  // Tied weights of a model built layer by layer (layers.h), at the first pass (a collective): each
+  // group's size is agreed (ranks without a member learn it, a member of another size is refused), then
+  // the value of the group's first member (as the Sequential constructor copies it within a whole model)
+  // goes from the rank holding it to every other member.
+  void share_ties() {
+    const auto n = static_cast<int64_t>(options.tied.size());
+    torch::Tensor sizes = torch::zeros({n, 3}, torch::kDouble);  // numel sum, holders, squared numel sum
+    for (const auto& c : tied_copies) {
+      const double k = static_cast<double>(c.param.numel());
+      sizes[c.group][0] += k;
+      sizes[c.group][1] += 1;
+      sizes[c.group][2] += k * k;
+    }
+    transport->all_reduce_sum(sizes);
+    ties_checked = true;
+    const auto z = sizes.accessor<double, 2>();
+    tied_numel.assign(static_cast<std::size_t>(n), 0);
+    std::vector<int64_t> offset{0};
+    for (int64_t g = 0; g < n; ++g) {
+      const double mean = z[g][1] > 0 ? z[g][0] / z[g][1] : 0;
+      if (z[g][1] > 0 && z[g][2] != mean * mean * z[g][1]) {
+        std::string members;
+        for (const ParameterRef& m : options.tied[static_cast<std::size_t>(g)])
+          members += (members.empty() ? "" : ", ") + std::to_string(m.layer) + ":" + m.name;
+        throw UsageError("tie group " + std::to_string(g) + " (" + members + ") has members of different sizes on "
+                         "different ranks: tied parameters must have one shape and dtype");
+      }
+      tied_numel[static_cast<std::size_t>(g)] = static_cast<int64_t>(mean);
+      offset.push_back(offset.back() + tied_numel[static_cast<std::size_t>(g)]);
+    }
+    torch::Tensor flat = torch::zeros({offset.back()}, torch::kDouble);
+    for (const auto& c : tied_copies) {
+      const ParameterRef& first = options.tied[static_cast<std::size_t>(c.group)].front();
+      if (c.layer == first.layer && c.name == first.name)
+        flat.slice(0, offset[static_cast<std::size_t>(c.group)], offset[static_cast<std::size_t>(c.group) + 1])
+            .copy_(c.param.detach().reshape({-1}).to(torch::kCPU, torch::kDouble));
+    }
+    transport->all_reduce_sum(flat);
+    torch::NoGradGuard no_grad;
+    for (auto& c : tied_copies) {
+      const auto g = static_cast<std::size_t>(c.group);
+      c.param.copy_(flat.slice(0, offset[g], offset[g + 1]).view(c.param.sizes()));
     }
   }
 
@@ -1115,13 +1192,17 @@ struct PipelineRank::Impl {
   // micro-batches' share of the full-batch gradient, so they are summed (the step loss is summed over
   // all ranks later). Parameters without a gradient contribute zeros, so every replica sends the same
   // layout.
-  void all_reduce_gradients(Transport& group, const std::vector<torch::Tensor>& params, double* loss) {
-    const double replicas = loss ? group.world_size() : 1.0;
+  // Per-token loss (`count` given): the copies' gradient sums, loss sums and counts are summed instead
+  // (divided by the total count at the flush).
+  void all_reduce_gradients(Transport& group, const std::vector<torch::Tensor>& params, double* loss,
+                            double* count = nullptr) {
+    const double replicas = loss && !count ? group.world_size() : 1.0;
     std::vector<torch::Tensor> flat;
     for (const auto& p : params)
       flat.push_back(p.grad().defined() ? p.grad().detach().reshape({-1}).to(torch::kCPU, torch::kDouble)
                                         : torch::zeros({p.numel()}, torch::kDouble));
     if (loss) flat.push_back(torch::tensor({*loss}, torch::kDouble));
+    if (count) flat.push_back(torch::tensor({*count}, torch::kDouble));
     torch::Tensor all = torch::cat(flat);
     group.all_reduce_sum(all);
     if (replicas != 1.0) all.div_(replicas);
@@ -1136,6 +1217,7 @@ struct PipelineRank::Impl {
       at += p.numel();
     }
     if (loss) *loss = all[at].item<double>();
+    if (count) *count = all[at + (loss ? 1 : 0)].item<double>();
   }
 
   void optimizer_step(int s, int k) {
@@ -1211,7 +1293,7 @@ struct PipelineRank::Impl {
 
   // ---- passes --------------------------------------------------------------------------------------
   // `steps` mini-batches of `m` micro-batches each over the batch of n samples.
-  void begin_pass(const Bundle& in, const torch::Tensor& tgt, int64_t n, int steps, int m) {
+  void begin_pass(const Bundle& in, const Bundle& tgt, int64_t n, int steps, int m) {
     if (steps > n)
       throw UsageError("a call of " + std::to_string(steps) + " steps needs at least one sample per step but the " +
                        "batch has " + std::to_string(n) + ": pass more samples or fewer steps");
@@ -1227,6 +1309,7 @@ struct PipelineRank::Impl {
     batch_size = n;
     step_loss.assign(static_cast<std::size_t>(steps), 0.0);
     step_sq.assign(static_cast<std::size_t>(steps), 0.0);
+    step_count.assign(static_cast<std::size_t>(steps), 0.0);
     step_reduced.assign(static_cast<std::size_t>(steps), 0);
     step_skipped.assign(static_cast<std::size_t>(steps), 0);
     slots.clear();
@@ -1522,36 +1605,80 @@ void warn_unsplit_weights(int rank, const std::string& schedule_name, const Sche
 
 }  // namespace
 
-PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
+PipelineRank::PipelineRank(torch::nn::Sequential model, Loss loss, std::shared_ptr<Transport> transport,
                            PipelineOptions options)
     : impl_(std::make_unique<Impl>()) {
+  construct(&model, nullptr, std::move(loss), std::move(transport), std::move(options));
+}
+
+PipelineRank::PipelineRank(const LayerwiseModel& model, Loss loss, std::shared_ptr<Transport> transport,
+                           PipelineOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  construct(nullptr, &model, std::move(loss), std::move(transport), std::move(options));
+}
+
+void PipelineRank::construct(const torch::nn::Sequential* whole, const LayerwiseModel* layerwise, Loss loss,
+                             std::shared_ptr<Transport> transport, PipelineOptions options) {
   Impl& d = *impl_;
-  d.loss_fn = std::move(loss);
+  d.loss = std::move(loss);
   d.transport = std::move(transport);
   d.options = std::move(options);
   const int p = d.transport->world_size();
   check_options(d.options, p, /*generate_schedule=*/false);  // make_plain below generates it
   d.async = !schedule_traits(d.options.schedule).synchronous;
+  d.per_token = d.loss.normalization() == LossNormalization::Token;
+  if (d.per_token && d.async && !schedule_traits(d.options.schedule).one_microbatch_per_step)
+    throw UsageError("a per-token loss divides the step's gradients by its total token count at the flush, which '" +
+                     d.options.schedule + "' does not have (its stages step at different times): use a synchronous " +
+                     "schedule, pipedream or spectrain (one micro-batch per step), or a loss normalised per sample");
+  if (d.options.umpipe) {
+    if (d.per_token)
+      throw UsageError("UMPIPE re-chunks the mini-batch per stage and scales each chunk's mean loss by its size: a "
+                       "per-token loss (Loss::per_token) does not combine with it; use a loss normalised per sample");
+    const Loss l = d.loss;
+    d.umpipe_loss = d.loss.tensor_loss() ? d.loss.tensor_loss() : LossFn([l](const torch::Tensor& out, const torch::Tensor& t) {
+      return l(Bundle(out), Bundle(t), 0).value;
+    });
+  }
+  if (layerwise && d.options.umpipe)
+    throw UsageError("UMPIPE checks the whole model's layers before it runs: build the model whole (build_all, "
+                     "layers.h) to run UMPIPE");
+  // What every rank knows of every layer: read from the whole model, or from the layerwise model's info
+  // (layers.h) without building the layers of other ranks.
+  std::vector<LayerInfo> infos;
+  if (whole) {
+    for (std::size_t l = 0; l < (*whole)->size(); ++l) infos.push_back(layer_info(*(*whole)->ptr(l)));
+  } else {
+    infos = layer_infos(*layerwise);
+  }
+  const int layers = static_cast<int>(infos.size());
+  d.layerwise = layerwise != nullptr;
   d.policy = weight_policy_of(d.options);
   check_replication(d.options, p);  // drops an all-ones replication
   // Stages per rank: --virtual for the looped schedules, always 2 for the V shapes (generators.h).
   const int per_rank = stages_per_rank(d.options.schedule, d.options.virtual_stages);
   const int total_stages =
       d.options.replication.empty() ? p * per_rank : static_cast<int>(d.options.replication.size());
-  if (total_stages > layer_count(model) && !d.options.replication.empty())
+  if (total_stages > layers && !d.options.replication.empty())
     throw UsageError(std::to_string(total_stages) + " replicated stages but the model has " +
-                     std::to_string(layer_count(model)) + " layers: replicate fewer stages");
-  if (total_stages > layer_count(model))
+                     std::to_string(layers) + " layers: replicate fewer stages");
+  if (total_stages > layers)
     throw UsageError(std::to_string(p) + " ranks x " + std::to_string(per_rank) +
                      " virtual stages = " + std::to_string(total_stages) + " stages but the model has " +
-                     std::to_string(layer_count(model)) + " layers: use fewer stages (ranks) or virtual stages");
+                     std::to_string(layers) + " layers: use fewer stages (ranks) or virtual stages");
   if (d.options.layers_per_stage.empty()) {
-    d.balance = choose_balance(model, total_stages, d.options.balance);
+    std::vector<std::string> types;
+    std::vector<double> counts;
+    for (const LayerInfo& info : infos) {
+      types.push_back(info.type);
+      counts.push_back(info.parameters);
+    }
+    d.balance = choose_balance(types, counts, total_stages, d.options.balance);
   } else {
     if (static_cast<int>(d.options.layers_per_stage.size()) != total_stages)
       throw UsageError("layers_per_stage lists " + std::to_string(d.options.layers_per_stage.size()) + " stages but " +
                        std::to_string(total_stages) + " are needed: give one layer count per (virtual) stage");
-    check_balance(d.options.layers_per_stage, layer_count(model));
+    check_balance(d.options.layers_per_stage, layers);
     d.balance = d.options.layers_per_stage;
   }
   GeneratorOptions g;
@@ -1561,7 +1688,7 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   g.costs = d.options.costs;
   g.memory_limit = d.options.memory_limit;
   d.generator = g;
-  d.skips = skip_routes(model, d.balance);
+  d.skips = skip_routes(infos, d.balance);
   if (!d.skips.empty() && d.options.umpipe)
     throw UsageError("UMPIPE pipelines one tensor per boundary; this model has skip connections across stages");
   Schedule plain = d.make_plain(1);
@@ -1577,16 +1704,24 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
   if (!d.options.device.is_cpu() && !d.options.device.is_cuda())
     throw UsageError("device " + d.options.device.str() + " is not supported: use cpu or cuda[:N]");
   std::vector<std::vector<torch::Tensor>> tied;
-  if (!d.options.tied.empty()) {
-    tied = resolve_ties(model, d.options.tied);
+  if (whole && !d.options.tied.empty()) {
+    const torch::nn::Sequential& model = *whole;
+    tied = resolve_ties(layers, [&](int l) { return model->ptr(static_cast<std::size_t>(l)); }, d.options.tied);
     torch::NoGradGuard no_grad;  // the copies start equal
     for (auto& group : tied)
       for (std::size_t k = 1; k < group.size(); ++k) group[k].copy_(group.front());
   }
-  const auto all = cut(model, d.balance);
+  std::vector<int> first_layer{0};
+  for (int n : d.balance) first_layer.push_back(first_layer.back() + n);
   for (int s = 0; s < total_stages; ++s)
     if (d.schedule.holds(d.transport->rank(), s)) {
-      Stage st = all[static_cast<std::size_t>(s)];
+      const int first = first_layer[static_cast<std::size_t>(s)], n = d.balance[static_cast<std::size_t>(s)];
+      Stage st = [&] {
+        if (whole) return Stage(*whole, first, n);
+        torch::nn::Sequential part;  // this stage's layers only, each from its own seed
+        for (int l = first; l < first + n; ++l) part->push_back(std::to_string(l), build_layer(*layerwise, l));
+        return Stage(part, first);
+      }();
       st.to(d.options.device);  // before the optimizers see the parameters
       d.stages.emplace(s, st);
       if (d.schedule.replicas_of(s) > 1) {
@@ -1594,11 +1729,17 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
         d.norm_leader = d.schedule.rank_of(s) == d.transport->rank();
       }
     }
+  if (layerwise && !d.options.tied.empty())  // the members this rank built; the others' sizes come at the first pass
+    tied = resolve_ties(layers, [&](int l) -> std::shared_ptr<torch::nn::Module> {
+      for (const auto& [s, st] : d.stages)
+        if (l >= st.first_layer() && l < st.first_layer() + st.num_layers()) return st.layer(l - st.first_layer());
+      return nullptr;
+    }, d.options.tied);
   for (std::size_t g = 0; g < tied.size(); ++g) {
     const auto& refs = d.options.tied[g];
     const auto lowest = std::min_element(refs.begin(), refs.end(),
                                          [](const ParameterRef& a, const ParameterRef& b) { return a.layer < b.layer; });
-    d.tied_numel.push_back(tied[g].front().numel());
+    d.tied_numel.push_back(whole ? tied[g].front().numel() : 0);
     for (std::size_t k = 0; k < refs.size(); ++k) {
       const bool held = std::any_of(d.stages.begin(), d.stages.end(), [&](const auto& item) {
         return refs[k].layer >= item.second.first_layer() && refs[k].layer < item.second.first_layer() + item.second.num_layers();
@@ -1635,7 +1776,7 @@ PipelineRank::PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared
     d.weights.emplace(s, StageWeights(params, optimizer));
   }
   if (d.options.umpipe)
-    check_umpipe_pipeline(model, *d.options.umpipe, d.options.schedule, d.options.virtual_stages,
+    check_umpipe_pipeline(*whole, *d.options.umpipe, d.options.schedule, d.options.virtual_stages,
                           d.options.data_parallel ? d.options.data_parallel->world_size() : 1, d.schedule, p);
 }
 
@@ -1643,20 +1784,27 @@ PipelineRank::~PipelineRank() = default;
 PipelineRank::PipelineRank(PipelineRank&&) noexcept = default;
 
 StepStats PipelineRank::train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size) {
-  return train_steps(Bundle(input), target, batch_size, 1);
+  return train_steps(Bundle(input), Bundle(target), batch_size, 1);
 }
 
 StepStats PipelineRank::train_step(const Bundle& input, const torch::Tensor& target, int64_t batch_size) {
+  return train_steps(input, Bundle(target), batch_size, 1);
+}
+
+StepStats PipelineRank::train_step(const Bundle& input, const Bundle& target, int64_t batch_size) {
   return train_steps(input, target, batch_size, 1);
 }
 
 StepStats PipelineRank::train_steps(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size,
                                     int steps) {
-  return train_steps(Bundle(input), target, batch_size, steps);
+  return train_steps(Bundle(input), Bundle(target), batch_size, steps);
 }
 
-StepStats PipelineRank::train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size,
-                                    int steps) {
+StepStats PipelineRank::train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps) {
+  return train_steps(input, Bundle(target), batch_size, steps);
+}
+
+StepStats PipelineRank::train_steps(const Bundle& input, const Bundle& target, int64_t batch_size, int steps) {
   Impl& d = *impl_;
   if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
   d.check_ties_agree();
@@ -1667,14 +1815,16 @@ StepStats PipelineRank::train_steps(const Bundle& input, const torch::Tensor& ta
     d.begin_pass(input, target, batch_size, 1, 1);
     const int s = d.stages.begin()->first;
     UmpipePassContext c{*d.transport,      d.stages.at(s),     s,
-                        d.schedule.stages, d.loss_fn,          *d.options.umpipe,
+                        d.schedule.stages, d.umpipe_loss,      *d.options.umpipe,
                         d.options.device,  d.options.threads,  d.options.measure_memory,
                         d.step,            &d.options.before_action, d.umpipe_links,
                         d.stats.timeline};
     if (input.size() > 1)
       throw UsageError("UMPIPE pipelines one tensor per boundary; the input bundle has " + describe(input));
-    const UmpipePassResult r =
-        run_umpipe_pass(c, input.empty() ? torch::Tensor() : input.items().front().second, target, batch_size);
+    if (target.size() > 1)
+      throw UsageError("UMPIPE scores one target tensor; the target bundle has " + describe(target));
+    const UmpipePassResult r = run_umpipe_pass(c, input.empty() ? torch::Tensor() : input.items().front().second,
+                                               target.empty() ? torch::Tensor() : target.items().front().second, batch_size);
     d.step_loss[0] += r.loss;
     d.stats.peak_heap_growth = r.peak_heap_growth;
     try {  // the flush of a synchronous step: global loss and norm, clipping, the optimizer step
@@ -1705,7 +1855,28 @@ StepStats PipelineRank::train_steps(const Bundle& input, const torch::Tensor& ta
   return d.stats;
 }
 
-torch::Tensor PipelineRank::forward_only(const Bundle& input, int64_t batch_size, int microbatches) {
+namespace {
+
+// The last stage's "x" of every micro-batch, in sample order; with variable shapes, micro-batches of
+// other lengths are padded with zeros to the longest, per dimension.
+torch::Tensor concat_main(const std::vector<Bundle>& bundles) {
+  std::vector<torch::Tensor> outs;
+  for (const Bundle& b : bundles) outs.push_back(b.at(kMainTensor));
+  std::vector<int64_t> size = outs.front().sizes().vec();
+  for (const auto& o : outs)
+    for (std::size_t k = 1; k < size.size() && static_cast<int64_t>(k) < o.dim(); ++k) size[k] = std::max(size[k], o.size(static_cast<int64_t>(k)));
+  for (auto& o : outs) {
+    if (o.dim() != static_cast<int64_t>(size.size()) || o.sizes().slice(1) == c10::IntArrayRef(size).slice(1)) continue;
+    std::vector<int64_t> pad;  // last dimension first, (before, after) each
+    for (std::size_t k = size.size(); k-- > 1;) pad.insert(pad.end(), {0, size[k] - o.size(static_cast<int64_t>(k))});
+    o = torch::constant_pad_nd(o, pad, 0);
+  }
+  return torch::cat(outs, 0);
+}
+
+}  // namespace
+
+std::vector<Bundle> PipelineRank::forward_outputs(const Bundle& input, int64_t batch_size, int microbatches) {
   Impl& d = *impl_;
   d.check_ties_agree();
   if (d.options.threads > 0) at::set_num_threads(d.options.threads);
@@ -1713,7 +1884,7 @@ torch::Tensor PipelineRank::forward_only(const Bundle& input, int64_t batch_size
                                  : static_cast<int>(std::min<int64_t>(d.options.microbatches, std::max<int64_t>(batch_size, 1)));
   const Schedule& plan = d.forward_schedule(m);
   d.pass = &plan;
-  d.begin_pass(input, torch::Tensor(), batch_size, 1, m);
+  d.begin_pass(input, Bundle(), batch_size, 1, m);
   // Back to training mode however the pass ends.
   struct Restore {
     Impl& d;
@@ -1727,51 +1898,65 @@ torch::Tensor PipelineRank::forward_only(const Bundle& input, int64_t batch_size
   for (auto& [s, st] : d.stages) st.train(false);
   torch::NoGradGuard no_grad;
   d.run_list(plan.actions[static_cast<std::size_t>(d.rank())]);
-  if (d.schedule.rank_of(d.last_stage()) != d.rank()) return torch::Tensor();
-  std::vector<torch::Tensor> outs;
-  for (int i = 0; i < m; ++i) outs.push_back(d.slot(d.last_stage(), i).output.at(kMainTensor));
-  // Variable shapes: micro-batches of other lengths are padded with zeros to the longest, per dimension.
-  std::vector<int64_t> size = outs.front().sizes().vec();
-  for (const auto& o : outs)
-    for (std::size_t k = 1; k < size.size() && static_cast<int64_t>(k) < o.dim(); ++k) size[k] = std::max(size[k], o.size(static_cast<int64_t>(k)));
-  for (auto& o : outs) {
-    if (o.dim() != static_cast<int64_t>(size.size()) || o.sizes().slice(1) == c10::IntArrayRef(size).slice(1)) continue;
-    std::vector<int64_t> pad;  // last dimension first, (before, after) each
-    for (std::size_t k = size.size(); k-- > 1;) pad.insert(pad.end(), {0, size[k] - o.size(static_cast<int64_t>(k))});
-    o = torch::constant_pad_nd(o, pad, 0);
-  }
-  return torch::cat(outs, 0);
+  std::vector<Bundle> outs;
+  if (d.schedule.rank_of(d.last_stage()) != d.rank()) return outs;
+  for (int i = 0; i < m; ++i) outs.push_back(std::move(d.slot(d.last_stage(), i).output));
+  return outs;
+}
+
+torch::Tensor PipelineRank::forward_only(const Bundle& input, int64_t batch_size, int microbatches) {
+  const std::vector<Bundle> outs = forward_outputs(input, batch_size, microbatches);
+  return outs.empty() ? torch::Tensor() : concat_main(outs);
 }
 
 EvalStats PipelineRank::evaluate(const Bundle& input, const torch::Tensor& target, int64_t batch_size,
                                  int microbatches) {
+  return evaluate(input, Bundle(target), batch_size, microbatches);
+}
+
+EvalStats PipelineRank::evaluate(const Bundle& input, const Bundle& target, int64_t batch_size, int microbatches) {
   Impl& d = *impl_;
-  torch::Tensor out = forward_only(input, batch_size, microbatches);
-  // loss sum, correct predictions, predictions, whether accuracy applies
-  torch::Tensor sums = torch::zeros({4}, torch::kDouble);
-  if (out.defined()) {
-    if (!target.defined())
+  const std::vector<Bundle> outs = forward_outputs(input, batch_size, microbatches);
+  // loss sum, correct predictions, predictions, whether accuracy applies, token count (per-token loss)
+  double sums_v[5] = {0, 0, 0, 0, 0};
+  if (!outs.empty()) {
+    if (target.empty() || !target.items().front().second.defined())
       throw UsageError("rank " + std::to_string(d.rank()) + " holds the last stage but evaluate got no target batch");
     torch::NoGradGuard no_grad;
-    const torch::Tensor t = target.to(out.device());
-    sums[0] = d.loss_fn(out, t).item<double>() * static_cast<double>(batch_size);
-    if (!t.is_floating_point() && out.dim() == t.dim() + 1) {
+    const torch::Tensor out = concat_main(outs);
+    const torch::Tensor t = target.has(kMainTensor) ? target.at(kMainTensor).to(out.device()) : torch::Tensor();
+    if (d.loss.normalization() == LossNormalization::Sample && d.loss.tensor_loss()) {
+      sums_v[0] = d.loss.tensor_loss()(out, t).item<double>() * static_cast<double>(batch_size);  // the whole batch at once
+    } else {
+      for (std::size_t i = 0; i < outs.size(); ++i) {
+        const auto [b, e] = d.ranges[i];
+        const LossTerm term = d.loss(outs[i], target.slice(b, e).to(d.options.device), static_cast<int>(i));
+        if (d.per_token) {
+          sums_v[0] += term.value.item<double>();
+          sums_v[4] += term.count;
+        } else {
+          sums_v[0] += term.value.item<double>() * static_cast<double>(e - b);
+        }
+      }
+    }
+    if (t.defined() && !t.is_floating_point() && out.dim() == t.dim() + 1) {
       // Negative targets are padding (ignored, as zoo::cross_entropy ignores -1); outputs of trimmed
       // micro-batches cover the first positions only.
       torch::Tensor tt = t;
       if (tt.dim() >= 2 && out.size(1) < tt.size(1)) tt = tt.slice(1, 0, out.size(1));
       const torch::Tensor real = tt >= 0;
-      sums[1] = out.argmax(-1).eq(tt).logical_and(real).sum().item<double>();
-      sums[2] = real.sum().item<double>();
-      sums[3] = 1;
+      sums_v[1] = out.argmax(-1).eq(tt).logical_and(real).sum().item<double>();
+      sums_v[2] = real.sum().item<double>();
+      sums_v[3] = 1;
     }
   }
+  torch::Tensor sums = host_tensor(std::vector<double>(sums_v, sums_v + 5));
   d.transport->all_reduce_sum(sums);
+  const double* v = host_doubles(sums);
   EvalStats e;
   e.samples = batch_size;
-  e.loss = sums[0].item<double>() / static_cast<double>(batch_size);
-  e.accuracy = sums[3].item<double>() > 0 ? sums[1].item<double>() / sums[2].item<double>()
-                                          : std::numeric_limits<double>::quiet_NaN();
+  e.loss = d.per_token ? v[0] / (v[4] > 0 ? v[4] : 1.0) : v[0] / static_cast<double>(batch_size);
+  e.accuracy = v[3] > 0 ? v[1] / v[2] : std::numeric_limits<double>::quiet_NaN();
   return e;
 }
 
@@ -1940,7 +2125,14 @@ std::vector<torch::Tensor> PipelineRank::parameters() const {
   return out;
 }
 
-LocalPipeline::LocalPipeline(torch::nn::Sequential model, LossFn loss, int stages, PipelineOptions options) {
+LocalPipeline::LocalPipeline(torch::nn::Sequential model, Loss loss, int stages, PipelineOptions options) {
+  if (stages < 1) throw UsageError("stages must be >= 1, got " + std::to_string(stages));
+  transports_ = make_local_transports(stages);
+  for (int r = 0; r < stages; ++r)
+    ranks_.push_back(std::make_unique<PipelineRank>(model, loss, transports_[static_cast<std::size_t>(r)], options));
+}
+
+LocalPipeline::LocalPipeline(const LayerwiseModel& model, Loss loss, int stages, PipelineOptions options) {
   if (stages < 1) throw UsageError("stages must be >= 1, got " + std::to_string(stages));
   transports_ = make_local_transports(stages);
   for (int r = 0; r < stages; ++r)
@@ -1973,6 +2165,14 @@ std::vector<Result> on_every_rank(const std::vector<std::unique_ptr<PipelineRank
 }  // namespace
 
 StepStats LocalPipeline::train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps) {
+  return train_steps(input, Bundle(target), batch_size, steps);
+}
+
+StepStats LocalPipeline::train_step(const Bundle& input, const Bundle& target, int64_t batch_size) {
+  return train_steps(input, target, batch_size, 1);
+}
+
+StepStats LocalPipeline::train_steps(const Bundle& input, const Bundle& target, int64_t batch_size, int steps) {
   const auto stats = on_every_rank<StepStats>(
       ranks_, [&](PipelineRank& rank) { return rank.train_steps(input, target, batch_size, steps); });
   StepStats out = stats[0];
@@ -1998,6 +2198,10 @@ torch::Tensor LocalPipeline::forward_only(const Bundle& input, int64_t batch_siz
 
 EvalStats LocalPipeline::evaluate(const Bundle& input, const torch::Tensor& target, int64_t batch_size,
                                   int microbatches) {
+  return evaluate(input, Bundle(target), batch_size, microbatches);
+}
+
+EvalStats LocalPipeline::evaluate(const Bundle& input, const Bundle& target, int64_t batch_size, int microbatches) {
   return on_every_rank<EvalStats>(
              ranks_, [&](PipelineRank& rank) { return rank.evaluate(input, target, batch_size, microbatches); })
       .front();  // known on every rank

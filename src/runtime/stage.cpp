@@ -57,7 +57,12 @@ std::vector<std::string> layer_type_names(const torch::nn::Sequential& model) {
 
 std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind,
                                 const std::string& solver) {
-  const int layers = layer_count(model);
+  return choose_balance(layer_type_names(model), layer_parameter_counts(model), stages, kind, solver);
+}
+
+std::vector<int> choose_balance(const std::vector<std::string>& types, const std::vector<double>& counts, int stages,
+                                const std::string& kind, const std::string& solver) {
+  const int layers = static_cast<int>(types.size());
   if (stages < 1) throw UsageError("stages must be >= 1, got " + std::to_string(stages));
   if (stages > layers)
     throw UsageError(std::to_string(stages) + " stages but the model has " + std::to_string(layers) +
@@ -69,8 +74,6 @@ std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, 
   if (kind == "parameters" || kind.rfind("type:", 0) == 0 || (kind == "uniform" && solver != "min-max")) {
     Profile p;
     p.model = "model";
-    const auto types = layer_type_names(model);
-    const auto counts = layer_parameter_counts(model);
     for (int i = 0; i < layers; ++i) {
       LayerProfile l;
       l.name = std::to_string(i);
@@ -94,6 +97,11 @@ std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, 
   }
   check_balance(balance, layers);
   return balance;
+}
+
+Stage::Stage(const torch::nn::Sequential& layers, int first_layer)
+    : Stage(layers, 0, static_cast<int>(layers->size())) {
+  first_ = first_layer;
 }
 
 Stage::Stage(const torch::nn::Sequential& model, int first_layer, int num_layers)

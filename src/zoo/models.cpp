@@ -328,6 +328,45 @@ torch::nn::Sequential make_gpt(const GptConfig& c) {
   return m;
 }
 
+LayerwiseModel gpt_layers(const GptConfig& c, uint64_t seed) {
+  check(c);
+  LayerwiseModel m;
+  m.layers = c.layers + 2;
+  m.seed = seed;
+  m.build = [c](int i) -> torch::nn::AnyModule {
+    if (i == 0) {
+      torch::nn::AnyModule embed = c.variable_length ? torch::nn::AnyModule(std::make_shared<MaskedEmbeddingImpl>(c))
+                                                     : torch::nn::AnyModule(Embedding(c));
+      if (c.tie_embeddings) {  // GPT-2's initialisation of both embeddings (make_gpt)
+        torch::NoGradGuard no_grad;
+        const std::string prefix = c.variable_length ? "embed." : "";
+        for (const std::string name : {"tokens.weight", "positions.weight"})
+          embed.ptr()->named_parameters()[prefix + name].normal_(0.0, 0.02);
+      }
+      return embed;
+    }
+    if (i <= c.layers)
+      return c.variable_length ? torch::nn::AnyModule(std::make_shared<MaskedBlockImpl>(c)) : torch::nn::AnyModule(Block(c));
+    return torch::nn::AnyModule(Head(c));
+  };
+  m.info = [c](int i) {
+    const double d = static_cast<double>(c.d_model), v = static_cast<double>(c.vocab), t = static_cast<double>(c.seq_len);
+    LayerInfo info;
+    if (i == 0) {
+      info.type = c.variable_length ? "MaskedEmbedding" : "Embedding";
+      info.parameters = v * d + t * d;
+    } else if (i <= c.layers) {
+      info.type = c.variable_length ? "MaskedBlock" : "Block";
+      info.parameters = 12 * d * d + 13 * d;  // LayerNorms 2 x 2d, qkv 3d(d+1), proj d(d+1), fc1 4d(d+1), fc2 d(4d+1)
+    } else {
+      info.type = "Head";
+      info.parameters = 2 * d + d * v;
+    }
+    return info;
+  };
+  return m;
+}
+
 std::vector<std::vector<ParameterRef>> gpt_ties(const GptConfig& c) {
   if (!c.tie_embeddings) return {};
   return {{{0, c.variable_length ? "embed.tokens.weight" : "tokens.weight"}, {c.layers + 1, "out.weight"}}};

@@ -16,7 +16,7 @@
 //
 // Inputs: every entry of the batch bundle given to train_step is cut along dimension 0 into the
 // micro-batches, so each entry holds one row per sample (expand per-sequence data such as position ids
-// to [N, ...]). The loss function receives the last stage's "x".
+// to [N, ...]). A tensor loss receives the last stage's "x", a bundle loss (loss.h) its whole bundle.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -29,7 +29,7 @@
 
 namespace pipetrain {
 
-// The entry a plain one-tensor layer reads and writes, and the one the loss function receives.
+// The entry a plain one-tensor layer reads and writes, and the one a tensor loss (loss.h) receives.
 inline constexpr const char* kMainTensor = "x";
 
 class Bundle {

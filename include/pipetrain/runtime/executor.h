@@ -11,6 +11,9 @@
 // Semantics (docs/ALGORITHMS.md §1.8, bundles §1.10): micro-batch k is the sample range [begin_k, end_k) of the mini-batch
 // (sizes differ by at most one, the first N mod m larger); its loss is the loss function's mean over
 // the micro-batch times b_k / N, so the accumulated gradient is the full-batch gradient for any split.
+// A per-token loss (loss.h, Loss::per_token) returns (sum, count) instead: the step's loss and gradient
+// are the sums over the micro-batches divided by the step's total count, the full batch's token mean.
+// The loss sees the last stage's whole output bundle and the micro-batch's rows of the target bundle.
 // The step's loss (sum of those terms) and the global gradient norm are all-reduced, so every rank
 // knows them; clipping by the global norm happens before any stage steps.
 //
@@ -80,6 +83,7 @@
 #include "pipetrain/core/schedule.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/runtime/bundle.h"
+#include "pipetrain/runtime/layers.h"
 #include "pipetrain/runtime/stage.h"
 #include "pipetrain/runtime/transport.h"
 #include "pipetrain/runtime/weights.h"
@@ -233,7 +237,8 @@ struct StepStats {
 };
 
 struct EvalStats {
-  double loss = 0.0;      // mean loss per sample (micro-batch means weighted by their sizes)
+  double loss = 0.0;      // mean loss per sample (micro-batch means weighted by their sizes); per token
+                          // for a per-token loss (the sums over the count)
   // Fraction of predictions argmax(output, -1) equal to the target, when the targets are class ids
   // (integer, one dimension fewer than the output: per sample, or per token for a language model;
   // negative ids are padding and not counted); NaN otherwise.
@@ -264,7 +269,14 @@ class PipelineRank {
  public:
   // `model` is the whole model (every rank builds it the same way, e.g. from the same seed); this rank
   // keeps the stages the schedule gives it. Throws UsageError on bad options (names the value and fix).
-  PipelineRank(torch::nn::Sequential model, LossFn loss, std::shared_ptr<Transport> transport,
+  // `loss`: a tensor loss (LossFn), a bundle loss or Loss::per_token (loss.h).
+  PipelineRank(torch::nn::Sequential model, Loss loss, std::shared_ptr<Transport> transport,
+               PipelineOptions options);
+  // A model given layer by layer (layers.h): this rank builds, initialises and holds the layers of its
+  // own stages only, each from its own seed, so their weights are those of build_all(model) whatever the
+  // cut. Tied members on other ranks get the group's first member's value at the first pass. Not with
+  // UMPIPE (UsageError).
+  PipelineRank(const LayerwiseModel& model, Loss loss, std::shared_ptr<Transport> transport,
                PipelineOptions options);
   ~PipelineRank();
   PipelineRank(PipelineRank&&) noexcept;
@@ -274,11 +286,15 @@ class PipelineRank {
   StepStats train_step(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size);
   // The same with a bundle of inputs (bundle.h), each entry cut into micro-batches along dimension 0.
   StepStats train_step(const Bundle& input, const torch::Tensor& target, int64_t batch_size);
+  // A bundle of targets: each entry cut like the input; the loss gets the micro-batch's rows of every
+  // entry (a tensor loss reads "x").
+  StepStats train_step(const Bundle& input, const Bundle& target, int64_t batch_size);
   // `steps` optimizer steps in one pass of the schedule laid out for `steps` steps (see the file
   // comment): the batch of `batch_size` samples is cut into `steps` mini-batches. Collective: every rank
   // passes the same `steps` and `batch_size`.
   StepStats train_steps(const torch::Tensor& input, const torch::Tensor& target, int64_t batch_size, int steps);
   StepStats train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps);
+  StepStats train_steps(const Bundle& input, const Bundle& target, int64_t batch_size, int steps);
 
   // Forward pass only, for evaluation and inference: the modules in evaluation mode (dropout off), no
   // autograd graph, the batch cut into `microbatches` micro-batches (0: the training m, capped at the
@@ -287,9 +303,14 @@ class PipelineRank {
   // stage, the outputs of the whole batch in sample order; an undefined tensor on the other ranks.
   // The result is the last stage's "x".
   torch::Tensor forward_only(const Bundle& input, int64_t batch_size, int microbatches = 0);
+  // The same pass, returning the last stage's whole output bundle of each micro-batch, in order (on the
+  // rank holding the last stage; empty on the others).
+  std::vector<Bundle> forward_outputs(const Bundle& input, int64_t batch_size, int microbatches = 0);
   // forward_only, then the loss (and accuracy, see EvalStats) of the batch, known on every rank.
-  // `target` is needed on the rank of the last stage only.
+  // `target` is needed on the rank of the last stage only. A tensor loss normalised per sample scores the
+  // whole batch's "x" at once; a bundle or per-token loss each micro-batch, combined as in training.
   EvalStats evaluate(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int microbatches = 0);
+  EvalStats evaluate(const Bundle& input, const Bundle& target, int64_t batch_size, int microbatches = 0);
 
   // Sets the learning rate of every optimizer of this rank (a schedule calls it before each step).
   void set_learning_rate(double lr);
@@ -326,11 +347,15 @@ class PipelineRank {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  void construct(const torch::nn::Sequential* whole, const LayerwiseModel* layerwise, Loss loss,
+                 std::shared_ptr<Transport> transport, PipelineOptions options);
 };
 
 class LocalPipeline {
  public:
-  LocalPipeline(torch::nn::Sequential model, LossFn loss, int stages, PipelineOptions options);
+  LocalPipeline(torch::nn::Sequential model, Loss loss, int stages, PipelineOptions options);
+  // Each rank builds only its own layers (PipelineRank's layerwise constructor).
+  LocalPipeline(const LayerwiseModel& model, Loss loss, int stages, PipelineOptions options);
   ~LocalPipeline();
   // Runs one step on all ranks (one thread each). If any rank fails, rethrows the first failure that is
   // not merely another rank's report of it.
@@ -339,10 +364,14 @@ class LocalPipeline {
   // With a bundle of inputs; `batch_size` samples (every entry has that many rows).
   StepStats train_step(const Bundle& input, const torch::Tensor& target, int64_t batch_size);
   StepStats train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps);
+  // With a bundle of targets (PipelineRank::train_step).
+  StepStats train_step(const Bundle& input, const Bundle& target, int64_t batch_size);
+  StepStats train_steps(const Bundle& input, const Bundle& target, int64_t batch_size, int steps);
   // PipelineRank::forward_only on every rank: the outputs of the whole batch (the last stage's "x").
   torch::Tensor forward_only(const Bundle& input, int64_t batch_size, int microbatches = 0);
   // PipelineRank::evaluate on every rank.
   EvalStats evaluate(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int microbatches = 0);
+  EvalStats evaluate(const Bundle& input, const Bundle& target, int64_t batch_size, int microbatches = 0);
   const Schedule& schedule() const;
   PipelineRank& rank(int r) { return *ranks_.at(static_cast<std::size_t>(r)); }
   // Rank r's transport, for what takes one next to its PipelineRank (checkpoints, a Trainer); call those

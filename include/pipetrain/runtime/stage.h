@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "pipetrain/runtime/bundle.h"
+#include "pipetrain/runtime/loss.h"
 
 namespace pipetrain {
 
@@ -21,8 +22,7 @@ enum class Checkpoint { Always, ExceptLast, Never };
 Checkpoint parse_checkpoint(const std::string& text);  // "always" | "except_last" | "never"
 std::string to_string(Checkpoint c);
 
-// Loss of one micro-batch: the mean over its samples (pipetrain scales it by b_k / N).
-using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+// LossFn, Loss: runtime/loss.h.
 
 // Number of layers (top-level children) of a Sequential.
 int layer_count(const torch::nn::Sequential& model);
@@ -43,6 +43,10 @@ std::vector<std::string> layer_type_names(const torch::nn::Sequential& model);
 // balance does not fit the model.
 std::vector<int> choose_balance(const torch::nn::Sequential& model, int stages, const std::string& kind,
                                 const std::string& solver = "min-max");
+// The same from each layer's type name and trainable parameter count (a model given layer by layer,
+// layers.h, whose layers are not all built here).
+std::vector<int> choose_balance(const std::vector<std::string>& types, const std::vector<double>& counts, int stages,
+                                const std::string& kind, const std::string& solver = "min-max");
 
 // A parameter of the model: its layer (top-level child of the Sequential) and its name within that
 // layer as named_parameters() gives it ("weight", "out.weight"). Tied weights name their members so.
@@ -54,6 +58,9 @@ struct ParameterRef {
 class Stage {
  public:
   Stage(const torch::nn::Sequential& model, int first_layer, int num_layers);
+  // All of `layers`, which are the model's layers first_layer, first_layer + 1, ... (a rank that built
+  // only its own layers, layers.h).
+  Stage(const torch::nn::Sequential& layers, int first_layer);
   // Runs the stage's layers in order on a bundle (bundle.h: plain layers read and write "x",
   // BundleModules the whole bundle). A LibTorch error inside a layer comes back naming the layer, its
   // type and the bundle it got.

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "pipetrain/runtime/layers.h"
 #include "pipetrain/runtime/stage.h"
 
 namespace pipetrain::zoo {
@@ -57,6 +58,12 @@ struct GptConfig {
   bool variable_length = false;
 };
 torch::nn::Sequential make_gpt(const GptConfig& c);
+// The gpt layer by layer (runtime/layers.h), for ranks that build only their own layers: layer i drawn
+// from (seed, i), its info given without building. Its layers are make_gpt's modules; their weights are
+// build_all's, not those of make_gpt after torch::manual_seed (one stream for the whole model). With
+// tie_embeddings the head's copy of the token embedding is its own draw until a pipeline built with
+// gpt_ties copies the embedding's value into it.
+LayerwiseModel gpt_layers(const GptConfig& c, uint64_t seed);
 // The tie groups of a gpt built with `c` (for PipelineOptions::tied): the token embedding (layer 0,
 // "tokens.weight") with the head's weight (the last layer, "out.weight"); none without tie_embeddings.
 std::vector<std::vector<ParameterRef>> gpt_ties(const GptConfig& c);
