@@ -1,5 +1,5 @@
-// A small transformer of your own with tied input and output embeddings and a padding mask, pipelined
-// over 2 stages. Sequences have different lengths: each batch is padded, the mask travels with the
+// A small transformer of your own with tied input and output embeddings, a padding mask and a loss
+// normalised per token, pipelined over 2 stages. Sequences have different lengths: each batch is padded, the mask travels with the
 // activations (a bundle of named tensors, pipetrain/runtime/bundle.h), and the first layer trims every
 // micro-batch to its longest sequence, so shapes change between micro-batches (variable_shapes).
 #include <torch/torch.h>
@@ -68,12 +68,19 @@ int main() {
   options.optimizer.lr = 3e-3;
   options.tied = {{{0, "tokens"}, {3, "weight"}}};  // the head starts as (and stays) the embedding
   options.variable_shapes = true;                   // sequence lengths differ between micro-batches
-  // Next-token loss over the real positions: padding targets are -1.
-  auto loss = [](const torch::Tensor& logits, const torch::Tensor& target) {
-    const torch::Tensor t = target.slice(1, 0, logits.size(1));
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), t.reshape(-1),
-                                                torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-1));
-  };
+  // Next-token loss per token: each micro-batch returns the sum of its tokens' losses and how many tokens
+  // it has, and the step's loss is the sum over the mini-batch divided by its token count. (A mean per
+  // micro-batch, weighted by micro-batch size, would weigh a token in a micro-batch of short sequences
+  // more than one among long sequences.) The target is a bundle: the next token, and whether there is one.
+  auto loss = pipetrain::Loss::per_token([](const pipetrain::Bundle& out, const pipetrain::Bundle& target) {
+    const torch::Tensor logits = out.at("x");  // [n, L, vocab], L = this micro-batch's longest sequence
+    const int64_t len = logits.size(1);
+    const torch::Tensor next = target.at("next").slice(1, 0, len).reshape(-1);
+    const torch::Tensor real = target.at("has_next").slice(1, 0, len).reshape(-1);
+    const torch::Tensor nll = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, kVocab}), next, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+    return pipetrain::LossTerm(nll.masked_select(real).sum(), real.sum());
+  });
   pipetrain::LocalPipeline pipeline(model, loss, /*stages=*/2, options);
 
   // Task: count up modulo the vocabulary from a random start, in sequences of 4 to 12 tokens.
@@ -84,7 +91,7 @@ int main() {
     const torch::Tensor pos = torch::arange(kMaxLen + 1).unsqueeze(0);
     const torch::Tensor seq = (start + pos) % kVocab;
     const torch::Tensor mask = pos.slice(1, 0, kMaxLen) < len;
-    const torch::Tensor target = seq.slice(1, 1).masked_fill(pos.slice(1, 1) >= len, -1);
+    const pipetrain::Bundle target{{"next", seq.slice(1, 1)}, {"has_next", pos.slice(1, 1) < len}};
     last = pipeline.train_steps(pipetrain::Bundle{{"x", seq.slice(1, 0, kMaxLen)}, {"mask", mask}}, target, 32, 1).loss;
     if (step == 0) first = last;
     if (step % 50 == 0) std::cout << "step " << step << " loss " << last << "\n";

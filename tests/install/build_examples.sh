@@ -17,4 +17,6 @@ cmake --build "$work/build" -j2
 "$work/build/my_mlp"
 "$work/build/my_trainer"
 "$work/build/tied_transformer"
+"$work/build/skips_zbv"
+"$work/build/two_inputs"
 echo "examples built against the installed package and ran"
