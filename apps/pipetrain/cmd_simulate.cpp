@@ -176,7 +176,12 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       const bool searched = exact->apply(*flags, s, found);
       if (searched && s.skips.empty()) flags->add_skips(s);  // the searched schedule, with the routes
       const CostModel costs = flags->costs(s);
-      const SimResult r = simulate(s, costs);
+      // The timeline is kept only for what draws it; the table and --json need the metrics alone, which
+      // take a fraction of the memory at large p x m.
+      const bool timeline = !trace->empty() || !svg->empty() || *ascii;
+      SimResult r;
+      if (timeline) r = simulate(s, costs);
+      else r.metrics = simulate_metrics(s, costs);
       const HeapOptions policy = *reference ? HeapOptions::reference() : HeapOptions{};
       const std::vector<HeapPeak> heap = predict_heap(s, costs, policy);
       if (!trace->empty()) write_file_atomic(*trace, chrome_trace_json(r.timeline));

@@ -153,8 +153,10 @@ TEST(PlanCli, UsageErrors) {
   };
   for (const Case& c : std::vector<Case>{
            {"plan --profile /nonexistent.json", "/nonexistent.json"},
-           {"plan --profile " + (dir / "short.json").string() + " --ranks 2", "2 ranks but the profile has 1 layers"},
-           {"plan --profile " + (dir / "short.json").string() + " --ranks 0", "--ranks must be >= 1"},
+           {"plan --profile " + (dir / "short.json").string() + " --ranks 2 --no-hybrid",
+            "2 ranks but the profile has 1 layers"},
+           {"plan --profile " + (dir / "short.json").string() + " --ranks 0", "--ranks must be in 1..1048576"},
+           {"plan --profile " + (dir / "short.json").string() + " --ranks 10000000", "got 10000000"},
            {"plan --profile " + (dir / "short.json").string() + " --pipedream-batch 4", "drop --pipedream-batch"},
            {"train --transport local --balance speed" + kModel, "unknown balance"},
            {"train --transport local --balance time --profile " + (dir / "short.json").string() + kModel,
