@@ -183,7 +183,12 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       if (timeline) r = simulate(s, costs);
       else r.metrics = simulate_metrics(s, costs);
       const HeapOptions policy = *reference ? HeapOptions::reference() : HeapOptions{};
-      const std::vector<HeapPeak> heap = predict_heap(s, costs, policy);
+      // With a profile (or byte amounts) the heap model has gradients and messages to add; the table shows
+      // it only then, --json always. (It walks the lowered schedule: skipped when nothing shows it.)
+      bool heap_inputs = false;
+      for (const StageCost& c : costs.stage) heap_inputs |= c.gradient_b + c.gradient_w + c.message > 0;
+      const std::vector<HeapPeak> heap =
+          *json || heap_inputs ? predict_heap(s, costs, policy) : std::vector<HeapPeak>{};
       if (!trace->empty()) write_file_atomic(*trace, chrome_trace_json(r.timeline));
       if (!svg->empty()) write_file_atomic(*svg, gantt_svg(r.timeline, r.metrics));
       if (*json) {
@@ -198,9 +203,6 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
         for (const std::string& n : notes) std::cout << "note: " << escape_controls(n) << "\n";  // may quote the file
         if (searched) std::cout << found.summary() << " (one step)\n";
         print_metrics_table(std::cout, s, r);
-        // With a profile (or byte amounts) the heap model has gradients and messages to add.
-        bool heap_inputs = false;
-        for (const StageCost& c : costs.stage) heap_inputs |= c.gradient_b + c.gradient_w + c.message > 0;
         if (heap_inputs) print_heap_table(std::cout, heap, policy, !flags->profile.empty());
         if (*ascii) std::cout << ascii_gantt(r.timeline);
         if (!trace->empty()) std::cout << "trace written to " << *trace << "\n";
