@@ -260,3 +260,38 @@ TEST(PlanCli, ReplicatedPipelinesTrainLikeOne) {
   }
   fs::remove_all(dir);
 }
+
+// Issue 28: more ranks than layers give hybrid plans (replicas of a shorter pipeline), and the chosen
+// plan is never slower than a row the output shows: data parallelism, uniform 1f1b, PipeDream's plan.
+TEST(PlanCli, HybridPlansForMoreRanksThanLayers) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  for (const char* ranks : {"39", "256"}) {
+    const CommandResult r = run_pipetrain("plan --profile " + vgg.string() + " --ranks " + ranks + " --bandwidth 1.25");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_TRUE(r.has("why: fastest")) << r.out;
+    const double chosen = row_time(r.out, "chosen:");
+    ASSERT_GT(chosen, 0) << r.out;
+    for (const char* row : {"data parallelism", "uniform balance, 1f1b", "PipeDream's plan as 1F1B-RR", "runner-up:"}) {
+      const double t = row_time(r.out, row);
+      if (t > 0) EXPECT_LE(chosen, t) << row << "\n" << r.out;
+    }
+    EXPECT_GT(row_time(r.out, "data parallelism"), 0) << r.out;
+  }
+}
+
+// The torch-free front (`pipetrain`) runs plan, simulate and schedule itself and hands other commands to
+// pipetrain-torch next to it with the same arguments.
+TEST(PlanCli, TheFrontHandsTorchCommandsOn) {
+  const fs::path front(PIPETRAIN_BIN);
+  ASSERT_TRUE(fs::exists(front.parent_path() / "pipetrain-torch")) << "pipetrain-torch is built with pipetrain";
+  CommandResult r = run_pipetrain("train --help");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("--schedule")) << r.out;
+  r = run_pipetrain("--help");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("train")) << r.out;
+  EXPECT_TRUE(r.has("profile")) << r.out;
+  r = run_pipetrain("simulate -s 1f1b -p 4 -m 8");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("makespan 33.000")) << r.out;  // (m + p - 1) (F + B + W) at unit costs
+}

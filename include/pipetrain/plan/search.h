@@ -56,9 +56,9 @@ struct PlanSearchOptions {
   bool hybrid = true;              // false: only straight pipelines over min(ranks, layers) ranks
   bool exhaustive = false;         // simulate every candidate (no pruning): the reference the tests compare with
   // PipeDream's planner is O(L^2 R^2) on one level; above this many ranks (and without levels given) it
-  // runs on two levels of the same links, groups of g ranks with g the divisor of R that minimises its
-  // work (about L^3 g^2 + L^2 (R/g)^2), which restricts its replication to whole groups at the outer
-  // level; not at all for a prime R.
+  // runs on two levels of the same links, groups of g ranks with g the divisor of R nearest sqrt(R)
+  // (each level costs about L^3 x its units squared), which restricts its replication to whole groups at
+  // the outer level; not at all for a prime R.
   int pipedream_max_ranks = 256;
 };
 
