@@ -113,26 +113,32 @@ void check_structure(const Schedule& s) {
 }
 
 // Actions are unique except optimizer steps, which every replica of a stage runs: steps are keyed by
-// their rank, everything else by rank -1. Held as a vector sorted by key (a map took ~70 bytes per action:
-// 176 MB at 512 stages x 2048 micro-batches), looked up by binary search.
+// their rank, everything else by rank -1. Held as the cells sorted by their actions' keys (a map took ~70 bytes
+// per action: 176 MB at 512 stages x 2048 micro-batches; this takes 8), looked up by binary search.
 class Where {
  public:
   using Key = std::pair<Action, int>;
-  using Entry = std::pair<Key, GridCell>;
-  using const_iterator = std::vector<Entry>::const_iterator;
-  const_iterator begin() const { return items_.begin(); }
-  const_iterator end() const { return items_.end(); }
-  const_iterator find(const Key& k) const {
-    auto it = std::lower_bound(items_.begin(), items_.end(), k, [](const Entry& e, const Key& x) { return e.first < x; });
-    return it != items_.end() && !(k < it->first) ? it : items_.end();
+  explicit Where(const Schedule& s) : s_(&s) {}
+  // The key of the action at a cell.
+  Key key(const GridCell& c) const {
+    const Action& a = s_->actions[static_cast<std::size_t>(c.rank)][static_cast<std::size_t>(c.pos)];
+    return {a, a.kind == ActionKind::Step ? c.rank : -1};
   }
-  std::size_t count(const Key& k) const { return find(k) != end() ? 1 : 0; }
+  const GridCell* find(const Key& k) const {
+    auto it = std::lower_bound(cells_.begin(), cells_.end(), k, [&](const GridCell& c, const Key& x) { return key(c) < x; });
+    return it != cells_.end() && !(k < key(*it)) ? &*it : nullptr;
+  }
+  std::size_t count(const Key& k) const { return find(k) ? 1 : 0; }
   const GridCell& at(const Key& k) const {
-    const auto it = find(k);
-    if (it == end()) throw std::out_of_range("validate: no such action");
-    return it->second;
+    const GridCell* c = find(k);
+    if (!c) throw std::out_of_range("validate: no such action");
+    return *c;
   }
-  std::vector<Entry> items_;
+  // Cells in key order (8 bytes per action; the keys are read from the schedule).
+  std::vector<GridCell> cells_;
+
+ private:
+  const Schedule* s_;
 };
 std::pair<Action, int> key_of(const Action& a, int rank) { return {a, a.kind == ActionKind::Step ? rank : -1}; }
 
@@ -141,10 +147,10 @@ bool scanned_before(const GridCell& a, const GridCell& b) { return a.rank != b.r
 // Where each action sits; fails on out-of-range actions, wrong owners and duplicates, reporting the first
 // problem in row order (rank, then position) as a scan that stopped at it would.
 Where locate(const Schedule& s) {
-  Where where;
+  Where where(s);
   std::size_t total = 0;
   for (const auto& row : s.actions) total += row.size();
-  where.items_.reserve(total);
+  where.cells_.reserve(total);
   std::exception_ptr first_error;
   GridCell error_at{std::numeric_limits<int>::max(), std::numeric_limits<int>::max()};
   for (int r = 0; r < s.ranks && !first_error; ++r) {
@@ -209,23 +215,23 @@ Where locate(const Schedule& s) {
         error_at = GridCell{r, pos};
         break;
       }
-      where.items_.push_back({key_of(a, r), GridCell{r, pos}});
+      where.cells_.push_back(GridCell{r, pos});
     }
   }
-  std::stable_sort(where.items_.begin(), where.items_.end(),
-                   [](const Where::Entry& x, const Where::Entry& y) { return x.first < y.first; });
+  std::stable_sort(where.cells_.begin(), where.cells_.end(),
+                   [&](const GridCell& x, const GridCell& y) { return where.key(x) < where.key(y); });
   // The first duplicate in row order: equal neighbours, the later one earliest.
-  const Where::Entry* dup_first = nullptr;
-  const Where::Entry* dup_second = nullptr;
-  for (std::size_t k = 1; k < where.items_.size(); ++k) {
-    const auto& x = where.items_[k - 1];
-    const auto& y = where.items_[k];
-    if (x.first < y.first) continue;
-    if (!dup_second || scanned_before(y.second, dup_second->second)) dup_first = &x, dup_second = &y;
+  const GridCell* dup_first = nullptr;
+  const GridCell* dup_second = nullptr;
+  for (std::size_t k = 1; k < where.cells_.size(); ++k) {
+    const GridCell& x = where.cells_[k - 1];
+    const GridCell& y = where.cells_[k];
+    if (where.key(x) < where.key(y)) continue;
+    if (!dup_second || scanned_before(y, *dup_second)) dup_first = &x, dup_second = &y;
   }
-  if (dup_second && scanned_before(dup_second->second, error_at))
-    fail(s, to_string(dup_second->first.first) + " appears twice: every action runs exactly once",
-         {dup_first->second, dup_second->second});
+  if (dup_second && scanned_before(*dup_second, error_at))
+    fail(s, to_string(where.key(*dup_second).first) + " appears twice: every action runs exactly once",
+         {*dup_first, *dup_second});
   if (first_error) std::rethrow_exception(first_error);
   return where;
 }
@@ -260,8 +266,8 @@ void check_complete(const Schedule& s, const Where& where) {
   auto has = [&](ActionKind k, int st, int i) { return where.count({Action{k, st, i}, -1}) > 0; };
   auto at = [&](ActionKind k, int st, int i) { return where.at({Action{k, st, i}, -1}); };
   bool has_steps = false, lowered = false;
-  for (const auto& [key, cell] : where) {
-    const Action& a = key.first;
+  for (const GridCell& cell : where.cells_) {
+    const Action& a = where.key(cell).first;
     has_steps |= a.kind == ActionKind::Step;
     lowered |= is_comm(a.kind);
   }
@@ -327,12 +333,13 @@ void check_complete(const Schedule& s, const Where& where) {
 void check_local_order(const Schedule& s, const Where& where) {
   int rank = 0;  // the rank of the micro-batch being checked (its replica's optimizer steps)
   auto before = [&](const Action& x, const Action& y, const std::string& why) {
-    auto ix = where.find(key_of(x, rank)), iy = where.find(key_of(y, rank));
-    if (ix == where.end() || iy == where.end()) return;
-    if (ix->second.pos > iy->second.pos)
-      fail(s, to_string(y) + " runs before " + to_string(x) + " on rank " + std::to_string(iy->second.rank) + ": " +
+    const GridCell* ix = where.find(key_of(x, rank));
+    const GridCell* iy = where.find(key_of(y, rank));
+    if (!ix || !iy) return;
+    if ((*ix).pos > (*iy).pos)
+      fail(s, to_string(y) + " runs before " + to_string(x) + " on rank " + std::to_string((*iy).rank) + ": " +
                   why,
-           {iy->second, ix->second});
+           {(*iy), (*ix)});
   };
   for (int st = 0; st < s.stages; ++st)
     for (int i = 0; i < s.microbatches; ++i) {
