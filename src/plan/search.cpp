@@ -525,7 +525,8 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
   const auto all = branch_and_bound([](const Cand&) { return true; });
   const int straight_p = std::min(R, L);
   const auto single = branch_and_bound([&](const Cand& c) {
-    return c.d == 1 && layouts[static_cast<std::size_t>(c.layout)].p == straight_p;
+    const Layout& lay = layouts[static_cast<std::size_t>(c.layout)];
+    return c.d == 1 && lay.p == straight_p && lay.stages == lay.p;  // one stage per rank: what UMPIPE cuts
   });
   if (!all) throw UsageError("no candidate could be laid out: check --schedules and --microbatch-counts");
   res.best = *all;

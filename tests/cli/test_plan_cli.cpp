@@ -43,8 +43,7 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
   EXPECT_EQ(prof.at("layers")[1].at("type"), "Block");
   EXPECT_EQ(prof.at("layers")[1].at("by_micro_batch").size(), 2u);
 
-  r = run_pipetrain("plan --profile " + (dir / "profile.json").string() + " --ranks 3 --batch-size 16 --out " +
-                    (dir / "plan.json").string());
+  r = run_pipetrain("plan --profile " + (dir / "profile.json").string() + " --ranks 3 --batch-size 16");
   ASSERT_EQ(r.code, 0) << r.out;
   const double chosen = row_time(r.out, "chosen:"), uniform = row_time(r.out, "uniform balance, 1f1b");
   ASSERT_GT(chosen, 0) << r.out;
@@ -52,6 +51,10 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
   EXPECT_LE(chosen, uniform) << "uniform 1f1b is among the candidates, so the choice cannot be slower\n" << r.out;
   EXPECT_TRUE(r.has("data parallelism")) << r.out;
   EXPECT_TRUE(r.has("PipeDream planner")) << r.out;
+  // A straight pipeline over the 3 ranks (one stage per rank), for train --plan below.
+  r = run_pipetrain("plan --profile " + (dir / "profile.json").string() + " --ranks 3 --batch-size 16 --no-hybrid "
+                    "--schedules gpipe 1f1b zb-h1 --out " + (dir / "plan.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
   const nlohmann::json plan = read_json_file(dir / "plan.json");
   ASSERT_EQ(plan.at("balance").size(), 3u);
   int layers = 0;

@@ -87,7 +87,7 @@ struct PlanSearchResult {
   std::vector<PlanCandidate> candidates;     // every candidate simulated (the pruned ones are not)
   int64_t considered = 0;                    // candidates in the search space (simulated + pruned)
   PlanCandidate best;                        // the chosen plan: never worse than any candidate here
-  PlanCandidate best_straight;               // the best single pipeline over min(R, L) ranks (what UMPIPE cuts)
+  PlanCandidate best_straight;  // the best single pipeline over min(R, L) ranks, one stage each (what UMPIPE cuts)
   std::optional<PlanCandidate> uniform_1f1b;  // the baseline: uniform balance, 1f1b, min(R, L) stages, its best m
   // Data parallelism: p = 1 on min(ranks, batch) replicas, one micro-batch, as simulated (the whole
   // model's compute on each replica's share, then the ring all-reduce of the gradients).
