@@ -198,3 +198,30 @@ TEST(SimulateMetrics, BoundaryTransferTimesApplyPerCut) {
   wrong.boundary_comm = {1.0, -1.0};
   EXPECT_THROW(simulate_metrics(s, wrong), UsageError);
 }
+
+// A chosen plan with two stages per rank (interleaved, the V shapes) lists every stage in its file, and
+// records virtual_stages so the reader counts its ranks, not its stages, against the devices.
+TEST(PlanHybrid, PlanFilesWithVirtualStagesRoundTrip) {
+  std::mt19937 rng(3);
+  const Profile prof = random_profile(rng, 6);
+  PlanSearchOptions o;
+  o.ranks = 2;
+  o.batch_size = 16;
+  o.schedules = {"interleaved"};
+  o.hybrid = false;
+  const PlanSearchResult r = search_plans(prof, o);
+  ASSERT_EQ(r.chosen().virtual_stages, 2);
+  const PlanFile f = plan_file_for(prof, r);
+  EXPECT_EQ(f.virtual_stages, 2);
+  EXPECT_EQ(f.plan.balance.size(), 4u);
+  const nlohmann::json j = plan_file_to_json(f);
+  const PlanFile back = plan_file_from_json(j, "v.json");
+  EXPECT_EQ(back.virtual_stages, 2);
+  EXPECT_EQ(back.plan.balance, f.plan.balance);
+  nlohmann::json flat = j;
+  flat.erase("virtual_stages");  // four stages of one rank each on two devices: refused
+  EXPECT_THROW(plan_file_from_json(flat, "flat.json"), UsageError);
+  nlohmann::json odd = j;
+  odd["virtual_stages"] = 3;  // does not divide the four stages
+  EXPECT_THROW(plan_file_from_json(odd, "odd.json"), UsageError);
+}
