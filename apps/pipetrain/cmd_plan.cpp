@@ -250,8 +250,10 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
   if (const auto& pd = res.pipedream) {
     const double per_batch = pd->time_ms * static_cast<double>(batch) / prof.micro_batch_size;
     std::cout << fmt::format("  PipeDream planner's own estimate (asynchronous, no flush; its cost model, not the rows'): "
-                             "{:.2f} ms/mini-batch, {} x replication {} ({} cost form)\n",
-                             per_batch, list(pd->balance), list(pd->replication), f->cost_form);
+                             "{:.2f} ms/mini-batch, peak {:.3f} GiB, {} x replication {} ({} cost form)\n",
+                             per_batch,
+                             *std::max_element(pd->stage_memory_bytes.begin(), pd->stage_memory_bytes.end()) / 1073741824.0,
+                             list(pd->balance), list(pd->replication), f->cost_form);
   } else {
     std::cout << "  PipeDream planner: no plan: " << res.pipedream_error << "\n";
   }

@@ -119,8 +119,8 @@ TEST(PlanCli, PipeDreamVgg16Profile) {
 TEST(PlanCli, PipeDreamStatesReproducePipeDreamsPlanner) {
   const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
   for (const auto& [ranks, row] : std::vector<std::pair<int, std::string>>{
-           {4, "205.52        -       24.322  17,23 x replication 3,1"},
-           {8, "103.83        -       26.758  24,16 x replication 7,1"}}) {
+           {4, "205.52 ms/mini-batch, peak 24.322 GiB, 17,23 x replication 3,1"},
+           {8, "103.83 ms/mini-batch, peak 26.758 GiB, 24,16 x replication 7,1"}}) {
     const CommandResult r =
         run_pipetrain("plan --profile " + vgg.string() + " --pipedream-states --pipedream-batch 128 --ranks " +
                       std::to_string(ranks) + " --bandwidth 1 --cost-form reference --activation-compression 1 "
