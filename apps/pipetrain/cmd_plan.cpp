@@ -43,8 +43,12 @@ struct PlanFlags {
   std::vector<std::string> levels;
   double memory_gib = 0;       // per rank; 0 = unlimited
   int64_t batch_size = 0;      // 0: 8 x the profile's micro-batch size
-  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1"};
+  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"};
+  std::vector<int> virtual_counts{2};
   std::vector<int> microbatch_counts{1, 2, 4, 8, 16, 32};
+  bool no_hybrid = false;  // only straight pipelines over all ranks (the search before replicas)
+  bool exhaustive = false; // simulate every candidate (no pruning)
+  int top = 8;             // runners-up shown
   std::vector<std::string> kinds{"uniform", "parameters", "time", "memory"};
   std::string cost_form = "paper";
   std::string planner = "pipeline";  // pipeline | umpipe
@@ -100,8 +104,17 @@ void add_plan_flags(CLI::App* cmd, const std::shared_ptr<PlanFlags>& f) {
                   "hierarchical network for PipeDream's planner, innermost first: MACHINES:GB/s, e.g. --level 4:100 "
                   "--level 2:3.125 (the product of MACHINES is the device count)");
   cmd->add_option("--memory", f->memory_gib, "GiB per rank (weights, gradients, optimizer state, activations); 0 = no limit");
-  cmd->add_option("--batch-size", f->batch_size, "samples per mini-batch; default 8 x the profile's micro-batch size");
-  cmd->add_option("--schedules", f->schedules, "schedules to consider, default gpipe 1f1b zb-h1");
+  cmd->add_option("--batch-size", f->batch_size,
+                  "samples per mini-batch; default max(8, ranks) x the profile's micro-batch size");
+  cmd->add_option("--schedules", f->schedules,
+                  "schedules to consider (synchronous ones), default gpipe 1f1b zb-h1 interleaved zb-v");
+  cmd->add_option("--virtual-counts", f->virtual_counts,
+                  "stages per rank to try for the looped schedules (interleaved, interleaved-zb, looped-bfs), default 2");
+  cmd->add_flag("--no-hybrid", f->no_hybrid,
+                "only straight pipelines over all the ranks (no data-parallel replicas, no shorter pipelines)");
+  cmd->add_flag("--exhaustive", f->exhaustive,
+                "simulate every candidate instead of pruning those whose lower bound cannot win (same choice, slower)");
+  cmd->add_option("--top", f->top, "runners-up to show (the best plan of each other shape), default 8");
   cmd->add_option("--microbatch-counts", f->microbatch_counts, "micro-batch counts to consider, default 1 2 4 8 16 32");
   cmd->add_option("--balances", f->kinds, "balance kinds to consider, default uniform parameters time memory");
   cmd->add_option("--cost-form", f->cost_form, "PipeDream planner's cost form: paper (default) or reference");
@@ -124,7 +137,9 @@ void add_plan_flags(CLI::App* cmd, const std::shared_ptr<PlanFlags>& f) {
 }
 
 void check_plan_flags(const PlanFlags* f, const CLI::App* cmd) {
-  if (f->ranks < 1) throw UsageError("--ranks must be >= 1, got " + std::to_string(f->ranks));
+  if (f->ranks < 1 || f->ranks > kMaxPlanRanks)
+    throw UsageError(fmt::format("--ranks must be in 1..{} (the devices to plan for), got {}", kMaxPlanRanks, f->ranks));
+  if (f->top < 0) throw UsageError("--top must be >= 0, got " + std::to_string(f->top));
   if (!(f->bandwidth_gbps > 0)) throw UsageError("--bandwidth must be > 0 GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
   if (f->memory_gib < 0) throw UsageError("--memory must be >= 0 GiB, got " + fmt::format("{}", f->memory_gib));
   for (int m : f->microbatch_counts)
@@ -172,45 +187,91 @@ Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
 }
 
 
-// The search's table: the chosen plan against uniform 1f1b, data parallelism and PipeDream's planner.
+// One plan's shape in words: "4 stages x 8 replicas, 1f1b v=1 m=16 (time, min-max)".
+std::string shape_text(const PlanCandidate& c) {
+  if (!c.replication.empty())
+    return fmt::format("{} stages replicated {} (1F1B-RR), m={}", c.balance.size(), list(c.replication), c.m);
+  std::string s = c.stages == 1 ? fmt::format("1 stage x {} replicas", c.replicas)
+                                : fmt::format("{} stages x {} replica{}", c.stages, c.replicas, c.replicas == 1 ? "" : "s");
+  s += fmt::format(", {}", c.schedule);
+  if (c.virtual_stages > 1) s += fmt::format(" v={}", c.virtual_stages);
+  s += fmt::format(" m={}", c.m);
+  if (!c.placement.empty()) s += ", " + c.placement;
+  return s;
+}
+
+// The search's table: the chosen plan, why it won, the runners-up of other shapes, and the baselines
+// (uniform 1f1b, data parallelism, PipeDream's plan). Every row's time is the same simulation's, so the
+// chosen plan is never slower than a row below it (within the memory limit).
 void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult& res, double limit) {
   const int layers = static_cast<int>(prof.layers.size());
   const int64_t batch = res.batch_size;
-  const PlanCandidate& best = res.best_straight;
   const PlanCandidate& top = res.chosen();
   std::cout << fmt::format("plan for {} ({} layers, profiled at micro-batch {}), {} ranks, {}, {}, mini-batch {}\n",
-                           excerpt(prof.model), layers, prof.micro_batch_size, f->ranks, bandwidth_text(f->bandwidth_gbps),
+                           excerpt(prof.model), layers, prof.micro_batch_size, f->ranks,
+                           f->levels.empty() ? bandwidth_text(f->bandwidth_gbps)
+                                             : fmt::format("{} level{}", f->levels.size(), f->levels.size() > 1 ? "s" : ""),
                            limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
-  std::cout << fmt::format("  {:<34} {:>14} {:>8} {:>12}  {}\n", "", "ms/mini-batch", "bubble", "peak GiB", "balance");
+  std::cout << fmt::format("  searched {} candidates, simulated {} (the others' lower bound could not beat the best)\n",
+                           res.considered, res.candidates.size());
+  std::cout << fmt::format("  {:<48} {:>6} {:>14} {:>12} {:>8} {:>10}  {}\n", "", "ranks", "ms/mini-batch", "samples/s",
+                           "bubble", "peak GiB", "balance");
   auto row = [&](const std::string& name, const PlanCandidate& c) {
-    std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {}{}\n", name, c.makespan, c.bubble,
+    std::cout << fmt::format("  {:<48} {:>6} {:>14.2f} {:>12.1f} {:>8.3f} {:>10.3f}  {}{}\n", name, c.ranks_used,
+                             c.makespan, c.makespan > 0 ? 1e3 * static_cast<double>(batch) / c.makespan : 0.0, c.bubble,
                              c.peak_bytes / 1073741824.0, list(c.balance), c.fits ? "" : "  (over the memory limit)");
   };
-  row(fmt::format("{}: {} m={}, {} ({})", res.chose_replicated ? "best straight" : "chosen", best.schedule, best.m,
-                  best.kind, best.solver),
-      best);
-  if (res.uniform_1f1b) row(fmt::format("uniform balance, 1f1b m={}", res.uniform_1f1b->m), *res.uniform_1f1b);
-  std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {}\n", "data parallelism", res.data_parallel_ms, "-",
-                           res.data_parallel_bytes / 1073741824.0,
-                           res.data_parallel_fits ? "all layers on every rank" : "over the memory limit");
+  row("chosen: " + shape_text(top), top);
+  if (res.best_straight.makespan != top.makespan || res.best_straight.balance != top.balance)
+    row("best straight: " + shape_text(res.best_straight), res.best_straight);
+  // Runners-up: the best simulated plan of each other (stages, replicas, schedule) shape.
+  std::vector<const PlanCandidate*> others;
+  for (const PlanCandidate& c : res.candidates) {
+    if (c.stages == top.stages && c.replicas == top.replicas && c.schedule == top.schedule &&
+        c.virtual_stages == top.virtual_stages && c.replication == top.replication)
+      continue;
+    auto same = std::find_if(others.begin(), others.end(), [&](const PlanCandidate* o) {
+      return o->stages == c.stages && o->replicas == c.replicas && o->schedule == c.schedule &&
+             o->virtual_stages == c.virtual_stages && o->replication == c.replication;
+    });
+    if (same == others.end()) others.push_back(&c);
+    else if (better_candidate(c, **same)) *same = &c;
+  }
+  std::sort(others.begin(), others.end(), [](const PlanCandidate* a, const PlanCandidate* b) { return better_candidate(*a, *b); });
+  for (int i = 0; i < f->top && i < static_cast<int>(others.size()); ++i)
+    row("  runner-up: " + shape_text(*others[static_cast<std::size_t>(i)]), *others[static_cast<std::size_t>(i)]);
+  if (res.uniform_1f1b)
+    row(fmt::format("uniform balance, 1f1b, {} stages m={}", res.uniform_1f1b->stages, res.uniform_1f1b->m),
+        *res.uniform_1f1b);
+  if (res.data_parallel)
+    row(fmt::format("data parallelism ({} replicas, all layers)", res.data_parallel->replicas), *res.data_parallel);
+  if (const auto& rr = res.replicated)
+    row(fmt::format("PipeDream's plan as 1F1B-RR m={}", rr->m), *rr);
   if (const auto& pd = res.pipedream) {
     const double per_batch = pd->time_ms * static_cast<double>(batch) / prof.micro_batch_size;
-    std::cout << fmt::format("  {:<34} {:>14.2f} {:>8} {:>12.3f}  {} x replication {} ({} cost form, {:.2f}x over its "
-                             "data parallelism)\n",
-                             "PipeDream planner (asynchronous)", per_batch, "-",
+    std::cout << fmt::format("  PipeDream planner's own estimate (asynchronous, no flush; its cost model, not the rows'): "
+                             "{:.2f} ms/mini-batch, peak {:.3f} GiB, {} x replication {} ({} cost form)\n",
+                             per_batch,
                              *std::max_element(pd->stage_memory_bytes.begin(), pd->stage_memory_bytes.end()) / 1073741824.0,
-                             list(pd->balance), list(pd->replication), f->cost_form, pd->speedup);
+                             list(pd->balance), list(pd->replication), f->cost_form);
   } else {
-    std::cout << "  PipeDream planner: no feasible plan: " << res.pipedream_error << "\n";
+    std::cout << "  PipeDream planner: no plan: " << res.pipedream_error << "\n";
   }
-  if (const auto& rr = res.replicated)
-    std::cout << fmt::format("  {:<34} {:>14.2f} {:>8.3f} {:>12.3f}  {} x replication {}{}\n",
-                             fmt::format("{}its plan as 1F1B-RR m={}", res.chose_replicated ? "chosen: " : "", rr->m),
-                             rr->makespan, rr->bubble, rr->peak_bytes / 1073741824.0, list(rr->balance),
-                             list(rr->replication), rr->fits ? " (synchronous, simulated)" : "  (over the memory limit)");
-  if (res.uniform_1f1b && top.makespan > 0)
-    std::cout << fmt::format("  the chosen plan is {:.2f}x the throughput of uniform 1f1b and {:.2f}x data parallelism\n",
-                             res.uniform_1f1b->makespan / top.makespan, res.data_parallel_ms / top.makespan);
+  // Why it won.
+  std::string why = fmt::format("  why: fastest{} of the {} simulated ({:.2f} ms, {:.1f} samples/s",
+                                limit > 0 ? fmt::format(" within {} GiB per rank", f->memory_gib) : "",
+                                res.candidates.size(), top.makespan, 1e3 * static_cast<double>(batch) / top.makespan);
+  why += fmt::format(", bubble {:.3f}, peak {:.3f} GiB per rank", top.bubble, top.peak_bytes / 1073741824.0);
+  if (top.replicas > 1) why += fmt::format(", all-reduce {:.2f} ms", top.allreduce_ms);
+  why += ")";
+  auto ratio = [&](const char* name, const std::optional<PlanCandidate>& c) {
+    if (c && top.makespan > 0) why += fmt::format("; {:.2f}x {}", c->makespan / top.makespan, name);
+  };
+  ratio("uniform 1f1b", res.uniform_1f1b);
+  ratio("data parallelism", res.data_parallel);
+  ratio("PipeDream's plan", res.replicated);
+  if (!top.fits) why += "; nothing fits the memory limit: this is the fastest of those over it";
+  std::cout << why << "\n";
 }
 
 // UMPIPE: unequal micro-batches per stage on the chosen balance (GPipe order); the plan file's "umpipe".
@@ -303,6 +364,9 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       so.memory_limit_bytes = limit;
       so.batch_size = f->batch_size;
       so.schedules = f->schedules;
+      so.virtual_counts = f->virtual_counts;
+      so.hybrid = !f->no_hybrid;
+      so.exhaustive = f->exhaustive;
       so.microbatch_counts = f->microbatch_counts;
       so.balance_kinds = f->kinds;
       so.pipedream.levels = parse_levels(f->levels);

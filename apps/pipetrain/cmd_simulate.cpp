@@ -176,9 +176,19 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       const bool searched = exact->apply(*flags, s, found);
       if (searched && s.skips.empty()) flags->add_skips(s);  // the searched schedule, with the routes
       const CostModel costs = flags->costs(s);
-      const SimResult r = simulate(s, costs);
+      // The timeline is kept only for what draws it; the table and --json need the metrics alone, which
+      // take a fraction of the memory at large p x m.
+      const bool timeline = !trace->empty() || !svg->empty() || *ascii;
+      SimResult r;
+      if (timeline) r = simulate(s, costs);
+      else r.metrics = simulate_metrics(s, costs);
       const HeapOptions policy = *reference ? HeapOptions::reference() : HeapOptions{};
-      const std::vector<HeapPeak> heap = predict_heap(s, costs, policy);
+      // With a profile (or byte amounts) the heap model has gradients and messages to add; the table shows
+      // it only then, --json always. (It walks the lowered schedule: skipped when nothing shows it.)
+      bool heap_inputs = false;
+      for (const StageCost& c : costs.stage) heap_inputs |= c.gradient_b + c.gradient_w + c.message > 0;
+      const std::vector<HeapPeak> heap =
+          *json || heap_inputs ? predict_heap(s, costs, policy) : std::vector<HeapPeak>{};
       if (!trace->empty()) write_file_atomic(*trace, chrome_trace_json(r.timeline));
       if (!svg->empty()) write_file_atomic(*svg, gantt_svg(r.timeline, r.metrics));
       if (*json) {
@@ -193,9 +203,6 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
         for (const std::string& n : notes) std::cout << "note: " << escape_controls(n) << "\n";  // may quote the file
         if (searched) std::cout << found.summary() << " (one step)\n";
         print_metrics_table(std::cout, s, r);
-        // With a profile (or byte amounts) the heap model has gradients and messages to add.
-        bool heap_inputs = false;
-        for (const StageCost& c : costs.stage) heap_inputs |= c.gradient_b + c.gradient_w + c.message > 0;
         if (heap_inputs) print_heap_table(std::cout, heap, policy, !flags->profile.empty());
         if (*ascii) std::cout << ascii_gantt(r.timeline);
         if (!trace->empty()) std::cout << "trace written to " << *trace << "\n";

@@ -1,5 +1,15 @@
-// pipetrain: plan, simulate and (later) train pipeline-parallel models. One file per subcommand.
+// pipetrain: plan, simulate and train pipeline-parallel models. One file per subcommand.
+//
+// Built twice (CMakeLists.txt): as `pipetrain-torch`, every command; and with PIPETRAIN_FRONT as
+// `pipetrain`, the torch-free front: it runs schedule, simulate, plan and demo itself, without paying
+// LibTorch's start-up, and execs `pipetrain-torch` (next to its own executable) for any other command
+// line, with the same arguments, so train, profile, --help, ... behave exactly as before.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -9,8 +19,50 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/json_limits.h"
 
+#ifdef PIPETRAIN_FRONT
+namespace {
+
+// The commands the front runs itself.
+bool front_command(const char* name) {
+  for (const char* c : {"schedule", "simulate", "plan", "demo"})
+    if (std::strcmp(name, c) == 0) return true;
+  return false;
+}
+
+// Execs pipetrain-torch next to this executable with argv; returns only when there is none (a build
+// without LibTorch) or exec fails, after saying why when the command needs it.
+void exec_torch(char** argv, bool needed) {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::filesystem::path torch = (ec ? std::filesystem::path(argv[0]) : self).parent_path() / "pipetrain-torch";
+  if (::access(torch.c_str(), X_OK) == 0) {
+    ::execv(torch.c_str(), argv);
+    std::cerr << "pipetrain: error: cannot run " << torch.string() << ": " << std::strerror(errno) << "\n";
+    std::exit(pipetrain::cli::kExitFailure);
+  }
+  if (needed) {
+    std::cerr << "pipetrain: error: '" << pipetrain::excerpt(argv[1])
+              << "' needs LibTorch, and this build has only the torch-free commands (schedule, simulate, plan, "
+                 "demo): build pipetrain with LibTorch (configure without -DPIPETRAIN_CORE_ONLY=ON), which adds "
+                 "pipetrain-torch next to "
+              << (ec ? std::string("pipetrain") : self.string()) << "\n";
+    std::exit(pipetrain::cli::kExitUsage);
+  }
+}
+
+}  // namespace
+#endif
+
 int main(int argc, char** argv) {
   using namespace pipetrain::cli;
+#ifdef PIPETRAIN_FRONT
+  if (argc < 2 || !front_command(argv[1])) {
+    static const char* torch_commands[] = {"info", "launch", "train", "selftest", "profile"};
+    const bool needed = argc >= 2 && std::any_of(std::begin(torch_commands), std::end(torch_commands),
+                                                 [&](const char* c) { return std::strcmp(argv[1], c) == 0; });
+    exec_torch(argv, needed);  // returns only without pipetrain-torch: then the front's own help and errors
+  }
+#endif
   CLI::App app{"pipetrain: pipeline-parallel training, planning and simulation on LibTorch"};
   app.require_subcommand(1);
   // A flag given twice takes its last value, so a command line can be extended with overrides.
@@ -26,11 +78,13 @@ int main(int argc, char** argv) {
   add_schedule_command(app, exit_code);
   add_simulate_command(app, exit_code);
   add_demo_command(app, exit_code);
+#ifndef PIPETRAIN_FRONT
   add_info_command(app, exit_code);
   add_launch_command(app, exit_code);
   add_train_command(app, exit_code);
   add_selftest_command(app, exit_code);
   add_profile_command(app, exit_code);
+#endif
   add_plan_command(app, exit_code);
   for (const char* name : {"simulate", "plan", "schedule", "demo"}) refuse_non_finite(*app.get_subcommand(name));
   set_command_line(argc, argv);

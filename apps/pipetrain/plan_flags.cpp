@@ -105,7 +105,12 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   }
   const PlanReplication rep = apply_plan_replication(*this, plan, path, given);
   const bool unequal = rep.unequal;
-  const int p = static_cast<int>(plan.balance.size());
+  // A plan with v stages per rank (interleaved's chunks, the V shapes' two) lists every stage in its
+  // balance: p ranks hold balance.size() / v of them each.
+  const int v = plan_use == "pipedream" ? 1 : std::max(1, file.virtual_stages);
+  const int p = static_cast<int>(plan.balance.size()) / v;
+  if (v > 1 && !given("--virtual") && !file_schedule.empty() && !schedule_traits(file_schedule).v_shape)
+    virtual_stages = v;
   if (given("--stages") && stages != p)
     throw CLI::ValidationError("--plan", path + " has " + std::to_string(p) + " stages but --stages is " +
                                              std::to_string(stages) + ": drop --stages or plan for " +

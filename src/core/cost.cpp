@@ -67,6 +67,15 @@ void CostModel::check(int stages) const {
       }
   }
   if (bad(comm)) throw UsageError("communication cost " + std::to_string(comm) + " must be finite and >= 0");
+  if (!boundary_comm.empty() && static_cast<int>(boundary_comm.size()) != stages - 1)
+    throw UsageError("the cost model has " + std::to_string(boundary_comm.size()) + " per-boundary transfer times but "
+                     "the schedule has " + std::to_string(stages) + " stages: give one per boundary (" +
+                     std::to_string(stages - 1) + "), or none");
+  for (std::size_t s = 0; s < boundary_comm.size(); ++s)
+    if (bad(boundary_comm[s]))
+      throw UsageError("the transfer time across boundary " + std::to_string(s) + " (stage " + std::to_string(s) +
+                       " to " + std::to_string(s + 1) + "), " + std::to_string(boundary_comm[s]) +
+                       ", must be finite and >= 0");
   if (bad(bandwidth))
     throw UsageError("skip bandwidth " + std::to_string(bandwidth) + " must be finite and >= 0 (0: unlimited)");
   if (bad(overhead))

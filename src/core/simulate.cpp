@@ -1,6 +1,7 @@
 #include "pipetrain/core/simulate.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <sstream>
 
@@ -47,30 +48,116 @@ std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& c
 
 }  // namespace
 
-SimResult simulate(const Schedule& s, const CostModel& costs) {
+namespace {
+
+// The tokens a compute action needs (dependencies.h's required_tokens, without allocating): at most two.
+int needed_tokens(const Action& a, int stages, Token (&out)[2]) {
+  switch (a.kind) {
+    case ActionKind::F:
+      if (a.stage == 0) return 0;
+      out[0] = Token{Token::Act, a.stage - 1, a.index};
+      return 1;
+    case ActionKind::B:
+    case ActionKind::BW:
+      out[0] = Token{Token::Act, a.stage, a.index};
+      if (a.stage + 1 >= stages) return 1;
+      out[1] = Token{Token::Grad, a.stage + 1, a.index};
+      return 2;
+    case ActionKind::W: out[0] = Token{Token::Grad, a.stage, a.index}; return 1;
+    default: return 0;
+  }
+}
+
+// Per-rank metrics gathered while the simulation runs, so that no timeline is needed for them (the same
+// definitions as compute_metrics, timeline.h). In flight: a (stage, micro) pair enters on F and leaves on
+// its last backward (BW, or W when the rank runs a W for it; else B). Per-rank event order is start order.
+class MetricsSink {
+ public:
+  MetricsSink(const Schedule& s, const CostModel& costs)
+      : s_(s), costs_(costs), n_(static_cast<std::size_t>(s.ranks)), first_(n_, kInf), last_(n_, -kInf),
+        mem_(n_, 0.0), live_(n_, 0), state_(static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches), 0) {
+    metrics_.per_rank.resize(n_);
+    for (std::size_t r = 0; r < n_; ++r) metrics_.per_rank[r].rank = static_cast<int>(r);
+    for (const auto& row : s.actions)  // which pairs have a W (they leave on it, not on B)
+      for (const Action& a : row)
+        if (a.kind == ActionKind::W && valid(a)) state_[pair(a)] |= kHasW;
+  }
+  void operator()(int rank, const Action& a, double start, double end) {
+    t0_ = std::min(t0_, start);
+    t1_ = std::max(t1_, end);
+    if (!is_compute(a.kind)) return;
+    const auto r = static_cast<std::size_t>(rank);
+    RankMetrics& m = metrics_.per_rank[r];
+    m.busy += end - start;
+    first_[r] = std::min(first_[r], start);
+    last_[r] = std::max(last_[r], end);
+    mem_[r] += costs_.memory_delta(a);
+    m.peak_memory = std::max(m.peak_memory, mem_[r]);
+    if (!valid(a)) return;
+    std::uint8_t& st = state_[pair(a)];
+    const bool leaves = a.kind == ActionKind::BW || a.kind == ActionKind::W || (a.kind == ActionKind::B && !(st & kHasW));
+    if (a.kind == ActionKind::F) {
+      if (!(st & kLive)) ++live_[r];
+      st |= kLive;
+      m.peak_inflight = std::max(m.peak_inflight, live_[r]);
+    } else if (leaves && (st & kLive)) {
+      st &= static_cast<std::uint8_t>(~kLive);
+      --live_[r];
+    }
+  }
+  Metrics finish() {
+    if (t1_ < t0_) return std::move(metrics_);
+    metrics_.makespan = t1_ - t0_;
+    double busy = 0.0;
+    for (std::size_t r = 0; r < n_; ++r) {
+      RankMetrics& rm = metrics_.per_rank[r];
+      if (last_[r] >= first_[r]) rm.span = last_[r] - first_[r];
+      rm.bubble = rm.span - rm.busy;
+      busy += rm.busy;
+    }
+    if (metrics_.makespan > 0.0 && s_.ranks > 0) metrics_.bubble_fraction = 1.0 - busy / (s_.ranks * metrics_.makespan);
+    return std::move(metrics_);
+  }
+
+ private:
+  static constexpr double kInf = std::numeric_limits<double>::infinity();
+  static constexpr std::uint8_t kLive = 1, kHasW = 2;
+  bool valid(const Action& a) const {
+    return a.stage >= 0 && a.stage < s_.stages && a.index >= 0 && a.index < s_.microbatches;
+  }
+  std::size_t pair(const Action& a) const {
+    return static_cast<std::size_t>(a.stage) * static_cast<std::size_t>(s_.microbatches) + static_cast<std::size_t>(a.index);
+  }
+  const Schedule& s_;
+  const CostModel& costs_;
+  std::size_t n_;
+  Metrics metrics_;
+  double t0_ = kInf, t1_ = -kInf;
+  std::vector<double> first_, last_, mem_;
+  std::vector<int> live_;
+  std::vector<std::uint8_t> state_;  // per (stage, micro): kLive | kHasW
+};
+
+// The event simulation (docs/ALGORITHMS.md §1.6): calls on_event(rank, action, start, end) for every
+// action in execution order (per rank, its own order); fills skip_at. Memory: one time and one rank per
+// token, nothing per action beyond what on_event keeps.
+template <class OnEvent>
+void run_simulation(const Schedule& s, const CostModel& costs, std::vector<double>& skip_at, OnEvent&& on_event) {
   costs.check(s.stages);
   check_skip_routes(s);
-  // skip_at[k] = time skip token k is usable at the rank that needs it (made + transfer when ranks differ).
-  std::vector<double> skip_at(skip_token_count(s), std::numeric_limits<double>::infinity());
   const double never = std::numeric_limits<double>::infinity();
-  // ready[token] = time the token was made; maker[token] = rank that made it.
+  skip_at.assign(skip_token_count(s), never);
+  const bool with_skips = !s.skips.empty();
+  // made[token] = time the token was made; maker[token] = rank that made it.
   const std::size_t ntok = 2 * static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches);
   std::vector<double> made(ntok, never);
   std::vector<int> maker(ntok, -1);
   std::vector<std::size_t> ptr(static_cast<std::size_t>(s.ranks), 0);
   std::vector<double> free_at(static_cast<std::size_t>(s.ranks), 0.0);
-  std::vector<double> mem(static_cast<std::size_t>(s.ranks), 0.0), peak_mem(mem);
-
-  SimResult out;
-  out.timeline.schedule = s.name;
-  out.timeline.ranks = s.ranks;
-  out.timeline.microbatches = s.microbatches_per_step;
-  out.timeline.total_microbatches = s.microbatches;
-  out.timeline.virtual_stages = s.virtual_stages_per_rank();
-  out.timeline.unit = "units";
 
   std::size_t remaining = 0;
   for (const auto& row : s.actions) remaining += row.size();
+  Token need[2];
   while (remaining > 0) {
     bool progressed = false;
     for (int r = 0; r < s.ranks; ++r) {
@@ -86,35 +173,39 @@ SimResult simulate(const Schedule& s, const CostModel& costs) {
         }
         double start = free_at[ur];
         bool ready = true;
-        for (const Token& t : required_tokens(a, s.stages)) {
-          const std::size_t ti = token_index(t, s.stages, s.microbatches);
+        const int n = needed_tokens(a, s.stages, need);
+        for (int k = 0; k < n; ++k) {
+          const std::size_t ti = token_index(need[k], s.stages, s.microbatches);
           if (made[ti] == never) {
             ready = false;
             break;
           }
-          start = std::max(start, made[ti] + (maker[ti] != r ? costs.comm : 0.0));
+          start = std::max(start, made[ti] + (maker[ti] != r ? costs.transfer(need[k].stage, a.stage) : 0.0));
         }
-        for (const SkipToken& t : skip_needs(s, a)) {
-          if (!ready) break;
-          const double at = skip_at[skip_index(t, s.microbatches)];
-          if (at == never) ready = false;
-          else start = std::max(start, at);
-        }
+        if (ready && with_skips)
+          for (const SkipToken& t : skip_needs(s, a)) {
+            const double at = skip_at[skip_index(t, s.microbatches)];
+            if (at == never) {
+              ready = false;
+              break;
+            }
+            start = std::max(start, at);
+          }
         if (!ready) break;
         const double end = start + costs.duration(a);
-        for (const SkipToken& t : skip_makes(s, a)) {
-          const bool remote = s.rank_of(skip_user_stage(s, t), t.micro) != r;
-          skip_at[skip_index(t, s.microbatches)] =
-              end + (remote ? skip_transfer_time(costs, s.skips[static_cast<std::size_t>(t.route)]) : 0.0);
-        }
-        if (auto t = produced_token(a)) {
-          const std::size_t ti = token_index(*t, s.stages, s.microbatches);
+        if (with_skips)
+          for (const SkipToken& t : skip_makes(s, a)) {
+            const bool remote = s.rank_of(skip_user_stage(s, t), t.micro) != r;
+            skip_at[skip_index(t, s.microbatches)] =
+                end + (remote ? skip_transfer_time(costs, s.skips[static_cast<std::size_t>(t.route)]) : 0.0);
+          }
+        if (a.kind == ActionKind::F || a.kind == ActionKind::B || a.kind == ActionKind::BW) {
+          const std::size_t ti = token_index(Token{a.kind == ActionKind::F ? Token::Act : Token::Grad, a.stage, a.index},
+                                             s.stages, s.microbatches);
           made[ti] = end;
           maker[ti] = r;
         }
-        mem[ur] += costs.memory_delta(a);
-        peak_mem[ur] = std::max(peak_mem[ur], mem[ur]);
-        out.timeline.events.push_back(TimedAction{r, a, start, end});
+        on_event(r, a, start, end);
         free_at[ur] = end;
         ++ptr[ur];
         --remaining;
@@ -134,11 +225,44 @@ SimResult simulate(const Schedule& s, const CostModel& costs) {
       throw ScheduleError(why.str() + render_grid(s, heads));
     }
   }
-  out.metrics = compute_metrics(out.timeline);
-  if (!s.skips.empty()) peak_mem = peak_memory_with_skips(s, costs, out.timeline, skip_at);
-  for (int r = 0; r < s.ranks; ++r)
-    out.metrics.per_rank[static_cast<std::size_t>(r)].peak_memory = peak_mem[static_cast<std::size_t>(r)];
+}
+
+}  // namespace
+
+SimResult simulate(const Schedule& s, const CostModel& costs) {
+  SimResult out;
+  out.timeline.schedule = s.name;
+  out.timeline.ranks = s.ranks;
+  out.timeline.microbatches = s.microbatches_per_step;
+  out.timeline.total_microbatches = s.microbatches;
+  out.timeline.virtual_stages = s.virtual_stages_per_rank();
+  out.timeline.unit = "units";
+  std::size_t total = 0;
+  for (const auto& row : s.actions) total += row.size();
+  out.timeline.events.reserve(total);
+  std::vector<double> skip_at;
+  costs.check(s.stages);
+  MetricsSink sink(s, costs);
+  run_simulation(s, costs, skip_at, [&](int r, const Action& a, double start, double end) {
+    out.timeline.events.push_back(TimedAction{r, a, start, end});
+    sink(r, a, start, end);
+  });
+  out.metrics = sink.finish();
+  if (!s.skips.empty()) {
+    const std::vector<double> peak = peak_memory_with_skips(s, costs, out.timeline, skip_at);
+    for (int r = 0; r < s.ranks; ++r)
+      out.metrics.per_rank[static_cast<std::size_t>(r)].peak_memory = peak[static_cast<std::size_t>(r)];
+  }
   return out;
+}
+
+Metrics simulate_metrics(const Schedule& s, const CostModel& costs) {
+  if (!s.skips.empty()) return simulate(s, costs).metrics;  // the skips' memory needs the timeline
+  std::vector<double> skip_at;
+  costs.check(s.stages);
+  MetricsSink sink(s, costs);
+  run_simulation(s, costs, skip_at, [&](int r, const Action& a, double start, double end) { sink(r, a, start, end); });
+  return sink.finish();
 }
 
 }  // namespace pipetrain

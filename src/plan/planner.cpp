@@ -592,10 +592,15 @@ Plan plan_from_json(const json& j, const std::string& origin) {
   } catch (const UsageError& e) {
     plan_fail(origin, "options", e.what(), "fix the options");
   }
-  if (p.devices_used() > planner_devices(p.options.levels))
+  // A plan file whose ranks hold v stages each (its "virtual_stages", search.h's PlanFile) lists every
+  // stage: its ranks are the replication's sum over v.
+  long long per_rank = 1;
+  if (j.contains("virtual_stages") && j["virtual_stages"].is_number_integer() && j["virtual_stages"].get<long long>() > 1)
+    per_rank = j["virtual_stages"].get<long long>();
+  if (p.devices_used() / per_rank > planner_devices(p.options.levels))
     plan_fail(
         origin, "replication",
-        fmt::format("uses {} devices but the levels have {}", p.devices_used(), planner_devices(p.options.levels)),
+        fmt::format("uses {} devices but the levels have {}", p.devices_used() / per_rank, planner_devices(p.options.levels)),
         "the replication factors must fit the devices");
   return p;
 }

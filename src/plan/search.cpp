@@ -5,7 +5,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <map>
 #include <numeric>
+#include <unordered_map>
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/json_limits.h"
@@ -36,6 +41,18 @@ PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>&
   so.bandwidth_bytes_per_ms = bandwidth_bytes_per_ms;
   so.latency_ms = latency_ms;
   CostModel costs = stage_costs(profile, balance, so);
+  // Each cut's transfer carries that cut's bytes (stage_costs's one `comm` is the largest of them).
+  {
+    const double scale = micro_batch / profile.micro_batch_size;
+    std::size_t layer = 0;
+    for (std::size_t s = 0; s + 1 < balance.size(); ++s) {
+      layer += static_cast<std::size_t>(balance[s]);
+      const double bytes = profile.layers[layer - 1].activation_bytes * scale;
+      costs.boundary_comm.push_back(latency_ms + (bandwidth_bytes_per_ms > 0 && !std::isinf(bandwidth_bytes_per_ms)
+                                                      ? bytes / bandwidth_bytes_per_ms
+                                                      : 0.0));
+    }
+  }
   const std::vector<double> static_bytes = stage_static_bytes(profile, balance);
   Schedule sch;
   if (replication.empty()) {
@@ -64,17 +81,322 @@ PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>&
 namespace {
 
 void check_search_options(const Profile& profile, const PlanSearchOptions& o) {
-  if (o.ranks < 1) throw UsageError(fmt::format("ranks must be >= 1, got {}", o.ranks));
+  if (o.ranks < 1 || o.ranks > kMaxPlanRanks)
+    throw UsageError(fmt::format("--ranks must be in 1..{}, got {}: give the number of devices to plan for", kMaxPlanRanks,
+                                 o.ranks));
+  if (profile.layers.empty())
+    throw UsageError("the profile of " + excerpt(profile.model) + " has no layers: measure the model with pipetrain "
+                     "profile, or list its layers");
   if (!(o.bandwidth_bytes_per_ms > 0))  // infinite: the bytes cost nothing (a latency-only profile)
     throw UsageError(fmt::format("the bandwidth must be > 0, got {} bytes/ms", o.bandwidth_bytes_per_ms));
   if (!(o.latency_ms >= 0)) throw UsageError(fmt::format("the latency must be >= 0, got {} ms", o.latency_ms));
   if (!(o.memory_limit_bytes >= 0)) throw UsageError(fmt::format("the memory limit must be >= 0, got {}", o.memory_limit_bytes));
   for (int m : o.microbatch_counts)
     if (m < 1) throw UsageError(fmt::format("micro-batch counts must be >= 1, got {}", m));
+  for (int v : o.virtual_counts)
+    if (v < 1) throw UsageError(fmt::format("virtual stage counts must be >= 1, got {}", v));
+  if (o.schedules.empty()) throw UsageError("no schedule to consider: give --schedules, e.g. --schedules 1f1b");
+  for (const std::string& name : o.schedules) schedule_traits(name);  // unknown names: UsageError listing them
   const int layers = static_cast<int>(profile.layers.size());
-  if (o.ranks > layers)
-    throw UsageError(fmt::format("{} ranks but the profile has {} layers: a straight pipeline needs --ranks <= {}",
+  if (!o.hybrid && o.ranks > layers)
+    throw UsageError(fmt::format("{} ranks but the profile has {} layers: a straight pipeline needs --ranks <= {} "
+                                 "(or drop --no-hybrid: replicas of a shorter pipeline use the other ranks)",
                                  o.ranks, layers, layers));
+}
+
+// The network as contiguous groups of ranks, innermost first: ranks a and b talk over the links of the
+// first level whose groups hold both.
+struct Links {
+  std::vector<long long> group;  // ranks per group at level k (M_0 x ... x M_k)
+  std::vector<double> bw;        // bytes per ms over level k's links
+  int level(long long a, long long b) const {
+    for (std::size_t k = 0; k < group.size(); ++k)
+      if (a / group[k] == b / group[k]) return static_cast<int>(k);
+    return static_cast<int>(group.size()) - 1;
+  }
+  double fastest() const { return *std::max_element(bw.begin(), bw.end()); }
+};
+
+// How a schedule puts its S = p x v stages on its p ranks.
+enum class Shape : std::uint8_t { straight, looped, v };
+int rank_in_pipeline(Shape shape, int p, int stage) {
+  switch (shape) {
+    case Shape::looped: return stage % p;
+    case Shape::v: return stage < p ? stage : 2 * p - 1 - stage;
+    default: return stage;
+  }
+}
+// The rank of replica j's copy of pipeline rank r: a replica's ranks side by side (pipeline-inner), or a
+// pipeline rank's replicas side by side (replicas-inner).
+long long global_rank(bool replicas_inner, int p, int d, int r, int j) {
+  return replicas_inner ? static_cast<long long>(r) * d + j : static_cast<long long>(j) * p + r;
+}
+
+// Per-layer quantities at one micro-batch size, as prefix sums (stage sums in O(1)).
+struct LayerSums {
+  std::vector<double> f, bw, b, w, act;  // prefix sums over layers: forward, backward, its B and W shares, held bytes
+};
+
+// A (schedule, p, v, m) the search lays out; the Schedule is generated when a candidate is simulated.
+struct Layout {
+  std::string name;
+  int p = 1, v = 1, m = 1, stages = 1;
+  Shape shape = Shape::straight;
+  bool cost_aware = false;  // zb-h2, zb-auto: generated per candidate from its costs
+};
+
+struct Cand {
+  double lb = 0;        // lower bound on the makespan
+  double mem_lb = 0;    // lower bound on the peak bytes per rank
+  int layout = 0;       // index into layouts
+  int balance = 0;      // index into the balances of the layout's stage count
+  int d = 1;            // replicas
+  int n = 1;            // samples per replica
+  bool replicas_inner = false;
+};
+
+struct BalanceEntry {
+  std::string kind, solver;
+  std::vector<int> balance;
+  std::vector<int> end;  // end[s]: one past the last layer of stage s
+};
+
+class Search {
+ public:
+  Search(const Profile& prof, const PlanSearchOptions& o, int64_t batch, const Links& links)
+      : prof_(prof), o_(o), batch_(batch), links_(links), L_(static_cast<int>(prof.layers.size())) {
+    static_bytes_.push_back(0);
+    params_.push_back(0);
+    for (const LayerProfile& l : prof.layers) {
+      static_bytes_.push_back(static_bytes_.back() + 2 * l.parameter_bytes + l.optimizer_bytes);
+      params_.push_back(params_.back() + l.parameter_bytes);
+    }
+    overhead_ = prof.runtime ? prof.runtime->overhead_ms : 0.0;
+  }
+
+  // Balances for S stages (kinds x solvers, duplicates dropped).
+  const std::vector<BalanceEntry>& balances(int S) {
+    auto it = balances_.find(S);
+    if (it != balances_.end()) return it->second;
+    std::vector<BalanceEntry> out;
+    for (const std::string& kind : o_.balance_kinds)
+      for (const char* solver : {"min-max", "block-partition"}) {
+        if (kind == "uniform" && solver != std::string("min-max")) continue;
+        BalanceEntry e{kind, solver, {}, {}};
+        try {
+          e.balance = plan_balance(prof_, S, kind, parse_balance_solver(solver));
+        } catch (const UsageError&) {
+          if (solver == std::string("block-partition")) continue;  // torchgpipe's heuristic may find none
+          throw;
+        }
+        if (std::any_of(out.begin(), out.end(), [&](const BalanceEntry& x) { return x.balance == e.balance; })) continue;
+        int at = 0;
+        for (int n : e.balance) e.end.push_back(at += n);
+        out.push_back(std::move(e));
+      }
+    return balances_[S] = std::move(out);
+  }
+
+  const LayerSums& sums(double b) {
+    auto it = sums_.find(b);
+    if (it != sums_.end()) return it->second;
+    LayerSums ls;
+    for (auto* v : {&ls.f, &ls.bw, &ls.b, &ls.w, &ls.act}) v->assign(1, 0.0);
+    const double scale = b / prof_.micro_batch_size;
+    for (const LayerProfile& l : prof_.layers) {
+      const double bw = layer_time_at(l, prof_.micro_batch_size, b, false);
+      const double share_w = l.bw_split && l.b_ms() + l.w_ms() > 0 ? l.w_ms() / (l.b_ms() + l.w_ms()) : 0.0;
+      ls.f.push_back(ls.f.back() + layer_time_at(l, prof_.micro_batch_size, b, true));
+      ls.bw.push_back(ls.bw.back() + bw);
+      ls.b.push_back(ls.b.back() + bw * (1 - share_w));
+      ls.w.push_back(ls.w.back() + bw * share_w);
+      ls.act.push_back(ls.act.back() + l.held_bytes() * scale);
+    }
+    if (sums_.size() > 4096) sums_.clear();
+    return sums_[b] = std::move(ls);
+  }
+
+  // Lower bounds on a candidate's makespan and peak bytes per rank (see search.h).
+  void bound(Cand& c, const Layout& lay, const BalanceEntry& be) {
+    const double b = static_cast<double>(c.n) / lay.m;
+    const LayerSums& ls = sums(b);
+    const int S = lay.stages, p = lay.p;
+    const double scale = b / prof_.micro_batch_size, fast = links_.fastest();
+    auto lo = [&](int s) { return s == 0 ? 0 : be.end[static_cast<std::size_t>(s - 1)]; };
+    auto hi = [&](int s) { return be.end[static_cast<std::size_t>(s)]; };
+    // busy and static bytes per pipeline rank; arrival at pipeline rank r (its lowest stage is r).
+    rank_busy_.assign(static_cast<std::size_t>(p), 0.0);
+    rank_step_.assign(static_cast<std::size_t>(p), 0.0);
+    rank_static_.assign(static_cast<std::size_t>(p), 0.0);
+    rank_act_.assign(static_cast<std::size_t>(p), std::numeric_limits<double>::infinity());
+    double path = 0;
+    for (int s = 0; s < S; ++s) {
+      const int r = rank_in_pipeline(lay.shape, p, s);
+      const auto ur = static_cast<std::size_t>(r);
+      const double F = ls.f[hi(s)] - ls.f[lo(s)], BW = ls.bw[hi(s)] - ls.bw[lo(s)], B = ls.b[hi(s)] - ls.b[lo(s)];
+      rank_busy_[ur] += lay.m * (F + BW + 2 * overhead_);
+      rank_static_[ur] += static_bytes_[hi(s)] - static_bytes_[lo(s)];
+      rank_act_[ur] = std::min(rank_act_[ur], ls.act[hi(s)] - ls.act[lo(s)]);
+      if (c.d > 1) {
+        const long long a0 = global_rank(c.replicas_inner, p, c.d, r, 0), a1 = global_rank(c.replicas_inner, p, c.d, r, c.d - 1);
+        rank_step_[ur] += ring_allreduce_ms(params_[hi(s)] - params_[lo(s)], c.d,
+                                            links_.bw[static_cast<std::size_t>(links_.level(a0, a1))], o_.latency_ms);
+      }
+      path += F + B + 2 * overhead_;
+      if (s + 1 < S && rank_in_pipeline(lay.shape, p, s + 1) != r) {
+        const double bytes = prof_.layers[static_cast<std::size_t>(hi(s) - 1)].activation_bytes * scale;
+        path += 2 * (o_.latency_ms + (std::isinf(fast) ? 0.0 : bytes / fast));
+      }
+    }
+    double arrival = 0, best = path, mem = 0;
+    for (int r = 0; r < p; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      best = std::max(best, arrival + rank_busy_[ur] + rank_step_[ur]);
+      mem = std::max(mem, rank_static_[ur] + rank_act_[ur]);
+      // the next rank's lowest stage is r + 1: its first input passes stage r (forward and transfer)
+      if (r + 1 < p) {
+        const double bytes = prof_.layers[static_cast<std::size_t>(hi(r) - 1)].activation_bytes * scale;
+        arrival += ls.f[hi(r)] - ls.f[lo(r)] + overhead_ + o_.latency_ms + (std::isinf(fast) ? 0.0 : bytes / fast);
+      }
+    }
+    c.lb = best;
+    c.mem_lb = mem;
+  }
+
+  // The simulation of one candidate.
+  PlanCandidate simulate(const Cand& c, const Layout& lay, const BalanceEntry& be) {
+    const double b = static_cast<double>(c.n) / lay.m;
+    const int S = lay.stages, p = lay.p;
+    StageCostOptions so;
+    so.micro_batch = b;
+    so.bandwidth_bytes_per_ms = links_.fastest();
+    so.latency_ms = o_.latency_ms;
+    CostModel costs = stage_costs(prof_, be.balance, so);
+    const double scale = b / prof_.micro_batch_size;
+    costs.boundary_comm.assign(static_cast<std::size_t>(S > 0 ? S - 1 : 0), 0.0);
+    for (int s = 0; s + 1 < S; ++s) {
+      const int r0 = rank_in_pipeline(lay.shape, p, s), r1 = rank_in_pipeline(lay.shape, p, s + 1);
+      if (r0 == r1) continue;
+      int level = 0;  // the slowest link this boundary crosses in any replica
+      if (links_.group.size() > 1)
+        for (int j = 0; j < c.d && level + 1 < static_cast<int>(links_.group.size()); ++j)
+          level = std::max(level, links_.level(global_rank(c.replicas_inner, p, c.d, r0, j),
+                                               global_rank(c.replicas_inner, p, c.d, r1, j)));
+      const double bytes = prof_.layers[static_cast<std::size_t>(be.end[static_cast<std::size_t>(s)] - 1)].activation_bytes * scale;
+      const double bw = links_.bw[static_cast<std::size_t>(level)];
+      costs.boundary_comm[static_cast<std::size_t>(s)] = o_.latency_ms + (std::isinf(bw) ? 0.0 : bytes / bw);
+    }
+    if (c.d > 1) {
+      costs.stage_step.assign(static_cast<std::size_t>(S), 0.0);
+      for (int s = 0; s < S; ++s) {
+        const int r = rank_in_pipeline(lay.shape, p, s);
+        const long long a0 = global_rank(c.replicas_inner, p, c.d, r, 0), a1 = global_rank(c.replicas_inner, p, c.d, r, c.d - 1);
+        const int lo = s == 0 ? 0 : be.end[static_cast<std::size_t>(s - 1)], hi = be.end[static_cast<std::size_t>(s)];
+        costs.stage_step[static_cast<std::size_t>(s)] = ring_allreduce_ms(
+            params_[hi] - params_[lo], c.d, links_.bw[static_cast<std::size_t>(links_.level(a0, a1))], o_.latency_ms);
+      }
+    }
+    const Schedule& sch = schedule(lay, costs);
+    const Metrics m = simulate_metrics(sch, costs);
+    PlanCandidate out;
+    out.kind = be.kind;
+    out.solver = be.solver;
+    out.schedule = lay.name;
+    out.m = lay.m;
+    out.balance = be.balance;
+    out.makespan = m.makespan;
+    out.bubble = m.bubble_fraction;
+    out.stages = p;
+    out.virtual_stages = lay.v;
+    out.replicas = c.d;
+    out.ranks_used = p * c.d;
+    out.samples = c.n;
+    if (links_.group.size() > 1) out.placement = c.replicas_inner ? "replicas-inner" : "pipeline-inner";
+    std::vector<double> rank_static(static_cast<std::size_t>(p), 0.0), rank_step(static_cast<std::size_t>(p), 0.0);
+    for (int s = 0; s < S; ++s) {
+      const auto r = static_cast<std::size_t>(rank_in_pipeline(lay.shape, p, s));
+      const int lo = s == 0 ? 0 : be.end[static_cast<std::size_t>(s - 1)], hi = be.end[static_cast<std::size_t>(s)];
+      rank_static[r] += static_bytes_[hi] - static_bytes_[lo];
+      if (!costs.stage_step.empty()) rank_step[r] += costs.stage_step[static_cast<std::size_t>(s)];
+    }
+    for (int r = 0; r < p; ++r) {
+      out.peak_bytes = std::max(out.peak_bytes, rank_static[static_cast<std::size_t>(r)] +
+                                                    m.per_rank[static_cast<std::size_t>(r)].peak_memory);
+      out.allreduce_ms = std::max(out.allreduce_ms, rank_step[static_cast<std::size_t>(r)]);
+    }
+    out.fits = o_.memory_limit_bytes <= 0 || out.peak_bytes <= o_.memory_limit_bytes;
+    return out;
+  }
+
+  // Whether the generator lays out this (schedule, p, v, m); cached.
+  bool valid(const Layout& lay) {
+    const std::string key = fmt::format("{}/{}/{}/{}", lay.name, lay.p, lay.v, lay.m);
+    auto it = valid_.find(key);
+    if (it != valid_.end()) return it->second;
+    bool ok = true;
+    try {
+      if (!lay.cost_aware) (void)schedule(lay, CostModel{});
+    } catch (const UsageError&) {
+      ok = false;
+    }
+    return valid_[key] = ok;
+  }
+
+ private:
+  const Schedule& schedule(const Layout& lay, const CostModel& costs) {
+    GeneratorOptions g;
+    g.ranks = lay.p;
+    g.microbatches = lay.m;
+    g.virtual_stages = lay.v;
+    if (lay.cost_aware) {
+      g.costs = costs;
+      scratch_ = generate(lay.name, g);
+      return scratch_;
+    }
+    const std::string key = fmt::format("{}/{}/{}/{}", lay.name, lay.p, lay.v, lay.m);
+    auto it = schedules_.find(key);
+    if (it != schedules_.end()) return it->second;
+    Schedule sch = generate(lay.name, g);
+    std::size_t n = 0;
+    for (const auto& row : sch.actions) n += row.size();
+    if (cached_actions_ + n > (std::size_t{1} << 23)) {  // keep the cache to ~170 MB of actions
+      schedules_.clear();
+      cached_actions_ = 0;
+    }
+    cached_actions_ += n;
+    return schedules_[key] = std::move(sch);
+  }
+
+  const Profile& prof_;
+  const PlanSearchOptions& o_;
+  int64_t batch_;
+  const Links& links_;
+  int L_;
+  double overhead_ = 0;
+  std::vector<double> static_bytes_, params_;  // prefix sums over layers
+  std::map<int, std::vector<BalanceEntry>> balances_;
+  std::map<double, LayerSums> sums_;
+  std::map<std::string, Schedule> schedules_;
+  std::map<std::string, bool> valid_;
+  std::size_t cached_actions_ = 0;
+  Schedule scratch_;
+  std::vector<double> rank_busy_, rank_step_, rank_static_, rank_act_;
+};
+
+Links make_links(const PlanSearchOptions& o, const PlannerOptions& po) {
+  Links links;
+  if (po.levels.empty()) {
+    links.group.push_back(o.ranks);
+    links.bw.push_back(o.bandwidth_bytes_per_ms);
+    return links;
+  }
+  long long g = 1;
+  for (const NetworkLevel& l : po.levels) {
+    g *= l.machines;
+    links.group.push_back(g);
+    links.bw.push_back(l.bandwidth / 1e3);
+  }
+  return links;
 }
 
 }  // namespace
@@ -90,92 +412,224 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
                      "backward_ms is 0), so every plan would take 0 ms: measure the model with pipetrain profile, or "
                      "give the layers their times");
   PlanSearchResult res;
-  const int64_t batch = o.batch_size > 0 ? o.batch_size : 8LL * prof.micro_batch_size;
+  const int R = o.ranks, L = static_cast<int>(prof.layers.size());
+  const int64_t batch = o.batch_size > 0 ? o.batch_size : static_cast<int64_t>(std::max(8, R)) * prof.micro_batch_size;
   res.batch_size = batch;
-  const double bw = o.bandwidth_bytes_per_ms, limit = o.memory_limit_bytes;
+  const double limit = o.memory_limit_bytes;
 
-  // Straight pipelines.
-  for (const std::string& kind : o.balance_kinds)
-    for (const std::string solver : {"min-max", "block-partition"}) {
-      if (kind == "uniform" && solver != std::string("min-max")) continue;
-      std::vector<int> balance;
-      try {
-        balance = plan_balance(prof, o.ranks, kind, parse_balance_solver(solver));
-      } catch (const UsageError&) {
-        if (solver == std::string("block-partition")) continue;  // torchgpipe's heuristic may find none
-        throw;
-      }
-      for (const std::string& schedule : o.schedules)
-        for (int m : o.microbatch_counts) {
-          if (m > batch) continue;
-          PlanCandidate c =
-              simulate_candidate(prof, balance, schedule, m, static_cast<double>(batch) / m, bw, o.latency_ms, limit);
-          c.kind = kind;
-          c.solver = solver;
-          res.candidates.push_back(c);
-        }
-    }
-  if (res.candidates.empty())
-    throw UsageError("no candidate: check --schedules, --microbatch-counts and --batch-size");
-  res.best_straight = *std::min_element(res.candidates.begin(), res.candidates.end(), better_candidate);
-  for (const PlanCandidate& c : res.candidates)
-    if (c.kind == "uniform" && c.schedule == "1f1b" && (!res.uniform_1f1b || better_candidate(c, *res.uniform_1f1b)))
-      res.uniform_1f1b = c;
-
-  // Data parallelism on the same ranks: every rank runs the whole model on batch / ranks samples
-  // (serially in one pass), then a ring all-reduce of the gradients: 2 (R-1)/R x parameter bytes.
-  double compute = 0, params = 0, dp_static = 0, dp_act = 0;
-  const double share = static_cast<double>(batch) / o.ranks;
-  for (const LayerProfile& l : prof.layers) {
-    compute += layer_time_at(l, prof.micro_batch_size, share, true) + layer_time_at(l, prof.micro_batch_size, share, false);
-    params += l.parameter_bytes;
-    dp_static += 2 * l.parameter_bytes + l.optimizer_bytes;
-    dp_act += l.held_bytes() * share / prof.micro_batch_size;
-  }
-  res.data_parallel_ms = compute + ring_allreduce_ms(params, o.ranks, bw, 0.0);
-  res.data_parallel_bytes = dp_static + dp_act;
-  res.data_parallel_fits = limit <= 0 || res.data_parallel_bytes <= limit;
-
-  // PipeDream's planner (replication), on the same devices.
   PlannerOptions po = o.pipedream;
-  if (po.levels.empty()) po.levels.push_back(NetworkLevel{o.ranks, bw * 1e3});
-  if (planner_devices(po.levels) != o.ranks) {
+  if (!po.levels.empty() && planner_devices(po.levels) != R) {
     std::string product;
     for (const NetworkLevel& l : po.levels) product += (product.empty() ? "" : " x ") + std::to_string(l.machines);
-    // The levels describe the devices PipeDream's planner places stages on; they must be the ranks the
-    // straight pipelines are planned for, or the table would compare plans for different machines.
+    // The levels describe the devices every plan is placed on; they must be the ranks planned for.
     throw UsageError(fmt::format("--level describes {} = {} devices but --ranks is {}: give --ranks {} (the product "
                                  "of the levels' MACHINES) or levels whose MACHINES multiply to {}",
-                                 product, planner_devices(po.levels), o.ranks, planner_devices(po.levels), o.ranks));
+                                 product, planner_devices(po.levels), R, planner_devices(po.levels), R));
   }
+  const Links links = make_links(o, po);
+  Search search(prof, o, batch, links);
+
+  // The search space: layouts (schedule, p, v, m) x balances x replica counts x placements.
+  std::vector<Layout> layouts;
+  std::vector<Cand> cands;
+  const int max_p = o.hybrid ? std::min(R, L) : std::min(R, L);
+  const int min_p = o.hybrid ? 1 : max_p;
+  std::vector<std::pair<int, int>> replica_counts;  // (d, samples per replica)
+  for (int p = min_p; p <= max_p; ++p) {
+    replica_counts.clear();
+    const long long dmax = o.hybrid && o.replicated_may_win ? std::min<long long>(R / p, batch) : 1;
+    for (long long d = 1; d <= dmax; ++d) {
+      const long long n = (batch + d - 1) / d;
+      if (d > 1 && (batch + d - 2) / (d - 1) == n) continue;  // d - 1 replicas get the same share
+      replica_counts.push_back({static_cast<int>(d), static_cast<int>(n)});
+    }
+    bool one_stage_done = false;  // on one stage every synchronous schedule is the same accumulation loop
+    for (const std::string& name : o.schedules) {
+      const ScheduleTraits t = schedule_traits(name);
+      if (!t.synchronous) continue;  // the asynchronous schedules have no step to compare with
+      if (p == 1 && (one_stage_done || t.virtual_stages || t.v_shape || t.split_backward)) continue;
+      if (p == 1) one_stage_done = true;
+      std::vector<int> vs{1};
+      Shape shape = Shape::straight;
+      if (t.virtual_stages) {
+        vs = o.virtual_counts;
+        shape = Shape::looped;
+      } else if (t.v_shape) {
+        vs = {2};
+        shape = Shape::v;
+      }
+      for (int v : vs) {
+        const int S = p * v;
+        if (S > L) continue;
+        const std::vector<BalanceEntry>& bal = search.balances(S);
+        for (int m : o.microbatch_counts) {
+          Layout lay{name, p, v, m, S, v > 1 || t.v_shape ? shape : Shape::straight, name == "zb-h2" || name == "zb-auto"};
+          if (m > batch || !search.valid(lay)) continue;
+          const int li = static_cast<int>(layouts.size());
+          layouts.push_back(lay);
+          for (const auto& [d, n] : replica_counts) {
+            if (m > n) continue;
+            for (int placement = 0; placement < (links.group.size() > 1 && d > 1 ? 2 : 1); ++placement)
+              for (std::size_t bi = 0; bi < bal.size(); ++bi) {
+                Cand c;
+                c.layout = li;
+                c.balance = static_cast<int>(bi);
+                c.d = d;
+                c.n = n;
+                c.replicas_inner = placement == 1;
+                search.bound(c, lay, bal[bi]);
+                cands.push_back(c);
+              }
+          }
+        }
+      }
+    }
+  }
+  res.considered = static_cast<int64_t>(cands.size());
+  if (cands.empty())
+    throw UsageError("no candidate: check --schedules, --microbatch-counts and --batch-size (every micro-batch needs "
+                     "a sample)");
+
+  // Simulated candidates, by index.
+  std::unordered_map<std::size_t, std::size_t> done;  // candidate -> index in res.candidates
+  auto run = [&](std::size_t i) -> const PlanCandidate& {
+    auto it = done.find(i);
+    if (it != done.end()) return res.candidates[it->second];
+    const Cand& c = cands[i];
+    const Layout& lay = layouts[static_cast<std::size_t>(c.layout)];
+    res.candidates.push_back(search.simulate(c, lay, search.balances(lay.stages)[static_cast<std::size_t>(c.balance)]));
+    done[i] = res.candidates.size() - 1;
+    return res.candidates.back();
+  };
+  std::vector<std::size_t> order(cands.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return cands[a].lb < cands[b].lb; });
+  // Best-first over the candidates `keep` admits: simulate in order of the lower bound until it passes the
+  // best time found (only candidates that fit count, unless none does).
+  auto branch_and_bound = [&](const std::function<bool(const Cand&)>& keep) -> std::optional<PlanCandidate> {
+    std::optional<PlanCandidate> best;
+    for (bool need_fit : {true, false}) {
+      for (std::size_t i : order) {
+        const Cand& c = cands[i];
+        if (!keep(c)) continue;
+        if (need_fit && limit > 0 && c.mem_lb > limit) continue;
+        if (!o.exhaustive && best && c.lb > best->makespan * (1 + 1e-9) + 1e-12) break;
+        const PlanCandidate& pc = run(i);
+        if (need_fit && !pc.fits) continue;
+        if (!best || better_candidate(pc, *best)) best = pc;
+      }
+      if (best) break;
+    }
+    return best;
+  };
+  const auto all = branch_and_bound([](const Cand&) { return true; });
+  const int straight_p = std::min(R, L);
+  const auto single = branch_and_bound([&](const Cand& c) {
+    const Layout& lay = layouts[static_cast<std::size_t>(c.layout)];
+    return c.d == 1 && lay.p == straight_p && lay.stages == lay.p;  // one stage per rank: what UMPIPE cuts
+  });
+  if (!all) throw UsageError("no candidate could be laid out: check --schedules and --microbatch-counts");
+  res.best = *all;
+  res.best_straight = single ? *single : *all;
+
+  // The baselines the output shows, simulated whatever the pruning did.
+  {  // uniform balance, 1f1b, one pipeline over min(R, L) ranks, its best m
+    const std::vector<int> uniform = balance_uniform(L, straight_p);
+    for (std::size_t i = 0; i < cands.size(); ++i) {
+      const Cand& c = cands[i];
+      const Layout& lay = layouts[static_cast<std::size_t>(c.layout)];
+      if (c.d != 1 || lay.p != straight_p || lay.name != "1f1b" || lay.v != 1) continue;
+      if (search.balances(lay.stages)[static_cast<std::size_t>(c.balance)].balance != uniform) continue;
+      const PlanCandidate& pc = run(i);
+      if (!res.uniform_1f1b || better_candidate(pc, *res.uniform_1f1b)) res.uniform_1f1b = pc;
+    }
+  }
+  if (o.hybrid && o.replicated_may_win) {  // data parallelism: p = 1 on min(R, batch) replicas, one micro-batch
+    const long long d = std::min<long long>(R, batch);
+    const long long n = (batch + d - 1) / d;
+    const int m1 = *std::min_element(o.microbatch_counts.begin(), o.microbatch_counts.end());
+    for (std::size_t i = 0; i < cands.size(); ++i) {
+      const Cand& c = cands[i];
+      const Layout& lay = layouts[static_cast<std::size_t>(c.layout)];
+      if (lay.p != 1 || lay.v != 1 || lay.m != m1 || c.n != n || c.replicas_inner) continue;
+      const PlanCandidate& pc = run(i);
+      if (!res.data_parallel || better_candidate(pc, *res.data_parallel)) res.data_parallel = pc;
+    }
+    if (res.data_parallel) {
+      res.data_parallel_ms = res.data_parallel->makespan;
+      res.data_parallel_bytes = res.data_parallel->peak_bytes;
+      res.data_parallel_fits = res.data_parallel->fits;
+    }
+  }
+
+  // PipeDream's planner (replication), on the same devices.
+  if (po.levels.empty()) po.levels.push_back(NetworkLevel{R, o.bandwidth_bytes_per_ms * 1e3});
   if (limit > 0) po.memory_limit_bytes = limit;
   po.allow_fewer_machines = true;
   res.pipedream_options = po;
-  try {
-    res.pipedream = plan_pipedream(prof, po);
-  } catch (const UsageError& e) {
-    res.pipedream_error = e.what();
+  if (R > o.pipedream_max_ranks && o.pipedream.levels.empty()) {
+    // Its flat search is O(L^2 R^2): above the cap it runs on two levels of the same links, groups of g
+    // ranks, which restricts replication to whole groups at the outer level. Each level then costs about
+    // L^3 times its units squared (measured: GPT-96 on 8 x 128 took 6.5 s, on 32 x 32 0.8 s): g is the
+    // divisor of R (1 < g < R) that minimises g^2 + (R/g)^2, the one nearest sqrt(R).
+    int g = 1;
+    double least = std::numeric_limits<double>::infinity();
+    for (int k = 2; k < R; ++k)
+      if (R % k == 0) {
+        const double cost = double(k) * k + (double(R) / k) * (double(R) / k);
+        if (cost < least) least = cost, g = k;
+      }
+    if (g > 1) po.levels = {NetworkLevel{g, o.bandwidth_bytes_per_ms * 1e3}, NetworkLevel{R / g, o.bandwidth_bytes_per_ms * 1e3}};
+    res.pipedream_options = po;
+  }
+  if (R > o.pipedream_max_ranks && po.levels.size() < 2) {
+    res.pipedream_error =
+        o.pipedream.levels.empty()
+            ? fmt::format("not run at {} ranks (its search is O(layers^2 x ranks^2) on one level; the cap is {} ranks, "
+                          "and {} is prime, so it cannot be split into two levels)", R, o.pipedream_max_ranks, R)
+            : fmt::format("not run on one level of {} ranks (its search is O(layers^2 x ranks^2); the cap is {} ranks): "
+                          "give two --levels", R, o.pipedream_max_ranks);
+  } else {
+    try {
+      res.pipedream = plan_pipedream(prof, po);
+    } catch (const UsageError& e) {
+      res.pipedream_error = e.what();
+    }
   }
 
   // PipeDream's plan run synchronously as 1F1B-RR (stage replication in the runtime), simulated like
-  // the straight pipelines; micro-batch counts that every replica count divides.
+  // the others; micro-batch counts that every replica count divides.
   const auto& pd = res.pipedream;
   if (pd && std::any_of(pd->replication.begin(), pd->replication.end(), [](int r) { return r > 1; }) &&
       pd->balance.size() > 1) {
     int lcm = 1;
     for (int r : pd->replication) lcm = std::lcm(lcm, r);
-    for (int m : o.microbatch_counts) {
-      const int mm = (m + lcm - 1) / lcm * lcm;
-      if (mm > batch) continue;
-      PlanCandidate c = simulate_candidate(prof, pd->balance, "1f1b", mm, static_cast<double>(batch) / mm, bw,
+    std::vector<int> counts = o.microbatch_counts;
+    counts.push_back(1);  // at least one round over the replicas
+    for (int m : counts) {
+      const long long mm = (static_cast<long long>(m) + lcm - 1) / lcm * lcm;
+      if (mm > batch || mm > (1 << 16)) continue;
+      PlanCandidate c = simulate_candidate(prof, pd->balance, "1f1b", static_cast<int>(mm),
+                                           static_cast<double>(batch) / static_cast<double>(mm), links.bw.back(),
                                            o.latency_ms, limit, pd->replication);
       c.kind = "pipedream";
       c.solver = "planner";
+      c.stages = static_cast<int>(pd->balance.size());
+      c.ranks_used = pd->devices_used();
+      c.samples = static_cast<double>(batch);
       if (!res.replicated || better_candidate(c, *res.replicated)) res.replicated = c;
     }
   }
-  // The replicated plan is chosen when it is faster and fits.
-  res.chose_replicated = res.replicated && o.replicated_may_win && better_candidate(*res.replicated, res.best_straight);
+  // The chosen plan is the best of everything simulated: the search's optimum and every baseline shown.
+  if (!o.replicated_may_win) res.best = res.best_straight;
+  for (const std::optional<PlanCandidate>* x : {&res.uniform_1f1b, &res.data_parallel})
+    if (*x && better_candidate(**x, res.best) && (o.replicated_may_win || (*x)->replicas == 1)) res.best = **x;
+  if (res.replicated && o.replicated_may_win && better_candidate(*res.replicated, res.best)) {
+    res.best = *res.replicated;
+    res.chose_replicated = true;
+  }
+  for (const std::optional<PlanCandidate>* x : {&res.uniform_1f1b})
+    if (*x && better_candidate(**x, res.best_straight)) res.best_straight = **x;
   return res;
 }
 
@@ -187,19 +641,22 @@ PlanFile plan_file_for(const Profile& prof, const PlanSearchResult& res) {
   chosen.layers = static_cast<int>(prof.layers.size());
   chosen.options = res.pipedream_options;
   chosen.balance = top.balance;
-  chosen.replication = top.replication.empty() ? std::vector<int>(top.balance.size(), 1) : top.replication;
+  // d copies of one pipeline: every stage replicated d times (train --plan runs them as --replicas d).
+  chosen.replication = top.replication.empty() ? std::vector<int>(top.balance.size(), std::max(1, top.replicas))
+                                               : top.replication;
   chosen.time_ms = top.makespan;
   chosen.data_parallel_time_ms = res.data_parallel_ms;
   chosen.speedup = top.makespan > 0 ? res.data_parallel_ms / top.makespan : 0;
   chosen.data_parallel_fits = res.data_parallel_fits;
   // Per stage: compute per micro-batch (F + B + W from the simulator's costs) and static bytes.
   StageCostOptions so;
-  so.micro_batch = static_cast<double>(res.batch_size) / top.m;
+  so.micro_batch = (top.samples > 0 ? top.samples : static_cast<double>(res.batch_size)) / top.m;
   for (const StageCost& c : stage_costs(prof, top.balance, so).stage) chosen.stage_time_ms.push_back(c.f + c.b + c.w);
   chosen.stage_memory_bytes = stage_static_bytes(prof, top.balance);
   chosen.stage_in_flight.assign(top.balance.size(), 1);
   f.schedule = top.schedule;
   f.microbatches = top.m;
+  f.virtual_stages = std::max(1, top.virtual_stages);
   f.batch_size = res.batch_size;
   f.balance_kind = top.kind;
   f.balance_solver = top.solver;
@@ -217,6 +674,7 @@ nlohmann::json plan_file_to_json(const PlanFile& f) {
   nlohmann::json j = plan_to_json(f.plan);
   if (!f.schedule.empty()) j["schedule"] = f.schedule;
   if (f.microbatches > 0) j["microbatches"] = f.microbatches;
+  if (f.virtual_stages > 1) j["virtual_stages"] = f.virtual_stages;
   if (f.batch_size > 0) j["batch_size"] = f.batch_size;
   if (!f.balance_kind.empty()) j["balance_kind"] = f.balance_kind;
   if (!f.balance_solver.empty()) j["balance_solver"] = f.balance_solver;
@@ -261,6 +719,14 @@ PlanFile plan_file_from_json(const nlohmann::json& j, const std::string& origin)
   PlanFile f;
   f.plan = plan_from_json(j, origin);  // checks the object, format, version and the plan's own fields
   read_run_fields(j, origin, "", f.schedule, f.microbatches);
+  if (j.contains("virtual_stages")) {
+    const auto& v = j["virtual_stages"];
+    if (!v.is_number_integer() || v.get<long long>() < 1 || v.get<long long>() > 64 ||
+        f.plan.balance.size() % static_cast<std::size_t>(v.get<long long>()) != 0)
+      file_fail(origin, "virtual_stages", v, "write the stages per rank, an integer in 1..64 that divides the balance's "
+                "length");
+    f.virtual_stages = v.get<int>();
+  }
   if (j.contains("batch_size")) {
     const auto& b = j["batch_size"];
     if (!b.is_number_integer() || b.get<long long>() < 1)

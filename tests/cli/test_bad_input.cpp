@@ -154,7 +154,8 @@ const std::vector<Row> kRows = {
     {kPlan + "--microbatch-counts 0", {"--microbatch-counts"}},
     {kPlan + "--latency -1", {"--latency"}},
     {kPlan + "--cost-form papr", {"papr", "paper"}},
-    {kPlan + "--ranks 99", {"--ranks <= 3"}},
+    {kPlan + "--ranks 99 --no-hybrid", {"--ranks <= 3"}},  // a straight pipeline (hybrid plans take 99 ranks)
+    {kPlan + "--ranks 10000000", {"--ranks must be in 1..", "10000000"}},
     {kPlan + "--balances 'type:(a' --out {d}/plan.json", {"not a valid regular expression"}},
     {"plan --profile {d}/folder", {"is a folder"}},
     {"plan --profile {d}/graph_noedges.txt --out {d}/plan.json", {"unconnected"}},

@@ -43,8 +43,7 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
   EXPECT_EQ(prof.at("layers")[1].at("type"), "Block");
   EXPECT_EQ(prof.at("layers")[1].at("by_micro_batch").size(), 2u);
 
-  r = run_pipetrain("plan --profile " + (dir / "profile.json").string() + " --ranks 3 --batch-size 16 --out " +
-                    (dir / "plan.json").string());
+  r = run_pipetrain("plan --profile " + (dir / "profile.json").string() + " --ranks 3 --batch-size 16");
   ASSERT_EQ(r.code, 0) << r.out;
   const double chosen = row_time(r.out, "chosen:"), uniform = row_time(r.out, "uniform balance, 1f1b");
   ASSERT_GT(chosen, 0) << r.out;
@@ -52,6 +51,10 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
   EXPECT_LE(chosen, uniform) << "uniform 1f1b is among the candidates, so the choice cannot be slower\n" << r.out;
   EXPECT_TRUE(r.has("data parallelism")) << r.out;
   EXPECT_TRUE(r.has("PipeDream planner")) << r.out;
+  // A straight pipeline over the 3 ranks (one stage per rank), for train --plan below.
+  r = run_pipetrain("plan --profile " + (dir / "profile.json").string() + " --ranks 3 --batch-size 16 --no-hybrid "
+                    "--schedules gpipe 1f1b zb-h1 --out " + (dir / "plan.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
   const nlohmann::json plan = read_json_file(dir / "plan.json");
   ASSERT_EQ(plan.at("balance").size(), 3u);
   int layers = 0;
@@ -116,8 +119,8 @@ TEST(PlanCli, PipeDreamVgg16Profile) {
 TEST(PlanCli, PipeDreamStatesReproducePipeDreamsPlanner) {
   const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
   for (const auto& [ranks, row] : std::vector<std::pair<int, std::string>>{
-           {4, "205.52        -       24.322  17,23 x replication 3,1"},
-           {8, "103.83        -       26.758  24,16 x replication 7,1"}}) {
+           {4, "205.52 ms/mini-batch, peak 24.322 GiB, 17,23 x replication 3,1"},
+           {8, "103.83 ms/mini-batch, peak 26.758 GiB, 24,16 x replication 7,1"}}) {
     const CommandResult r =
         run_pipetrain("plan --profile " + vgg.string() + " --pipedream-states --pipedream-batch 128 --ranks " +
                       std::to_string(ranks) + " --bandwidth 1 --cost-form reference --activation-compression 1 "
@@ -153,8 +156,10 @@ TEST(PlanCli, UsageErrors) {
   };
   for (const Case& c : std::vector<Case>{
            {"plan --profile /nonexistent.json", "/nonexistent.json"},
-           {"plan --profile " + (dir / "short.json").string() + " --ranks 2", "2 ranks but the profile has 1 layers"},
-           {"plan --profile " + (dir / "short.json").string() + " --ranks 0", "--ranks must be >= 1"},
+           {"plan --profile " + (dir / "short.json").string() + " --ranks 2 --no-hybrid",
+            "2 ranks but the profile has 1 layers"},
+           {"plan --profile " + (dir / "short.json").string() + " --ranks 0", "--ranks must be in 1..1048576"},
+           {"plan --profile " + (dir / "short.json").string() + " --ranks 10000000", "got 10000000"},
            {"plan --profile " + (dir / "short.json").string() + " --pipedream-batch 4", "drop --pipedream-batch"},
            {"train --transport local --balance speed" + kModel, "unknown balance"},
            {"train --transport local --balance time --profile " + (dir / "short.json").string() + kModel,
@@ -257,4 +262,39 @@ TEST(PlanCli, ReplicatedPipelinesTrainLikeOne) {
     EXPECT_TRUE(r.has(message)) << args << "\n" << r.out;
   }
   fs::remove_all(dir);
+}
+
+// Issue 28: more ranks than layers give hybrid plans (replicas of a shorter pipeline), and the chosen
+// plan is never slower than a row the output shows: data parallelism, uniform 1f1b, PipeDream's plan.
+TEST(PlanCli, HybridPlansForMoreRanksThanLayers) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  for (const char* ranks : {"39", "256"}) {
+    const CommandResult r = run_pipetrain("plan --profile " + vgg.string() + " --ranks " + ranks + " --bandwidth 1.25");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_TRUE(r.has("why: fastest")) << r.out;
+    const double chosen = row_time(r.out, "chosen:");
+    ASSERT_GT(chosen, 0) << r.out;
+    for (const char* row : {"data parallelism", "uniform balance, 1f1b", "PipeDream's plan as 1F1B-RR", "runner-up:"}) {
+      const double t = row_time(r.out, row);
+      if (t > 0) EXPECT_LE(chosen, t) << row << "\n" << r.out;
+    }
+    EXPECT_GT(row_time(r.out, "data parallelism"), 0) << r.out;
+  }
+}
+
+// The torch-free front (`pipetrain`) runs plan, simulate and schedule itself and hands other commands to
+// pipetrain-torch next to it with the same arguments.
+TEST(PlanCli, TheFrontHandsTorchCommandsOn) {
+  const fs::path front(PIPETRAIN_BIN);
+  ASSERT_TRUE(fs::exists(front.parent_path() / "pipetrain-torch")) << "pipetrain-torch is built with pipetrain";
+  CommandResult r = run_pipetrain("train --help");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("--schedule")) << r.out;
+  r = run_pipetrain("--help");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("train")) << r.out;
+  EXPECT_TRUE(r.has("profile")) << r.out;
+  r = run_pipetrain("simulate -s 1f1b -p 4 -m 8");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("makespan 33.000")) << r.out;  // (m + p - 1) (F + B + W) at unit costs
 }

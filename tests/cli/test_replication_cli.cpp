@@ -137,7 +137,7 @@ TEST(ReplicationCli, PlanChoosesTheReplicatedPlanWhenItIsFaster) {
                                   "--bandwidth 1 --out " + (dir / "plan.json").string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("best straight:")) << r.out;
-  EXPECT_TRUE(r.has("chosen: its plan as 1F1B-RR m=")) << r.out;
+  EXPECT_TRUE(r.has("chosen: 2 stages replicated 3,1 (1F1B-RR), m=")) << r.out;
   nlohmann::json plan;
   {
     std::ifstream in(dir / "plan.json");

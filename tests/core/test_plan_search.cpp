@@ -5,11 +5,13 @@
 // refuse bad fields by name.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/plan/balance.h"
 #include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/search.h"
 
@@ -50,34 +52,54 @@ PlanSearchOptions options() {
 
 TEST(PlanSearch, ChoosesTheBestCandidateAndEachIsItsSimulation) {
   const Profile prof = skewed_profile();
-  const PlanSearchOptions o = options();
+  PlanSearchOptions o = options();
+  o.exhaustive = true;
   const PlanSearchResult r = search_plans(prof, o);
   EXPECT_EQ(r.batch_size, 32);
-  // uniform (min-max) + time (min-max, block-partition) x 2 schedules x 4 counts.
-  ASSERT_EQ(r.candidates.size(), 3u * 2 * 4);
+  // Two stages: the distinct balances of uniform (min-max) and time (min-max, block-partition) x 2
+  // schedules x 4 counts; one stage (one schedule: they are all the same on one stage) on 1 and 2
+  // replicas x 4 counts.
+  std::vector<std::vector<int>> balances{plan_balance(prof, 2, "uniform")};
+  for (BalanceSolver solver : {BalanceSolver::min_max, BalanceSolver::block_partition}) {
+    const std::vector<int> b = plan_balance(prof, 2, "time", solver);
+    if (std::find(balances.begin(), balances.end(), b) == balances.end()) balances.push_back(b);
+  }
+  const int distinct = static_cast<int>(balances.size());
+  EXPECT_EQ(r.considered, distinct * 2 * 4 + 2 * 4);
+  ASSERT_EQ(r.candidates.size(), static_cast<std::size_t>(r.considered));
+  int two_stage = 0;
   for (const PlanCandidate& c : r.candidates) {
+    EXPECT_FALSE(better_candidate(c, r.chosen())) << c.kind << " " << c.schedule << " m=" << c.m;
+    if (c.replicas != 1) continue;
     EXPECT_FALSE(better_candidate(c, r.best_straight)) << c.kind << " " << c.schedule << " m=" << c.m;
     const PlanCandidate again = simulate_candidate(prof, c.balance, c.schedule, c.m, 32.0 / c.m,
                                                    o.bandwidth_bytes_per_ms, o.latency_ms, 0);
     EXPECT_DOUBLE_EQ(again.makespan, c.makespan);
+    two_stage += c.stages == 2;
   }
+  EXPECT_EQ(two_stage, distinct * 2 * 4);
   ASSERT_TRUE(r.uniform_1f1b.has_value());
   EXPECT_EQ(r.uniform_1f1b->balance, (std::vector<int>{4, 4}));
   EXPECT_NE(r.best_straight.balance, (std::vector<int>{4, 4}));  // time balance moves layers off the slow end
   EXPECT_LT(r.best_straight.makespan, r.uniform_1f1b->makespan);
   EXPECT_EQ(r.best_straight.m, 8);  // more micro-batches, smaller bubble
   // Data parallelism: the whole model on 16 samples per rank (4x the profiled size), then a ring
-  // all-reduce of 8 MiB of parameters.
+  // all-reduce of 8 MiB of parameters (with its messages' latency).
   double compute = 0;
   for (const LayerProfile& l : prof.layers) compute += 4 * (l.forward_ms + l.backward_ms);
-  EXPECT_NEAR(r.data_parallel_ms, compute + ring_allreduce_ms(8.0 * (1 << 20), 2, o.bandwidth_bytes_per_ms, 0), 1e-9);
+  EXPECT_NEAR(r.data_parallel_ms, compute + ring_allreduce_ms(8.0 * (1 << 20), 2, o.bandwidth_bytes_per_ms, o.latency_ms),
+              1e-9);
+  // No bubble and a cheap all-reduce: data parallelism beats the two-stage pipeline here, and is chosen.
   EXPECT_FALSE(r.chose_replicated);
-  EXPECT_EQ(&r.chosen(), &r.best_straight);
+  EXPECT_EQ(r.chosen().replicas, 2);
+  EXPECT_EQ(r.chosen().stages, 1);
+  EXPECT_DOUBLE_EQ(r.chosen().makespan, r.data_parallel_ms);
 }
 
 TEST(PlanSearch, AMemoryLimitRulesOutWhatDoesNotFit) {
   const Profile prof = skewed_profile();
   PlanSearchOptions o = options();
+  o.exhaustive = true;
   const PlanSearchResult free = search_plans(prof, o);
   double least = 1e300;
   for (const PlanCandidate& c : free.candidates) least = std::min(least, c.peak_bytes);
@@ -94,6 +116,7 @@ TEST(PlanSearch, RefusesImpossibleOptionsByName) {
   const Profile prof = skewed_profile();
   PlanSearchOptions o = options();
   o.ranks = 9;
+  o.hybrid = false;  // a straight pipeline of 9 stages over 8 layers (hybrid plans use 8 of the 9 ranks)
   EXPECT_THROW(search_plans(prof, o), UsageError);
   o = options();
   o.microbatch_counts = {64};  // more micro-batches than samples: no candidate
@@ -115,7 +138,9 @@ TEST(PlanSearch, RefusesImpossibleOptionsByName) {
 
 TEST(PlanFile, RoundTripsAndReadsWhatOlderVersionsWrote) {
   const Profile prof = skewed_profile();
-  const PlanSearchResult r = search_plans(prof, options());
+  PlanSearchOptions o = options();
+  o.replicated_may_win = false;  // one pipeline over both ranks
+  const PlanSearchResult r = search_plans(prof, o);
   PlanFile f = plan_file_for(prof, r);
   f.umpipe = nlohmann::json{{"planner", "dgap"}};
   EXPECT_EQ(f.schedule, r.best_straight.schedule);

@@ -32,6 +32,11 @@ inline constexpr double kMaxActionCost = 1e12;
 struct CostModel {
   std::vector<StageCost> stage;     // one entry per virtual stage
   double comm = 0.0;                // time of one activation or gradient transfer between two ranks
+  // Per stage boundary: boundary_comm[s] is the time of one transfer between stage s and stage s+1 (the
+  // activation forward, its gradient back) when they sit on different ranks, e.g. from the bytes that
+  // cross that cut and the link it crosses. Empty (the default): every transfer costs `comm`; otherwise
+  // one entry per boundary (stages - 1). Send/receive actions of a lowered schedule still cost `comm`.
+  std::vector<double> boundary_comm;
   double step = 0.0;                // time of an optimizer step
   // Memory units per time unit a skip transfer moves (skip.h): a skip of size x costs comm + x / bandwidth.
   // 0 (the default): unlimited, a skip costs `comm` like any other transfer.
@@ -54,6 +59,14 @@ struct CostModel {
   double duration(const Action& a) const;
   // Change of the rank's activation memory when the action runs (positive for F).
   double memory_delta(const Action& a) const;
+  // Time for a token made on stage `from` to reach stage `to` on another rank: boundary_comm of the cut
+  // between them when they are neighbours and boundary_comm is given, else `comm`.
+  double transfer(int from, int to) const {
+    if (boundary_comm.empty()) return comm;
+    const int lo = from < to ? from : to;
+    if (from - to != 1 && to - from != 1) return comm;
+    return boundary_comm[static_cast<std::size_t>(lo)];
+  }
 
   // Throws UsageError if any value is negative or not finite, or the stage count differs from `stages`.
   void check(int stages) const;

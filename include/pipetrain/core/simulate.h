@@ -28,4 +28,9 @@ struct SimResult {
 // about missing or misplaced actions.
 SimResult simulate(const Schedule& schedule, const CostModel& costs);
 
+// The metrics alone, as simulate(...).metrics gives them, without keeping a timeline: memory one time
+// and one rank per token plus a byte per (stage, micro-batch), so planners and large p x m runs need
+// little besides the schedule itself. Same errors as simulate().
+Metrics simulate_metrics(const Schedule& schedule, const CostModel& costs);
+
 }  // namespace pipetrain

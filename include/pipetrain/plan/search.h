@@ -1,8 +1,21 @@
-// Choosing how to run a model from its profile (what `pipetrain plan` prints): every straight pipeline
-// of balance kind x solver x schedule x micro-batch count, each timed by the simulator with per-stage
-// costs summed from the profile (scaled to the micro-batch size) and transfers at the bandwidth, and
-// checked against the memory per rank; data parallelism on the same ranks; PipeDream's planner with
-// stage replication (planner.h), and its plan run synchronously as 1F1B-RR. Torch-free.
+// Choosing how to run a model from its profile (what `pipetrain plan` prints). For R ranks the search
+// covers every hybrid plan: d data-parallel copies (replicas) of a p-stage pipeline with d x p <= R, for
+// every schedule asked for (with its virtual stages: interleaved's v chunks per rank, the V shapes' two),
+// micro-batch count m, balance kind x solver, and, across a --level hierarchy, both placements (a
+// replica's stages on neighbouring ranks, or a stage's replicas on neighbouring ranks), each simulated
+// with per-stage costs summed from the profile at the micro-batch size, a transfer time per stage
+// boundary from the bytes that cross it and the link it crosses, and a ring all-reduce of every stage's
+// gradients over its replicas at the end of the step, and checked against the memory per rank. p = 1 is
+// data parallelism (with gradient accumulation when m > 1). PipeDream's planner with per-stage
+// replication (planner.h) runs too, and its plan, run synchronously as 1F1B-RR, is a candidate like the
+// others. Torch-free.
+//
+// Exact pruning: every candidate gets a lower bound on its time (the busiest rank's work after its first
+// input can arrive, plus its step; and one micro-batch's path through every stage and back), and
+// candidates are simulated in order of that bound until the bound passes the best time found; so the
+// result is the one an exhaustive search gives (PlanSearchOptions::exhaustive checks that). Among
+// replica counts with the same samples per replica only the smallest can win (same pipeline, an
+// all-reduce over fewer ranks), so only it is a candidate.
 //
 // And the plan file: one type (PlanFile) with one writer and one reader, which `pipetrain plan --out`
 // writes and `pipetrain train --plan` runs.
@@ -20,29 +33,50 @@
 
 namespace pipetrain {
 
+// The largest rank count the search takes (and the message that refuses more names it).
+inline constexpr int kMaxPlanRanks = 1 << 20;
+
 struct PlanSearchOptions {
   int ranks = 2;
-  double bandwidth_bytes_per_ms = 1e7;  // between ranks (10 GB/s)
-  double latency_ms = 0.05;             // per transfer
+  double bandwidth_bytes_per_ms = 1e7;  // between ranks (10 GB/s); with pipedream.levels, theirs instead
+  double latency_ms = 0.05;             // per transfer, and per all-reduce message
   double memory_limit_bytes = 0;        // per rank; 0: no limit
-  int64_t batch_size = 0;               // samples per mini-batch; 0: 8 x the profile's micro-batch size
-  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1"};
+  // Samples per mini-batch; 0: max(8, ranks) x the profile's micro-batch size (so every rank can get one
+  // profiled micro-batch).
+  int64_t batch_size = 0;
+  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"};
+  std::vector<int> virtual_counts{2};   // v for the looped schedules (interleaved, interleaved-zb, looped-bfs)
   std::vector<int> microbatch_counts{1, 2, 4, 8, 16, 32};
   std::vector<std::string> balance_kinds{"uniform", "parameters", "time", "memory"};
-  // PipeDream's planner; empty levels: one level of `ranks` devices at the bandwidth. Its memory limit
-  // and allow_fewer_machines are set from the options above.
+  // The network: levels innermost first (planner.h); empty: one level of `ranks` devices at the
+  // bandwidth. Every candidate's transfers and all-reduces cross the links these levels give; PipeDream's
+  // planner gets them too, with its memory limit and allow_fewer_machines set from the options above.
   PlannerOptions pipedream;
-  bool replicated_may_win = true;  // false: the straight pipeline is chosen even when 1F1B-RR is faster
+  bool replicated_may_win = true;  // false: only one pipeline (no replicas, no 1F1B-RR) may be chosen
+  bool hybrid = true;              // false: only straight pipelines over min(ranks, layers) ranks
+  bool exhaustive = false;         // simulate every candidate (no pruning): the reference the tests compare with
+  // PipeDream's planner is O(L^2 R^2) on one level; above this many ranks (and without levels given) it
+  // runs on two levels of the same links, groups of g ranks with g the divisor of R nearest sqrt(R)
+  // (each level costs about L^3 x its units squared), which restricts its replication to whole groups at
+  // the outer level; not at all for a prime R.
+  int pipedream_max_ranks = 256;
 };
 
 // One way to run the model, simulated.
 struct PlanCandidate {
   std::string kind, solver, schedule;  // balance kind and solver ("pipedream" / "planner" for 1F1B-RR)
-  int m = 0;
-  std::vector<int> balance;
-  std::vector<int> replication;  // empty: a straight pipeline
+  int m = 0;                           // micro-batches per replica and step
+  std::vector<int> balance;            // layers per (virtual) stage
+  std::vector<int> replication;  // per stage (PipeDream's 1F1B-RR); empty: `replicas` copies of one pipeline
   double makespan = 0, bubble = 0, peak_bytes = 0;  // ms per mini-batch, bubble fraction, bytes per rank
   bool fits = true;                                  // within the memory limit
+  int stages = 0;          // p: ranks per pipeline
+  int virtual_stages = 1;  // stages per rank (interleaved's v; 2 for the V shapes)
+  int replicas = 1;        // d: data-parallel copies of the pipeline (each gets `samples` of the mini-batch)
+  int ranks_used = 0;      // p x d (the sum of `replication` for 1F1B-RR)
+  double samples = 0;      // samples per replica and step (the slowest replica's share)
+  double allreduce_ms = 0; // the largest per-rank gradient all-reduce over the replicas
+  std::string placement;   // with levels: "pipeline-inner" or "replicas-inner"; else empty
 };
 
 // Faster first; candidates within the memory limit before those over it; ties: fewer micro-batches.
@@ -50,22 +84,26 @@ bool better_candidate(const PlanCandidate& a, const PlanCandidate& b);
 
 struct PlanSearchResult {
   int64_t batch_size = 0;                    // the mini-batch planned for
-  std::vector<PlanCandidate> candidates;     // every straight pipeline simulated
-  PlanCandidate best_straight;               // the best of them
-  std::optional<PlanCandidate> uniform_1f1b;  // the baseline: uniform balance, 1f1b, its best m
-  // Data parallelism: every rank runs the whole model on batch / ranks samples, then a ring all-reduce
-  // of the gradients.
+  std::vector<PlanCandidate> candidates;     // every candidate simulated (the pruned ones are not)
+  int64_t considered = 0;                    // candidates in the search space (simulated + pruned)
+  PlanCandidate best;                        // the chosen plan: never worse than any candidate here
+  PlanCandidate best_straight;  // the best single pipeline over min(R, L) ranks, one stage each (what UMPIPE cuts)
+  std::optional<PlanCandidate> uniform_1f1b;  // the baseline: uniform balance, 1f1b, min(R, L) stages, its best m
+  // Data parallelism: p = 1 on min(ranks, batch) replicas, one micro-batch, as simulated (the whole
+  // model's compute on each replica's share, then the ring all-reduce of the gradients).
+  std::optional<PlanCandidate> data_parallel;
   double data_parallel_ms = 0, data_parallel_bytes = 0;
   bool data_parallel_fits = true;
   PlannerOptions pipedream_options;          // what PipeDream's planner was given (levels filled in)
   std::optional<Plan> pipedream;             // PipeDream's planner (asynchronous), if it found a plan
   std::string pipedream_error;               // why not, otherwise
   std::optional<PlanCandidate> replicated;   // its plan as synchronous 1F1B-RR, if it replicates a stage
-  bool chose_replicated = false;
-  const PlanCandidate& chosen() const { return chose_replicated ? *replicated : best_straight; }
+  bool chose_replicated = false;             // `best` is PipeDream's plan as 1F1B-RR
+  const PlanCandidate& chosen() const { return best; }
 };
 
-// Throws UsageError for impossible options (no candidate, more ranks than layers, ...).
+// Throws UsageError for impossible options (no candidate, ranks < 1 or > kMaxPlanRanks, a profile without
+// layers or compute time, levels for another device count), naming the value and the fix.
 PlanSearchResult search_plans(const Profile& profile, const PlanSearchOptions& options);
 
 // Simulates one candidate: a straight pipeline, or with `replication` (one count per stage) 1F1B-RR
@@ -80,6 +118,7 @@ struct PlanFile {
   Plan plan;
   std::string schedule;            // empty: not recorded
   int microbatches = 0;            // 0: not recorded
+  int virtual_stages = 1;          // stages per rank: the balance has stages x virtual_stages entries
   int64_t batch_size = 0;          // 0: not recorded
   std::string balance_kind, balance_solver;
   double predicted_bubble_fraction = 0;
