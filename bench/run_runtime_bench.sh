@@ -65,7 +65,7 @@ else
 fi
 BIN=$(mktemp -d /tmp/pipetrain-bench.XXXXXX)
 trap 'rm -rf "$BIN"' EXIT
-cp "$BUILD/pipetrain" "$BUILD/bench/bench_plain_gpt" "$BUILD/bench/bench_transport" "$BIN/"
+cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$BUILD/bench/bench_plain_gpt" "$BUILD/bench/bench_transport" "$BIN/"
 mkdir -p "$BIN/traces"
 rm -rf "$RAW"
 mkdir -p "$RAW"

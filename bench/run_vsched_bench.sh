@@ -41,7 +41,7 @@ OUT=$(bench_out bench/results/vsched)
 need_built "$BUILD/pipetrain"
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-cp "$BUILD/pipetrain" "$TMP/pipetrain"  # others may rebuild the build folder meanwhile
+cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$TMP/"  # others may rebuild the build folder meanwhile
 BIN=$TMP/pipetrain
 rm -rf "$OUT/raw"
 mkdir -p "$OUT/raw"

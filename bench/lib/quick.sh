@@ -24,9 +24,10 @@ bench_out() {
 }
 
 # need_built FILE...: quick mode fails when a program is missing; a full run builds it (make build).
+# BUILD/pipetrain is the torch-free front: the commands with LibTorch are in pipetrain-torch beside it.
 need_built() {
   local f
-  for f in "$@"; do
+  for f in "$@" $([[ " $* " == *"/pipetrain "* ]] && echo "$BUILD/pipetrain-torch"); do
     if [[ ! -x $f ]]; then
       if ((QUICK)); then
         echo "quick: $f is not built (build it first, or set BUILD)" >&2

@@ -35,7 +35,7 @@ class SyntheticTokens : public Dataset {
       cur = torch::where(keep, follow, noise);
       seq.select(1, t).copy_(cur);
     }
-    return {seq.slice(1, 0, seq_len_).contiguous(), seq.slice(1, 1, seq_len_ + 1).contiguous()};
+    return {seq.slice(1, 0, seq_len_).contiguous(), seq.slice(1, 1, seq_len_ + 1).contiguous(), {}};
   }
 
  private:
@@ -54,7 +54,7 @@ class SyntheticClasses : public Dataset {
   Batch batch(int64_t step, int64_t n) override {
     at::Generator g = generator(seed_ * 1000003ULL + static_cast<uint64_t>(step) + 1);
     torch::Tensor x = torch::randn({n, features_}, g);
-    return {x, x.matmul(teacher_).argmax(1)};
+    return {x, x.matmul(teacher_).argmax(1), {}};
   }
 
  private:

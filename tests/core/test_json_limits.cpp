@@ -138,7 +138,7 @@ TEST(JsonReaders, ProfileDepthBombAndLongValuesAreShortErrors) {
 }
 
 TEST(JsonReaders, PlanAndPlanFileDepthBombsAreShortErrors) {
-  for (const std::string& field : {"version", "balance"}) {
+  for (const std::string field : {"version", "balance"}) {
     const std::string text = R"({"format": "pipetrain-plan", "version": 1, "model": "m", "layers": 2, ")" + field +
                              "\": " + nested(70000) + "}";
     const std::string e = error_of([&] { plan_from_json_text(text, "plan.json"); });

@@ -47,7 +47,9 @@ void expect_never_worse(const PlanSearchResult& r) {
   for (const PlanCandidate& c : r.candidates)
     EXPECT_FALSE(better_candidate(c, best)) << c.schedule << " p=" << c.stages << " d=" << c.replicas << " m=" << c.m;
   for (const auto* x : {&r.uniform_1f1b, &r.data_parallel, &r.replicated})
-    if (*x) EXPECT_FALSE(better_candidate(**x, best)) << (*x)->schedule;
+    if (*x) {
+      EXPECT_FALSE(better_candidate(**x, best)) << (*x)->schedule;
+    }
 }
 
 }  // namespace
@@ -79,7 +81,9 @@ TEST(PlanHybrid, PrunedSearchAgreesWithExhaustiveOnSmallCases) {
       const PlanSearchResult pruned = search_plans(prof, o), full = search_plans(prof, brute);
       EXPECT_EQ(pruned.considered, full.considered);
       // Exhaustive: everything simulated (with a limit, what cannot fit by its lower bound is skipped).
-      if (o.memory_limit_bytes <= 0) EXPECT_EQ(static_cast<int64_t>(full.candidates.size()), full.considered);
+      if (o.memory_limit_bytes <= 0) {
+        EXPECT_EQ(static_cast<int64_t>(full.candidates.size()), full.considered);
+      }
       EXPECT_LE(pruned.candidates.size(), full.candidates.size());
       EXPECT_TRUE(same_choice(pruned.chosen(), full.chosen()))
           << "ranks " << ranks << " variant " << variant << ": pruned " << pruned.chosen().makespan << " ms, exhaustive "

@@ -13,10 +13,14 @@ args=(-DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release)
 [[ -n "$torch_dir" ]] && args+=(-DTorch_DIR="$torch_dir")
 cmake -S "$examples" -B "$work/build" "${args[@]}" >/dev/null
 cmake --build "$work/build" -j2
-"$work/build/compare_schedules"
-"$work/build/my_mlp"
-"$work/build/my_trainer"
-"$work/build/tied_transformer"
-"$work/build/skips_zbv"
-"$work/build/two_inputs"
+run() {  # run NAME: one example; a failure names it
+  echo "== $1"
+  "$work/build/$1" || { echo "example $1 failed (exit $?)" >&2; exit 1; }
+}
+run compare_schedules
+run my_mlp
+run my_trainer
+run tied_transformer
+run skips_zbv
+run two_inputs
 echo "examples built against the installed package and ran"
