@@ -39,8 +39,9 @@ def main():
 
     res = pipetrain.search_plans(prof, ranks=a.ranks, bandwidth=a.bandwidth, batch_size=a.batch_size)
     best = res["chosen"]
-    print(f"chosen: {best['schedule']} m={best['m']} balance {best['balance']} ({best['kind']}), "
-          f"{best['makespan']:.1f} ms per mini-batch of {res['batch_size']}, bubble {best['bubble']:.3f}")
+    print(f"chosen: {best['stages']} stages x {best['replicas']} replicas, {best['schedule']} m={best['m']} "
+          f"balance {best['balance']} ({best['kind']}), {best['makespan']:.1f} ms per mini-batch of "
+          f"{res['batch_size']}, bubble {best['bubble']:.3f}")
     if res["uniform_1f1b"]:
         print(f"  {res['uniform_1f1b']['makespan'] / best['makespan']:.2f}x uniform 1f1b, "
               f"{res['data_parallel']['ms'] / best['makespan']:.2f}x data parallelism")
@@ -50,17 +51,19 @@ def main():
           f"{pd['speedup_over_data_parallel']:.2f}x its data parallelism")
 
     # UMPIPE: every stage cuts the mini-batch its own way (a small genetic search here: --generations).
-    for u in pipetrain.umpipe(prof, balance=best["balance"], samples=int(res["batch_size"]), bandwidth=a.bandwidth,
+    for u in pipetrain.umpipe(prof, balance=res["best_straight"]["balance"], samples=int(res["batch_size"]), bandwidth=a.bandwidth,
                               generations=a.generations):
         sizes = u["forward"][0]
         print(f"  umpipe {u['planner']:<13} {u['step_ms']:10.2f} ms  stage 0: {len(sizes)} forward micro-batches "
               f"of {min(sizes)}..{max(sizes)} samples")
 
-    # The chosen plan simulated again (the search's micro-batch size and transfers): the per-stage table.
-    sim = pipetrain.simulate(best["schedule"], stages=a.ranks, microbatches=best["m"], profile=prof,
-                             balance=",".join(map(str, best["balance"])), bandwidth=a.bandwidth, latency=50,
-                             microbatch_size=res["batch_size"] / best["m"])
-    print(f"simulated again: {sim.makespan:.1f} ms (the search's {best['makespan']:.1f} ms)")
+    # The best single pipeline simulated again (the search's micro-batch size and transfers): the per-stage
+    # table. (A hybrid plan adds its replicas' all-reduce, which simulate does not model.)
+    one = res["best_straight"]
+    sim = pipetrain.simulate(one["schedule"], stages=one["stages"], microbatches=one["m"], profile=prof,
+                             virtual=one["virtual_stages"], balance=",".join(map(str, one["balance"])),
+                             bandwidth=a.bandwidth, latency=50, microbatch_size=one["samples"] / one["m"])
+    print(f"best single pipeline simulated again: {sim.makespan:.1f} ms (the search's {one['makespan']:.1f} ms)")
     print(sim.table(), end="")
     if a.out:
         with open(a.out, "w") as f:

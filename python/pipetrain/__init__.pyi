@@ -248,7 +248,8 @@ def search_plans(profile: ProfileLike, ranks: int = ..., bandwidth: Optional[flo
                  memory: float = ..., batch_size: int = ..., schedules: Sequence[str] = ...,
                  microbatch_counts: Sequence[int] = ..., balances: Sequence[str] = ..., cost_form: str = ...,
                  levels: Optional[Sequence[Union[str, Tuple[int, float]]]] = ..., activation_compression: float = ...,
-                 replicated_may_win: bool = ...) -> Dict[str, Any]: ...
+                 replicated_may_win: bool = ..., hybrid: bool = ..., virtual_counts: Sequence[int] = ...,
+                 exhaustive: bool = ...) -> Dict[str, Any]: ...
 def umpipe(profile: ProfileLike, balance: Sequence[int], samples: int, bandwidth: Optional[float] = ...,
            latency: Optional[float] = ..., memory: float = ..., overhead: float = ..., rematerialise: bool = ...,
            fit: str = ..., seed: int = ..., generations: int = ..., planner: str = ...) -> List[Dict[str, Any]]: ...

@@ -321,7 +321,9 @@ nlohmann::json candidate_json(const PlanCandidate& c) {
   return {{"kind", c.kind},         {"solver", c.solver},   {"schedule", c.schedule},
           {"m", c.m},               {"balance", c.balance}, {"replication", c.replication},
           {"makespan", c.makespan}, {"bubble", c.bubble},   {"peak_bytes", c.peak_bytes},
-          {"fits", c.fits}};
+          {"fits", c.fits},         {"stages", c.stages},   {"virtual_stages", c.virtual_stages},
+          {"replicas", c.replicas}, {"ranks_used", c.ranks_used}, {"samples", c.samples},
+          {"allreduce_ms", c.allreduce_ms}, {"placement", c.placement}};
 }
 
 nlohmann::json search_json(const Profile& profile, const PlanSearchResult& r) {
@@ -332,6 +334,8 @@ nlohmann::json search_json(const Profile& profile, const PlanSearchResult& r) {
   j["best_straight"] = candidate_json(r.best_straight);
   j["uniform_1f1b"] = r.uniform_1f1b ? candidate_json(*r.uniform_1f1b) : nlohmann::json();
   j["data_parallel"] = {{"ms", r.data_parallel_ms}, {"bytes", r.data_parallel_bytes}, {"fits", r.data_parallel_fits}};
+  if (r.data_parallel) j["data_parallel"]["candidate"] = candidate_json(*r.data_parallel);
+  j["considered"] = r.considered;
   j["pipedream"] = r.pipedream ? plan_to_json(*r.pipedream) : nlohmann::json();
   j["pipedream_error"] = r.pipedream_error;
   j["replicated"] = r.replicated ? candidate_json(*r.replicated) : nlohmann::json();
@@ -894,7 +898,8 @@ PYBIND11_MODULE(_pipetrain, m) {
                            double memory, long long batch_size, const std::vector<std::string>& schedules,
                            const std::vector<int>& microbatch_counts, const std::vector<std::string>& balances,
                            const std::string& cost_form, py::object levels, double activation_compression,
-                           bool replicated_may_win) {
+                           bool replicated_may_win, bool hybrid, const std::vector<int>& virtual_counts,
+                           bool exhaustive) {
           const Profile prof = to_profile(profile);
           if (ranks < 1) throw UsageError("ranks must be >= 1, got " + std::to_string(ranks));
           for (int mm : microbatch_counts)
@@ -914,19 +919,27 @@ PYBIND11_MODULE(_pipetrain, m) {
           so.pipedream.cost_form = parse_planner_cost_form(cost_form);
           so.pipedream.activation_compression = activation_compression;
           so.replicated_may_win = replicated_may_win;
+          so.hybrid = hybrid;
+          so.virtual_counts = virtual_counts;
+          so.exhaustive = exhaustive;
           return to_python(search_json(prof, search_plans(prof, so)));
         },
         py::arg("profile"), py::arg("ranks") = 2, py::arg("bandwidth") = py::none(), py::arg("latency") = py::none(),
         py::arg("memory") = 0.0, py::arg("batch_size") = 0,
-        py::arg("schedules") = std::vector<std::string>{"gpipe", "1f1b", "zb-h1"},
-        py::arg("microbatch_counts") = std::vector<int>{1, 2, 4, 8, 16, 32},
-        py::arg("balances") = std::vector<std::string>{"uniform", "parameters", "time", "memory"},
+        py::arg("schedules") = PlanSearchOptions().schedules,
+        py::arg("microbatch_counts") = PlanSearchOptions().microbatch_counts,
+        py::arg("balances") = PlanSearchOptions().balance_kinds,
         py::arg("cost_form") = "paper", py::arg("levels") = py::none(), py::arg("activation_compression") = 0.0,
-        py::arg("replicated_may_win") = true,
-        "What `pipetrain plan` searches: every straight pipeline (balance kind x solver x schedule x micro-batch "
-        "count) simulated, data parallelism, PipeDream's planner and its plan as 1F1B-RR. bandwidth GB/s (default "
-        "10, or the profile's measured), latency us (default 50, or measured), memory GiB per rank (0: no limit), "
-        "batch_size 0: 8 x the profile's micro-batch. Returns a dict; its 'plan_file' is what `pipetrain plan --out` "
+        py::arg("replicated_may_win") = true, py::arg("hybrid") = true,
+        py::arg("virtual_counts") = PlanSearchOptions().virtual_counts, py::arg("exhaustive") = false,
+        "What `pipetrain plan` searches: p stages x d data-parallel copies of the pipeline (p x d <= ranks; p = 1 "
+        "is data parallelism) for every schedule (interleaved with each of virtual_counts), micro-batch count and "
+        "balance kind x solver, simulated with per-boundary transfers and the copies' all-reduce, pruned exactly by "
+        "lower bounds (exhaustive=True: no pruning); PipeDream's planner and its plan as 1F1B-RR are candidates "
+        "too. hybrid=False: straight pipelines over min(ranks, layers) ranks only. bandwidth GB/s (default 10, or "
+        "the profile's measured), latency us (default 50, or measured), memory GiB per rank (0: no limit), "
+        "batch_size 0: max(8, ranks) x the profile's micro-batch. Returns a dict: 'chosen' (never worse than any "
+        "entry of 'candidates'), 'best_straight', the baselines, and 'plan_file', what `pipetrain plan --out` "
         "writes (pipetrain train --plan runs it).");
   m.def("umpipe", [](py::object profile, const std::vector<int>& balance, int samples, std::optional<double> bandwidth,
                      std::optional<double> latency, double memory, double overhead, bool rematerialise,

@@ -244,7 +244,15 @@ class Planning(unittest.TestCase):
         res = pipetrain.search_plans(prof, ranks=2, microbatch_counts=[1, 2, 4], schedules=["gpipe", "1f1b"])
         self.assertEqual(res["batch_size"], 32)
         best = res["best_straight"]
-        self.assertTrue(all(best["makespan"] <= c["makespan"] for c in res["candidates"] if c["fits"]))
+        self.assertEqual(best["stages"], 2)  # one stage per rank
+        self.assertTrue(all(best["makespan"] <= c["makespan"] for c in res["candidates"]
+                            if c["fits"] and c["stages"] == 2 and c["replicas"] == 1))
+        chosen = res["chosen"]  # hybrid plans: stages x replicas, never slower than any candidate printed
+        self.assertLessEqual(chosen["stages"] * chosen["replicas"], 2)
+        self.assertTrue(all(chosen["makespan"] <= c["makespan"] + 1e-9 for c in res["candidates"] if c["fits"]))
+        straight = pipetrain.search_plans(prof, ranks=2, microbatch_counts=[1, 2, 4], schedules=["gpipe", "1f1b"],
+                                          hybrid=False)
+        self.assertTrue(all(c["stages"] == 2 and c["replicas"] == 1 for c in straight["candidates"]))
         self.assertEqual(res["plan_file"]["format"], "pipetrain-plan")
         um = pipetrain.umpipe(prof, balance=best["balance"], samples=8, generations=20)
         self.assertEqual([u["planner"] for u in um], ["equal", "local-greedy", "global-dp", "dgap"])
