@@ -38,7 +38,7 @@ trap 'rm -rf "$TMP"' EXIT  # also when a run fails
 BIN=$TMP/pipetrain
 if [[ -z ${SUMMARY_ONLY:-} ]]; then
   need_built "$BUILD/pipetrain"
-  cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$BIN"  # others may rebuild the build folder meanwhile
+  cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$(dirname "$BIN")/"  # others may rebuild the build folder meanwhile
 fi
 
 # shellcheck source=bench/lib/load.sh

@@ -24,7 +24,7 @@ mkdir -p "$OUT/raw"
 need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
 trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
-cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$BIN"
+cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$(dirname "$BIN")/"
 M=4
 MODELS="gpt cnn" STAGES="1 2 4" BALANCES="uniform parameters time memory optimal" SCHEDULES="gpipe 1f1b"
 PREDICTED="8 16" STEPS=8 REPEATS=7 SIZES="1 2 4 16"

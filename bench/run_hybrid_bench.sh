@@ -17,7 +17,7 @@ mkdir -p "$OUT/raw"
 need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
 trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
-cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$BIN"
+cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$(dirname "$BIN")/"
 COMMON=(--data synthetic --layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128 --batch-size 32 --steps 8
         --progress lines --lr 1e-3 --lr-schedule constant --clip 0)
 ROUNDS="1 2 3"

@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
 trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
-cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$BIN"   # others may rebuild build/ meanwhile
+cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$(dirname "$BIN")/"   # others may rebuild build/ meanwhile
 # Quick: a few steps with an evaluation at step 0 and at the end, and a tiny GPT.
 LENGTH=(--epochs 3 --eval-every 938) QUICK_GPT=()
 if ((QUICK)); then

@@ -34,7 +34,7 @@ mkdir -p "$OUT/raw"
 need_built "$BUILD/pipetrain"
 BIN=$(mktemp -d)/pipetrain
 trap 'rm -rf "$(dirname "$BIN")"' EXIT  # also when a run fails
-cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$BIN"
+cp "$BUILD/pipetrain" "$BUILD/pipetrain-torch" "$(dirname "$BIN")/"
 declare -A FLAGS BATCH MICRO SIZES
 FLAGS[gpt]="--model gpt --data synthetic --layers 14 --d-model 64 --heads 4 --seq-len 64 --vocab 4096"
 BATCH[gpt]=32
