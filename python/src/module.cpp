@@ -28,6 +28,7 @@
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/schedule.h"
 #include "pipetrain/core/simulate.h"
+#include "pipetrain/core/simulate_json.h"
 #include "pipetrain/core/skip.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/core/torch_csv.h"
@@ -124,27 +125,7 @@ CostModel flag_costs(const CostFlags& f, const Schedule& s) {
   } else {
     const std::vector<StageCost> given = parse_stage_costs(f.cost);
     if (f.comm < 0) throw UsageError("comm " + std::to_string(f.comm) + " must be >= 0");
-    const int v = s.virtual_stages_per_rank();
-    c.comm = f.comm;
-    if (given.size() == 1) {
-      c = CostModel::uniform(s.stages, given[0], v, f.comm);
-    } else if (static_cast<int>(given.size()) == s.stages) {
-      c.stage = given;
-    } else if (static_cast<int>(given.size()) == s.ranks && s.replicated()) {
-      throw UsageError("cost lists " + std::to_string(given.size()) + " triples, one per rank, but the stages are "
-                       "replicated and a stage's replicas share its cost: give one triple per stage (" +
-                       std::to_string(s.stages) + ") or one for all");
-    } else if (static_cast<int>(given.size()) == s.ranks) {
-      for (int st = 0; st < s.stages; ++st) {
-        StageCost r = given[static_cast<std::size_t>(s.rank_of(st))];
-        c.stage.push_back(StageCost{r.f / v, r.b / v, r.w / v, r.activation / v});
-      }
-    } else {
-      throw UsageError("cost lists " + std::to_string(given.size()) + " triples but the schedule has " +
-                       std::to_string(s.ranks) + " ranks and " + std::to_string(s.stages) +
-                       " stages: give one triple, one per rank or one per stage");
-    }
-    c.check(s.stages);
+    c = costs_from_triples(s, given, f.comm, "cost");
   }
   c.bandwidth = f.skip_bandwidth;
   return c;
@@ -249,41 +230,9 @@ Simulation run_simulation(const Schedule& s, const CostModel& costs, const HeapO
   return out;
 }
 
-// The object `pipetrain simulate --json` prints (apps/pipetrain/cmd_simulate.cpp), key for key.
+// The object `pipetrain simulate --json` prints, key for key (core/simulate_json.h).
 nlohmann::json simulation_json(const Simulation& sim) {
-  const Schedule& s = sim.schedule;
-  const SimResult& r = sim.result;
-  nlohmann::json j;
-  j["schedule"] = s.name;
-  j["stages"] = s.ranks;
-  j["virtual_stages"] = s.virtual_stages_per_rank();
-  j["microbatches"] = s.microbatches_per_step;
-  j["steps"] = s.steps();
-  j["makespan"] = r.metrics.makespan;
-  j["bubble_fraction"] = r.metrics.bubble_fraction;
-  j["max_bubble"] = r.metrics.max_bubble();
-  j["per_stage"] = nlohmann::json::array();
-  for (const RankMetrics& m : r.metrics.per_rank) {
-    const HeapPeak& h = sim.heap.at(static_cast<std::size_t>(m.rank));
-    j["per_stage"].push_back({{"stage", m.rank},
-                              {"busy", m.busy},
-                              {"span", m.span},
-                              {"bubble", m.bubble},
-                              {"peak_inflight", m.peak_inflight},
-                              {"peak_memory", m.peak_memory},
-                              {"heap", {{"total", h.total()},
-                                        {"activations", h.activations},
-                                        {"gradients", h.gradients},
-                                        {"transfers", h.transfers},
-                                        {"after", h.position < 0 ? std::string() : to_string(h.after)}}}});
-  }
-  j["heap_policy"] = {{"receives_ahead", sim.policy.receives_ahead}, {"sends_in_flight", sim.policy.sends_in_flight}};
-  if (!s.skips.empty()) {
-    j["skips"] = nlohmann::json::array();
-    for (const SkipEdge& k : s.skips)
-      j["skips"].push_back({{"from_stage", k.from_stage}, {"to_stage", k.to_stage}, {"size", k.size}});
-  }
-  return j;
+  return pipetrain::simulation_json(sim.schedule, sim.result, sim.heap, sim.policy);
 }
 
 std::string fixed(double v, int digits) {

@@ -1,5 +1,7 @@
 #include "pipetrain/core/cost.h"
 
+#include "pipetrain/core/schedule.h"
+
 #include <cmath>
 #include <sstream>
 #include <utility>
@@ -133,6 +135,34 @@ std::vector<StageCost> parse_stage_costs(const std::string& text) {
   }
   if (out.empty()) throw UsageError("empty cost '" + excerpt(text) + "': expected F:B:W such as 1:1:1");
   return out;
+}
+
+CostModel costs_from_triples(const Schedule& s, const std::vector<StageCost>& given, double comm,
+                             const std::string& what) {
+  const int v = s.virtual_stages_per_rank();
+  CostModel c;
+  c.comm = comm;
+  if (given.size() == 1) {
+    c = CostModel::uniform(s.stages, given[0], v, comm);
+  } else if (static_cast<int>(given.size()) == s.stages) {
+    c.stage = given;
+  } else if (static_cast<int>(given.size()) == s.ranks && s.replicated()) {
+    throw UsageError(what + " lists " + std::to_string(given.size()) + " triples, one per rank, but the stages are "
+                     "replicated and a stage's replicas share its cost: give one triple per stage (" +
+                     std::to_string(s.stages) + ") or one for all");
+  } else if (static_cast<int>(given.size()) == s.ranks) {
+    // One triple per rank: each of its v chunks costs 1/v of it.
+    for (int st = 0; st < s.stages; ++st) {
+      StageCost r = given[static_cast<std::size_t>(s.rank_of(st))];
+      c.stage.push_back(StageCost{r.f / v, r.b / v, r.w / v, r.activation / v});
+    }
+  } else {
+    throw UsageError(what + " lists " + std::to_string(given.size()) + " triples but the schedule has " +
+                     std::to_string(s.ranks) + " ranks and " + std::to_string(s.stages) +
+                     " stages: give one triple, one per rank or one per stage");
+  }
+  c.check(s.stages);
+  return c;
 }
 
 }  // namespace pipetrain

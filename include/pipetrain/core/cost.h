@@ -76,4 +76,12 @@ struct CostModel {
 // Throws UsageError naming the text and the expected form; negative values are rejected.
 std::vector<StageCost> parse_stage_costs(const std::string& text);
 
+struct Schedule;
+// The cost model of schedule `s` from triples a user gave (parse_stage_costs) and `comm` per transfer: one
+// triple for every stage, one per stage, or one per rank (each of a rank's v stages then costs 1/v of it;
+// not for replicated stages, which share their stage's cost). `what` names the setting in messages
+// ("--cost" on the command line). Throws UsageError naming the count given and the counts that fit.
+CostModel costs_from_triples(const Schedule& s, const std::vector<StageCost>& given, double comm,
+                             const std::string& what);
+
 }  // namespace pipetrain
