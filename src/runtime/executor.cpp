@@ -29,6 +29,7 @@
 #include "pipetrain/runtime/split_linear.h"
 #include "bundle_wire.h"
 #include "fused_optimizer.h"
+#include "seeded_generator.h"
 #include "pass_util.h"
 #include "torch_compat.h"
 #include "umpipe_pass.h"
@@ -133,35 +134,6 @@ double scalar_value(const torch::Tensor& t) {
   return t.item<double>();
 }
 
-// The default CPU generator seeded with `seed` while in scope, then put back as it was. Its state is
-// copied directly (the Mersenne Twister and the cached normal samples): a forward of a tiny layer cost
-// about as much again in get_state/set_state, which go through a byte tensor of the same state.
-class SeededCpuGenerator {
- public:
-  SeededCpuGenerator(at::Generator& gen, uint64_t seed)
-      : gen_(gen), cpu_(at::check_generator<at::CPUGeneratorImpl>(gen)) {
-    std::lock_guard<std::mutex> g(gen_.mutex());
-    engine_ = cpu_->engine();
-    next_float_ = cpu_->next_float_normal_sample();
-    next_double_ = cpu_->next_double_normal_sample();
-    cpu_->set_current_seed(seed);
-  }
-  ~SeededCpuGenerator() {
-    std::lock_guard<std::mutex> g(gen_.mutex());
-    cpu_->set_engine(engine_);
-    cpu_->set_next_float_normal_sample(next_float_);
-    cpu_->set_next_double_normal_sample(next_double_);
-  }
-  SeededCpuGenerator(const SeededCpuGenerator&) = delete;
-  SeededCpuGenerator& operator=(const SeededCpuGenerator&) = delete;
-
- private:
-  at::Generator& gen_;
-  at::CPUGeneratorImpl* cpu_;
-  at::mt19937 engine_;
-  c10::optional<float> next_float_;
-  c10::optional<double> next_double_;
-};
 
 }  // namespace
 

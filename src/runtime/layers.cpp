@@ -9,6 +9,7 @@
 #include "pipetrain/core/random.h"
 #include "pipetrain/runtime/bundle.h"
 #include "pipetrain/runtime/executor.h"
+#include "seeded_generator.h"
 
 namespace pipetrain {
 
@@ -46,20 +47,7 @@ torch::nn::AnyModule build_layer(const LayerwiseModel& model, int layer) {
   const uint64_t seed = splitmix64(model.seed ^ splitmix64(0x6c61796572ULL + static_cast<uint64_t>(layer)));
   std::lock_guard<std::mutex> lock(default_generator_mutex());
   auto gen = at::detail::getDefaultCPUGenerator();
-  torch::Tensor saved;
-  {
-    std::lock_guard<std::mutex> g(gen.mutex());
-    saved = gen.get_state();
-    gen.set_current_seed(seed);
-  }
-  struct Restore {
-    at::Generator& gen;
-    const torch::Tensor& state;
-    ~Restore() {
-      std::lock_guard<std::mutex> g(gen.mutex());
-      gen.set_state(state);
-    }
-  } restore{gen, saved};
+  SeededCpuGenerator seeded(gen, seed);  // put back as it was on return
   torch::nn::AnyModule m = model.build(layer);
   if (m.is_empty())
     throw UsageError("the layerwise model's build(" + std::to_string(layer) + ") returned an empty module");
