@@ -414,7 +414,11 @@ std::shared_ptr<Transport> make_mpi_transport() {
 }
 
 std::shared_ptr<Transport> make_process_transport(const std::string& name) {
-  if (name == "gloo") return make_gloo_transport(Rendezvous::from_environment());
+  if (name == "gloo") {
+    // A build without gloo says so first, not that the rendezvous variables are missing.
+    if (!gloo_transport_available()) throw UsageError(gloo_transport_absent_reason());
+    return make_gloo_transport(Rendezvous::from_environment());
+  }
   if (name == "mpi") return make_mpi_transport();
   if (name == "shm") return make_shm_transport(Rendezvous::from_environment());
   if (name == "auto") {

@@ -63,6 +63,15 @@ inline bool pipetrain_has_gloo() {
 #define SKIP_WITHOUT_GLOO() \
   if (!::pipetrain::testing::pipetrain_has_gloo()) GTEST_SKIP() << "this build has no gloo transport (see `pipetrain info`)"
 
+// Whether Debian's bible-kjv (the gpt's default data) is installed; a machine without it (a GPU machine with
+// only pip's PyTorch) skips the tests that train on it.
+inline bool bible_installed() {
+  static const bool has = run_command("command -v bible").code == 0;
+  return has;
+}
+#define SKIP_WITHOUT_BIBLE() \
+  if (!::pipetrain::testing::bible_installed()) GTEST_SKIP() << "bible-kjv not installed (the gpt's default data)"
+
 // An empty folder pipetrain-PREFIX-NAME-PID under the system's temporary folder.
 inline std::filesystem::path fresh_temp_dir(const std::string& prefix, const std::string& name) {
   const std::filesystem::path d =

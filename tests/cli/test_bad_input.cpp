@@ -172,6 +172,8 @@ TEST_P(BadInput, ExitsTwoNamesTheValueAndWritesNothing) {
   for (std::size_t at; (at = args.find("{d}")) != std::string::npos;) args.replace(at, 3, d.string());
   // Run from inside the folder, so a file written to the working directory would show too.
   const auto r = pipetrain::testing::run_command("cd " + d.string() + " && " + PIPETRAIN_BIN + " " + args);
+  if (r.has("program 'bible' not found") && !pipetrain::testing::bible_installed())
+    GTEST_SKIP() << "bible-kjv not installed: this row's check comes after the gpt's default data is read";
   EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
   for (const std::string& w : row.words) EXPECT_TRUE(r.has(w)) << "missing '" << w << "' for: " << args << "\n" << r.out;
   for (const std::string& w : row.absent) EXPECT_FALSE(r.has(w)) << "unwanted '" << w << "' for: " << args << "\n" << r.out;

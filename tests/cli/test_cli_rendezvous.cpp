@@ -227,6 +227,7 @@ TEST(CliRendezvous, ALoneRankStopsAfterTheRendezvousTimeout) {
 // killed that run with a misleading Gloo message. The store refuses a second process claiming a rank
 // that has joined, and the first run trains on undisturbed.
 TEST(CliRendezvous, SecondProcessClaimingAJoinedRankIsRefused) {
+  SKIP_WITHOUT_GLOO();  // ranks started by hand meet over gloo
   const auto dir = pipetrain::testing::fresh_temp_dir("rendezvous", "duplicate");
   const std::string d = dir.string();
   const std::string common = "env -u PIPETRAIN_LAUNCHER_STORE -u PIPETRAIN_SHM_PREFIX -u PIPETRAIN_RUN_TOKEN "
@@ -256,6 +257,7 @@ TEST(CliRendezvous, SecondProcessClaimingAJoinedRankIsRefused) {
 // issue 23: a rank whose peer never joined (it died first), or that found a silent listener on
 // MASTER_PORT, said nothing for minutes. A long wait now says every 10 s what it waits for.
 TEST(CliRendezvous, ALongWaitSaysWhatItWaitsFor) {
+  SKIP_WITHOUT_GLOO();  // ranks started by hand meet over gloo
   const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
                           " RANK=0 WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=12 ";
   CommandResult r = run_command("timeout 120 env " + env + bin + mlp + " --steps 1");

@@ -247,7 +247,7 @@ TEST_F(Issue23, OverflowingIntegerFlagNamesItsRange) {
 
 TEST_F(Issue23, HugeReplicationNamesTheUsersFlag) {
   // Blamed the launcher's "-n 1000001".
-  const CommandResult r = run_pipetrain("train --replication 1000000,1" + kS);
+  const CommandResult r = run_pipetrain("train --data synthetic --replication 1000000,1" + kS);
   expect_usage_error(r, {"--replication 1000000,1", "1000001 ranks", "256"}, "--replication 1000000,1");
   EXPECT_FALSE(r.has("-n 1000001")) << r.out;
 }

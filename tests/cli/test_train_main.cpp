@@ -48,7 +48,7 @@ std::string file_bytes(const fs::path& p) {
   return s.str();
 }
 
-bool bible_installed() { return pipetrain::testing::run_command("command -v bible").code == 0; }
+using pipetrain::testing::bible_installed;
 
 }  // namespace
 

@@ -5,6 +5,9 @@
 // checkpoint at the step reached).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -232,7 +235,10 @@ TEST(TrainSafety, WorkThatCannotFitIsRefusedAtOnce) {
   const fs::path dir = fresh_temp_dir("safety", "bigtext");
   {
     std::ofstream sparse(dir / "huge.txt", std::ios::binary);
-    sparse.seekp((int64_t{20} << 30) - 1);
+    // Twice this host's memory (at least 20 GiB), so that no machine can hold it: a GPU machine with 128 GiB
+    // read a 20 GiB text in full. Sparse, so it takes no disk.
+    const int64_t host = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+    sparse.seekp(std::max(int64_t{20} << 30, 2 * host) - 1);
     sparse.put('x');
   }
   r = run_pipetrain("train --layers 1 --d-model 32 --batch-size 8 --eval-every 0 --sample 0 --transport local --steps 1 "

@@ -431,6 +431,8 @@ class Conformance : public ::testing::TestWithParam<std::string> {
   }
   void skip_unless_available() {
     if (GetParam() == "mpi" && !mpirun_path()) GTEST_SKIP() << "mpirun not found: the mpi transport is not tested";
+    if (GetParam() == "gloo" && !pipetrain::gloo_transport_available())
+      GTEST_SKIP() << "this build has no gloo transport: " << pipetrain::gloo_transport_absent_reason();
   }
 
   std::filesystem::path dir_;
