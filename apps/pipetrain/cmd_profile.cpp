@@ -31,6 +31,7 @@ struct ProfileFlags {
   std::vector<int> sizes;
   std::string out;
   std::string transport;  // empty: compute only
+  std::string device = "cpu";
 };
 
 // Profiles the layers, adds `runtime` when given, prints the table and writes --out.
@@ -45,6 +46,7 @@ void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime) {
   o.model_name = f.model.describe();
   o.loss = f.model.loss();  // the last layer's times include the loss, as the last stage runs it
   o.target = b.target;
+  o.device = device_of_flag(f.device);
   std::vector<int> sizes = f.sizes;
   std::sort(sizes.begin(), sizes.end());
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
@@ -97,6 +99,9 @@ void add_profile_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--optimizer", f->optimizer, "adam, adamw, sgd or sgd-momentum (optimizer state bytes); default adam");
   cmd->add_option("--sizes", f->sizes, "also measure at these micro-batch sizes (for UMPIPE), e.g. --sizes 1 2 4 16");
   cmd->add_option("--out", f->out, "write the profile JSON here");
+  cmd->add_option("--device", f->device,
+                  "cpu (default), cuda or cuda:N: measure there (on a GPU each time waits for the device, so it is "
+                  "the kernels' time; plan and simulate then predict GPU steps)");
   cmd->add_option("--transport", f->transport,
                   "also measure transfers (latency, bandwidth) and the executor's per-action overhead over two ranks "
                   "of this transport: local (threads), shm or gloo (two processes started here), mpi (under mpirun "

@@ -79,6 +79,10 @@ void PipelineFlags::add_to(CLI::App& app) {
   app.add_flag("--reference", reference, "use the blocking reference executor instead of the fast path");
   app.add_option("--device", device,
                  "cpu (default), cuda (rank r on GPU r mod the GPU count) or cuda:N; cuda needs a CUDA LibTorch");
+  app.add_option("--precision", precision,
+                 "fp32 (default) or bf16: forwards under autocast to bfloat16 (activations, their gradients and the "
+                 "transfers in bf16; weights, gradients, optimizer state and loss in float32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
 }
 
 std::vector<int> PipelineFlags::replication_counts() const {
@@ -114,27 +118,30 @@ int PipelineFlags::world_size() const {
 }
 
 
-PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
-  PipelineOptions o;
-  if (device == "cpu") {
-    o.device = torch::kCPU;
-  } else if (device.rfind("cuda", 0) == 0) {
-    if (!torch::cuda::is_available())
-      throw UsageError("--device " + device + ": this LibTorch has no CUDA device; build against a CUDA LibTorch "
-                       "(make build TORCH_DIR=...) on a machine with a GPU, or use --device cpu");
-    const int gpus = static_cast<int>(torch::cuda::device_count());
-    try {
-      o.device = device == "cuda" ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus))
-                                  : torch::Device(device);
-    } catch (const std::exception&) {
-      throw UsageError("--device " + device + " is not a device: use cpu, cuda or cuda:N");
-    }
-    if (o.device.index() >= gpus)
-      throw UsageError("--device " + device + ": there are only " + std::to_string(gpus) + " GPUs (0.." +
-                       std::to_string(gpus - 1) + ")");
-  } else {
+torch::Device device_of_flag(const std::string& device, int local_rank) {
+  if (device == "cpu") return torch::kCPU;
+  if (device.rfind("cuda", 0) != 0) throw UsageError("--device " + device + " is not a device: use cpu, cuda or cuda:N");
+  if (!torch::cuda::is_available())
+    throw UsageError("--device " + device + ": this LibTorch has no CUDA device; build against a CUDA LibTorch "
+                     "(make build TORCH_DIR=...) on a machine with a GPU, or use --device cpu");
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  torch::Device d = torch::kCPU;
+  try {
+    d = device == "cuda" ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus))
+                         : torch::Device(device);
+  } catch (const std::exception&) {
     throw UsageError("--device " + device + " is not a device: use cpu, cuda or cuda:N");
   }
+  if (d.index() >= gpus)
+    throw UsageError("--device " + device + ": there are only " + std::to_string(gpus) + " GPUs (0.." +
+                     std::to_string(gpus - 1) + ")");
+  return d;
+}
+
+PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
+  PipelineOptions o;
+  o.device = device_of_flag(device, local_rank);
+  o.precision = precision;
   o.schedule = schedule;
   o.microbatches = microbatches;
   o.virtual_stages = virtual_stages;

@@ -68,6 +68,10 @@ struct ModelFlags {
   std::string vocabulary_;
 };
 
+// The device a --device flag names for the rank with this local rank (cuda: GPU local_rank mod the GPU
+// count); UsageError naming the value and the fix for anything else, and for CUDA without a GPU.
+torch::Device device_of_flag(const std::string& device, int local_rank = 0);
+
 struct PipelineFlags {
   int stages = 2;
   int replicas = 1;  // data-parallel copies of the pipeline
@@ -83,6 +87,7 @@ struct PipelineFlags {
   int threads = 0;
   bool reference = false;
   std::string device = "cpu";  // cpu | cuda | cuda:N
+  std::string precision = "fp32";  // fp32 | bf16 (autocast)
   CLI::Option* stages_option = nullptr;
   std::string replication;  // --replication 3,1: replicas per stage (1F1B-RR); empty: one rank per stage
   std::string plan_use = "pipeline";  // --plan-use: pipeline | pipedream

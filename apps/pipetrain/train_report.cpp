@@ -11,6 +11,7 @@
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/runtime/device.h"
 #include "pipetrain/runtime/info.h"
 #include "train_support.h"
 
@@ -89,6 +90,17 @@ std::pair<std::string, std::string> generate_text(const TrainFlags& f, PipelineR
       generate_tokens(rank, t, context, f.sample, f.temperature, static_cast<uint64_t>(f.model.seed) + 7);
   if (!data || t.rank() != rank.schedule().rank_of(0)) return {};
   return {zoo::decode_text(data->vocabulary(), context), zoo::decode_text(data->vocabulary(), torch::tensor(tokens, torch::kLong))};
+}
+
+// ", peak GPU memory A MiB allocated, R MiB reserved" for a rank of a run on GPUs (`device`: this
+// rank's); where it could not be read, said so.
+static std::string device_memory_text(const RunReport& rep, int rank, const torch::Device& device) {
+  if (device.is_cpu()) return "";
+  const std::size_t r = static_cast<std::size_t>(rank);
+  if (r >= rep.device_peak_allocated_mib.size() || rep.device_peak_allocated_mib[r] < 0)
+    return ", peak GPU memory not measured (this LibTorch's allocator offers no statistics through c10)";
+  return fmt::format(", peak GPU memory {:.0f} MiB allocated, {:.0f} MiB reserved", rep.device_peak_allocated_mib[r],
+                     rep.device_peak_reserved_mib[r]);
 }
 
 // "stage S" for a rank, or "rank R (stage S replica Q)" when stages are replicated (1F1B-RR).
@@ -197,10 +209,11 @@ void print_summary(const TrainFlags& f, PipelineRank& rank, const Transport& tra
   }
   const bool shared = transport.shares_process();
   for (const RankMetrics& m : measured.per_rank)
-    std::cout << fmt::format("  {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms; peak RSS {:.0f} MiB{}{}\n",
+    std::cout << fmt::format("  {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms; peak RSS {:.0f} MiB{}{}{}\n",
                              rank_label(rank.schedule(), m.rank), m.busy, m.span, m.bubble,
                              rep.peak_rss_mib[static_cast<std::size_t>(m.rank)],
                              shared ? " (one process for all ranks)" : "",
+                             device_memory_text(rep, m.rank, rank.device()),
                              f.memory ? fmt::format(", peak heap growth in a step {:.2f} MiB",
                                                     rep.heap_growth_bytes[static_cast<std::size_t>(m.rank)] / 1048576.0)
                                       : std::string());

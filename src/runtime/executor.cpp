@@ -28,6 +28,7 @@
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "bundle_wire.h"
+#include "device_context.h"
 #include "fused_optimizer.h"
 #include "seeded_generator.h"
 #include "pass_util.h"
@@ -311,6 +312,8 @@ struct PipelineRank::Impl {
   bool layerwise = false;  // built from a LayerwiseModel: this rank built its own layers only
   std::shared_ptr<Transport> transport;
   PipelineOptions options;
+  // The rank's device: on CUDA its stream and event timing (src/runtime/device.cpp); set at construction.
+  std::optional<detail::RankDevice> rank_device;
   Schedule schedule;          // lowered
   std::vector<int> balance;   // per virtual stage
   std::map<int, Stage> stages;  // stage id -> stage, for this rank's stages
@@ -480,6 +483,9 @@ struct PipelineRank::Impl {
   // (batches drawn with torch::randn after torch::manual_seed, say) is the same with or without the
   // pipeline (PipelineRank's contract, executor.h).
   Bundle run_forward(int s, int i, const Bundle& x) {
+    // bf16: under autocast on the rank's device (thread-local, so per rank thread).
+    const compat::AutocastGuard autocast(
+        options.device.type(), options.precision == "bf16" ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
     Slot& sl = slot(s, i);
     if (!options.deterministic_rng) return stage_of(s).forward(x);
     std::unique_lock<std::mutex> lock(default_generator_mutex(), std::defer_lock);
@@ -519,7 +525,7 @@ struct PipelineRank::Impl {
     } else if (pass->rank_of(s - 1, i) == rank()) {
       x = outgoing(s - 1, slot(s - 1, i), sl.in_grad);
     } else {
-      x = sl.input.to(options.device);  // received by RF (transports deliver host tensors)
+      x = sl.input.to(options.device);  // received by RF (on the host unless the transport carries device tensors)
       if (x.empty()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
     }
     if (!skips.empty()) take_skips(s, i, x, sl.in_grad);
@@ -667,7 +673,7 @@ struct PipelineRank::Impl {
       if (const BundleLayout* l = recv_layout(key, dir, a.index, src, false, header_tag)) {
         PendingSkip& p = posted_skips[pos];
         p.action = a;
-        p.recv.buffer = detail::empty_buffer(*l);
+        p.recv.buffer = receive_buffer(*l);
         p.recv.layout = l;
         p.recv.work = transport->irecv(p.recv.buffer, src, data_tag);
         slot(a.stage, a.index).pending_skips.push_back(pos);
@@ -723,11 +729,23 @@ struct PipelineRank::Impl {
   // counted in the step's count (the division by the step's total count waits for the flush, when the
   // total is known, see reduce_and_clip); with one micro-batch per step (pipedream, spectrain) the count
   // is the total already, so the sum is divided at once.
+  // The last stage's outputs for the loss: with bf16, its floating-point tensors in float32, so the loss is
+  // computed in float32 (as autocast does for its losses).
+  Bundle full_precision(const Bundle& out) const {
+    if (options.precision != "bf16") return out;
+    Bundle o;
+    for (const auto& [name, t] : out.items())
+      o.set(name, t.defined() && t.is_floating_point() && t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kDouble
+                      ? t.to(torch::kFloat)
+                      : t);
+    return o;
+  }
+
   torch::Tensor scaled_loss(const Bundle& out, int i) {
     if (!has_target())
       throw UsageError("rank " + std::to_string(rank()) + " holds the last stage but train_step got no target batch");
     const auto [b, e] = ranges[static_cast<std::size_t>(i)];
-    LossTerm term = loss(out, target.slice(b, e).to(options.device), i);
+    LossTerm term = loss(full_precision(out), target.slice(b, e).to(options.device), i);
     const auto k = static_cast<std::size_t>(i / per_step);
     torch::Tensor l = term.value.reshape({});
     if (per_token) {
@@ -844,13 +862,24 @@ struct PipelineRank::Impl {
                                "--variable-length)");
     }
     torch::Tensor t = detail::pack(b, options.variable_shapes ? fresh : it->second);
-    if (t.device() != torch::kCPU && transport->name() != "nccl") t = t.cpu();
+    // A GPU tensor goes as it is where the transport carries device tensors (ordered by events: the
+    // local transport); else through host memory.
+    if (!t.device().is_cpu() && !transport->carries_device_tensors()) t = t.cpu();
     if (options.reference && !async) {
       transport->send(t, dst, data_tag);
     } else {
       auto work = transport->isend(t, dst, data_tag);
       pending_sends.emplace_back(t, std::move(work));
     }
+  }
+
+  // Where a receive lands: on this rank's GPU when the transport carries device tensors and the bundle
+  // is one tensor (sent as it is); else in host memory (several tensors travel packed in host bytes).
+  torch::Tensor receive_buffer(const BundleLayout& l) const {
+    if (l.entries.size() == 1 && !options.device.is_cpu() && transport->carries_device_tensors())
+      return torch::empty(l.entries.front().shape,
+                          torch::TensorOptions().dtype(l.entries.front().dtype).device(options.device));
+    return detail::empty_buffer(l);
   }
 
   // The layout of a receive, receiving its header first if it is not agreed yet (always, with
@@ -877,7 +906,7 @@ struct PipelineRank::Impl {
   std::pair<torch::Tensor, BundleLayout> recv_bundle(int key_boundary, int dir, int i, int src, int data_tag,
                                                      int header_tag) {
     BundleLayout l = *recv_layout(key_boundary, dir, i, src, true, header_tag);
-    torch::Tensor buf = detail::empty_buffer(l);
+    torch::Tensor buf = receive_buffer(l);
     transport->recv(buf, src, data_tag);
     return {buf, std::move(l)};
   }
@@ -957,7 +986,7 @@ struct PipelineRank::Impl {
     const BundleLayout* l = recv_layout(boundary, dir, a.index, src, false);
     if (!l) return false;
     PendingRecv& p = posted[pos];
-    p.buffer = detail::empty_buffer(*l);
+    p.buffer = receive_buffer(*l);
     p.layout = l;
     p.work = transport->irecv(p.buffer, src, tag(boundary, a.index, dir, 0));
     return true;
@@ -1304,6 +1333,11 @@ struct PipelineRank::Impl {
   void run_list(const std::vector<Action>& actions) {
     const double heap0 = options.measure_memory ? heap_in_use() : 0.0;
     stats.timeline.events.reserve(2 * actions.size());  // an action and its receive's wait at most
+    // On a GPU the host clock around an action measures its kernel launches, not its work: the action's
+    // time is read from events on the rank's stream instead (timed_on_device: timeline index, handle).
+    detail::RankDevice* gpu = rank_device && rank_device->cuda() ? &*rank_device : nullptr;
+    std::vector<std::pair<std::size_t, std::size_t>> timed_on_device;
+    if (gpu) gpu->begin_timing();
     std::size_t pos = 0;
     try {
       for (; pos < actions.size(); ++pos) {
@@ -1311,13 +1345,26 @@ struct PipelineRank::Impl {
         if (options.before_action && !forward_mode) options.before_action(rank(), step, actions[pos]);
         await_inputs(actions[pos], stats.timeline);
         const double t0 = now_ms();
-        if (run_action(actions[pos], static_cast<int>(pos)))
+        const std::size_t handle = gpu ? gpu->start_action() : 0;
+        if (run_action(actions[pos], static_cast<int>(pos))) {
+          if (gpu) {
+            gpu->end_action(handle);
+            timed_on_device.emplace_back(stats.timeline.events.size(), handle);
+          }
           stats.timeline.events.push_back(TimedAction{rank(), actions[pos], t0, now_ms()});
+        }
         if (!options.reference) reap_sends();
         if (options.measure_memory) stats.peak_heap_growth = std::max(stats.peak_heap_growth, heap_in_use() - heap0);
       }
       finish_sends();
       if (!forward_mode) finish_call();
+      if (gpu) {
+        const std::vector<std::pair<double, double>> times = gpu->finish_timing();
+        for (const auto& [event, handle] : timed_on_device) {
+          stats.timeline.events[event].start = times[handle].first;
+          stats.timeline.events[event].end = times[handle].second;
+        }
+      }
     } catch (const RemoteFailure&) {
       throw;
     } catch (const std::exception& e) {
@@ -1494,6 +1541,8 @@ void check_options(const PipelineOptions& options, int ranks, bool generate_sche
                      (o.schedule == "interleaved" ? std::string("plain 1F1B") : "it without a loop") +
                      ": set virtual_stages (--virtual) to 2 or more" +
                      (o.schedule == "interleaved" ? ", or ask for 1f1b" : ""));
+  if (o.precision != "fp32" && o.precision != "bf16")
+    throw UsageError("precision '" + o.precision + "' is unknown: use fp32 or bf16 (autocast to bfloat16)");
   const OptimizerOptions& opt = o.optimizer;
   if (opt.name != "sgd" && opt.name != "adam" && opt.name != "adamw")
     throw UsageError("unknown optimizer '" + opt.name + "': use sgd, adam or adamw");
@@ -1675,6 +1724,7 @@ void PipelineRank::construct(const torch::nn::Sequential* whole, const Layerwise
                      "TORCH_DIR=...) on a machine with a GPU, or use the cpu device");
   if (!d.options.device.is_cpu() && !d.options.device.is_cuda())
     throw UsageError("device " + d.options.device.str() + " is not supported: use cpu or cuda[:N]");
+  d.rank_device.emplace(d.options.device);
   std::vector<std::vector<torch::Tensor>> tied;
   if (whole && !d.options.tied.empty()) {
     const torch::nn::Sequential& model = *whole;
@@ -1779,6 +1829,7 @@ StepStats PipelineRank::train_steps(const Bundle& input, const torch::Tensor& ta
 StepStats PipelineRank::train_steps(const Bundle& input, const Bundle& target, int64_t batch_size, int steps) {
   Impl& d = *impl_;
   if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
+  const detail::RankDevice::Scope on_stream(*d.rank_device);
   d.check_ties_agree();
   if (d.options.umpipe) {  // the plan's partitions instead of the schedule (src/runtime/umpipe_pass.h)
     if (steps != 1)
@@ -1869,10 +1920,16 @@ std::vector<Bundle> PipelineRank::forward_outputs(const Bundle& input, int64_t b
   d.forward_mode = true;
   for (auto& [s, st] : d.stages) st.train(false);
   torch::NoGradGuard no_grad;
-  d.run_list(plan.actions[static_cast<std::size_t>(d.rank())]);
   std::vector<Bundle> outs;
+  {
+    const detail::RankDevice::Scope on_stream(*d.rank_device);
+    d.run_list(plan.actions[static_cast<std::size_t>(d.rank())]);
+  }
   if (d.schedule.rank_of(d.last_stage()) != d.rank()) return outs;
-  for (int i = 0; i < m; ++i) outs.push_back(std::move(d.slot(d.last_stage(), i).output));
+  for (int i = 0; i < m; ++i) {
+    outs.push_back(d.full_precision(d.slot(d.last_stage(), i).output));  // bf16 runs: float32 outputs
+    for (const auto& item : outs.back().items()) d.rank_device->hand_over(item.second);
+  }
   return outs;
 }
 
@@ -2086,6 +2143,7 @@ const Schedule& PipelineRank::schedule_for(int steps) {
 WeightPolicy PipelineRank::weight_policy() const { return impl_->policy; }
 const std::vector<int>& PipelineRank::balance() const { return impl_->balance; }
 int PipelineRank::rank() const { return impl_->rank(); }
+torch::Device PipelineRank::device() const { return impl_->options.device; }
 std::vector<int> PipelineRank::local_stages() const {
   std::vector<int> out;
   for (const auto& [s, st] : impl_->stages) out.push_back(s);

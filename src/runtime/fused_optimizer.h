@@ -16,8 +16,15 @@ namespace pipetrain::detail {
 // gradients, run one loop per parameter (fused_adam_kernel.h) on LibTorch's own state (step, exp_avg,
 // exp_avg_sq: checkpoints and weight prediction read it unchanged). The results agree with LibTorch's to a
 // few units in the last place (LibTorch may fuse a multiply-add where the loop does not). Anything else
-// (SGD, amsgrad, other dtypes or devices) is optimizer.step().
+// (SGD, amsgrad, other dtypes) is optimizer.step(); on a device, Adam and AdamW take multi_tensor_adam_step.
 void optimizer_step(torch::optim::Optimizer& optimizer);
+
+// On a device (a GPU), Adam and AdamW without amsgrad on dense floating-point tensors take one step of
+// LibTorch's arithmetic through its multi-tensor (_foreach) kernels, a handful of launches per parameter
+// group instead of about eight per parameter. optimizer_step takes it for parameters on a device; called
+// directly it runs on any device (its tests run it on the CPU too). False, with nothing changed, for
+// anything else.
+bool multi_tensor_adam_step(torch::optim::Optimizer& optimizer);
 
 // Whether optimizer_step would take the fused loop for `optimizer` as it stands now.
 bool fused_step_applies(torch::optim::Optimizer& optimizer);

@@ -9,6 +9,7 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/runtime/device.h"
 #include "pass_util.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/transport.h"
@@ -21,6 +22,21 @@ namespace {
 double now_ms() {
   using namespace std::chrono;
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+// The host clock once `x`'s device has done what was queued: a GPU's operations return at their launch,
+// so timing them needs the wait (the profiler runs one layer at a time, where waiting costs nothing).
+double now_after(const torch::Tensor& x) {
+  if (x.is_cuda()) torch::cuda::synchronize(x.device().index());
+  return now_ms();
+}
+
+// What the layers' tensors use: the host heap on the CPU; on a GPU the caching allocator's bytes in
+// tensors, where this LibTorch offers them (device.h), else the host heap, which then misses them.
+double memory_in_use(const torch::Tensor& x) {
+  if (!x.device().is_cpu())
+    if (const auto m = device_memory_peak(x.device())) return static_cast<double>(m->allocated);
+  return detail::heap_in_use();
 }
 
 double median(std::vector<double> v) {
@@ -74,36 +90,36 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
   for (int k = 0; k < o.warmup + o.repeats; ++k) {
     const bool timed = k >= o.warmup;
     torch::Tensor in = leaf_input(x);
-    double t0 = now_ms();
+    double t0 = now_after(x);
     torch::Tensor out = run(in);
-    if (timed) fwd.push_back(now_ms() - t0);
+    if (timed) fwd.push_back(now_after(x) - t0);
     if (!out.requires_grad()) continue;  // nothing to differentiate (e.g. a parameter-free first layer on ids)
     if (!grad.defined() && !with_loss) grad = torch::randn_like(out);
-    t0 = now_ms();
+    t0 = now_after(x);
     backward(out);
-    if (timed) bwd.push_back(now_ms() - t0);
+    if (timed) bwd.push_back(now_after(x) - t0);
     // B and W separately, on a fresh forward.
     in = leaf_input(x);
     out = run(in);
     WeightGradStore store;
     {
       WeightGradStore::Scope scope(&store);
-      t0 = now_ms();
+      t0 = now_after(x);
       backward(out);
-      if (timed) bs.push_back(now_ms() - t0);
+      if (timed) bs.push_back(now_after(x) - t0);
     }
     t.split = !store.empty();
-    t0 = now_ms();
+    t0 = now_after(x);
     store.run();
-    if (timed) ws.push_back(now_ms() - t0);
+    if (timed) ws.push_back(now_after(x) - t0);
   }
   // What the forward keeps until its backward: the heap in use before and after one forward whose
   // graph is still alive (LibTorch's CPU allocator caches nothing, so freed blocks leave the count).
   if (measure_saved) {
     torch::Tensor in = leaf_input(x);
-    const double before = detail::heap_in_use();
+    const double before = memory_in_use(x);
     torch::Tensor out = run(in);
-    t.saved_bytes = std::max(0.0, detail::heap_in_use() - before);
+    t.saved_bytes = std::max(0.0, memory_in_use(x) - before);
     // And what a split layer still holds after its B, for its W: B runs under a weight-gradient store, the
     // store keeps what W needs. The input gradient B made leaves the stage (it is sent), so it does not
     // count; the parameters' gradients exist already (the timed runs made them), so B adds none. The
@@ -122,7 +138,7 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
       grad = received;
       double input_grad = 0;
       if (in.grad().defined()) input_grad = static_cast<double>(in.grad().numel() * in.grad().element_size());
-      t.w_held_bytes = std::max(0.0, detail::heap_in_use() - before - input_grad);
+      t.w_held_bytes = std::max(0.0, memory_in_use(x) - before - input_grad);
       store.run();
     }
   }
@@ -150,14 +166,16 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
   if (!input.defined() || input.dim() < 1 || input.size(0) < 1)
     throw UsageError("the profiler needs an input batch with at least one sample");
   model->train();
+  model->to(o.device);
   Profile p;
-  p.model = o.model_name;
+  p.model = o.device.is_cpu() ? o.model_name : o.model_name + " on " + o.device.str();
   p.micro_batch_size = static_cast<int>(input.size(0));
   p.threads = at::get_num_threads();
   p.source = "pipetrain profile";
-  torch::Tensor x = input;
+  torch::Tensor x = input.to(o.device);
   std::vector<torch::Tensor> extra_inputs;
-  for (int s : o.extra_sizes) extra_inputs.push_back(resized(input, s));
+  for (int s : o.extra_sizes) extra_inputs.push_back(resized(x, s));
+  const torch::Tensor target = o.target.defined() ? o.target.to(o.device) : o.target;
   const bool with_loss = o.loss && o.target.defined();
   if (with_loss && (o.target.dim() < 1 || o.target.size(0) != input.size(0)))
     throw UsageError("the profiler's target batch has " + std::to_string(o.target.dim() < 1 ? 0 : o.target.size(0)) +
@@ -175,7 +193,7 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     l.type = types[index];
     l.name = std::to_string(index) + ":" + l.type;
     const bool last = index + 1 == model->size();
-    const LayerTimes t = time_layer(any, x, o, last && with_loss ? o.target : torch::Tensor(), true);
+    const LayerTimes t = time_layer(any, x, o, last && with_loss ? target : torch::Tensor(), true);
     l.forward_ms = t.forward;
     l.backward_ms = t.backward;
     l.bw_split = t.split;
@@ -189,7 +207,7 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     l.optimizer_bytes = state_factor * l.parameter_bytes;
     for (std::size_t e = 0; e < extra_inputs.size(); ++e) {
       const LayerTimes te =
-          time_layer(any, extra_inputs[e], o, last && with_loss ? resized(o.target, o.extra_sizes[e]) : torch::Tensor(), false);
+          time_layer(any, extra_inputs[e], o, last && with_loss ? resized(target, o.extra_sizes[e]) : torch::Tensor(), false);
       l.by_micro_batch.push_back(SizeMeasurement{o.extra_sizes[e], te.forward, te.backward});
       extra_inputs[e] = te.output;
     }

@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "torch_compat.h"
+
 namespace pipetrain {
 namespace {
 
@@ -24,11 +26,20 @@ struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunctio
   template <class... Bias>
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& weight, const Bias&... bias) {
-    ctx->save_for_backward({input, weight});
     ctx->saved_data["weight"] = weight;  // kept by reference: the parameter whose .grad W accumulates into
     torch::Tensor b;
     ((b = bias), ...);
     if (kBias) ctx->saved_data["bias"] = b;
+    // Under autocast (bf16 runs), the product is in autocast's dtype, as torch::linear's would be: the
+    // operands are cast here and saved so, and the backward's products run in that dtype too (the
+    // gradients reach the float32 parameters converted).
+    if (const auto dtype = compat::autocast_dtype(input.device().type());
+        dtype && input.is_floating_point() && weight.scalar_type() != *dtype) {
+      const torch::Tensor x = input.to(*dtype), w = weight.to(*dtype);
+      ctx->save_for_backward({x, w});
+      return torch::linear(x, w, b.defined() ? b.to(*dtype) : b);
+    }
+    ctx->save_for_backward({input, weight});
     return torch::linear(input, weight, b);
   }
 
@@ -52,13 +63,15 @@ struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunctio
     if (WeightGradStore* store = WeightGradStore::current()) {
       store->push([weight, bias, weight_grads]() mutable {
         auto [gw, gb] = weight_grads();
-        if (gw.defined()) accumulate_grad(weight, gw);
-        if (gb.defined()) accumulate_grad(bias, gb);
+        if (gw.defined()) accumulate_grad(weight, gw.to(weight.scalar_type()));
+        if (gb.defined()) accumulate_grad(bias, gb.to(bias.scalar_type()));
       });
       if (kBias) return {grad_input, torch::Tensor(), torch::Tensor()};
       return {grad_input, torch::Tensor()};
     }
     auto [gw, gb] = weight_grads();
+    if (gw.defined()) gw = gw.to(weight.scalar_type());
+    if (gb.defined()) gb = gb.to(bias.scalar_type());
     if (kBias) return {grad_input, gw, gb};
     return {grad_input, gw};
   }

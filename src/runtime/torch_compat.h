@@ -12,14 +12,25 @@
 //   the default first and, refused for that reason, makes the store without libuv.
 // - Torch's bundled fmt (fmt 11 in pip's 2.x) needs <fmt/ranges.h> for fmt::join: include it wherever
 //   fmt::join is used (Debian's fmt 9 has it in both headers).
+// - c10::Event::elapsedTime (2.x; not in 1.13): event_elapsed_ms() where it exists. A CUDA build of 1.13
+//   times a rank's actions with the host clock after synchronising its stream instead (device.cpp).
+// - The device allocator's statistics through c10 (c10::getDeviceAllocator(type)->getDeviceStats(i), in
+//   the 2.x releases since 2.9; 2.6 has the DeviceStats struct but no way to reach it without CUDA
+//   headers): device_allocator_peaks() gives nothing where it is absent. Defining
+//   PIPETRAIN_NO_DEVICE_ALLOCATOR_STATS leaves it out on any version.
+// - Autocast's switches: 1.13 has one function per device (set_enabled for CUDA, set_cpu_enabled, ...);
+//   2.4 on take the device type (set_autocast_enabled(type, ...)), and the old names are deprecated.
+//   AutocastGuard and autocast_dtype() speak both.
 // pipetrain does nothing else differently per version; losses then agree to float32 rounding across
 // versions (LibTorch's own kernels differ), and bitwise within one.
 #pragma once
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 #include <torch/version.h>
 
+#include <c10/core/Event.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -30,6 +41,13 @@
 #if TORCH_VERSION_MAJOR < 2
 #include <c10/util/C++17.h>  // c10::guts::to_string
 #endif
+#if __has_include(<c10/core/CachingDeviceAllocator.h>)
+#include <c10/core/CachingDeviceAllocator.h>
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
 
 namespace pipetrain::compat {
 
@@ -66,6 +84,125 @@ c10::intrusive_ptr<Store> make_tcp_store(const std::string& host, Options option
     }
     throw;
   }
+}
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define PIPETRAIN_AUTOCAST_BY_DEVICE_TYPE 1
+#endif
+
+// The dtype autocast casts to on `type` (kCPU or kCUDA) on this thread, or nothing while it is off there.
+inline std::optional<at::ScalarType> autocast_dtype(c10::DeviceType type) {
+#ifdef PIPETRAIN_AUTOCAST_BY_DEVICE_TYPE
+  if (!at::autocast::is_autocast_enabled(type)) return std::nullopt;
+  return at::autocast::get_autocast_dtype(type);
+#else
+  if (type == c10::DeviceType::CPU)
+    return at::autocast::is_cpu_enabled() ? std::optional<at::ScalarType>(at::autocast::get_autocast_cpu_dtype())
+                                          : std::nullopt;
+  if (type == c10::DeviceType::CUDA)
+    return at::autocast::is_enabled() ? std::optional<at::ScalarType>(at::autocast::get_autocast_gpu_dtype())
+                                      : std::nullopt;
+  return std::nullopt;
+#endif
+}
+
+// Autocast to `dtype` on `type` for this thread while it lives (nothing when `dtype` is empty); the
+// previous state comes back after, and the cache of cast weights is emptied when the outermost guard ends
+// (the weights change at the next optimizer step).
+class AutocastGuard {
+ public:
+  AutocastGuard(c10::DeviceType type, std::optional<at::ScalarType> dtype) : type_(type), active_(dtype.has_value()) {
+    if (!active_) return;
+    previous_ = autocast_dtype(type);
+    set(true, *dtype);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastGuard() {
+    if (!active_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    if (previous_) set(true, *previous_);
+    else set(false, at::kBFloat16);
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  void set(bool on, at::ScalarType dtype) {
+#ifdef PIPETRAIN_AUTOCAST_BY_DEVICE_TYPE
+    at::autocast::set_autocast_enabled(type_, on);
+    if (on) at::autocast::set_autocast_dtype(type_, dtype);
+#else
+    if (type_ == c10::DeviceType::CPU) {
+      at::autocast::set_cpu_enabled(on);
+      if (on) at::autocast::set_autocast_cpu_dtype(dtype);
+    } else {
+      at::autocast::set_enabled(on);
+      if (on) at::autocast::set_autocast_gpu_dtype(dtype);
+    }
+#endif
+  }
+  c10::DeviceType type_;
+  bool active_;
+  std::optional<at::ScalarType> previous_;
+};
+
+template <class E, class = void>
+struct HasElapsedTime : std::false_type {};
+template <class E>
+struct HasElapsedTime<E, std::void_t<decltype(std::declval<const E&>().elapsedTime(std::declval<const E&>()))>>
+    : std::true_type {};
+
+// Whether c10::Event reads the time between two recorded events (made with EventFlag::BACKEND_DEFAULT).
+inline constexpr bool kEventElapsedTime = HasElapsedTime<c10::Event>::value;
+
+// Milliseconds from event `from` to event `to` (both recorded and complete); 0 where kEventElapsedTime is false.
+template <class E>
+double event_elapsed_ms(const E& from, const E& to) {
+  if constexpr (HasElapsedTime<E>::value) return from.elapsedTime(to);
+  else return 0.0;
+}
+
+namespace allocator_probe {
+// Chosen only where c10 has no getDeviceAllocator(DeviceType), which argument-dependent lookup finds
+// (an exact match beats the ellipsis).
+inline std::nullptr_t getDeviceAllocator(...) { return nullptr; }
+inline auto find(c10::DeviceType type) {
+#ifdef PIPETRAIN_NO_DEVICE_ALLOCATOR_STATS
+  return getDeviceAllocator(0);
+#else
+  return getDeviceAllocator(type);
+#endif
+}
+struct AllocatorBytes {
+  int64_t allocated = 0, peak_allocated = 0, peak_reserved = 0;
+};
+template <class A>
+std::optional<AllocatorBytes> peaks(A* allocator, c10::DeviceIndex index) {
+  const auto stats = allocator->getDeviceStats(index);
+  AllocatorBytes b;  // [0]: every pool together
+  b.allocated = static_cast<int64_t>(stats.allocated_bytes[0].current);
+  b.peak_allocated = static_cast<int64_t>(stats.allocated_bytes[0].peak);
+  b.peak_reserved = static_cast<int64_t>(stats.reserved_bytes[0].peak);
+  return b;
+}
+inline std::optional<AllocatorBytes> peaks(std::nullptr_t, c10::DeviceIndex) { return std::nullopt; }
+template <class A>
+bool reset(A* allocator, c10::DeviceIndex index) {
+  allocator->resetPeakStats(index);
+  return true;
+}
+inline bool reset(std::nullptr_t, c10::DeviceIndex) { return false; }
+}  // namespace allocator_probe
+
+// The device allocator's bytes in tensors now, and its peaks (allocated, reserved), on device `index` of
+// `type`, where c10 offers them.
+inline std::optional<allocator_probe::AllocatorBytes> device_allocator_peaks(c10::DeviceType type,
+                                                                             c10::DeviceIndex index) {
+  return allocator_probe::peaks(allocator_probe::find(type), index);
+}
+// Resets those peaks; false where c10 offers none.
+inline bool reset_device_allocator_peaks(c10::DeviceType type, c10::DeviceIndex index) {
+  return allocator_probe::reset(allocator_probe::find(type), index);
 }
 
 }  // namespace pipetrain::compat

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/runtime/device.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/lower.h"
 #include "pipetrain/runtime/checkpoint.h"
@@ -301,9 +302,12 @@ RunReport Trainer::report(const TrainResult& result) {
   const int p = t.world_size();
   RunReport rep;
   rep.timeline = gather_timeline(result.last.timeline, t);
-  torch::Tensor memory = torch::zeros({4, std::max(p, rank_.schedule().stages)}, torch::kDouble);
+  torch::Tensor memory = torch::zeros({6, std::max(p, rank_.schedule().stages)}, torch::kDouble);
   memory[0][t.rank()] = result.last.peak_heap_growth;
   memory[1][t.rank()] = peak_rss_mib();
+  const std::optional<DeviceMemory> device = device_memory_peak(rank_.device());
+  memory[4][t.rank()] = device ? static_cast<double>(device->peak_allocated) / 1048576.0 : -1.0;
+  memory[5][t.rank()] = device ? static_cast<double>(device->peak_reserved) / 1048576.0 : -1.0;
   for (const auto& [s, w] : result.weight_memory) {
     memory[2][s] = w.peak_extra_sets;
     memory[3][s] = w.set_bytes;
@@ -312,6 +316,8 @@ RunReport Trainer::report(const TrainResult& result) {
   for (int q = 0; q < p; ++q) {
     rep.heap_growth_bytes.push_back(memory[0][q].item<double>());
     rep.peak_rss_mib.push_back(memory[1][q].item<double>());
+    rep.device_peak_allocated_mib.push_back(memory[4][q].item<double>());
+    rep.device_peak_reserved_mib.push_back(memory[5][q].item<double>());
   }
   for (int s = 0; s < rank_.schedule().stages; ++s) {
     rep.extra_weight_sets.push_back(memory[2][s].item<double>());

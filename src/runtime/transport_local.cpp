@@ -1,5 +1,7 @@
 // In-process transport: ranks are threads of one process sharing mailboxes. Sends copy the tensor into
-// the receiver's mailbox and complete at once (buffered); receives wait for the matching message.
+// the receiver's mailbox and complete at once (buffered); receives wait for the matching message. A GPU
+// tensor stays on its GPU: the copy is ordered by an event on the sender's stream, which the receiver's
+// stream waits for (issue 26).
 //
 // Threads of run_on_threads: a thread of one call that uses a local transport enlists it (with the rank
 // it plays) in the call's group. When such a thread throws, every transport the group's threads used is
@@ -8,6 +10,8 @@
 // that has no message yet (or a collective it has not joined) can never complete and fails at once,
 // naming both ranks. A destroyed transport's rank counts as finished for good.
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -23,6 +27,13 @@
 namespace pipetrain {
 namespace {
 
+// A message: the sender's copy, and for a device tensor the event recorded after that copy on the
+// sender's stream (the receiver's stream waits for it; no thread waits for the device).
+struct Message {
+  at::Tensor tensor;
+  std::shared_ptr<c10::Event> ready;
+};
+
 struct Shared {
   explicit Shared(int world, std::chrono::milliseconds t) : world_size(world), timeout(t) {}
   const int world_size;
@@ -30,7 +41,7 @@ struct Shared {
   std::mutex mu;
   std::condition_variable cv;
   // (src, dst, tag) -> messages, FIFO; a key is there only while it has messages (take_oldest).
-  std::map<std::tuple<int, int, int>, std::deque<at::Tensor>> mailbox;
+  std::map<std::tuple<int, int, int>, std::deque<Message>> mailbox;
   int failed_rank = -1;
   std::string failure;
   // Per rank: 0 running, 1 its thread of run_on_threads returned, 2 its transport was destroyed.
@@ -156,15 +167,31 @@ class LocalRecv : public Work {
     auto key = std::make_tuple(src_, rank_, tag_);
     s_->wait(lock, [&] { return s_->mailbox.count(key) > 0; }, rank_, src_,
              "a message from rank " + std::to_string(src_) + " with tag " + std::to_string(tag_));
-    at::Tensor msg = std::move(*detail::take_oldest(s_->mailbox, key));
+    Message message = std::move(*detail::take_oldest(s_->mailbox, key));
     lock.unlock();
+    const at::Tensor& msg = message.tensor;
     if (msg.numel() != dst_.numel() || msg.scalar_type() != dst_.scalar_type())
       throw std::runtime_error("rank " + std::to_string(rank_) + " expected " + std::to_string(dst_.numel()) + " " +
                                std::string(c10::toString(dst_.scalar_type())) + " elements from rank " +
                                std::to_string(src_) + " (tag " + std::to_string(tag_) + ") but got " +
                                std::to_string(msg.numel()) + " " + c10::toString(msg.scalar_type()));
     at::NoGradGuard no_grad;
+    if (!message.ready) {
+      dst_.copy_(msg.sizes() == dst_.sizes() ? msg : msg.view(dst_.sizes()));
+      return;
+    }
+    // A device tensor: this thread's stream (on the destination's GPU, or the message's for a host
+    // destination) waits for the sender's copy, copies, and tells the caching allocator it used the
+    // message, so the sender's stream does not reuse that memory before the copy is done.
+    const at::Device where = dst_.is_cuda() ? dst_.device() : msg.device();
+    const c10::impl::VirtualGuardImpl impl(where.type());
+    const c10::Stream stream = impl.getStream(where);
+    message.ready->block(stream);
     dst_.copy_(msg.sizes() == dst_.sizes() ? msg : msg.view(dst_.sizes()));
+    if (where == msg.device())
+      impl.recordDataPtrOnStream(msg.storage().data_ptr(), stream);
+    else  // another GPU of this process: wait here rather than record a stream of another device
+      stream.synchronize();
   }
 
  private:
@@ -185,14 +212,20 @@ class LocalTransport : public Transport {
   int world_size() const override { return s_->world_size; }
   std::string name() const override { return "local"; }
   bool shares_process() const override { return true; }
+  bool carries_device_tensors() const override { return true; }
 
   std::unique_ptr<Work> isend(const at::Tensor& t, int dst, int tag) override {
     check_peer(dst);
     enlist(s_, rank_);
-    at::Tensor copy;
+    Message copy;
     {
       at::NoGradGuard no_grad;  // the copy has no graph: no detach needed (one operator call less)
-      copy = t.clone(at::MemoryFormat::Contiguous);
+      copy.tensor = t.clone(at::MemoryFormat::Contiguous);
+    }
+    if (!copy.tensor.device().is_cpu()) {  // ordered by an event on this rank's current stream
+      const c10::impl::VirtualGuardImpl impl(copy.tensor.device().type());
+      copy.ready = std::make_shared<c10::Event>(copy.tensor.device().type());
+      copy.ready->record(impl.getStream(copy.tensor.device()));
     }
     std::lock_guard<std::mutex> lock(s_->mu);
     s_->throw_if_failed();

@@ -3,6 +3,9 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <optional>
+
+#include "torch_compat.h"
 
 namespace pipetrain {
 
@@ -31,11 +34,24 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
 
   // Plain accumulation over the same micro-batches, with the forward RNG left alone (use models without
   // dropout for an exact comparison).
+  // The reference runs on the pipeline's device, so that both sides use the same kernels (a GPU's
+  // convolutions and reductions round differently from the CPU's).
   torch::nn::Sequential ref = factory();
+  ref->to(options.device);
+  const Bundle ref_input = input.to(options.device);
+  const torch::Tensor ref_target = target.to(options.device);
   Stage whole(ref, 0, layer_count(ref));  // plain layers on "x", BundleModules on the bundle
   double ref_loss = 0;
+  const bool bf16 = options.precision == "bf16";  // the reference under the same autocast, its loss in float32
   for (const auto& [b, e] : split_equal(n, options.microbatches)) {
-    torch::Tensor l = loss(whole.forward(input.slice(b, e)).at(kMainTensor), target.slice(0, b, e)) *
+    torch::Tensor out;
+    {
+      const compat::AutocastGuard autocast(options.device.type(),
+                                           bf16 ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
+      out = whole.forward(ref_input.slice(b, e)).at(kMainTensor);
+    }
+    if (bf16 && out.is_floating_point()) out = out.to(torch::kFloat);
+    torch::Tensor l = loss(out, ref_target.slice(0, b, e)) *
                       (static_cast<double>(e - b) / static_cast<double>(n));
     l.backward();
     ref_loss += l.item<double>();
@@ -45,9 +61,9 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
   for (const auto& item : ref->named_parameters()) {
     auto it = grads.find(item.key());
     if (it == grads.end()) continue;
-    const torch::Tensor want = item.value().grad();
+    const torch::Tensor want = item.value().grad().to(torch::kCPU, torch::kDouble);
     const double scale = want.abs().max().item<double>() + 1e-12;
-    err = std::max(err, (it->second - want).abs().max().item<double>() / scale);
+    err = std::max(err, (it->second.to(torch::kCPU, torch::kDouble) - want).abs().max().item<double>() / scale);
     ++compared;
   }
   // Every trainable parameter this rank holds must have been compared: a missing gradient is a failure.

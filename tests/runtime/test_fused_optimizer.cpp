@@ -2,6 +2,7 @@
 // parameters, gradients and state after many steps, to rounding; the cases it does not cover fall back to
 // LibTorch's step unchanged.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <functional>
@@ -155,6 +156,95 @@ TEST(FusedOptimizer, OtherCasesFallBackToLibTorchExactly) {
   torch::optim::Adam opt(p, torch::optim::AdamOptions(1e-2));
   p[0].mutable_grad() = torch::randn({29, 37}).t();
   EXPECT_FALSE(detail::fused_step_applies(opt));
+}
+
+// The multi-tensor step (what optimizer_step takes on a GPU) against LibTorch's step: Adam and AdamW, with
+// and without weight decay, over 25 steps; one parameter gets a gradient every other step only, so a group
+// holds two step counts; the last never gets one. Run here on the CPU by calling it directly, and on a GPU
+// through optimizer_step where one is present.
+void check_multi_tensor(torch::optim::Optimizer& a, std::vector<torch::Tensor>& pa, torch::optim::Optimizer& b,
+                        std::vector<torch::Tensor>& pb, const std::function<bool(torch::optim::Optimizer&)>& step,
+                        const std::string& what) {
+  const std::vector<torch::Tensor> start = clone_params(pb);
+  for (int k = 0; k < 25; ++k) {
+    for (std::size_t i = 0; i + 1 < pa.size(); ++i) {
+      if (i == 1 && k % 2 == 1) {  // no gradient this step
+        pa[i].mutable_grad() = torch::Tensor();
+        pb[i].mutable_grad() = torch::Tensor();
+        continue;
+      }
+      const torch::Tensor g = torch::randn_like(pa[i]) * (k % 3 == 0 ? 10.0 : 0.1);
+      pa[i].mutable_grad() = g.clone();
+      pb[i].mutable_grad() = g.clone();
+    }
+    a.step();
+    ASSERT_TRUE(step(b)) << what << ": the multi-tensor step refused at step " << k;
+  }
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    const double diff = (pa[i] - pb[i]).abs().max().item<double>();
+    EXPECT_LT(diff, 1e-6) << what << ": parameter " << i << " differs by " << diff;
+  }
+  // Each moved (a step that did nothing would fail here; with weight decay the scalar's steps partly cancel,
+  // so the bar is 1e-4, still far above the 1e-6 agreement).
+  for (std::size_t i = 0; i + 1 < pb.size(); ++i)
+    EXPECT_GT((pb[i] - start[i]).abs().max().item<double>(), 1e-4) << what << ": parameter " << i << " did not move";
+  EXPECT_TRUE(torch::equal(pb.back(), start.back())) << what << ": a parameter without a gradient moved";
+  for (std::size_t i = 0; i + 1 < pa.size(); ++i) {
+    const auto& sa = *a.state().at(compat::optimizer_state_key(pa[i]));
+    const auto& sb = *b.state().at(compat::optimizer_state_key(pb[i]));
+    if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(&sa)) {
+      EXPECT_EQ(adam->step(), dynamic_cast<const torch::optim::AdamParamState&>(sb).step()) << what;
+    } else {
+      EXPECT_EQ(dynamic_cast<const torch::optim::AdamWParamState&>(sa).step(),
+                dynamic_cast<const torch::optim::AdamWParamState&>(sb).step()) << what;
+    }
+  }
+}
+
+std::vector<torch::Tensor> params_on(const torch::Device& device) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : make_params()) out.push_back(p.detach().to(device).requires_grad_(true));
+  return out;
+}
+
+TEST(FusedOptimizer, MultiTensorAdamAndAdamWMatchLibTorch) {
+  const auto multi = [](torch::optim::Optimizer& o) { return detail::multi_tensor_adam_step(o); };
+  for (double decay : {0.0, 0.05}) {
+    std::vector<torch::Tensor> pa = make_params(), pb = clone_params(pa);
+    torch::optim::Adam a(pa, torch::optim::AdamOptions(1e-2).weight_decay(decay)),
+        b(pb, torch::optim::AdamOptions(1e-2).weight_decay(decay));
+    check_multi_tensor(a, pa, b, pb, multi, "adam, decay " + std::to_string(decay));
+    std::vector<torch::Tensor> qa = make_params(), qb = clone_params(qa);
+    torch::optim::AdamW c(qa, torch::optim::AdamWOptions(1e-2).weight_decay(decay)),
+        d(qb, torch::optim::AdamWOptions(1e-2).weight_decay(decay));
+    check_multi_tensor(c, qa, d, qb, multi, "adamw, decay " + std::to_string(decay));
+  }
+  // What it does not cover it refuses, changing nothing: SGD, amsgrad.
+  std::vector<torch::Tensor> p = make_params();
+  give_gradients(p);
+  torch::optim::SGD sgd(p, torch::optim::SGDOptions(0.1));
+  EXPECT_FALSE(detail::multi_tensor_adam_step(sgd));
+  torch::optim::Adam ams(p, torch::optim::AdamOptions(1e-2).amsgrad(true));
+  EXPECT_FALSE(detail::multi_tensor_adam_step(ams));
+  EXPECT_TRUE(ams.state().empty());
+}
+
+TEST(FusedOptimizer, OnAGpuTheStepIsTheMultiTensorOne) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here: this check runs on a GPU machine";
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto via_optimizer_step = [](torch::optim::Optimizer& o) {
+    detail::optimizer_step(o);
+    return true;
+  };
+  std::vector<torch::Tensor> pa = params_on(cuda), pb = params_on(cuda);
+  torch::optim::AdamW a(pa, torch::optim::AdamWOptions(1e-2).weight_decay(0.1)),
+      b(pb, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  give_gradients(pb);
+  EXPECT_FALSE(detail::fused_step_applies(b));  // the CPU loop does not take GPU tensors
+  check_multi_tensor(a, pa, b, pb, via_optimizer_step, "adamw on cuda through optimizer_step");
+  std::vector<torch::Tensor> qa = params_on(cuda), qb = params_on(cuda);
+  torch::optim::Adam c(qa, torch::optim::AdamOptions(1e-2)), d(qb, torch::optim::AdamOptions(1e-2));
+  check_multi_tensor(c, qa, d, qb, via_optimizer_step, "adam on cuda through optimizer_step");
 }
 
 // The flush's squared gradient norm in one pass: every size from 0 to 19 (the 8-wide partial sums and the

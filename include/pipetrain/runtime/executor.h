@@ -129,8 +129,13 @@ struct PipelineOptions {
   int prefetch = 4;                       // fast path: receives posted ahead of their place and not yet consumed, at most
   int threads = 0;                        // intra-op threads of this rank (at::set_num_threads); 0 = as is
   // Device of this rank's stages: cpu, or cuda[:N] with a CUDA LibTorch. Inputs, targets and received
-  // tensors are moved there; transfers go through host memory (gloo, mpi, local).
+  // tensors are moved there; on CUDA each rank computes on its own stream (runtime/device.h), and the
+  // local transport passes single-tensor transfers GPU to GPU; the others go through host memory.
   torch::Device device = torch::kCPU;
+  // "fp32", or "bf16": every forward (and re-materialisation) runs under autocast to bfloat16 on the
+  // rank's device, so activations, their gradients and the transfers are bf16, while the weights, their
+  // gradients, the optimizer state, the loss and the norm reductions stay float32.
+  std::string precision = "fp32";
   bool measure_memory = false;            // sample the heap after every action (StepStats::peak_heap_growth)
   // Shapes may change between micro-batches and steps (variable sequence lengths): every transfer carries
   // its layout (see the file comment). Off: shapes are agreed once and checked.
@@ -343,6 +348,7 @@ class PipelineRank {
   std::vector<int> local_stages() const;       // stages held by this rank
   std::vector<torch::Tensor> parameters() const;  // parameters of this rank's stages
   int rank() const;
+  torch::Device device() const;                // where this rank's stages compute (PipelineOptions::device)
 
  private:
   struct Impl;

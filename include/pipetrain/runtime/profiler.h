@@ -35,6 +35,11 @@ struct ProfilerOptions {
   // backward), as the last stage runs them in training; its activation_bytes stay the layer's output.
   std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)> loss;
   torch::Tensor target;
+  // Where to measure: the model (moved there), the input and the target. On a GPU every timing waits for
+  // the device, so the times are the kernels' and not their launches'; the memory columns (saved_bytes,
+  // w_held_bytes) count the caching allocator's bytes in tensors where LibTorch offers them
+  // (runtime/device.h; 2.9 on), else the host heap, which a GPU's layers do not use.
+  torch::Device device = torch::kCPU;
 };
 
 // Profiles `model` on `input`, one micro-batch (its first dimension is the micro-batch size). The

@@ -130,6 +130,10 @@ struct RunReport {
   MeasuredRuntime runtime;
   SimResult predicted_with_runtime;
   std::vector<double> heap_growth_bytes, peak_rss_mib;  // per rank
+  // Per rank, on a GPU: the caching allocator's peaks on the rank's device since the process started, in
+  // MiB (ranks that share a GPU report the same device's); negative where not measured (CPU ranks,
+  // LibTorch without c10's allocator statistics: pipetrain/runtime/device.h).
+  std::vector<double> device_peak_allocated_mib, device_peak_reserved_mib;
   std::vector<double> extra_weight_sets, weight_set_bytes;  // per stage (asynchronous schedules)
 };
 

@@ -72,6 +72,10 @@ class Transport {
   // True when all ranks share one process (and so the global RNG): the executor then serialises
   // forwards that consume random numbers, to keep dropout masks deterministic.
   virtual bool shares_process() const { return false; }
+  // True when isend and irecv take tensors on a device (a GPU) as they are, ordered by events on the
+  // sender's and the receiver's current streams and never through host memory (the local transport);
+  // false when a rank must hand them host tensors.
+  virtual bool carries_device_tensors() const { return false; }
 
   virtual std::unique_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag) = 0;
   virtual std::unique_ptr<Work> irecv(torch::Tensor& tensor, int src, int tag) = 0;
