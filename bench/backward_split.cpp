@@ -12,9 +12,12 @@
 // "block" (a transformer block of plain LibTorch layers: LayerNorm, MultiheadAttention, a 4H MLP) that
 // only autograd can split. The stage input requires grad (a middle stage). Methods:
 //   fused           torch::autograd::backward, everything in B (1F1B's BW)
-//   explicit        nn::Linear's own split: full backward under a WeightGradStore (backward_split explicit)
-//   auto            autograd for B, nn::Linear queueing its own W (backward_split auto, the default)
-//   autograd        autograd for B and W, nn::Linear included (backward_split autograd)
+//   explicit        nn::Linear's own split: full backward under a WeightGradStore (backward_split explicit,
+//                   and auto on a stage whose parameters are all in nn::Linear)
+//   mixed           autograd for B, nn::Linear queueing its own W (backward_split auto on a stage that
+//                   mixes nn::Linear with other layers)
+//   autograd        autograd for B and W, nn::Linear included (backward_split autograd; auto on stages
+//                   without nn::Linear)
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -106,7 +109,7 @@ int main(int argc, char** argv) {
       {"mlp-torch-linear", [&](const torch::Tensor& x) { return mlp_torch->forward(x); }, mlp_torch->parameters(), batch,
        width, {"fused", "autograd"}},
       {"mlp-nn-linear", [&](const torch::Tensor& x) { return mlp_split->forward(x); }, mlp_split->parameters(), batch,
-       width, {"fused", "explicit", "auto", "autograd"}},
+       width, {"fused", "explicit", "mixed", "autograd"}},
       {"block", [&](const torch::Tensor& x) { return block->forward(x); }, block->parameters(), batch, width,
        {"fused", "autograd"}},
   };
@@ -132,7 +135,7 @@ int main(int argc, char** argv) {
           pipetrain::WeightGradStore::Scope scope(&store);
           torch::autograd::backward({y}, {g});
         } else {
-          pipetrain::detail::backward_input({y}, {g}, {x}, store, method == "auto");
+          pipetrain::detail::backward_input({y}, {g}, {x}, store, method == "mixed");
         }
         const double b = ms_since(t0);
         y = torch::Tensor();

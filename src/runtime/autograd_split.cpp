@@ -214,4 +214,13 @@ void backward_input(const std::vector<at::Tensor>& roots, const std::vector<at::
   store.push([deferred]() { deferred->run(); });
 }
 
+bool only_split_linear_parameters(const std::shared_ptr<torch::nn::Module>& layer) {
+  for (const auto& m : layer->modules(/*include_self=*/true)) {
+    if (dynamic_cast<const nn::LinearImpl*>(m.get()) != nullptr) continue;
+    for (const auto& t : m->parameters(/*recurse=*/false))
+      if (t.requires_grad()) return false;
+  }
+  return true;
+}
+
 }  // namespace pipetrain::detail

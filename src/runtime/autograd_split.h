@@ -24,7 +24,9 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
 
+#include <memory>
 #include <vector>
 
 namespace pipetrain {
@@ -40,6 +42,11 @@ namespace detail {
 // backward would, then releases the graph. Nothing is queued when no parameter is reached.
 void backward_input(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& inputs, WeightGradStore& store, bool explicit_linear);
+
+// Whether every trainable parameter of `layer` (and its submodules) is in a pipetrain::nn::Linear:
+// backward_split "auto" then runs the stage's B as the explicit split alone, without the graph walk
+// (faster on small layers, docs/BENCHMARKS.md).
+bool only_split_linear_parameters(const std::shared_ptr<torch::nn::Module>& layer);
 
 }  // namespace detail
 }  // namespace pipetrain

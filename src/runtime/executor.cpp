@@ -771,7 +771,7 @@ struct PipelineRank::Impl {
         grads.push_back(on_device(g.at(name)));
       }
     }
-    if (!roots.empty() && split && !async && options.backward_split != "explicit") {
+    if (!roots.empty() && split && !async && options.backward_split != "explicit" && !linear_only(s)) {
       std::vector<torch::Tensor> leaves;  // B through autograd: input gradients now, W from the kept graph
       for (std::size_t k = 0; k < sl.input.size(); ++k)
         if (sl.in_grad[k] && sl.input.items()[k].second.requires_grad()) leaves.push_back(sl.input.items()[k].second);
@@ -800,6 +800,19 @@ struct PipelineRank::Impl {
   }
 
   void weight(int s, int i) { slot(s, i).deferred.run(); }
+
+  // backward_split "auto": whether stage s's trainable parameters are all in pipetrain::nn::Linear, whose
+  // explicit split then does B/W alone (autograd_split.h), cached per stage.
+  std::map<int, bool> linear_only_stages;
+  bool linear_only(int s) {
+    if (options.backward_split != "auto") return false;
+    auto it = linear_only_stages.find(s);
+    if (it != linear_only_stages.end()) return it->second;
+    bool all = true;
+    for (int k = 0; k < stage_of(s).num_layers() && all; ++k)
+      all = detail::only_split_linear_parameters(stage_of(s).layer(k));
+    return linear_only_stages[s] = all;
+  }
 
   // Fast path: waits for the oldest sends once more than `prefetch` are in flight, so sent tensors are
   // released during the step rather than at its end. Safe: the sends were posted in the lowered order,

@@ -210,6 +210,24 @@ TEST(AutogradSplit, SplitLinearMixedWithPlainLayersInEveryMode) {
     expect_same(got, ref_loss, ref->parameters(), "zb-h1 " + mode);
     if (mode != "explicit") expect_deferred(got, "zb-h1 " + mode);
   }
+  auto linears = [](uint64_t seed) {  // auto: every stage all nn::Linear, the explicit split alone
+    torch::manual_seed(seed);
+    torch::nn::Sequential m;
+    m->push_back(nn::Linear(kIn, kWidth));
+    m->push_back(torch::nn::Tanh());
+    m->push_back(nn::Linear(kWidth, kWidth));
+    m->push_back(nn::Linear(kWidth, kOut));
+    return m;
+  };
+  for (const std::string mode : {"auto", "autograd"}) {
+    auto ref = linears(4);
+    const double ref_loss = reference_grads([&](const torch::Tensor& x) { return ref->forward(x); }, d, 4);
+    PipelineOptions o = options_for("zb-h1", 4);
+    o.backward_split = mode;
+    const PipeRun got = pipeline_run(linears(4), d, 2, o);
+    expect_same(got, ref_loss, ref->parameters(), "zb-h1 nn::Linear only " + mode);
+    expect_deferred(got, "zb-h1 nn::Linear only " + mode);
+  }
   PipelineOptions bad = options_for("zb-h1", 4);
   bad.backward_split = "fused";
   EXPECT_THROW(check_pipeline_options(bad, 2), UsageError);
