@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "pipetrain/runtime/split_linear.h"
+#include "torch_compat.h"
 
 namespace pipetrain::detail {
 namespace {
@@ -194,11 +195,16 @@ void backward_input(const std::vector<at::Tensor>& roots, const std::vector<at::
     for (const auto& n : deferred->frontier) keep.insert(n.get());
     for (Node* n : order)
       if ((mark.at(n) & kReachesInput) && keep.count(n) == 0) n->release_variables();
-    for (const auto& n : deferred->frontier)
+    // And W must not run the frontier's hooks again: a tensor's hook ran in B, before the capture (the
+    // last hook) recorded its result; the capture itself goes with them.
+    guard.hooks.clear();
+    for (const auto& n : deferred->frontier) {
+      compat::clear_pre_hooks(*n);
       for (std::size_t k = 0; k < n->num_outputs(); ++k) {
         const Node* child = n->next_edge(k).function.get();
         if (child != nullptr && (mark.at(child) & kReachesInput)) n->next_edges()[k] = Edge();
       }
+    }
     for (std::size_t k = 0; k < got.size(); ++k) {
       if (!got[k].defined()) continue;
       at::Tensor x = inputs[where[k]];

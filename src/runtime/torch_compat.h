@@ -12,6 +12,9 @@
 //   the default first and, refused for that reason, makes the store without libuv.
 // - Torch's bundled fmt (fmt 11 in pip's 2.x) needs <fmt/ranges.h> for fmt::join: include it wherever
 //   fmt::join is used (Debian's fmt 9 has it in both headers).
+// - Hooks on an autograd node: 1.x keeps those of Tensor::register_hook among the node's pre_hooks(),
+//   2.x in tensor_pre_hooks() and retains_grad_hooks(). clear_pre_hooks() removes them all (the B/W split
+//   through autograd, autograd_split.cpp, so that W does not run a tensor's hook a second time).
 // pipetrain does nothing else differently per version; losses then agree to float32 rounding across
 // versions (LibTorch's own kernels differ), and bitwise within one.
 #pragma once
@@ -66,6 +69,17 @@ c10::intrusive_ptr<Store> make_tcp_store(const std::string& host, Options option
     }
     throw;
   }
+}
+
+// Removes every pre-hook of autograd node `node` (a torch::autograd::Node; a template, so that this
+// header needs no autograd headers).
+template <class Node>
+void clear_pre_hooks(Node& node) {
+  node.pre_hooks().clear();
+#if TORCH_VERSION_MAJOR >= 2
+  node.tensor_pre_hooks().clear();
+  node.retains_grad_hooks().clear();
+#endif
 }
 
 }  // namespace pipetrain::compat

@@ -400,3 +400,36 @@ TEST(AutogradSplit, BReleasesWhatOnlyTheInputGradientNeeded) {
   EXPECT_TRUE(head->weight.grad().defined());
   EXPECT_LT(pipetrain::detail::heap_in_use() - before - act, 2 * act) << "W must free the graph";
 }
+
+// A hook on an intermediate tensor (here doubling its gradient) runs once, in B, as in a fused backward.
+TEST(AutogradSplit, ATensorHookRunsOnceAndCountsOnce) {
+  torch::manual_seed(0);
+  torch::nn::Linear a(4, 4), b(4, 4);
+  const torch::Tensor x0 = torch::randn({3, 4});
+  const torch::Tensor g = torch::randn({3, 4});
+  int calls = 0;
+  auto run = [&](const torch::Tensor& x) {
+    torch::Tensor h = a(x);
+    h.register_hook([&calls](torch::Tensor grad) {
+      ++calls;
+      return grad * 2;
+    });
+    return b(torch::tanh(h));
+  };
+  torch::Tensor xr = x0.clone().requires_grad_(true);
+  run(xr).backward(g);
+  const torch::Tensor want_a = a->weight.grad().clone(), want_b = b->weight.grad().clone();
+  a->weight.mutable_grad() = torch::Tensor();
+  b->weight.mutable_grad() = torch::Tensor();
+  a->bias.mutable_grad() = torch::Tensor();
+  b->bias.mutable_grad() = torch::Tensor();
+  calls = 0;
+  torch::Tensor x = x0.clone().requires_grad_(true);
+  WeightGradStore store;
+  pipetrain::detail::backward_input({run(x)}, {g}, {x}, store, true);
+  store.run();
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(torch::allclose(x.grad(), xr.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(a->weight.grad(), want_a, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(b->weight.grad(), want_b, 1e-5, 1e-6));
+}
