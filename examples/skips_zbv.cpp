@@ -4,9 +4,10 @@
 // stage to the popping one. The program trains the same model without a pipeline next to it and checks
 // that both give the same losses: a pipeline changes where the work runs, not what is computed.
 //
-// zb-v splits each backward into an input-gradient part (B) and a weight-gradient part (W). pipetrain's
-// own pipetrain::nn::Linear has that split built in; a torch::nn::Linear keeps its backward whole (B does
-// all of it, W nothing), which is still correct, and the pipeline says at start-up how much stays fused.
+// zb-v splits each backward into an input-gradient part (B) and a weight-gradient part (W). For plain
+// LibTorch layers such as torch::nn::Linear the split goes through autograd (PipelineOptions::
+// backward_split, "auto" by default): B asks for the stage input's gradient only and W computes the
+// weights' gradients later from the kept graph; pipetrain::nn::Linear has the split built in.
 #include <torch/torch.h>
 
 #include <cmath>

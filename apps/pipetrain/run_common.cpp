@@ -68,6 +68,11 @@ void PipelineFlags::add_to(CLI::App& app) {
   app.add_option("--profile", profile_file,
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
+  app.add_option("--backward-split", backward_split,
+                 "schedules with W (zb-*, v-*, dualpipev, interleaved-zb): auto (autograd splits B and W for any layer, "
+                 "pipetrain::nn::Linear by its own split), autograd (every layer through autograd) or explicit (only "
+                 "pipetrain::nn::Linear defers its weight gradients); default auto")
+      ->check(CLI::IsMember({"auto", "autograd", "explicit"}));
   app.add_option("--transport", transport,
                  "local (threads in this process), shm (processes on this host, over shared memory), gloo, mpi "
                  "(under mpirun), or auto: mpi under mpirun, shm for ranks pipetrain starts on this host, gloo otherwise; "
@@ -148,6 +153,7 @@ PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
   o.replication = replication_counts();
   o.balance = balance;
   o.checkpoint = parse_checkpoint(checkpoint);
+  o.backward_split = backward_split;
   o.seed = seed;
   o.reference = reference;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

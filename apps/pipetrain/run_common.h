@@ -83,6 +83,7 @@ struct PipelineFlags {
   std::string profile_file;                 // --profile: a saved profile for time/memory balancing
   std::string plan_file;                    // --plan: balance, schedule and micro-batches from pipetrain plan
   std::string checkpoint = "never";
+  std::string backward_split = "auto";
   std::string transport = "auto";  // local | gloo | mpi | auto
   int threads = 0;
   bool reference = false;

@@ -27,6 +27,7 @@
 #include "pipetrain/core/validate.h"
 #include "pipetrain/plan/balance.h"
 #include "pipetrain/runtime/split_linear.h"
+#include "autograd_split.h"
 #include "bundle_wire.h"
 #include "device_context.h"
 #include "fused_optimizer.h"
@@ -788,7 +789,12 @@ struct PipelineRank::Impl {
         grads.push_back(on_device(g.at(name)));
       }
     }
-    if (!roots.empty()) {
+    if (!roots.empty() && split && !async && options.backward_split != "explicit" && !linear_only(s)) {
+      std::vector<torch::Tensor> leaves;  // B through autograd: input gradients now, W from the kept graph
+      for (std::size_t k = 0; k < sl.input.size(); ++k)
+        if (sl.in_grad[k] && sl.input.items()[k].second.requires_grad()) leaves.push_back(sl.input.items()[k].second);
+      detail::backward_input(roots, grads, leaves, sl.deferred, options.backward_split == "auto");
+    } else if (!roots.empty()) {
       std::unique_ptr<WeightGradStore::Scope> scope;
       if (split) scope = std::make_unique<WeightGradStore::Scope>(&sl.deferred);
       torch::autograd::backward(roots, grads);
@@ -812,6 +818,19 @@ struct PipelineRank::Impl {
   }
 
   void weight(int s, int i) { slot(s, i).deferred.run(); }
+
+  // backward_split "auto": whether stage s's trainable parameters are all in pipetrain::nn::Linear, whose
+  // explicit split then does B/W alone (autograd_split.h), cached per stage.
+  std::map<int, bool> linear_only_stages;
+  bool linear_only(int s) {
+    if (options.backward_split != "auto") return false;
+    auto it = linear_only_stages.find(s);
+    if (it != linear_only_stages.end()) return it->second;
+    bool all = true;
+    for (int k = 0; k < stage_of(s).num_layers() && all; ++k)
+      all = detail::only_split_linear_parameters(stage_of(s).layer(k));
+    return linear_only_stages[s] = all;
+  }
 
   // Fast path: waits for the oldest sends once more than `prefetch` are in flight, so sent tensors are
   // released during the step rather than at its end. Safe: the sends were posted in the lowered order,
@@ -1533,6 +1552,8 @@ void check_options(const PipelineOptions& options, int ranks, bool generate_sche
                      "(replicas) runs with the synchronous schedules: use gpipe, 1f1b, interleaved or zb-*");
   weight_policy_of(o);
   if (o.prefetch < 0) throw UsageError("prefetch must be >= 0, got " + std::to_string(o.prefetch));
+  if (o.backward_split != "auto" && o.backward_split != "autograd" && o.backward_split != "explicit")
+    throw UsageError("unknown backward split '" + o.backward_split + "': use auto, autograd or explicit");
   check_replication(o, ranks);
   if (o.virtual_stages < 1) throw UsageError("virtual stages must be >= 1, got " + std::to_string(o.virtual_stages));
   if (schedule_traits(o.schedule).virtual_stages && o.virtual_stages == 1)
@@ -1619,7 +1640,8 @@ void warn_unsplit_weights(int rank, const std::string& schedule_name, const Sche
                "pipetrain rank %d: warning: schedule '%s' splits the backward into B and W, but %.0f%% of this "
                "rank's trainable parameters (%lld of %lld, in layers %s) are in modules without a split (only "
                "pipetrain::nn::Linear has one): their weight gradients are computed in B, and W is empty for "
-               "them. Use pipetrain::nn::Linear for torch::nn::Linear, or a schedule without W (1f1b)\n",
+               "them. Use backward_split \"auto\" (the default: autograd splits any layer), pipetrain::nn::Linear "
+               "for torch::nn::Linear, or a schedule without W (1f1b)\n",
                rank, schedule_name.c_str(), 100.0 * static_cast<double>(fused) / static_cast<double>(total),
                static_cast<long long>(fused), static_cast<long long>(total), layers.c_str());
 }
@@ -1771,7 +1793,8 @@ void PipelineRank::construct(const torch::nn::Sequential* whole, const Layerwise
                                                &refs[k] == &*lowest});
     }
   }
-  warn_unsplit_weights(d.transport->rank(), d.options.schedule, d.schedule, d.stages);
+  if (d.options.backward_split == "explicit")  // otherwise every layer's weight gradients wait for W
+    warn_unsplit_weights(d.transport->rank(), d.options.schedule, d.schedule, d.stages);
   const OptimizerOptions& o = d.options.optimizer;
   for (auto& [s, st] : d.stages) {
     d.stage_params[s] = st.parameters();

@@ -51,25 +51,29 @@ struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunctio
     const torch::Tensor grad = grad_outputs[0];
     torch::Tensor weight = ctx->saved_data["weight"].toTensor();
     torch::Tensor bias = kBias ? ctx->saved_data["bias"].toTensor() : torch::Tensor();
-    const bool need_weight = ctx->needs_input_grad(1);
-    const bool need_bias = kBias && ctx->needs_input_grad(2);
+    WeightGradStore* const active = WeightGradStore::current();
+    const bool all = active != nullptr && active->queue_all();  // B through autograd: W wants them all the same
+    const bool need_weight = ctx->needs_input_grad(1) || (all && weight.requires_grad());
+    const bool need_bias = kBias && (ctx->needs_input_grad(2) || (all && bias.requires_grad()));
     torch::Tensor grad_input = ctx->needs_input_grad(0) ? grad.matmul(w) : torch::Tensor();
-    auto weight_grads = [input, grad, need_weight, need_bias]() {
-      const int64_t out = grad.size(-1), in = input.size(-1);
-      const torch::Tensor g2 = grad.reshape({-1, out});
-      return std::make_pair(need_weight ? g2.t().mm(input.reshape({-1, in})) : torch::Tensor(),
+    // The weight's and the bias's gradients from the saved input and the output gradient.
+    const auto weight_grads_of = [need_weight, need_bias](const torch::Tensor& x, const torch::Tensor& g) {
+      const int64_t out = g.size(-1), in = x.size(-1);
+      const torch::Tensor g2 = g.reshape({-1, out});
+      return std::make_pair(need_weight ? g2.t().mm(x.reshape({-1, in})) : torch::Tensor(),
                             need_bias ? g2.sum(0) : torch::Tensor());
     };
-    if (WeightGradStore* store = WeightGradStore::current()) {
-      store->push([weight, bias, weight_grads]() mutable {
-        auto [gw, gb] = weight_grads();
+    if (WeightGradStore* store = active) {
+      // The queue keeps the tensors' data, not their graph: the saved input holds its producer's node.
+      store->push([weight, bias, weight_grads_of, x = input.detach(), g = grad.detach()]() mutable {
+        auto [gw, gb] = weight_grads_of(x, g);
         if (gw.defined()) accumulate_grad(weight, gw.to(weight.scalar_type()));
         if (gb.defined()) accumulate_grad(bias, gb.to(bias.scalar_type()));
       });
       if (kBias) return {grad_input, torch::Tensor(), torch::Tensor()};
       return {grad_input, torch::Tensor()};
     }
-    auto [gw, gb] = weight_grads();
+    auto [gw, gb] = weight_grads_of(input, grad);
     if (gw.defined()) gw = gw.to(weight.scalar_type());
     if (gb.defined()) gb = gb.to(bias.scalar_type());
     if (kBias) return {grad_input, gw, gb};
@@ -92,6 +96,11 @@ void WeightGradStore::run() {
 torch::Tensor split_linear(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias) {
   if (bias.defined()) return SplitLinearFunction<true>::apply(input, weight, bias);
   return SplitLinearFunction<false>::apply(input, weight);
+}
+
+bool is_split_linear_node(const torch::autograd::Node& node) {
+  return dynamic_cast<const torch::autograd::CppNode<SplitLinearFunction<true>>*>(&node) != nullptr ||
+         dynamic_cast<const torch::autograd::CppNode<SplitLinearFunction<false>>*>(&node) != nullptr;
 }
 
 namespace nn {

@@ -21,6 +21,9 @@
 // - Autocast's switches: 1.13 has one function per device (set_enabled for CUDA, set_cpu_enabled, ...);
 //   2.4 on take the device type (set_autocast_enabled(type, ...)), and the old names are deprecated.
 //   AutocastGuard and autocast_dtype() speak both.
+// - Hooks on an autograd node: 1.x keeps those of Tensor::register_hook among the node's pre_hooks(),
+//   2.x in tensor_pre_hooks() and retains_grad_hooks(). clear_pre_hooks() removes them all (the B/W split
+//   through autograd, autograd_split.cpp, so that W does not run a tensor's hook a second time).
 // pipetrain does nothing else differently per version; losses then agree to float32 rounding across
 // versions (LibTorch's own kernels differ), and bitwise within one.
 #pragma once
@@ -203,6 +206,17 @@ inline std::optional<allocator_probe::AllocatorBytes> device_allocator_peaks(c10
 // Resets those peaks; false where c10 offers none.
 inline bool reset_device_allocator_peaks(c10::DeviceType type, c10::DeviceIndex index) {
   return allocator_probe::reset(allocator_probe::find(type), index);
+}
+
+// Removes every pre-hook of autograd node `node` (a torch::autograd::Node; a template, so that this
+// header needs no autograd headers).
+template <class Node>
+void clear_pre_hooks(Node& node) {
+  node.pre_hooks().clear();
+#if TORCH_VERSION_MAJOR >= 2
+  node.tensor_pre_hooks().clear();
+  node.retains_grad_hooks().clear();
+#endif
 }
 
 }  // namespace pipetrain::compat

@@ -119,6 +119,15 @@ struct PipelineOptions {
   std::string balance = "uniform";        // uniform | parameters | "3,2,2" (one count per (virtual) stage)
   std::vector<int> layers_per_stage;      // the balance itself, one count per (virtual) stage; overrides `balance`
   Checkpoint checkpoint = Checkpoint::Never;  // re-materialisation mode (torchgpipe's default is except_last)
+  // Schedules with W actions (zb-*, v-*, dualpipev, interleaved-zb): how B and W split a stage's backward.
+  // "auto": B asks autograd for the stage input's gradient only and W computes every parameter's gradient
+  // later from the kept graph, for any layer (torch::nn::Linear, attention, convolutions, ...), except that
+  // pipetrain::nn::Linear queues its own (its explicit split, the faster path: docs/BENCHMARKS.md);
+  // "autograd": every layer through autograd, pipetrain::nn::Linear too; "explicit": only
+  // pipetrain::nn::Linear defers, every other layer's weight gradients are computed in B (W empty for
+  // them; the pipeline warns when that is most of a rank's parameters). With `checkpoint`, B re-runs the
+  // forward and W keeps that graph until it runs. Asynchronous schedules have no W and ignore it.
+  std::string backward_split = "auto";
   OptimizerOptions optimizer;
   uint64_t seed = 0;                      // forward RNG of (step, stage, micro-batch) derives from it
   // Seed every forward from (seed, step, stage, micro-batch), so dropout masks do not depend on the

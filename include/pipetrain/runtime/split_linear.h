@@ -5,8 +5,10 @@
 // calling thread (WeightGradStore::Scope), the backward computes only dL/dX = dL/dY A and queues the
 // pair (X, dL/dY); WeightGradStore::run() later computes dL/dA = dL/dY^T X and dL/db = sum dL/dY and
 // accumulates them into the parameters' .grad. Without an active store the backward is the ordinary
-// fused one. Modules that are not split (LayerNorm, embeddings, convolutions, ...) always compute their
-// weight gradients during B, so a stage made of them runs a full backward in B and an empty W.
+// fused one. Modules without such a split (torch::nn::Linear, LayerNorm, embeddings, convolutions,
+// attention, ...) get theirs through autograd instead (autograd_split.h): the executor's B asks autograd
+// for the stage input's gradient only and queues on the same store the W that later computes the
+// parameters' gradients from the kept graph.
 //
 // Thread use: a store belongs to one (stage, micro-batch) and is filled and run by one thread; the
 // Scope is thread-local, so ranks running as threads do not see each other's stores.
@@ -18,6 +20,10 @@
 
 #include <functional>
 #include <vector>
+
+namespace torch::autograd {
+struct Node;
+}
 
 namespace pipetrain {
 
@@ -43,9 +49,15 @@ class WeightGradStore {
   void run();
   bool empty() const { return work_.empty(); }
   std::size_t size() const { return work_.size(); }
+  // Set while a backward that asks autograd for input gradients only runs under this store (B through
+  // autograd_split.h): split layers then queue their weight gradients although the engine does not ask
+  // for them (it asks only for what leads to the stage input).
+  bool queue_all() const { return queue_all_; }
+  void set_queue_all(bool on) { queue_all_ = on; }
 
  private:
   std::vector<std::function<void()>> work_;
+  bool queue_all_ = false;
 };
 
 namespace nn {
@@ -68,5 +80,8 @@ TORCH_MODULE(Linear);
 
 // y = x A^T + b with a backward that defers dA and db to the active WeightGradStore, if any.
 torch::Tensor split_linear(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias);
+
+// Whether `node` is the backward of split_linear (whose weight gradients the store takes).
+bool is_split_linear_node(const torch::autograd::Node& node);
 
 }  // namespace pipetrain
