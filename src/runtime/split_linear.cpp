@@ -3,6 +3,7 @@
 #include <torch/autograd.h>
 #include <torch/nn/init.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "torch_compat.h"
@@ -10,7 +11,15 @@
 namespace pipetrain {
 namespace {
 
-thread_local WeightGradStore* active_store = nullptr;
+// The store a thread has made active (WeightGradStore::Scope). A cell of its own that a forward keeps a
+// reference to: on a GPU the engine runs the backward on its own device thread, where this thread's
+// scope is not seen, so the backward reads the store through the forward thread's cell (a reference,
+// so it stays valid after that thread ends). The cell is read while the thread that set it waits in
+// the backward it started.
+struct StoreCell : torch::CustomClassHolder {
+  std::atomic<WeightGradStore*> store{nullptr};
+};
+thread_local c10::intrusive_ptr<StoreCell> store_cell = c10::make_intrusive<StoreCell>();
 
 void accumulate_grad(torch::Tensor& param, const torch::Tensor& grad) {
   torch::NoGradGuard no_grad;
@@ -27,6 +36,7 @@ struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunctio
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& weight, const Bias&... bias) {
     ctx->saved_data["weight"] = weight;  // kept by reference: the parameter whose .grad W accumulates into
+    ctx->saved_data["store"] = c10::IValue::make_capsule(store_cell);  // this thread's store, for the backward
     torch::Tensor b;
     ((b = bias), ...);
     if (kBias) ctx->saved_data["bias"] = b;
@@ -51,7 +61,9 @@ struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunctio
     const torch::Tensor grad = grad_outputs[0];
     torch::Tensor weight = ctx->saved_data["weight"].toTensor();
     torch::Tensor bias = kBias ? ctx->saved_data["bias"].toTensor() : torch::Tensor();
-    WeightGradStore* const active = WeightGradStore::current();
+    WeightGradStore* active = WeightGradStore::current();
+    if (active == nullptr)  // the engine's device thread (GPU): the store of the thread that ran the forward
+      active = static_cast<StoreCell*>(ctx->saved_data["store"].toCapsule().get())->store.load();
     const bool all = active != nullptr && active->queue_all();  // B through autograd: W wants them all the same
     const bool need_weight = ctx->needs_input_grad(1) || (all && weight.requires_grad());
     const bool need_bias = kBias && (ctx->needs_input_grad(2) || (all && bias.requires_grad()));
@@ -83,9 +95,9 @@ struct SplitLinearFunction : public torch::autograd::Function<SplitLinearFunctio
 
 }  // namespace
 
-WeightGradStore::Scope::Scope(WeightGradStore* store) : previous_(active_store) { active_store = store; }
-WeightGradStore::Scope::~Scope() { active_store = previous_; }
-WeightGradStore* WeightGradStore::current() { return active_store; }
+WeightGradStore::Scope::Scope(WeightGradStore* store) : previous_(store_cell->store.load()) { store_cell->store = store; }
+WeightGradStore::Scope::~Scope() { store_cell->store = previous_; }
+WeightGradStore* WeightGradStore::current() { return store_cell->store.load(); }
 
 void WeightGradStore::run() {
   auto work = std::move(work_);

@@ -59,6 +59,37 @@ TEST(Device, TheVersionProbesAnswerWithoutAGpu) {
   if (!torch::cuda::is_available()) EXPECT_NO_THROW(device_memory_peak(torch::Device(torch::kCUDA, 0)));
 }
 
+// On a GPU the autograd engine runs a backward on its own device thread, not on the thread that set the
+// weight-gradient store: pipetrain::nn::Linear's backward must still find that store (before, it computed
+// its weight gradient at once there, which in a B through autograd was then dropped: zb-h1 trained the
+// GPT on CUDA with missing gradients). Run here on the CPU by starting the backward from another thread
+// while the forward's thread holds the store, as the engine's device thread does.
+TEST(Device, ASplitLinearsBackwardOnAnotherThreadQueuesOnItsForwardThreadsStore) {
+  torch::manual_seed(2);
+  nn::Linear layer(4, 3), plain(4, 3);
+  {
+    torch::NoGradGuard no_grad;
+    plain->weight.copy_(layer->weight);
+    plain->bias.copy_(layer->bias);
+  }
+  const torch::Tensor x = torch::randn({5, 4});
+  WeightGradStore store;
+  {
+    const WeightGradStore::Scope scope(&store);
+    const torch::Tensor y = layer->forward(x);
+    std::thread engine([&] { torch::autograd::backward({y}, {torch::ones_like(y)}); });
+    engine.join();
+  }
+  EXPECT_FALSE(layer->weight.grad().defined()) << "the weight gradient was not deferred to the store";
+  ASSERT_EQ(store.size(), 1u);
+  store.run();
+  const torch::Tensor y = plain->forward(x);
+  torch::autograd::backward({y}, {torch::ones_like(y)});
+  ASSERT_TRUE(layer->weight.grad().defined());
+  EXPECT_TRUE(torch::allclose(layer->weight.grad(), plain->weight.grad()));
+  EXPECT_TRUE(torch::allclose(layer->bias.grad(), plain->bias.grad()));
+}
+
 TEST(DeviceCuda, EventsTimeTheWorkOnTheRanksStream) {
   SKIP_WITHOUT_CUDA();
   const torch::Device cuda(torch::kCUDA, 0);
@@ -110,8 +141,8 @@ torch::nn::Sequential make_model() {
   m->push_back(torch::nn::Tanh());
   m->push_back(torch::nn::Linear(kHidden, kHidden));  // no B/W split: its weight gradient stays in B
   m->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
-  m->push_back(nn::Linear(kHidden, kHidden));
-  m->push_back(torch::nn::GELU());
+  m->push_back(nn::Linear(kHidden, kHidden));  // stage 1 (of 2) mixes split and unsplit layers and takes
+  m->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));  // a gradient: B through autograd
   m->push_back(nn::Linear(kHidden, kHidden));
   m->push_back(nn::Linear(kHidden, kOut));
   return m;
@@ -217,7 +248,7 @@ TrainRun train(const std::string& schedule, const torch::Device& device, int ste
   const torch::Tensor x = torch::randn({kBatch, kIn}), y = torch::randn({kBatch, kOut});
   PipelineOptions o;
   o.schedule = schedule;
-  o.microbatches = 4;
+  o.microbatches = schedule_traits(schedule).one_microbatch_per_step ? 1 : 4;
   o.virtual_stages = schedule_traits(schedule).virtual_stages ? 2 : 1;
   o.device = device;
   o.optimizer.name = "adam";
