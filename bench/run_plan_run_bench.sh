@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Plans that run (issue 28, item 4): the planner's predicted step against the step `train --plan` measures,
 # on this machine. For RANKS in 2 and 4:
-#   pipetrain profile --threads T --transport shm --sizes ...  (T = max(1, cores / RANKS): what train uses)
+#   pipetrain profile --threads T --concurrent RANKS --transport shm --sizes ...
+#     (T = max(1, cores / RANKS): what train uses; RANKS processes measure the layers at once, as the run's
+#     ranks compute at once: PROFILE_CONCURRENT=0 measures one process alone, as before)
 #   pipetrain plan --profile P --ranks RANKS [--no-hybrid] --out plan.json     (the chosen plan; a straight pipeline)
 #   pipetrain train --plan plan.json --log log.jsonl                           (no other pipeline flag)
 # and compares the plan's time_ms with the median step_ms of the steps after the first two (per round;
@@ -9,8 +11,7 @@
 # < 15% busy (at most QUIET_WAIT s) and records the reading; each run's CPU seconds (all its ranks, from
 # /usr/bin/time) over its wall time and the ranks' cores show how much of the cores the run got.
 # The GPT: 4 blocks, d_model 128, context 64, synthetic tokens, Adam, clip off. With 4 ranks on a 2-core
-# machine every rank gets 1 thread and the ranks share the cores (oversubscribed): the profile measured one
-# rank alone, so the prediction there is for 4 cores; the table says so.
+# machine every rank gets 1 thread and the ranks share the cores (oversubscribed); the table says so.
 # Writes bench/results/plan_run/{raw/,summary.md}. About 5 minutes on 2 cores (plus waits for quiet CPUs).
 # QUICK=1 (ctest bench_quick_plan_run): a tiny GPT, 3 steps, into a temporary folder; fails unless it
 # wrote summary.md (bench/lib/quick.sh). BUILD (default build) is where pipetrain is.
@@ -37,8 +38,10 @@ TRAIN=(--steps "$STEPS" --progress lines --eval-every 0 --sample 0 --lr 1e-3 --l
 for R in 2 4; do
   T=$((CORES / R > 0 ? CORES / R : 1))
   wait_quiet >"$OUT/raw/profile-r$R.busy"
+  concurrent=()
+  ((${PROFILE_CONCURRENT:-1})) && concurrent=(--concurrent "$R")
   "$BIN" profile "${MODEL[@]}" --microbatch-size "$MB" --sizes "${SIZES[@]}" --repeats "$REPEATS" --threads "$T" \
-    --transport shm --out "$OUT/raw/profile-r$R.json" >"$OUT/raw/profile-r$R.txt" 2>&1
+    "${concurrent[@]}" --transport shm --out "$OUT/raw/profile-r$R.json" >"$OUT/raw/profile-r$R.txt" 2>&1
   for kind in chosen pipeline; do
     extra=()
     [[ $kind == pipeline ]] && extra=(--no-hybrid)

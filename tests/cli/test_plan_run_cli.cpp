@@ -205,3 +205,21 @@ TEST(PlanRunCli, BadPlacementOrThreadsInAPlanAreRefused) {
     EXPECT_TRUE(r.has(says)) << r.out;
   }
 }
+
+// profile --concurrent N: N processes measure the layers at once (as N ranks of a run compute at once);
+// rank 0's profile is written, once, and plans like any other.
+TEST(PlanRunCli, ProfileConcurrentWritesRankZerosProfile) {
+  const fs::path dir = temp_dir("concurrent");
+  const fs::path prof = dir / "profile.json";
+  CommandResult r = run_pipetrain("profile" + kModel + " --microbatch-size 2 --repeats 2 --warmup 1 --threads 1 "
+                                  "--concurrent 2 --out " + prof.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("[rank 0] profile written to")) << r.out;
+  EXPECT_FALSE(r.has("[rank 1] profile written")) << r.out;
+  EXPECT_EQ(read_json_file(prof).at("layers").size(), 6u);
+  r = run_pipetrain("plan --profile " + prof.string() + " --ranks 2");
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain("profile" + kModel + " --concurrent 0");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("--concurrent")) << r.out;
+}
