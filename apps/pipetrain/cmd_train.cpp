@@ -247,7 +247,7 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
   cmd->add_option("--config", f->config,
                   "JSON file of flags, e.g. {\"stages\": 4, \"schedule\": \"zb-h1\", \"memory\": true}; flags on the "
                   "command line win");
-  cmd->add_option("--batch-size", f->batch_size, "samples (text: windows) per step (mini-batch), default 32");
+  cmd->add_option("--batch-size", f->batch_size, "samples (text: windows) per step (mini-batch), default a --plan's, else 32");
   cmd->add_option("--steps", f->steps, "optimizer steps, default 600 (or from --epochs)");
   cmd->add_option("--epochs", f->epochs, "passes over the training split (finite data sets), instead of --steps");
   cmd->add_option("--optimizer", f->optimizer, "sgd, adam or adamw; default adam");

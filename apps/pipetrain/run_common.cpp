@@ -63,8 +63,8 @@ void PipelineFlags::add_to(CLI::App& app) {
       ->check(CLI::IsMember({"pipeline", "pipedream"}));
   app.add_option_function<std::string>(
       "--plan", [this, &app](const std::string& path) { apply_plan(path, app); },
-      "a plan from pipetrain plan: its balance, schedule, micro-batch count and (equal) replication "
-      "(flags given here win)");
+      "a plan from pipetrain plan: its balance, schedule, micro-batch count, replication (copies of the pipeline, "
+      "or PipeDream's per stage), placement, mini-batch and threads per rank (flags given here win)");
   app.add_option("--profile", profile_file,
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
