@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <iostream>
 #include <memory>
+#include <optional>
 
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
@@ -32,10 +33,12 @@ struct ProfileFlags {
   std::string out;
   std::string transport;  // empty: compute only
   std::string device = "cpu";
+  int concurrent = 1;     // processes measuring the layers at once (rank 0's are written)
 };
 
-// Profiles the layers, adds `runtime` when given, prints the table and writes --out.
-void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime) {
+// Profiles the layers, adds `runtime` when given, prints the table and writes --out (only the measuring
+// when `report` is false: the other processes of --concurrent).
+void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime, bool report = true) {
   auto model = f.model.factory()();
   auto data = f.model.dataset();
   const zoo::Batch b = data->batch(0, f.micro_batch);
@@ -52,6 +55,7 @@ void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime) {
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
   o.extra_sizes = sizes;
   Profile p = profile_model(model, b.input, o);
+  if (!report) return;
   if (runtime) p.runtime = *runtime;
   std::cout << fmt::format("profile of {}\n  micro-batch {}, {} threads, median of {} runs\n", p.model,
                            p.micro_batch_size, p.threads, f.repeats);
@@ -107,11 +111,16 @@ void add_profile_command(CLI::App& app, int& exit_code) {
                   "of this transport: local (threads), shm or gloo (two processes started here), mpi (under mpirun "
                   "-n 2); default: compute only")
       ->check(CLI::IsMember({"local", "shm", "gloo", "mpi"}));
+  cmd->add_option("--concurrent", f->concurrent,
+                  "measure the layers in N processes at once (rank 0's times are written), as the N ranks of a run on "
+                  "this host compute at once and share its cores, caches and memory bandwidth; default 1 (alone)")
+      ->check(CLI::Range(1, 64));
   cmd->footer(
       "Examples:\n"
       "  pipetrain profile --model gpt --microbatch-size 8 --out gpt.json\n"
       "  pipetrain profile --model cnn --microbatch-size 32 --threads 1 --sizes 8 16 64 --out cnn.json\n"
       "  pipetrain profile --model mlp --microbatch-size 8 --threads 1 --transport shm --out mlp.json\n"
+      "  pipetrain profile --model gpt --threads 1 --concurrent 2 --out gpt.json  # as 2 ranks of a run see it\n"
       "The JSON format is documented in docs/PROFILE.md.");
   cmd->callback([f, &exit_code] {
     exit_code = guarded("profile", [&] {
@@ -121,17 +130,19 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       if (f->threads > 0) at::set_num_threads(f->threads);
       f->model.prepare();
       const int threads = at::get_num_threads();  // the pipeline below runs one thread per rank
-      if (!f->transport.empty()) {
-        PipelineFlags ranks;  // two ranks of the transport: the runtime's costs, then rank 0 profiles the layers
-        ranks.stages = 2;
-        ranks.transport = f->transport;
+      if (!f->transport.empty() || f->concurrent > 1) {
+        // Ranks of the transport (shm for --concurrent alone): the runtime's costs over two of them, then
+        // rank 0 profiles the layers, with --concurrent N ranks 0..N-1 at once.
+        PipelineFlags ranks;
+        ranks.stages = std::max(f->transport.empty() ? 1 : 2, f->concurrent);
+        ranks.transport = f->transport.empty() ? "shm" : f->transport;
         return run_ranks(ranks, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) {
-          const RuntimeCosts rc = profile_runtime(t, f->transport);
-          if (t->rank() == 0) {
-            at::set_num_threads(threads);
-            profile_layers(*f, &rc);
-          }
-          t->barrier();  // rank 1 stays until rank 0 is done, so no transport sees its peer leave early
+          std::optional<RuntimeCosts> rc;
+          if (!f->transport.empty()) rc = profile_runtime(t, f->transport);
+          at::set_num_threads(threads);
+          t->barrier();  // the measuring ranks start together
+          if (t->rank() < f->concurrent) profile_layers(*f, rc ? &*rc : nullptr, t->rank() == 0);
+          t->barrier();  // every rank stays until rank 0 is done, so no transport sees its peer leave early
           return 0;
         });
       }

@@ -177,6 +177,7 @@ void print_outputs(const TrainFlags& f, PipelineRank& rank, const Transport& tra
 
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   check_same_settings(f, *world);
+  world = f.pipe.placed_world(world);  // a plan's replicas-inner placement: the world in pipeline-inner order
   // With --replicas R the world holds R copies of the pipeline (hybrid data + pipeline parallelism):
   // `transport` is this rank's pipeline; copy k trains on the k-th 1/R of every mini-batch and the
   // stages average their gradients over the copies before stepping.
@@ -246,7 +247,7 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
   cmd->add_option("--config", f->config,
                   "JSON file of flags, e.g. {\"stages\": 4, \"schedule\": \"zb-h1\", \"memory\": true}; flags on the "
                   "command line win");
-  cmd->add_option("--batch-size", f->batch_size, "samples (text: windows) per step (mini-batch), default 32");
+  cmd->add_option("--batch-size", f->batch_size, "samples (text: windows) per step (mini-batch), default a --plan's, else 32");
   cmd->add_option("--steps", f->steps, "optimizer steps, default 600 (or from --epochs)");
   cmd->add_option("--epochs", f->epochs, "passes over the training split (finite data sets), instead of --steps");
   cmd->add_option("--optimizer", f->optimizer, "sgd, adam or adamw; default adam");
@@ -354,6 +355,9 @@ void check_run_flags(const TrainFlags* f, const CLI::App* cmd) {
 
 // The model, data and pipeline flags, before any rank starts, so bad input is exit 2 with one message.
 void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
+  // A plan's mini-batch: what its prediction is for (and what its replicas and micro-batches divide).
+  if (f->pipe.plan_batch_size > 0 && cmd->get_option("--batch-size")->count() == 0)
+    f->batch_size = f->pipe.plan_batch_size;
   f->model.prepare();
   f->pipe.prepare_umpipe(*cmd, f->batch_size);  // a plan's UMPIPE partitions: schedule gpipe, checked here
   // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
@@ -394,8 +398,12 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
                      std::to_string(f->pipe.replicas) + " (copies of the whole pipeline) do not combine: use one");
   if (f->pipe.replicas > 1) {
     if (f->batch_size % f->pipe.replicas != 0)
-      throw UsageError("--batch-size " + std::to_string(f->batch_size) + " does not split evenly over --replicas " +
-                       std::to_string(f->pipe.replicas) + ": use a multiple of " + std::to_string(f->pipe.replicas));
+      throw UsageError("--batch-size " + std::to_string(f->batch_size) + " does not split evenly over " +
+                       (f->pipe.plan_file.empty() || cmd->get_option("--replicas")->count() > 0
+                            ? "--replicas " + std::to_string(f->pipe.replicas)
+                            : "the " + std::to_string(f->pipe.replicas) + " replicas of --plan " + f->pipe.plan_file) +
+                       ": use a multiple of " + std::to_string(f->pipe.replicas) +
+                       (f->pipe.plan_file.empty() ? "" : " (or drop --batch-size to run the plan's)"));
     if (is_async(f->pipe.schedule))
       throw UsageError("--replicas runs with the synchronous schedules (gpipe, 1f1b, interleaved, zb-*), not '" +
                        f->pipe.schedule + "'");

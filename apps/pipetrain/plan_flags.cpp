@@ -138,12 +138,18 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   // UMPIPE partitions, if the chosen plan has them (not the PipeDream section: the partitions belong to
   // the top-level balance); prepare_umpipe decides whether they run (--umpipe).
   umpipe_section = nlohmann::json();
-  plan_batch_size = 0;
   plan_balance = plan.balance;
+  // The mini-batch the plan was made for (train uses it unless --batch-size is given): its prediction is
+  // for that many samples per step, split evenly over its replicas.
+  plan_batch_size = file.batch_size;
   if (plan_use != "pipedream") {
-    plan_batch_size = file.batch_size;
     umpipe_section = file.umpipe;
+    // Where the copies' ranks go (with --level the plan chose it); pipeline-inner when not recorded.
+    if (!file.placement.empty() && !given("--placement")) placement = file.placement;
   }
+  // The profile's intra-op threads per rank: the times the plan predicts from were measured with them
+  // (the default, cores / ranks, may differ and with it every layer's time).
+  if (file.threads > 0 && !given("--threads")) threads = file.threads;
 }
 
 void PipelineFlags::add_umpipe_to(CLI::App& app) {

@@ -63,8 +63,8 @@ void PipelineFlags::add_to(CLI::App& app) {
       ->check(CLI::IsMember({"pipeline", "pipedream"}));
   app.add_option_function<std::string>(
       "--plan", [this, &app](const std::string& path) { apply_plan(path, app); },
-      "a plan from pipetrain plan: its balance, schedule, micro-batch count and (equal) replication "
-      "(flags given here win)");
+      "a plan from pipetrain plan: its balance, schedule, micro-batch count, replication (copies of the pipeline, "
+      "or PipeDream's per stage), placement, mini-batch and threads per rank (flags given here win)");
   app.add_option("--profile", profile_file,
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
@@ -77,7 +77,11 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "local (threads in this process), shm (processes on this host, over shared memory), gloo, mpi "
                  "(under mpirun), or auto: mpi under mpirun, shm for ranks pipetrain starts on this host, gloo otherwise; "
                  "default auto");
-  app.add_option("--threads", threads, "intra-op threads per rank; default: cores / ranks");
+  app.add_option("--threads", threads, "intra-op threads per rank; default: a --plan's (its profile's), else cores / ranks");
+  app.add_option("--placement", placement,
+                 "with --replicas: pipeline-inner (a copy's ranks side by side, default) or replicas-inner (a stage's "
+                 "copies side by side, world rank = stage x replicas + copy); default: a --plan's")
+      ->check(CLI::IsMember({"pipeline-inner", "replicas-inner"}));
   app.add_option("--replicas", replicas,
                  "data parallelism across pipelines: R copies of the pipeline (R x stages ranks), each on 1/R of the "
                  "mini-batch, gradients averaged per stage before the step; default 1");
@@ -235,6 +239,14 @@ std::vector<int> resolve_balance(const PipelineFlags& pipe, const ModelFlags& mo
     for (int s = 0; s < stages; ++s) balance.push_back(static_cast<int>(counts[s].item<double>()));
   }
   return balance;
+}
+
+std::shared_ptr<Transport> PipelineFlags::placed_world(const std::shared_ptr<Transport>& world) const {
+  if (placement != "replicas-inner" || replicas == 1 || stages == 1) return world;
+  std::vector<int> members;  // members[k * stages + s]: the world rank of stage s of copy k
+  for (int k = 0; k < replicas; ++k)
+    for (int s = 0; s < stages; ++s) members.push_back(s * replicas + k);
+  return make_group_transport(world, members);
 }
 
 std::shared_ptr<Transport> PipelineFlags::pipeline_group(const std::shared_ptr<Transport>& world) const {

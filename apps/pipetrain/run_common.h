@@ -92,11 +92,19 @@ struct PipelineFlags {
   CLI::Option* stages_option = nullptr;
   std::string replication;  // --replication 3,1: replicas per stage (1F1B-RR); empty: one rank per stage
   std::string plan_use = "pipeline";  // --plan-use: pipeline | pipedream
+  // Where the replicas' ranks are (a plan's "placement"): pipeline-inner (the default: world rank r is
+  // stage r mod stages of copy r / stages) or replicas-inner (a stage's copies side by side: world rank
+  // s x replicas + k is stage s of copy k).
+  std::string placement = "pipeline-inner";
   std::vector<int> replication_counts() const;  // parsed --replication (UsageError naming the bad count)
   int world_size() const;  // ranks: stages x replicas, or the sum of --replication
   // Hybrid layout: world rank r is stage r mod stages of pipeline replica r / stages. The pipeline's own
   // group (its stages' transfers and collectives) and the stage's group across replicas (the gradient
   // all-reduce); with one replica the pipeline group is the world.
+  // With placement replicas-inner and replicas > 1: the world renumbered into the pipeline-inner order
+  // above (a group over every rank), so that the groups below, the trainer's copy index and its data
+  // share follow the plan's placement; otherwise `world` itself.
+  std::shared_ptr<Transport> placed_world(const std::shared_ptr<Transport>& world) const;
   std::shared_ptr<Transport> pipeline_group(const std::shared_ptr<Transport>& world) const;
   std::shared_ptr<Transport> replica_group(const std::shared_ptr<Transport>& world) const;
   // Applies --plan FILE: sets the stages, balance, schedule and micro-batches the plan chose, except

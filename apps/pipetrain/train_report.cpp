@@ -125,7 +125,7 @@ void check_same_settings(const TrainFlags& f, Transport& world) {
   nlohmann::json j = run_json(f, 0);
   const PipelineFlags& p = f.pipe;
   j["pipeline"] = {p.stages, p.replicas, p.virtual_stages, p.balance, p.balance_solver, p.checkpoint,
-                   p.replication, p.plan_use, !p.plan_file.empty(), !p.profile_file.empty()};
+                   p.replication, p.plan_use, !p.plan_file.empty(), !p.profile_file.empty(), p.placement};
   j["run"] = {f.steps, f.epochs, f.eval_every, f.eval_samples, f.eval_batch, f.save_every, f.sample,
               f.save_on_interrupt, f.memory, f.steps_per_call, f.vertical_sync, f.no_stash, !f.save.empty(),
               !f.resume.empty(), !f.log.empty(), !f.trace.empty(), !f.svg.empty()};
@@ -152,7 +152,10 @@ std::string banner(const TrainFlags& f, const Trainer& trainer, PipelineRank& ra
       "pipetrain train: {}\n  {} over {} ({} threads per rank), schedule {}, m={}, batch {}, balance {}, "
       "re-materialisation {}\n  optimizer {} lr {} ({}{}), clip {}, {} steps{}{}\n  {}",
       f.model.describe(),
-      f.pipe.replicas > 1 ? fmt::format("{} stages x {} replicas", f.pipe.stages, f.pipe.replicas)
+      f.pipe.replicas > 1 ? fmt::format("{} stages x {} replicas{}", f.pipe.stages, f.pipe.replicas,
+                                        f.pipe.placement == "replicas-inner" && f.pipe.stages > 1
+                                            ? " (replicas-inner: a stage's copies on neighbouring ranks)"
+                                            : "")
       : !f.pipe.replication.empty()
           ? fmt::format("{} stages replicated {} (1F1B-RR, {} ranks)", f.pipe.stages, f.pipe.replication,
                         f.pipe.world_size())

@@ -438,11 +438,11 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
   for (int p = min_p; p <= max_p; ++p) {
     replica_counts.clear();
     const long long dmax = o.hybrid && o.replicated_may_win ? std::min<long long>(R / p, batch) : 1;
-    for (long long d = 1; d <= dmax; ++d) {
-      const long long n = (batch + d - 1) / d;
-      if (d > 1 && (batch + d - 2) / (d - 1) == n) continue;  // d - 1 replicas get the same share
-      replica_counts.push_back({static_cast<int>(d), static_cast<int>(n)});
-    }
+    // Replica counts that split the mini-batch evenly: the runtime gives every copy the same share
+    // (train --replicas refuses a batch it does not divide), and the gradients' mean over the copies is
+    // then the mini-batch's mean.
+    for (long long d = 1; d <= dmax; ++d)
+      if (batch % d == 0) replica_counts.push_back({static_cast<int>(d), static_cast<int>(batch / d)});
     bool one_stage_done = false;  // on one stage every synchronous schedule is the same accumulation loop
     for (const std::string& name : o.schedules) {
       const ScheduleTraits t = schedule_traits(name);
@@ -544,9 +544,10 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
       if (!res.uniform_1f1b || better_candidate(pc, *res.uniform_1f1b)) res.uniform_1f1b = pc;
     }
   }
-  if (o.hybrid && o.replicated_may_win) {  // data parallelism: p = 1 on min(R, batch) replicas, one micro-batch
-    const long long d = std::min<long long>(R, batch);
-    const long long n = (batch + d - 1) / d;
+  if (o.hybrid && o.replicated_may_win) {  // data parallelism: p = 1 on the most replicas (<= R) that split the batch
+    long long d = std::min<long long>(R, batch);
+    while (batch % d != 0) --d;
+    const long long n = batch / d;
     const int m1 = *std::min_element(o.microbatch_counts.begin(), o.microbatch_counts.end());
     for (std::size_t i = 0; i < cands.size(); ++i) {
       const Cand& c = cands[i];
@@ -658,6 +659,8 @@ PlanFile plan_file_for(const Profile& prof, const PlanSearchResult& res) {
   f.microbatches = top.m;
   f.virtual_stages = std::max(1, top.virtual_stages);
   f.batch_size = res.batch_size;
+  f.placement = top.placement;
+  f.threads = prof.threads;
   f.balance_kind = top.kind;
   f.balance_solver = top.solver;
   f.predicted_bubble_fraction = top.bubble;
@@ -676,6 +679,8 @@ nlohmann::json plan_file_to_json(const PlanFile& f) {
   if (f.microbatches > 0) j["microbatches"] = f.microbatches;
   if (f.virtual_stages > 1) j["virtual_stages"] = f.virtual_stages;
   if (f.batch_size > 0) j["batch_size"] = f.batch_size;
+  if (!f.placement.empty()) j["placement"] = f.placement;
+  if (f.threads > 0) j["threads"] = f.threads;
   if (!f.balance_kind.empty()) j["balance_kind"] = f.balance_kind;
   if (!f.balance_solver.empty()) j["balance_solver"] = f.balance_solver;
   if (!f.schedule.empty()) j["predicted_bubble_fraction"] = f.predicted_bubble_fraction;
@@ -732,6 +737,19 @@ PlanFile plan_file_from_json(const nlohmann::json& j, const std::string& origin)
     if (!b.is_number_integer() || b.get<long long>() < 1)
       file_fail(origin, "batch_size", b, "write the mini-batch size, an integer >= 1");
     f.batch_size = b.get<int64_t>();
+  }
+  if (j.contains("placement")) {
+    const auto& pl = j["placement"];
+    if (!pl.is_string() || (pl.get<std::string>() != "pipeline-inner" && pl.get<std::string>() != "replicas-inner"))
+      file_fail(origin, "placement", pl, "write pipeline-inner (a pipeline's ranks side by side) or replicas-inner (a "
+                "stage's copies side by side)");
+    f.placement = pl.get<std::string>();
+  }
+  if (j.contains("threads")) {
+    const auto& t = j["threads"];
+    if (!t.is_number_integer() || t.get<long long>() < 1 || t.get<long long>() > 4096)
+      file_fail(origin, "threads", t, "write the profile's intra-op threads per rank, an integer in 1..4096");
+    f.threads = t.get<int>();
   }
   for (const char* key : {"balance_kind", "balance_solver"})
     if (j.contains(key)) {

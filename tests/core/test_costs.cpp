@@ -34,6 +34,15 @@ TEST(Costs, LayerTimeScalesOrFitsALine) {
   EXPECT_NEAR(layer_time_at(l, 8, 1, true), 0.75, 1e-12);
   EXPECT_NEAR(layer_time_at(l, 8, 64, true), 16.5, 1e-12);
   EXPECT_NEAR(layer_time_at(l, 8, 4, false), 3.0, 1e-12);
+  // Inside the measured sizes the time follows the measurements (piecewise linear), not the line: a
+  // layer with a bend at small sizes (1 -> 0.6, 4 -> 2, 16 -> 8) is 0.6 at 1, not the line's 0.45.
+  l.forward_ms = 2.0;
+  l.by_micro_batch = {{1, 0.6, 1.0}, {16, 8.0, 16.0}};
+  l.backward_ms = 4.0;
+  EXPECT_NEAR(layer_time_at(l, 4, 1, true), 0.6, 1e-12);
+  EXPECT_NEAR(layer_time_at(l, 4, 2, true), 0.6 + (2.0 - 0.6) / 3, 1e-12);
+  EXPECT_NEAR(layer_time_at(l, 4, 10, false), 4.0 + 12.0 / 12 * 6, 1e-12);
+  EXPECT_NEAR(layer_time_at(l, 4, 16, true), 8.0, 1e-12);
   // A fit that would go negative is clamped at zero.
   l.by_micro_batch = {{16, 0.1, 0.1}};
   l.forward_ms = 10;

@@ -11,8 +11,9 @@
 namespace pipetrain {
 
 // A layer's time at micro-batch size b (forward or whole backward). With measurements at two or more
-// sizes (the profile's own and by_micro_batch) a least-squares line t(b) = a + c b, which keeps the fixed
-// per-micro-batch cost that makes tiny micro-batches slow; with one, t scales with b. Never negative.
+// sizes (the profile's own and by_micro_batch): between the smallest and the largest, piecewise linear
+// through them; outside, a least-squares line t(b) = a + c b, which keeps the fixed per-micro-batch cost
+// that makes tiny micro-batches slow. With one, t scales with b. Never negative.
 double layer_time_at(const LayerProfile& layer, int profiled_size, double b, bool forward);
 
 struct StageCostOptions {

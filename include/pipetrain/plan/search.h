@@ -13,9 +13,9 @@
 // Exact pruning: every candidate gets a lower bound on its time (the busiest rank's work after its first
 // input can arrive, plus its step; and one micro-batch's path through every stage and back), and
 // candidates are simulated in order of that bound until the bound passes the best time found; so the
-// result is the one an exhaustive search gives (PlanSearchOptions::exhaustive checks that). Among
-// replica counts with the same samples per replica only the smallest can win (same pipeline, an
-// all-reduce over fewer ranks), so only it is a candidate.
+// result is the one an exhaustive search gives (PlanSearchOptions::exhaustive checks that). Replica
+// counts d are those that divide the mini-batch (every copy trains on the same N / d samples, which is
+// what the runtime runs: `train --replicas` refuses a batch it does not split).
 //
 // And the plan file: one type (PlanFile) with one writer and one reader, which `pipetrain plan --out`
 // writes and `pipetrain train --plan` runs.
@@ -120,6 +120,8 @@ struct PlanFile {
   int microbatches = 0;            // 0: not recorded
   int virtual_stages = 1;          // stages per rank: the balance has stages x virtual_stages entries
   int64_t batch_size = 0;          // 0: not recorded
+  std::string placement;           // with levels and replicas: pipeline-inner or replicas-inner; empty: not recorded
+  int threads = 0;                 // intra-op threads per rank the profile measured with; 0: not recorded
   std::string balance_kind, balance_solver;
   double predicted_bubble_fraction = 0;
   std::optional<Plan> pipedream;   // the PipeDream planner's plan
