@@ -388,9 +388,13 @@ TEST_F(GlooTransport, KilledIdleRankIsNoticedAtOnce) {
 TEST_F(GlooTransport, KilledRankStopsTheRanksReceivingFromItAtOnce) {
   const Outcome r = run_gloo("kill1-recv", 3);
   EXPECT_EQ(r.code, 1) << r.output;
-  for (int rank : {0, 2})
-    EXPECT_TRUE(r.has("pipetrain rank " + std::to_string(rank) + ": stopping: rank 1 failed: it went away"))
-        << r.output;
+  // Whichever notices first names the cause: the receiver's closed connection ("it went away"), or, on a
+  // loaded machine, the launcher that reaped the killed rank ("killed by signal 9 ... seen by pipetrain
+  // launch"); either way every rank stops within seconds (KilledIdleRankIsNoticedAtOnce pins the first).
+  for (int rank : {0, 2}) {
+    const std::string stopping = "pipetrain rank " + std::to_string(rank) + ": stopping: rank 1 failed: ";
+    EXPECT_TRUE(r.has(stopping + "it went away") || r.has(stopping + "it was killed by signal 9")) << r.output;
+  }
   EXPECT_FALSE(r.has("caught:")) << r.output;
   EXPECT_FALSE(r.has("did not stop")) << r.output;
   EXPECT_LT(r.seconds, 8) << r.output;
