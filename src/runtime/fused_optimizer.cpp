@@ -153,11 +153,14 @@ bool multi_tensor_adam(torch::optim::Optimizer& opt, bool decoupled) {
     const auto& o = static_cast<const Options&>(opt.param_groups()[g].options());
     const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
     // Batches by (step, device, dtype): the multi-tensor kernels take one device and dtype per call.
-    std::map<std::tuple<int64_t, std::string, int>, std::vector<Item<State>>> batches;
+    std::map<std::tuple<int64_t, int, int, int>, std::vector<Item<State>>> batches;
     for (Item<State> item : (*items)[g]) {
       if (!item.state) item.state = fresh_state<State>(opt, *item.p);
       item.state->step(item.state->step() + 1);
-      batches[{item.state->step(), item.p->device().str(), static_cast<int>(item.p->scalar_type())}].push_back(item);
+      const torch::Device d = item.p->device();  // no string per parameter and step: type and index
+      batches[{item.state->step(), static_cast<int>(d.type()), static_cast<int>(d.index()),
+               static_cast<int>(item.p->scalar_type())}]
+          .push_back(item);
     }
     for (const auto& [key, batch] : batches) {
       const auto step = static_cast<double>(std::get<0>(key));
