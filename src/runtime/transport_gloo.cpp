@@ -70,7 +70,10 @@
 // that waits for a message from it that was never sent (all it sent has arrived), or in a collective it
 // never called, fails at once: "rank K finished while rank R waits for ...", as when the ranks run
 // different numbers of steps (a receive throws; a collective, which cannot be interrupted, stops the
-// process after reporting it).
+// process after reporting it). The other way round, a message sent to a rank that finished without
+// receiving it: Gloo's send of a large payload waits for the receive and would wait for good, so the
+// finished rank, which holds the message's header (or gets it later on its header thread), publishes
+// "rank K finished while rank R sends it ..." and every rank stops.
 //
 // Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (or OMPI_COMM_WORLD_RANK/SIZE), GLOO_SOCKET_IFNAME
 // (the network interface for Gloo; default: the one that routes to MASTER_ADDR, loopback for 127.0.0.1),
@@ -320,6 +323,9 @@ class GlooTransport final : public Transport {
   // Tells the store what this rank is doing, for its report should the rank vanish.
   void set_phase(const std::string& phase);
   void finish_barrier();
+  // mu_ held: the message naming a message from `peer` (its header `h`) that arrived at this finished rank
+  // and will never be received.
+  std::string unreceived(int peer, const Header& h) const;
   void stop_threads();
   // Polls `key` (an add() counter) on the main store client until it reaches `target` or `limit` passes.
   bool wait_for_count(const std::string& key, int64_t target, milliseconds limit);
@@ -345,6 +351,7 @@ class GlooTransport final : public Transport {
   std::vector<std::string> peer_error_;  // per peer: why its receives fail from now on
   std::vector<bool> peer_gone_;          // per peer: ... because its connection failed
   bool stopping_ = false;
+  bool finishing_ = false;  // in the final barrier: no receive is posted any more (a header now is an error)
 
   // Finished peers (see the file comment).
   std::vector<int64_t> sent_;               // owner thread: headers sent per peer
@@ -563,7 +570,29 @@ bool GlooTransport::wait_for_count(const std::string& key, int64_t target, milli
   }
 }
 
+std::string GlooTransport::unreceived(int peer, const Header& h) const {
+  const int ndim = std::max(0, std::min<int>(h.ndim, kMaxDims + 1));
+  return "rank " + std::to_string(rank_) + " finished while rank " + std::to_string(peer) + " sends it " +
+         detail::describe(static_cast<c10::ScalarType>(h.dtype), h.sizes, ndim, h.nbytes, kMaxDims) + " (tag " +
+         std::to_string(h.tag) + "), which it will never receive: do all ranks make the same calls (the same number of "
+         "train_step calls, say)?";
+}
+
 void GlooTransport::finish_barrier() {
+  // From now on this rank posts no receive: a message a peer sent that has not been matched never will
+  // be. Its sender may be blocked in Gloo's send (a large payload waits for the receive) and cannot be
+  // interrupted, so the failure is published and every rank stops (the header threads do the same for
+  // headers that arrive later).
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    finishing_ = true;
+    for (const auto& [key, headers] : arrived_)
+      if (!headers.empty()) {
+        const std::string message = unreceived(key.first, headers.front());
+        lk.unlock();
+        stop_process(rank_, message, Store::kPublish);
+      }
+  }
   try {
     set_phase("shutdown (the final barrier)");
     {
@@ -1019,6 +1048,11 @@ void GlooTransport::header_loop(int peer) {
       match(**rec, h);
     } else {
       arrived_[{peer, h.tag}].push_back(h);
+      if (finishing_) {
+        const std::string message = unreceived(peer, h);
+        lk.unlock();
+        stop_process(rank_, message, Store::kPublish);
+      }
     }
   }
 }

@@ -224,6 +224,28 @@ int scenario_extra(Transport& t, bool collective) {
   return 0;
 }
 
+// Both ranks exchange once; then rank 1 finishes while rank 0 sends it one more message, large enough
+// (64 MiB) that no transport can buffer it whole (Gloo's send waits for the receive: it hung for good).
+// The local transport buffers every send, so there the send returns.
+int scenario_extra_send(Transport& t) {
+  at::Tensor out = at::full({4}, t.rank(), at::kFloat), in = at::empty({4}, at::kFloat);
+  auto s = t.isend(out, 1 - t.rank(), 1);
+  t.recv(in, 1 - t.rank(), 1);
+  s->wait();
+  if (t.rank() == 1) return 0;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    t.send(at::zeros({16 << 20}, at::kFloat), 1, 2);
+  } catch (const std::exception& e) {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    note("rank 0: caught after " + std::to_string(ms.count()) + " ms: " + e.what());
+    t.abort(e.what());
+    return 1;
+  }
+  note("rank 0: the extra send returned");
+  return 0;
+}
+
 // No segment of this run has a name in /dev/shm (the shm transport removes it once all ranks mapped it).
 void expect_no_segment_named() {
   const char* prefix = std::getenv("PIPETRAIN_SHM_PREFIX");
@@ -309,6 +331,7 @@ int play(const std::string& scenario, Transport& t, const std::string& dir) {
   else if (scenario == "stop1-idle") return scenario_kill(t, 1, true, SIGSTOP);
   else if (scenario == "extra-recv") return scenario_extra(t, false);
   else if (scenario == "extra-collective") return scenario_extra(t, true);
+  else if (scenario == "extra-send") return scenario_extra_send(t);
   else ADD_FAILURE() << "unknown scenario " << scenario;
   return 0;
 }
@@ -519,6 +542,25 @@ TEST_P(Conformance, ARankThatFinishedStopsOneWaitingInACollective) {
   const Outcome r = run("extra-collective", 2);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   expect_extra_wait_stops_every_rank(GetParam(), r, s, GetParam() == "gloo" ? "in its collective" : "for ");
+}
+
+// Before, gloo hung for good: rank 0 in Gloo's send of the payload, rank 1 in its final barrier.
+TEST_P(Conformance, ARankThatFinishedStopsOneSendingItALargeMessage) {
+  skip_unless_available();
+  if (IsSkipped()) return;  // GTEST_SKIP in a helper returns from the helper only
+  const auto start = std::chrono::steady_clock::now();
+  const Outcome r = run("extra-send", 2);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(s, 20.0) << r.output;
+  if (GetParam() == "local") {  // sends are buffered: the message is left in rank 1's mailbox
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_TRUE(r.has("the extra send returned")) << r.output;
+    return;
+  }
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_FALSE(r.has("the extra send returned")) << r.output;
+  EXPECT_FALSE(r.has("did not stop")) << r.output;  // stopped by itself, not by the launcher
+  EXPECT_TRUE(r.has("rank 1 finished while rank 0")) << r.output;
 }
 
 TEST_P(Conformance, MessagesOnEverNewTagsTakeNoNewMemory) {
