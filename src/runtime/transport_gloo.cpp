@@ -77,8 +77,8 @@
 //
 // Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (or OMPI_COMM_WORLD_RANK/SIZE), GLOO_SOCKET_IFNAME
 // (the network interface for Gloo; default: the one that routes to MASTER_ADDR, loopback for 127.0.0.1),
-// PIPETRAIN_HEARTBEAT_TIMEOUT (seconds, default 10), PIPETRAIN_RENDEZVOUS_TIMEOUT (seconds all ranks get
-// to join, default 300), PIPETRAIN_RUN_TOKEN, PIPETRAIN_STORE_BIND, PIPETRAIN_LAUNCHER_STORE and
+// PIPETRAIN_HEARTBEAT_TIMEOUT (seconds, default 10), PIPETRAIN_FINAL_BARRIER_TIMEOUT (transport.h),
+// PIPETRAIN_RENDEZVOUS_TIMEOUT (seconds all ranks get to join, default 300), PIPETRAIN_RUN_TOKEN, PIPETRAIN_STORE_BIND, PIPETRAIN_LAUNCHER_STORE and
 // TORCHELASTIC_USE_AGENT_STORE (above), PIPETRAIN_RENDEZVOUS_FAULT (a test hook, rendezvous_fault()).
 // Gloo operations time out after 30 min.
 //
@@ -334,6 +334,7 @@ class GlooTransport final : public Transport {
   int world_size_;
   std::string store_address_;  // "addr:port", for messages
   milliseconds dead_after_;
+  milliseconds final_limit_{std::chrono::minutes(30)};  // the final barrier's (PIPETRAIN_FINAL_BARRIER_TIMEOUT)
 
   std::unique_ptr<StoreServer> server_;          // rank 0's, when it hosts the store (destroyed last)
   c10::intrusive_ptr<c10d::Store> store_;        // main client
@@ -385,6 +386,7 @@ GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_
   if (rv.master_addr.empty()) throw UsageError("MASTER_ADDR is empty: set it to rank 0's host, e.g. 127.0.0.1");
   store_address_ = rv.master_addr + ":" + std::to_string(rv.master_port);
   dead_after_ = env_seconds("PIPETRAIN_HEARTBEAT_TIMEOUT", seconds(10));
+  final_limit_ = detail::final_barrier_limit();
   const milliseconds join_timeout = env_seconds("PIPETRAIN_RENDEZVOUS_TIMEOUT", seconds(300));
 
   // A peer that dies mid-write must give an error, not SIGPIPE.
@@ -604,16 +606,16 @@ void GlooTransport::finish_barrier() {
     }
     // A slower rank is still working; one that fails meanwhile is caught by the watchdog, which ends this
     // process, and one that waits for this rank fails as soon as its watchdog reads the counts above.
-    if (!wait_for_count(kFinishedKey, world_size_, kOpTimeout)) {
+    if (!wait_for_count(kFinishedKey, world_size_, final_limit_)) {
       std::string missing;
       for (int k = 0; k < world_size_; ++k) {
         std::lock_guard<std::mutex> lk(store_mu_);
         if (!store_->check({finished_key(k)})) missing += (missing.empty() ? "" : ", ") + std::to_string(k);
       }
       std::fprintf(stderr,
-                   "pipetrain rank %d: gloo: gave up the final barrier after %lld min: rank(s) %s neither finished "
+                   "pipetrain rank %d: gloo: gave up the final barrier after %s: rank(s) %s neither finished "
                    "nor failed (still working, or waiting where nothing comes?)\n",
-                   rank_, static_cast<long long>(kOpTimeout.count() / 60000), missing.c_str());
+                   rank_, detail::describe_limit(final_limit_).c_str(), missing.c_str());
     }
   } catch (const std::exception& e) {
     lost_store(short_what(e));

@@ -16,6 +16,11 @@
 // a peer's messages in order: the note comes after all it sent), fails with "rank K finished while rank
 // R waits for ...", as when the ranks run different numbers of steps.
 //
+// Shutdown: after its notes, the destructor is a barrier (MPI_Ibarrier on a communicator of its own,
+// polled): a rank waits for the others to finish for at most PIPETRAIN_FINAL_BARRIER_TIMEOUT seconds
+// (default 30 min), as the shm and gloo transports do; a rank that gives up names the ranks that did
+// not finish and skips MPI_Finalize (which would wait for them for good), so mpirun stops the job.
+//
 // Lifetime: MPI is initialised once per process (MPI_THREAD_MULTIPLE when the library offers it,
 // else MPI_THREAD_SERIALIZED) by the first make_mpi_transport() and finalised at exit, but only after a
 // clean run: a process that leaves with a transport still alive, or that destroyed one while an
@@ -38,6 +43,7 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/transport.h"
+#include "transport_util.h"
 
 // Under AddressSanitizer the leak check runs before MPI_Finalize (see finalize_at_exit).
 #if defined(__SANITIZE_ADDRESS__)
@@ -131,6 +137,20 @@ class PeerNotes {
     done_.assign(static_cast<std::size_t>(size), 0);
     for (int k = 0; k < size; ++k)
       if (k != rank) MPI_Irecv(notes_[k].data(), 2, MPI_INT64_T, k, tag_, comm_, &reqs_[k]);
+  }
+  // The peers whose note has not come, as "1, 3" (never blocks).
+  std::string missing() {
+    std::string out;
+    for (int k = 0; k < static_cast<int>(reqs_.size()); ++k) {
+      if (k == rank_ || done_[k]) continue;
+      int flag = 0;
+      if (reqs_[k] != MPI_REQUEST_NULL && MPI_Test(&reqs_[k], &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag) {
+        done_[k] = 1;
+        continue;
+      }
+      out += (out.empty() ? "" : ", ") + std::to_string(k);
+    }
+    return out;
   }
   // Cancels the receives of notes that did not come (never blocks).
   void cancel() {
@@ -286,8 +306,13 @@ class MpiTransport final : public Transport {
  public:
   MpiTransport() {
     init_mpi();
+    final_limit_ = detail::final_barrier_limit();
     MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    // The final barrier's own communicator: a peer still calling collectives on comm_ must not have them
+    // matched with it.
+    MPI_Comm_dup(MPI_COMM_WORLD, &final_comm_);
+    MPI_Comm_set_errhandler(final_comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     int* tag_ub = nullptr;
@@ -300,8 +325,13 @@ class MpiTransport final : public Transport {
     ++g_alive;
   }
   ~MpiTransport() override {
-    const bool unclean = std::uncaught_exceptions() > 0 || aborted_;
-    if (!unclean) notes_->send(collectives_, sent_);
+    bool unclean = std::uncaught_exceptions() > 0 || aborted_;
+    if (!unclean) {
+      notes_->send(collectives_, sent_);
+      // A rank that gave up the barrier skips MPI_Finalize, which would wait for the missing ranks for
+      // good; mpirun, seeing it leave without it, stops the job.
+      if (!final_barrier()) unclean = true;
+    }
     notes_->cancel();
     std::lock_guard<std::mutex> lk(g_mpi_mu);
     --g_alive;
@@ -312,6 +342,30 @@ class MpiTransport final : public Transport {
   int rank() const override { return rank_; }
   int world_size() const override { return size_; }
   std::string name() const override { return "mpi"; }
+
+  // Waits until every rank reached its destructor, for at most final_limit_ (then names the ranks that
+  // did not and returns false). A peer that fails meanwhile ends this process through mpirun.
+  bool final_barrier() {
+    MPI_Request req = MPI_REQUEST_NULL;
+    if (MPI_Ibarrier(final_comm_, &req) != MPI_SUCCESS) return false;
+    const auto until = std::chrono::steady_clock::now() + final_limit_;
+    auto pause = std::chrono::microseconds(50);
+    for (;;) {
+      int flag = 0;
+      if (MPI_Test(&req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+      if (flag) return true;
+      if (std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(20000));
+    }
+    std::fprintf(stderr,
+                 "pipetrain rank %d: mpi: gave up the final barrier after %s: rank(s) %s neither finished nor failed "
+                 "(still working, or waiting where nothing comes?); leaving without MPI_Finalize, so mpirun stops "
+                 "the job\n",
+                 rank_, detail::describe_limit(final_limit_).c_str(), notes_->missing().c_str());
+    std::fflush(nullptr);
+    return false;
+  }
 
   std::unique_ptr<Work> isend(const torch::Tensor& tensor, int dst, int tag) override {
     check_peer(dst, tag, "isend");
@@ -393,6 +447,8 @@ class MpiTransport final : public Transport {
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm final_comm_ = MPI_COMM_NULL;  // the final barrier's
+  std::chrono::milliseconds final_limit_{std::chrono::minutes(30)};  // PIPETRAIN_FINAL_BARRIER_TIMEOUT
   int rank_ = 0;
   int size_ = 1;
   int tag_ub_ = 32767;

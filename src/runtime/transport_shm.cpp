@@ -61,7 +61,7 @@
 // (PIPETRAIN_LAUNCHER_STORE, PIPETRAIN_RUN_TOKEN, PIPETRAIN_STORE_BIND, PIPETRAIN_RENDEZVOUS_TIMEOUT),
 // PIPETRAIN_SHM_PREFIX (set by pipetrain launch), PIPETRAIN_SHM_RING_BYTES (ring size, a power of two
 // from 64 KiB; default 4 MiB, less when /dev/shm is small), PIPETRAIN_SHM_SPIN_US,
-// PIPETRAIN_HEARTBEAT_TIMEOUT, PIPETRAIN_SHM_FAULT and PIPETRAIN_RENDEZVOUS_FAULT (test hooks,
+// PIPETRAIN_HEARTBEAT_TIMEOUT, PIPETRAIN_FINAL_BARRIER_TIMEOUT (transport.h), PIPETRAIN_SHM_FAULT and PIPETRAIN_RENDEZVOUS_FAULT (test hooks,
 // shm_fault() and rendezvous_fault()).
 #include <ATen/ATen.h>
 
@@ -382,6 +382,7 @@ class ShmTransport final : public Transport {
   int rank_ = 0;
   int world_ = 1;
   milliseconds dead_after_{10000};
+  milliseconds final_limit_{std::chrono::minutes(30)};  // the final barrier's (PIPETRAIN_FINAL_BARRIER_TIMEOUT)
   long spin_us_ = 20;  // PIPETRAIN_SHM_SPIN_US
   std::string name_;  // the segment's name until it is unlinked
 
@@ -430,6 +431,7 @@ ShmTransport::ShmTransport(const Rendezvous& rv) : rank_(rv.rank), world_(rv.wor
     throw UsageError("RANK=" + std::to_string(rank_) + " is out of range for WORLD_SIZE=" + std::to_string(world_) +
                      ": use 0.." + std::to_string(world_ - 1));
   dead_after_ = env_seconds("PIPETRAIN_HEARTBEAT_TIMEOUT", std::chrono::seconds(10));
+  final_limit_ = detail::final_barrier_limit();
   const milliseconds join_timeout = env_seconds("PIPETRAIN_RENDEZVOUS_TIMEOUT", std::chrono::seconds(300));
   long spin_us = 20;
   if (const auto text = getenv_string("PIPETRAIN_SHM_SPIN_US")) {
@@ -647,14 +649,14 @@ void ShmTransport::finish_barrier() {
   const auto wait_start = Clock::now();
   while (header_->finished.load() < static_cast<uint32_t>(world_)) {
     check_report();
-    if (Clock::now() - wait_start > kOpTimeout) {
+    if (Clock::now() - wait_start > final_limit_) {
       std::string missing;
       for (int r = 0; r < world_; ++r)
         if (!control(r).finished.load()) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       std::fprintf(stderr,
-                   "pipetrain rank %d: shm: gave up the final barrier after %lld min: rank(s) %s neither finished "
+                   "pipetrain rank %d: shm: gave up the final barrier after %s: rank(s) %s neither finished "
                    "nor failed (still working, or waiting where nothing comes?)\n",
-                   rank_, static_cast<long long>(kOpTimeout.count() / 60000), missing.c_str());
+                   rank_, detail::describe_limit(final_limit_).c_str(), missing.c_str());
       return;
     }
     RankControl& me = control(rank_);

@@ -44,6 +44,20 @@ inline std::chrono::milliseconds env_seconds(const char* name, std::chrono::mill
   return std::chrono::milliseconds(static_cast<long long>(s * 1000));
 }
 
+// How long a transport's final barrier (its destructor) waits for the other ranks to finish before it
+// names the ones that did not and goes: PIPETRAIN_FINAL_BARRIER_TIMEOUT seconds, default 30 min (a rank
+// still working legitimately, say on a long evaluation, must not be cut short). Read at construction:
+// the destructor must not throw.
+inline std::chrono::milliseconds final_barrier_limit() {
+  return env_seconds("PIPETRAIN_FINAL_BARRIER_TIMEOUT", std::chrono::minutes(30));
+}
+
+// "30 min", "2 s": a limit for messages.
+inline std::string describe_limit(std::chrono::milliseconds limit) {
+  const long long s = limit.count() / 1000;
+  return s >= 60 && s % 60 == 0 ? std::to_string(s / 60) + " min" : std::to_string(s) + " s";
+}
+
 // Test hook: PIPETRAIN_RENDEZVOUS_FAULT="RANK:POINT[:SECONDS]" makes rank RANK wait SECONDS (default 0)
 // and then SIGKILL itself at POINT of its rendezvous: "before-join" (before it connects to the store) or
 // "after-join" (joined the store, before the transport connects). For the tests of a rank that dies

@@ -246,6 +246,17 @@ int scenario_extra_send(Transport& t) {
   return 0;
 }
 
+// Both ranks exchange once; rank 0 finishes while rank 1 is stuck in its own code for 20 s (a hung rank
+// is not a failure any transport can see), then rank 1 finishes too.
+int scenario_hang_at_end(Transport& t) {
+  at::Tensor out = at::full({4}, t.rank(), at::kFloat), in = at::empty({4}, at::kFloat);
+  auto s = t.isend(out, 1 - t.rank(), 1);
+  t.recv(in, 1 - t.rank(), 1);
+  s->wait();
+  if (t.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(20));
+  return 0;
+}
+
 // No segment of this run has a name in /dev/shm (the shm transport removes it once all ranks mapped it).
 void expect_no_segment_named() {
   const char* prefix = std::getenv("PIPETRAIN_SHM_PREFIX");
@@ -332,6 +343,7 @@ int play(const std::string& scenario, Transport& t, const std::string& dir) {
   else if (scenario == "extra-recv") return scenario_extra(t, false);
   else if (scenario == "extra-collective") return scenario_extra(t, true);
   else if (scenario == "extra-send") return scenario_extra_send(t);
+  else if (scenario == "hang-at-end") return scenario_hang_at_end(t);
   else ADD_FAILURE() << "unknown scenario " << scenario;
   return 0;
 }
@@ -572,6 +584,29 @@ TEST_P(Conformance, MessagesOnEverNewTagsTakeNoNewMemory) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::Values("local", "shm", "gloo", "mpi"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// ---- mpi only --------------------------------------------------------------------------------------
+
+class MpiTransportTest : public Conformance {};
+
+// MPI_Finalize waits for every rank: before, rank 0 waited there for as long as rank 1 hung (for good).
+// Now its final barrier gives up after PIPETRAIN_FINAL_BARRIER_TIMEOUT, names rank 1 and leaves without
+// MPI_Finalize, and mpirun stops the job.
+TEST_P(MpiTransportTest, AFinishedRankGivesUpItsFinalBarrierOnAHungRankAndTheJobStops) {
+  skip_unless_available();
+  if (IsSkipped()) return;  // GTEST_SKIP in a helper returns from the helper only
+  const auto start = std::chrono::steady_clock::now();
+  const Outcome r = run("hang-at-end", 2, {{"PIPETRAIN_FINAL_BARRIER_TIMEOUT", "2"}});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(s, 15.0) << r.output;  // rank 1 alone would take 20 s
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_TRUE(r.has("pipetrain rank 0: mpi: gave up the final barrier after 2 s: rank(s) 1 neither finished nor failed"))
+      << r.output;
+  EXPECT_FALSE(r.has("did not stop")) << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Mpi, MpiTransportTest, ::testing::Values("mpi"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // ---- shm only --------------------------------------------------------------------------------------

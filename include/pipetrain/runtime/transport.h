@@ -25,9 +25,12 @@
 //   has finished. A rank that waits for a message from it that it never sent, or in a collective it
 //   never called, fails within seconds with std::runtime_error "rank K finished while rank R waits for
 //   ..." (the ranks made different calls: different numbers of steps, say) and is expected to abort()
-//   with it (gloo stops the process of a rank blocked in such a collective itself). A destructor that
-//   waits for the other ranks to finish (shm, gloo) gives up after the operations' time limit (30 min),
-//   naming the ranks it waited for.
+//   with it (gloo stops the process of a rank blocked in such a collective itself). A message sent to a
+//   rank that finished without receiving it fails the send (shm, mpi: once it cannot be buffered) or
+//   stops every rank (gloo, whose large sends would wait for good); local buffers every send. A
+//   destructor that waits for the other ranks to finish (shm, gloo, mpi) gives up after
+//   PIPETRAIN_FINAL_BARRIER_TIMEOUT seconds (default 30 min), naming the ranks it waited for (mpi then
+//   leaves without MPI_Finalize, so mpirun stops the job).
 // - A transport object belongs to its rank; only that rank's thread calls it (abort may be called from
 //   any thread).
 #pragma once
