@@ -1696,6 +1696,15 @@ void PipelineRank::construct(const torch::nn::Sequential* whole, const Layerwise
   }
   const int layers = static_cast<int>(infos.size());
   d.layerwise = layerwise != nullptr;
+  if (!d.options.tied.empty()) {  // members given by path (ParameterRef::path) become layer indexes
+    std::vector<std::string> names;
+    if (whole) {
+      for (const auto& child : (*whole)->named_children()) names.push_back(child.key());
+    } else {
+      names = layer_names(*layerwise);
+    }
+    d.options.tied = resolve_parameter_paths(d.options.tied, names);
+  }
   d.policy = weight_policy_of(d.options);
   check_replication(d.options, p);  // drops an all-ones replication
   // Stages per rank: --virtual for the looped schedules, always 2 for the V shapes (generators.h).

@@ -4,6 +4,7 @@
 #include <ATen/Context.h>
 
 #include <mutex>
+#include <set>
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/random.h"
@@ -54,9 +55,32 @@ torch::nn::AnyModule build_layer(const LayerwiseModel& model, int layer) {
   return m;
 }
 
+std::vector<std::string> layer_names(const LayerwiseModel& model) {
+  std::vector<std::string> out;
+  if (model.names.empty()) {
+    for (int i = 0; i < model.layers; ++i) out.push_back(std::to_string(i));
+    return out;
+  }
+  if (static_cast<int>(model.names.size()) != model.layers)
+    throw UsageError("LayerwiseModel::names has " + std::to_string(model.names.size()) + " names for " +
+                     std::to_string(model.layers) + " layers: give one name per layer, or none");
+  std::set<std::string> seen;
+  for (std::size_t i = 0; i < model.names.size(); ++i) {
+    const std::string& n = model.names[i];
+    if (n.empty() || n.find('.') != std::string::npos)
+      throw UsageError("LayerwiseModel::names[" + std::to_string(i) + "] = '" + n +
+                       "' is not a layer name: use a non-empty name without '.'");
+    if (!seen.insert(n).second)
+      throw UsageError("LayerwiseModel::names[" + std::to_string(i) + "] = '" + n +
+                       "' names another layer too: layer names must be unique");
+  }
+  return model.names;
+}
+
 torch::nn::Sequential build_all(const LayerwiseModel& model) {
   torch::nn::Sequential out;
-  for (int i = 0; i < model.layers; ++i) out->push_back(std::to_string(i), build_layer(model, i));
+  const std::vector<std::string> names = layer_names(model);
+  for (int i = 0; i < model.layers; ++i) out->push_back(names[static_cast<std::size_t>(i)], build_layer(model, i));
   if (model.layers < 1) check_index(model, 0);
   return out;
 }

@@ -1,6 +1,8 @@
 #include "pipetrain/runtime/stage.h"
 
+#include <algorithm>
 #include <cctype>
+#include <map>
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/plan/balance.h"
@@ -52,6 +54,34 @@ std::string type_name_of(const torch::nn::Module& module) {
 std::vector<std::string> layer_type_names(const torch::nn::Sequential& model) {
   std::vector<std::string> out;
   for (std::size_t i = 0; i < model->size(); ++i) out.push_back(type_name_of(*model->ptr(i)));
+  return out;
+}
+
+std::vector<std::vector<ParameterRef>> resolve_parameter_paths(const std::vector<std::vector<ParameterRef>>& groups,
+                                                               const std::vector<std::string>& layer_names) {
+  std::map<std::string, int> index;
+  for (std::size_t l = 0; l < layer_names.size(); ++l)
+    if (!index.emplace(layer_names[l], static_cast<int>(l)).second)
+      throw UsageError("two layers are named '" + layer_names[l] + "': parameters given by path need unique layer names");
+  auto known = [&] {
+    std::string s;
+    const std::size_t shown = std::min<std::size_t>(layer_names.size(), 12);
+    for (std::size_t l = 0; l < shown; ++l) s += (l ? ", " : "") + layer_names[l];
+    return s + (shown < layer_names.size() ? ", ... (" + std::to_string(layer_names.size()) + " layers)" : "");
+  };
+  std::vector<std::vector<ParameterRef>> out = groups;
+  for (std::size_t g = 0; g < out.size(); ++g)
+    for (ParameterRef& ref : out[g]) {
+      if (ref.layer != ParameterRef::kByPath) continue;
+      const std::string what = "tie group " + std::to_string(g) + " member '" + ref.name + "'";
+      const auto dot = ref.name.find('.');
+      if (dot == std::string::npos || dot == 0 || dot + 1 == ref.name.size())
+        throw UsageError(what + " is not a path LAYER.PARAMETER (e.g. 'head.weight'): name the layer, then its parameter");
+      const auto it = index.find(ref.name.substr(0, dot));
+      if (it == index.end())
+        throw UsageError(what + ": no layer is named '" + ref.name.substr(0, dot) + "'; the layers are: " + known());
+      ref = ParameterRef{it->second, ref.name.substr(dot + 1)};
+    }
   return out;
 }
 

@@ -200,15 +200,22 @@ TORCH_MODULE(TiedHead);
 
 // Layers: embed, linear, tanh, linear, head. `shared`: the head uses the embedding's tensor (the plain
 // LibTorch way); otherwise its own copy, to be tied with PipelineOptions::tied.
-torch::nn::Sequential tied_model(uint64_t seed, bool shared) {
+// `named`: the layers are named embed, up, act, down, head (else 0..4).
+torch::nn::Sequential tied_model(uint64_t seed, bool shared, bool named = false) {
   torch::manual_seed(seed);
   torch::nn::Sequential m;
   Embed embed;
-  m->push_back(embed);
-  m->push_back(nn::Linear(kHidden, kHidden));
-  m->push_back(torch::nn::Tanh());
-  m->push_back(nn::Linear(kHidden, kHidden));
-  m->push_back(TiedHead(shared ? embed->weight : torch::Tensor()));
+  auto add = [&](const char* name, auto module) {
+    if (named)
+      m->push_back(name, module);
+    else
+      m->push_back(module);
+  };
+  add("embed", embed);
+  add("up", nn::Linear(kHidden, kHidden));
+  add("act", torch::nn::Tanh());
+  add("down", nn::Linear(kHidden, kHidden));
+  add("head", TiedHead(shared ? embed->weight : torch::Tensor()));
   return m;
 }
 
@@ -337,6 +344,44 @@ TEST(TiedWeights, CopiesThatDifferBetweenRanksAreRefusedBeforeTheFirstStep) {
   ts = make_local_transports(2);
   for (int r = 0; r < 2; ++r) ranks.push_back(std::make_unique<PipelineRank>(tied_model(10, false), ce, ts[r], o));
   run_on_threads(2, [&](int r) { ranks[r]->train_step(ids, y, kBatch); });
+}
+
+// Members given by path (layer name, parameter name) train as the same members given by index, bitwise;
+// an unnamed layer's name is its index.
+TEST(TiedWeights, MembersByPathTrainAsByIndex) {
+  PipelineOptions o = options("1f1b", 4);
+  o.optimizer.name = "adam";
+  o.optimizer.lr = 0.01;
+  o.tied = kTie;
+  LocalPipeline by_index(tied_model(4, false), ce, 2, o);
+  o.tied = {{ParameterRef::path("embed.weight"), ParameterRef::path("head.weight")}};
+  LocalPipeline by_name(tied_model(4, false, /*named=*/true), ce, 2, o);
+  o.tied = {{ParameterRef::path("0.weight"), {4, "weight"}}};
+  LocalPipeline mixed(tied_model(4, false), ce, 2, o);
+  for (int step = 0; step < 3; ++step) {
+    const torch::Tensor ids = token_batch(step), y = labels(step, kVocab);
+    const double want = by_index.train_step(ids, y).loss;
+    EXPECT_EQ(by_name.train_step(ids, y).loss, want) << "step " << step;
+    EXPECT_EQ(mixed.train_step(ids, y).loss, want) << "step " << step;
+  }
+  EXPECT_EQ(by_name.rank(1).tied_sources(4).size(), 1u);  // stored once, with the embedding, as by index
+}
+
+TEST(TiedWeights, BadPathsAreRefusedNamingTheLayers) {
+  auto refused = [](const std::vector<std::vector<ParameterRef>>& tied, const std::vector<std::string>& needles) {
+    PipelineOptions o = options("1f1b", 4);
+    o.tied = tied;
+    try {
+      LocalPipeline pipe(tied_model(1, false, /*named=*/true), ce, 2, o);
+      ADD_FAILURE() << "accepted";
+    } catch (const UsageError& e) {
+      for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+    }
+  };
+  refused({{ParameterRef::path("embd.weight"), ParameterRef::path("head.weight")}},
+          {"'embd.weight'", "no layer is named 'embd'", "embed, up, act, down, head"});
+  refused({{ParameterRef::path("embed"), ParameterRef::path("head.weight")}}, {"'embed'", "LAYER.PARAMETER"});
+  refused({{ParameterRef::path("embed.weight"), ParameterRef::path("head.bias")}}, {"no parameter 'bias'"});
 }
 
 TEST(TiedWeights, BadGroupsAreRefusedBeforeTraining) {

@@ -135,6 +135,41 @@ TEST(Layerwise, TiedMembersOnOtherRanksGetTheFirstMembersValue) {
   EXPECT_TRUE(torch::equal(w0, w4));
 }
 
+// The same tie given by the layers' names (LayerwiseModel::names), which build_all gives its children.
+TEST(Layerwise, TiedMembersByPathUseTheModelsNames) {
+  PipelineOptions o = options();
+  o.tied = {{{0, "weight"}, {4, "weight"}}};
+  Counted c, c2;
+  LocalPipeline by_index(c.model(5), mse, 3, o);
+  LayerwiseModel named = c2.model(5);
+  named.names = {"in", "l1", "l2", "l3", "out", "l5"};  // kLayers
+  o.tied = {{ParameterRef::path("in.weight"), ParameterRef::path("out.weight")}};
+  LocalPipeline by_name(named, mse, 3, o);
+  for (int step = 0; step < 3; ++step) {
+    const auto [x, y] = batch(step);
+    EXPECT_EQ(by_name.train_step(x, y).loss, by_index.train_step(x, y).loss) << "step " << step;
+  }
+  const torch::nn::Sequential whole = build_all(named);
+  EXPECT_EQ(whole->named_children().keys().front(), "in");
+  // Names that cannot name layers are refused, naming the bad one.
+  LayerwiseModel short_list = c2.model(5);
+  short_list.names = {"a"};
+  try {
+    layer_names(short_list);
+    ADD_FAILURE() << "accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("1 names for 6 layers"), std::string::npos) << e.what();
+  }
+  LayerwiseModel dup = c2.model(5);
+  dup.names = named.names;
+  dup.names[1] = "in";
+  EXPECT_THROW(layer_names(dup), UsageError);
+  LayerwiseModel dotted = c2.model(5);
+  dotted.names = named.names;
+  dotted.names[2] = "a.b";
+  EXPECT_THROW(layer_names(dotted), UsageError);
+}
+
 TEST(Layerwise, CheckpointSavedAtTwoStagesResumesAtThree) {
   const fs::path dir = fs::temp_directory_path() / ("pipetrain_layerwise_" + std::to_string(::getpid()));
   fs::remove_all(dir);

@@ -53,13 +53,20 @@ struct LayerwiseModel {
   uint64_t seed = 0;  // layer i's initial weights come from (seed, i)
   // Optional: what layer i is, without building it (see the file comment).
   std::function<LayerInfo(int layer)> info;
+  // Optional: the layers' names (all of them, unique, without '.'), for ties by path
+  // (ParameterRef::path) and as build_all's child names; empty: layer i is named "i".
+  std::vector<std::string> names;
 };
 
 // Layer `layer` built with its own seed, under default_generator_mutex (executor.h), the default
 // generator restored afterwards. Throws UsageError for an index outside the model or a build that
 // returns no module.
 torch::nn::AnyModule build_layer(const LayerwiseModel& model, int layer);
-// The whole model, layer by layer (the same weights as the ranks' own layers).
+// The layers' names: `names`, checked (one per layer, unique, non-empty, without '.'; UsageError naming
+// the bad one otherwise), or "0", "1", ... when it is empty.
+std::vector<std::string> layer_names(const LayerwiseModel& model);
+// The whole model, layer by layer (the same weights as the ranks' own layers), its children named by
+// layer_names.
 torch::nn::Sequential build_all(const LayerwiseModel& model);
 // info(i) of every layer: from `info`, or by building each layer in turn and dropping it.
 std::vector<LayerInfo> layer_infos(const LayerwiseModel& model);

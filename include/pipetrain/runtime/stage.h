@@ -49,11 +49,22 @@ std::vector<int> choose_balance(const std::vector<std::string>& types, const std
                                 const std::string& kind, const std::string& solver = "min-max");
 
 // A parameter of the model: its layer (top-level child of the Sequential) and its name within that
-// layer as named_parameters() gives it ("weight", "out.weight"). Tied weights name their members so.
+// layer as named_parameters() gives it ("weight", "out.weight"). Tied weights name their members so:
+// by index, {3, "weight"}, or by path, ParameterRef::path("head.weight"): parameter "weight" of the layer
+// named "head" (its name in the Sequential, or LayerwiseModel::names; a layer given no name is named by
+// its index, so "3.weight" is {3, "weight"}). A path stays valid when layers are added in front.
 struct ParameterRef {
+  static constexpr int kByPath = -1;  // `layer` of a ref given by path: `name` is the path
   int layer = 0;
   std::string name;
+  static ParameterRef path(std::string layer_dot_parameter) { return {kByPath, std::move(layer_dot_parameter)}; }
 };
+
+// `groups` with every ref given by path turned into {layer index, parameter name}, given the model's
+// layer names in order. Throws UsageError naming the path and the layers there are when a path has no
+// '.', names no layer, or the names are not unique.
+std::vector<std::vector<ParameterRef>> resolve_parameter_paths(const std::vector<std::vector<ParameterRef>>& groups,
+                                                               const std::vector<std::string>& layer_names);
 
 class Stage {
  public:
