@@ -9,15 +9,21 @@
 
 namespace pipetrain {
 
-VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const Loss& loss,
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
                                  const torch::Tensor& input, const torch::Tensor& target) {
-  return verify_transparency(factory, loss, transport, std::move(options), Bundle(input), target, input.size(0));
+  return verify_transparency(factory, loss, transport, std::move(options), Bundle(input), Bundle(target), input.size(0));
 }
 
-VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const Loss& loss,
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
                                  const Bundle& input, const torch::Tensor& target, int64_t batch_size) {
+  return verify_transparency(factory, loss, transport, std::move(options), input, Bundle(target), batch_size);
+}
+
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const Loss& loss,
+                                 const std::shared_ptr<Transport>& transport, PipelineOptions options,
+                                 const Bundle& input, const Bundle& target, int64_t batch_size) {
   const int64_t n = batch_size;
   // Pipelined step: capture this rank's gradients, by parameter name, before the optimizer touches them.
   torch::nn::Sequential model = factory();
@@ -39,22 +45,40 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
   torch::nn::Sequential ref = factory();
   ref->to(options.device);
   const Bundle ref_input = input.to(options.device);
-  const torch::Tensor ref_target = target.to(options.device);
+  const Bundle ref_target = target.to(options.device);
   Stage whole(ref, 0, layer_count(ref));  // plain layers on "x", BundleModules on the bundle
   double ref_loss = 0;
   const bool bf16 = options.precision == "bf16";  // the reference under the same autocast, its loss in float32
+  const bool per_token = loss.normalization() == LossNormalization::Token;
+  std::vector<LossTerm> terms;  // per token: every micro-batch's sum, divided by the total count at the end
+  int micro = 0;
   for (const auto& [b, e] : split_equal(n, options.microbatches)) {
-    torch::Tensor out;
+    Bundle out;
     {
       const compat::AutocastGuard autocast(options.device.type(),
                                            bf16 ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
-      out = whole.forward(ref_input.slice(b, e)).at(kMainTensor);
+      out = whole.forward(ref_input.slice(b, e));
     }
-    if (bf16 && out.is_floating_point()) out = out.to(torch::kFloat);
-    torch::Tensor l = loss(out, ref_target.slice(0, b, e)) *
-                      (static_cast<double>(e - b) / static_cast<double>(n));
+    if (bf16)
+      for (auto& [name, t] : out.items())
+        if (t.defined() && t.is_floating_point() && t.scalar_type() != torch::kDouble) t = t.to(torch::kFloat);
+    LossTerm term = loss(out, ref_target.slice(b, e), micro++);
+    if (per_token) {
+      terms.push_back(std::move(term));
+      continue;
+    }
+    torch::Tensor l = term.value.reshape({}) * (static_cast<double>(e - b) / static_cast<double>(n));
     l.backward();
     ref_loss += l.item<double>();
+  }
+  if (per_token) {
+    double count = 0;
+    for (const LossTerm& t : terms) count += t.count;
+    for (const LossTerm& t : terms) {
+      torch::Tensor l = t.value.reshape({}) / std::max(count, 1.0);
+      l.backward();
+      ref_loss += l.item<double>();
+    }
   }
   double err = 0;
   std::size_t compared = 0;

@@ -160,6 +160,37 @@ TEST(Bundles, TransparencyIsVerifiedOnABundleInput) {
   }
 }
 
+// verify_transparency takes any Loss: here one over a target bundle (labels and a 0/1 weight per
+// sample), normalised per token, so micro-batches count unequal numbers of samples. The reference's loss is
+// the full batch's weighted mean.
+TEST(Bundles, TransparencyIsVerifiedForAPerTokenLossOverATargetBundle) {
+  auto factory = [] {
+    std::lock_guard<std::mutex> lock(default_generator_mutex());
+    torch::manual_seed(12);
+    torch::nn::Sequential m;
+    m->push_back(nn::Linear(kIn, kHidden));
+    m->push_back(torch::nn::Tanh());
+    m->push_back(nn::Linear(kHidden, kClasses));
+    return m;
+  };
+  const Loss loss = Loss::per_token([](const Bundle& out, const Bundle& t) {
+    namespace F = torch::nn::functional;
+    const torch::Tensor each = F::cross_entropy(out.at("x"), t.at("y"), F::CrossEntropyFuncOptions().reduction(torch::kNone));
+    return LossTerm((each * t.at("w")).sum(), t.at("w").sum());
+  });
+  torch::manual_seed(41);
+  const torch::Tensor x = torch::randn({kBatch, kIn});
+  const Bundle target{{"y", labels(1)}, {"w", (torch::rand({kBatch}) > 0.4).to(torch::kFloat)}};
+  ASSERT_GT(target.at("w").sum().item<double>(), 0);
+  auto ts = make_local_transports(2);
+  std::vector<VerifyResult> results(2);
+  run_on_threads(2, [&](int r) { results[r] = verify_transparency(factory, loss, ts[r], options("zb-h1", 4), Bundle(x), target, kBatch); });
+  EXPECT_TRUE(results[0].ok(1e-5)) << results[0].max_grad_error << " " << results[0].loss_error;
+  torch::NoGradGuard no_grad;
+  const LossTerm full = loss(Bundle(factory()->forward(x)), target, 0);
+  EXPECT_NEAR(results[0].reference_loss, full.value.item<double>() / full.count, 1e-6);
+}
+
 TEST(Bundles, OneTensorModelsAreUnchangedThroughTheAdapter) {
   // A Sequential of plain layers: the Tensor API and the one-entry bundle give bitwise the same run.
   auto make = [] {

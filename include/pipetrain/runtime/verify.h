@@ -20,12 +20,19 @@ struct VerifyResult {
   bool ok(double tolerance) const { return max_grad_error <= tolerance && loss_error <= tolerance; }
 };
 
-VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
+// `loss` is any Loss (loss.h): a tensor loss, a loss over the output and target bundles, or one
+// normalised per token (the reference then divides the sum of the micro-batches' sums by their total
+// count, as the full batch would).
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const Loss& loss,
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
                                  const torch::Tensor& input, const torch::Tensor& target);
 // The same with a bundle of inputs (bundle.h) of `batch_size` samples, for models of BundleModules.
-VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const LossFn& loss,
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const Loss& loss,
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
                                  const Bundle& input, const torch::Tensor& target, int64_t batch_size);
+// The same with a bundle of targets (a mask, several labels) for a loss over bundles.
+VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& factory, const Loss& loss,
+                                 const std::shared_ptr<Transport>& transport, PipelineOptions options,
+                                 const Bundle& input, const Bundle& target, int64_t batch_size);
 
 }  // namespace pipetrain
