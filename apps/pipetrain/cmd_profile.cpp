@@ -34,6 +34,7 @@ struct ProfileFlags {
   std::string transport;  // empty: compute only
   std::string device = "cpu";
   int concurrent = 1;     // processes measuring the layers at once (rank 0's are written)
+  std::string backward_split = "auto";
 };
 
 // Profiles the layers, adds `runtime` when given, prints the table and writes --out (only the measuring
@@ -50,6 +51,7 @@ void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime, bool report = 
   o.loss = f.model.loss();  // the last layer's times include the loss, as the last stage runs it
   o.target = b.target;
   o.device = device_of_flag(f.device);
+  o.backward_split = f.backward_split;
   std::vector<int> sizes = f.sizes;
   std::sort(sizes.begin(), sizes.end());
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
@@ -103,6 +105,11 @@ void add_profile_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--optimizer", f->optimizer, "adam, adamw, sgd or sgd-momentum (optimizer state bytes); default adam");
   cmd->add_option("--sizes", f->sizes, "also measure at these micro-batch sizes (for UMPIPE), e.g. --sizes 1 2 4 16");
   cmd->add_option("--out", f->out, "write the profile JSON here");
+  cmd->add_option("--backward-split", f->backward_split,
+                  "how B and W are measured, as train --backward-split runs them: auto (autograd splits any layer, "
+                  "pipetrain::nn::Linear by its own split), autograd, or explicit (only pipetrain::nn::Linear splits; "
+                  "other layers' backward is all B); default auto")
+      ->check(CLI::IsMember({"auto", "autograd", "explicit"}));
   cmd->add_option("--device", f->device,
                   "cpu (default), cuda or cuda:N: measure there (on a GPU each time waits for the device, so it is "
                   "the kernels' time; plan and simulate then predict GPU steps)");

@@ -10,6 +10,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/runtime/device.h"
+#include "autograd_split.h"
 #include "pass_util.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/transport.h"
@@ -87,6 +88,19 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
     else
       torch::autograd::backward({out}, {grad});
   };
+  // B as the runtime runs it (PipelineOptions::backward_split): pipetrain::nn::Linear's explicit split
+  // alone where the layer holds nothing else ("auto") or always ("explicit"), else autograd's split of
+  // any layer; the weight gradients wait on `store` for W.
+  const bool autograd_split = o.backward_split == "autograd" ||
+                              (o.backward_split == "auto" && !detail::only_split_linear_parameters(any.ptr()));
+  auto backward_b = [&](const torch::Tensor& out, const torch::Tensor& in, WeightGradStore& store) {
+    WeightGradStore::Scope scope(&store);
+    if (!autograd_split) return backward(out);
+    std::vector<torch::Tensor> inputs;
+    if (in.requires_grad()) inputs.push_back(in);
+    detail::backward_input({out}, with_loss ? std::vector<torch::Tensor>{} : std::vector<torch::Tensor>{grad}, inputs,
+                           store, o.backward_split == "auto");
+  };
   for (int k = 0; k < o.warmup + o.repeats; ++k) {
     const bool timed = k >= o.warmup;
     torch::Tensor in = leaf_input(x);
@@ -102,12 +116,9 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
     in = leaf_input(x);
     out = run(in);
     WeightGradStore store;
-    {
-      WeightGradStore::Scope scope(&store);
-      t0 = now_after(x);
-      backward(out);
-      if (timed) bs.push_back(now_after(x) - t0);
-    }
+    t0 = now_after(x);
+    backward_b(out, in, store);
+    if (timed) bs.push_back(now_after(x) - t0);
     t.split = !store.empty();
     t0 = now_after(x);
     store.run();
@@ -130,10 +141,7 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
       const torch::Tensor received = grad;
       if (!with_loss) grad = grad.clone();
       WeightGradStore store;
-      {
-        WeightGradStore::Scope scope(&store);
-        backward(out);
-      }
+      backward_b(out, in, store);
       out = torch::Tensor();
       grad = received;
       double input_grad = 0;
@@ -161,6 +169,8 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     state_factor = 1;
   else if (o.optimizer != "sgd")
     throw UsageError("profiler optimizer '" + o.optimizer + "' is unknown: use adam, adamw, sgd or sgd-momentum");
+  if (o.backward_split != "auto" && o.backward_split != "autograd" && o.backward_split != "explicit")
+    throw UsageError("profiler backward split '" + o.backward_split + "' is unknown: use auto, autograd or explicit");
   for (int s : o.extra_sizes)
     if (s < 1) throw UsageError("profiler micro-batch sizes must be >= 1, got " + std::to_string(s));
   if (!input.defined() || input.dim() < 1 || input.size(0) < 1)

@@ -729,18 +729,26 @@ TEST(Checkpoint, RunDifferencesNameEachKey) {
 }
 
 // The profiler (runtime/profiler.h) on the same small model: one entry per layer with the real output
-// sizes and parameter bytes, B/W split exactly for the layers holding pipetrain::nn::Linear, Adam's
-// state counted twice, extra micro-batch sizes in increasing order, and a JSON round trip.
+// sizes and parameter bytes, B/W split for every layer with parameters (backward_split auto: the
+// LayerNorm through autograd) or only for pipetrain::nn::Linear (explicit), Adam's state counted twice,
+// extra micro-batch sizes in increasing order, and a JSON round trip.
 TEST(Profiler, MeasuresEveryLayer) {
   auto model = make_model(3);
   ProfilerOptions o;
   o.repeats = 3;
   o.warmup = 1;
   o.extra_sizes = {16, 2};
+  o.backward_split = "explicit";
+  const Profile linear_only = profile_model(model, torch::randn({4, kIn}), o);
+  // Linear, Tanh, Dropout, Linear, LayerNorm, Linear
+  const std::vector<bool> explicit_split{true, false, false, true, false, true};
+  for (std::size_t i = 0; i < 6; ++i) EXPECT_EQ(linear_only.layers[i].bw_split, explicit_split[i]) << i;
+  EXPECT_EQ(linear_only.layers[4].weight_grad_ms, 0.0);
+  o.backward_split = "auto";
   const Profile p = profile_model(model, torch::randn({4, kIn}), o);
   ASSERT_EQ(p.layers.size(), 6u);
   EXPECT_EQ(p.micro_batch_size, 4);
-  const std::vector<bool> split{true, false, false, true, false, true};  // Linear, Tanh, Dropout, Linear, LayerNorm, Linear
+  const std::vector<bool> split{true, false, false, true, true, true};
   const std::vector<int64_t> width{kHidden, kHidden, kHidden, kHidden, kHidden, kOut};
   for (std::size_t i = 0; i < 6; ++i) {
     const LayerProfile& l = p.layers[i];

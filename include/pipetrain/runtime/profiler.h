@@ -40,6 +40,10 @@ struct ProfilerOptions {
   // w_held_bytes) count the caching allocator's bytes in tensors where LibTorch offers them
   // (runtime/device.h; 2.9 on), else the host heap, which a GPU's layers do not use.
   torch::Device device = torch::kCPU;
+  // How B and W are measured, as PipelineOptions::backward_split runs them: "auto" (pipetrain::nn::Linear's
+  // explicit split for layers of nothing else, autograd's split for any other layer), "autograd" or
+  // "explicit" (only nn::Linear splits; other layers' backward is all B).
+  std::string backward_split = "auto";
 };
 
 // Profiles `model` on `input`, one micro-batch (its first dimension is the micro-batch size). The
