@@ -1,5 +1,6 @@
 // Internal to pipetrain_runtime: the state and the interpreter of one pipeline rank (PipelineRank's Impl).
-// Its member functions are defined in executor.cpp, which builds it.
+// Its member functions are defined part by part in executor_comm.cpp (boundary transfers, skip
+// connections), and the other parts in executor.cpp, which builds it.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -216,7 +217,7 @@ struct PipelineRank::Impl {
   std::map<int, bool> linear_only_stages;
   bool linear_only(int s);
 
-  // ---- skip connections (executor.cpp) ----------------------------------------------------------
+  // ---- skip connections (executor_comm.cpp) -----------------------------------------------------
   // The schedule carries the routes as skip edges (Schedule::skips, same order), so lowering puts each
   // transfer between ranks in the list: <from>SF<i>@<to> after F(from, i), <to>RF<i>@<from> before
   // F(to, i), <to>SB<i>@<from> after the consumer's backward, <from>RB<i>@<to> before the producer's. They
@@ -269,7 +270,7 @@ struct PipelineRank::Impl {
   // Before the backward of stage s: the gradients of its skips out (received or handed back), added to `g`.
   void take_skip_grads(int s, int i, Bundle& g);
 
-  // ---- communication (executor.cpp) -------------------------------------------------------------
+  // ---- communication (executor_comm.cpp) --------------------------------------------------------
   // dir 0: activations of stage `boundary` going to boundary+1; dir 1: input gradients of stage
   // `boundary` going to boundary-1. `grad` flags the entries that get a gradient back (dir 0).
   void send(int boundary, int dir, int i, const Bundle& b, const std::vector<char>& grad, int dst);
