@@ -1,6 +1,7 @@
 // Internal to pipetrain_runtime: the state and the interpreter of one pipeline rank (PipelineRank's Impl).
 // Its member functions are defined part by part in executor_comm.cpp (boundary transfers, skip
-// connections), and the other parts in executor.cpp, which builds it.
+// connections), executor_optimizer.cpp (the flush and the optimizer step), and the other parts in
+// executor.cpp, which builds it.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -325,7 +326,7 @@ struct PipelineRank::Impl {
   // Waits for every send still in flight (the flush, the end of a call).
   void finish_sends();
 
-  // ---- optimizer (executor.cpp) -----------------------------------------------------------------
+  // ---- optimizer (executor_optimizer.cpp) -------------------------------------------------------
   // Multiplies the gradients by `scale` (a per-token loss's 1 / count), then clips them to the global
   // norm `norm` (of the scaled gradients) if it exceeds `clip`: one pass over the gradients.
   static void clip_to(const std::vector<torch::Tensor>& params, double norm, double clip, double scale = 1.0);
