@@ -1,7 +1,7 @@
 // Internal to pipetrain_runtime: the state and the interpreter of one pipeline rank (PipelineRank's Impl).
 // Its member functions are defined part by part in executor_comm.cpp (boundary transfers, skip
-// connections), executor_optimizer.cpp (the flush and the optimizer step), and the other parts in
-// executor.cpp, which builds it.
+// connections), executor_optimizer.cpp (the flush and the optimizer step), executor_passes.cpp (the
+// interpreter, the call's schedules), and the other parts in executor.cpp, which builds it.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -372,7 +372,7 @@ struct PipelineRank::Impl {
   // The optimizer state of parameter `p` of stage `s` (null when it has none yet).
   torch::optim::OptimizerParamState* optim_state(int s, const torch::Tensor& p);
 
-  // ---- passes (executor.cpp) --------------------------------------------------------------------
+  // ---- passes (executor_passes.cpp) -------------------------------------------------------------
   // Returns false when the action's work was deferred (a posted receive) and so should not be timed.
   bool run_action(const Action& a, int pos);
 
