@@ -1,7 +1,7 @@
-// Internal to pipetrain_runtime: the state and the interpreter of one pipeline rank (PipelineRank's Impl).
-// Its member functions are defined part by part in executor_comm.cpp (boundary transfers, skip
-// connections), executor_optimizer.cpp (the flush and the optimizer step), executor_passes.cpp (the
-// interpreter, the call's schedules), and the other parts in executor.cpp, which builds it.
+// Internal to pipetrain_runtime: the state and the interpreter of one pipeline rank (PipelineRank's
+// Impl). Its member functions live in one file per part: executor_actions.cpp (F, B, BW, W),
+// executor_comm.cpp (boundary transfers, skip connections), executor_optimizer.cpp (the flush and the
+// optimizer step), executor_passes.cpp (the interpreter, the call's schedules); executor.cpp builds it.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -180,7 +180,7 @@ struct PipelineRank::Impl {
     return base + ((micro * static_cast<int>(skips.size()) + static_cast<int>(r)) * 2 + dir) * 2 + header;
   }
 
-  // ---- actions (executor.cpp): F, B, BW, W ------------------------------------------------------
+  // ---- actions (executor_actions.cpp): F, B, BW, W ----------------------------------------------
   bool checkpointed(int micro) const;
 
   // Sets stage s's parameters to the weights the plan gives pass (s, i) and puts them back when it goes
