@@ -109,13 +109,12 @@ void PipelineRank::Impl::forward(int s, int i) {
   if (s == 0) {
     if (input.empty() || !input.items().front().second.defined())
       throw UsageError("rank " + std::to_string(rank()) + " holds stage 0 but train_step got no input batch");
-    x = input.slice(ranges[static_cast<std::size_t>(i)].first, ranges[static_cast<std::size_t>(i)].second)
-            .to(options.device);
+    x = on_device(input.slice(ranges[static_cast<std::size_t>(i)].first, ranges[static_cast<std::size_t>(i)].second));
     sl.in_grad.assign(x.size(), 0);
   } else if (pass->rank_of(s - 1, i) == rank()) {
     x = outgoing(s - 1, slot(s - 1, i), sl.in_grad);
   } else {
-    x = sl.input.to(options.device);  // received by RF (on the host unless the transport carries device tensors)
+    x = on_device(sl.input);  // received by RF (on the host unless the transport carries device tensors)
     if (x.empty()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");
   }
   if (!skips.empty()) take_skips(s, i, x, sl.in_grad);
@@ -165,7 +164,7 @@ torch::Tensor PipelineRank::Impl::scaled_loss(const Bundle& out, int i) {
   if (!has_target())
     throw UsageError("rank " + std::to_string(rank()) + " holds the last stage but train_step got no target batch");
   const auto [b, e] = ranges[static_cast<std::size_t>(i)];
-  LossTerm term = loss(full_precision(out), target.slice(b, e).to(options.device), i);
+  LossTerm term = loss(full_precision(out), on_device(target.slice(b, e)), i);
   const auto k = static_cast<std::size_t>(i / per_step);
   torch::Tensor l = term.value.reshape({});
   if (per_token) {

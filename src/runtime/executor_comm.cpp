@@ -204,22 +204,13 @@ void PipelineRank::Impl::send_bundle(int key_boundary, int dir, int i, const Bun
                              "--variable-length)");
   }
   torch::Tensor t = detail::pack(b, options.variable_shapes ? fresh : it->second);
-  // A GPU tensor goes as it is where the transport carries device tensors (ordered by events: the
-  // local transport); else through host memory.
-  if (!t.device().is_cpu() && !transport->carries_device_tensors()) t = t.cpu();
+  t = rank_device->sendable(t, transport->carries_device_tensors());
   if (options.reference && !async) {
     transport->send(t, dst, data_tag);
   } else {
     auto work = transport->isend(t, dst, data_tag);
     pending_sends.emplace_back(t, std::move(work));
   }
-}
-
-torch::Tensor PipelineRank::Impl::receive_buffer(const BundleLayout& l) const {
-  if (l.entries.size() == 1 && !options.device.is_cpu() && transport->carries_device_tensors())
-    return torch::empty(l.entries.front().shape,
-                        torch::TensorOptions().dtype(l.entries.front().dtype).device(options.device));
-  return detail::empty_buffer(l);
 }
 
 const detail::BundleLayout* PipelineRank::Impl::recv_layout(int boundary, int dir, int i, int src, bool may_block) {

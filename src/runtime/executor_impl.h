@@ -2,6 +2,8 @@
 // Impl). Its member functions live in one file per part: executor_actions.cpp (F, B, BW, W),
 // executor_comm.cpp (boundary transfers, skip connections), executor_optimizer.cpp (the flush and the
 // optimizer step), executor_passes.cpp (the interpreter, the call's schedules); executor.cpp builds it.
+// What the rank's device changes (streams, timing, where buffers live) goes through detail::RankDevice
+// (device_context.h).
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -66,7 +68,9 @@ struct PipelineRank::Impl {
   bool layerwise = false;  // built from a LayerwiseModel: this rank built its own layers only
   std::shared_ptr<Transport> transport;
   PipelineOptions options;
-  // The rank's device: on CUDA its stream and event timing (src/runtime/device.cpp); set at construction.
+  // The rank's device (device_context.h): how actions are timed and where tensors and buffers live; on
+  // CUDA also its stream. Set at construction, for every device (the CPU's keeps the host clock and
+  // host memory).
   std::optional<detail::RankDevice> rank_device;
   Schedule schedule;          // lowered
   std::vector<int> balance;   // per virtual stage
@@ -163,8 +167,9 @@ struct PipelineRank::Impl {
   StepStats stats;
 
   int rank() const { return transport->rank(); }
-  // `t` on the stages' device; `t` itself (no operator call) when it is there already.
-  torch::Tensor on_device(const torch::Tensor& t) const { return t.device() == options.device ? t : t.to(options.device); }
+  // `t` (each tensor of `b`) on the stages' device; itself (no operator call) when it is there already.
+  torch::Tensor on_device(const torch::Tensor& t) const { return rank_device->place(t); }
+  Bundle on_device(const Bundle& b) const { return rank_device->place(b); }
   int last_stage() const { return schedule.stages - 1; }
   int64_t micro_size(int i) const { return ranges[static_cast<std::size_t>(i)].second - ranges[static_cast<std::size_t>(i)].first; }
   Slot& slot(int stage, int micro) { return slots[{stage, micro}]; }
@@ -281,9 +286,11 @@ struct PipelineRank::Impl {
   void send_bundle(int key_boundary, int dir, int i, const Bundle& b, const std::vector<char>& grad, int dst,
                    int data_tag, int header_tag, bool async);
 
-  // Where a receive lands: on this rank's GPU when the transport carries device tensors and the bundle
-  // is one tensor (sent as it is); else in host memory (several tensors travel packed in host bytes).
-  torch::Tensor receive_buffer(const BundleLayout& l) const;
+  // Where a receive lands: on the rank's GPU when the transport carries device tensors and the bundle is
+  // one tensor; else in host memory (RankDevice::receive_buffer).
+  torch::Tensor receive_buffer(const BundleLayout& l) const {
+    return rank_device->receive_buffer(l, transport->carries_device_tensors());
+  }
 
   // The layout of a receive, receiving its header first if it is not agreed yet (always, with
   // variable shapes); null when that would block and `may_block` is false.

@@ -21,7 +21,6 @@ namespace {
 using detail::heap_in_use;
 using detail::host_doubles;
 using detail::host_tensor;
-using detail::now_ms;
 using detail::number_text;
 using detail::SkipRoute;
 
@@ -102,37 +101,34 @@ void PipelineRank::Impl::begin_pass(const Bundle& in, const Bundle& tgt, int64_t
 void PipelineRank::Impl::run_list(const std::vector<Action>& actions) {
   const double heap0 = options.measure_memory ? heap_in_use() : 0.0;
   stats.timeline.events.reserve(2 * actions.size());  // an action and its receive's wait at most
-  // On a GPU the host clock around an action measures its kernel launches, not its work: the action's
-  // time is read from events on the rank's stream instead (timed_on_device: timeline index, handle).
-  detail::RankDevice* gpu = rank_device && rank_device->cuda() ? &*rank_device : nullptr;
-  std::vector<std::pair<std::size_t, std::size_t>> timed_on_device;
-  if (gpu) gpu->begin_timing();
+  // The rank's device times each action: on the CPU with the host clock; on a GPU from events on the
+  // rank's stream, since the host clock around an action measures its kernel launches, not its work.
+  // The times come at the end of the list (timed: timeline index, handle).
+  detail::RankDevice& device = *rank_device;
+  std::vector<std::pair<std::size_t, std::size_t>> timed;
+  timed.reserve(actions.size());
+  device.begin_timing();
   std::size_t pos = 0;
   try {
     for (; pos < actions.size(); ++pos) {
       if (!options.reference) prefetch_from(actions, pos);
       if (options.before_action && !forward_mode) options.before_action(rank(), step, actions[pos]);
       await_inputs(actions[pos], stats.timeline);
-      const double t0 = now_ms();
-      const std::size_t handle = gpu ? gpu->start_action() : 0;
+      const std::size_t handle = device.start_action();
       if (run_action(actions[pos], static_cast<int>(pos))) {
-        if (gpu) {
-          gpu->end_action(handle);
-          timed_on_device.emplace_back(stats.timeline.events.size(), handle);
-        }
-        stats.timeline.events.push_back(TimedAction{rank(), actions[pos], t0, now_ms()});
+        device.end_action(handle);
+        timed.emplace_back(stats.timeline.events.size(), handle);
+        stats.timeline.events.push_back(TimedAction{rank(), actions[pos], 0.0, 0.0});  // timed below
       }
       if (!options.reference) reap_sends();
       if (options.measure_memory) stats.peak_heap_growth = std::max(stats.peak_heap_growth, heap_in_use() - heap0);
     }
     finish_sends();
     if (!forward_mode) finish_call();
-    if (gpu) {
-      const std::vector<std::pair<double, double>> times = gpu->finish_timing();
-      for (const auto& [event, handle] : timed_on_device) {
-        stats.timeline.events[event].start = times[handle].first;
-        stats.timeline.events[event].end = times[handle].second;
-      }
+    const std::vector<std::pair<double, double>> times = device.finish_timing();
+    for (const auto& [event, handle] : timed) {
+      stats.timeline.events[event].start = times[handle].first;
+      stats.timeline.events[event].end = times[handle].second;
     }
   } catch (const RemoteFailure&) {
     throw;
