@@ -2,6 +2,7 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "bundle_wire.h"
 #include "device_context.h"
 #include "pass_util.h"
 #include "torch_compat.h"
@@ -129,6 +130,20 @@ void RankDevice::hand_over(const torch::Tensor& t) const {
   const c10::Stream current = impl.getStream(t.device());
   if (current == *stream_) return;
   impl.recordDataPtrOnStream(t.storage().data_ptr(), current);
+}
+
+torch::Tensor RankDevice::place(const torch::Tensor& t) const { return t.device() == device_ ? t : t.to(device_); }
+
+Bundle RankDevice::place(const Bundle& b) const { return b.to(device_); }
+
+torch::Tensor RankDevice::receive_buffer(const BundleLayout& l, bool transport_carries_device_tensors) const {
+  if (l.entries.size() == 1 && !device_.is_cpu() && transport_carries_device_tensors)
+    return torch::empty(l.entries.front().shape, torch::TensorOptions().dtype(l.entries.front().dtype).device(device_));
+  return empty_buffer(l);
+}
+
+torch::Tensor RankDevice::sendable(const torch::Tensor& t, bool transport_carries_device_tensors) const {
+  return t.device().is_cpu() || transport_carries_device_tensors ? t : t.cpu();
 }
 
 }  // namespace detail

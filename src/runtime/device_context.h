@@ -1,6 +1,7 @@
-// A pipeline rank's device (internal; the public part is pipetrain/runtime/device.h): on CUDA its own
-// stream from LibTorch's pool and event-based timing of its actions; on the CPU nothing (the
-// interpreter then times with the host clock, as it always has).
+// A pipeline rank's device (internal; the public part is pipetrain/runtime/device.h): what the executor's
+// interpreter does differently per device, behind one interface. On CUDA: the rank's own stream from
+// LibTorch's pool, event-based timing of its actions, received tensors on the GPU where the transport
+// carries device tensors. On the CPU: no stream, the host clock, host memory.
 #pragma once
 
 #include <c10/core/Event.h>
@@ -14,7 +15,11 @@
 #include <utility>
 #include <vector>
 
+#include "pipetrain/runtime/bundle.h"
+
 namespace pipetrain::detail {
+
+struct BundleLayout;  // bundle_wire.h
 
 class RankDevice {
  public:
@@ -37,10 +42,12 @@ class RankDevice {
     c10::OptionalStreamGuard guard_;
   };
 
-  // Event timing of one action list: begin_timing() first (synchronises the stream and anchors the
+  // Timing of one action list: begin_timing() first (on CUDA, synchronises the stream and anchors the
   // device clock to the host's), start_action()/end_action() around each action, finish_timing() at
-  // the end (synchronises, then gives each started action's [start, end] on the host clock, in ms, in
-  // the order started; an action never ended gets its start twice).
+  // the end (on CUDA, synchronises), which gives each started action's [start, end] on the host clock,
+  // in ms, in the order started; an action never ended gets its start twice. On the CPU the marks are
+  // the host clock itself; on CUDA, events on the stream (or, where LibTorch cannot read elapsed times
+  // from events, the host clock after synchronising the stream).
   void begin_timing();
   std::size_t start_action();
   void end_action(std::size_t handle);
@@ -49,6 +56,18 @@ class RankDevice {
   // `t`, made on the rank's stream, is handed to the calling thread's current stream: the caching
   // allocator is told, so its memory is not reused before that stream is done with it.
   void hand_over(const torch::Tensor& t) const;
+
+  // Where the rank's tensors live. place(): `t`, or each tensor of `b`, on the rank's device, itself
+  // (no operator call) when it is there already.
+  torch::Tensor place(const torch::Tensor& t) const;
+  Bundle place(const Bundle& b) const;
+  // The buffer a received bundle lands in: on the rank's GPU when the transport carries device tensors
+  // and the bundle is one tensor (sent as it is); else in host memory (several tensors travel packed in
+  // host bytes).
+  torch::Tensor receive_buffer(const BundleLayout& l, bool transport_carries_device_tensors) const;
+  // What a send hands the transport: `t` itself where the transport carries device tensors (ordered by
+  // events: the local transport) or `t` is in host memory; else its copy in host memory.
+  torch::Tensor sendable(const torch::Tensor& t, bool transport_carries_device_tensors) const;
 
  private:
   c10::Event& event(std::size_t k);
