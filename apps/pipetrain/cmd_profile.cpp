@@ -40,7 +40,6 @@ struct ProfileFlags {
 // Profiles the layers, adds `runtime` when given, prints the table and writes --out (only the measuring
 // when `report` is false: the other processes of --concurrent).
 void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime, bool report = true) {
-  auto model = f.model.factory()();
   auto data = f.model.dataset();
   const zoo::Batch b = data->batch(0, f.micro_batch);
   ProfilerOptions o;
@@ -56,7 +55,9 @@ void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime, bool report = 
   std::sort(sizes.begin(), sizes.end());
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
   o.extra_sizes = sizes;
-  Profile p = profile_model(model, b.input, o);
+  // A model given layer by layer (the gpt) is built, measured and dropped one layer at a time.
+  const auto layers = f.model.layerwise();
+  Profile p = layers ? profile_model(*layers, b.input, o) : profile_model(f.model.factory()(), b.input, o);
   if (!report) return;
   if (runtime) p.runtime = *runtime;
   std::cout << fmt::format("profile of {}\n  micro-batch {}, {} threads, median of {} runs\n", p.model,

@@ -224,14 +224,15 @@ std::vector<int> resolve_balance(const PipelineFlags& pipe, const ModelFlags& mo
     // Measured on rank 0 only, so every rank cuts the model the same way.
     torch::Tensor counts = torch::zeros({stages}, torch::kDouble);
     if (transport.rank() == 0) {
-      auto m = model.factory()();
       const zoo::Batch b = model.dataset()->batch(0, std::max<int64_t>(1, micro_batch));
       ProfilerOptions o;
       o.repeats = 5;
       o.warmup = 1;
       o.loss = model.loss();
       o.target = b.target;
-      const Profile p = profile_model(m, b.input, o);
+      // A model given layer by layer (the gpt) is measured one layer at a time: rank 0 never holds it whole.
+      const auto layers = model.layerwise();
+      const Profile p = layers ? profile_model(*layers, b.input, o) : profile_model(model.factory()(), b.input, o);
       const auto mine = plan_balance(p, stages, pipe.balance, solver);
       for (int s = 0; s < stages; ++s) counts[s] = mine[static_cast<std::size_t>(s)];
     }

@@ -13,6 +13,7 @@
 #include "autograd_split.h"
 #include "pass_util.h"
 #include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/layers.h"
 #include "pipetrain/runtime/transport.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "pipetrain/runtime/stage.h"
@@ -159,7 +160,17 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
 
 }  // namespace
 
-Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, const ProfilerOptions& o) {
+namespace {
+
+// The layers to profile: `count` of them, layer(i) gives layer i (valid until the next call, which
+// may drop it), `type(i)` its type name.
+struct LayerSource {
+  int count = 0;
+  std::function<torch::nn::AnyModule(int)> layer;
+  std::function<std::string(int)> type;
+};
+
+Profile profile_layers(const LayerSource& layers, const torch::Tensor& input, const ProfilerOptions& o) {
   if (o.repeats < 1) throw UsageError("profiler repeats must be >= 1, got " + std::to_string(o.repeats));
   if (o.warmup < 0) throw UsageError("profiler warm-up runs must be >= 0, got " + std::to_string(o.warmup));
   double state_factor = 0;
@@ -175,8 +186,6 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     if (s < 1) throw UsageError("profiler micro-batch sizes must be >= 1, got " + std::to_string(s));
   if (!input.defined() || input.dim() < 1 || input.size(0) < 1)
     throw UsageError("the profiler needs an input batch with at least one sample");
-  model->train();
-  model->to(o.device);
   Profile p;
   p.model = o.device.is_cpu() ? o.model_name : o.model_name + " on " + o.device.str();
   p.micro_batch_size = static_cast<int>(input.size(0));
@@ -190,19 +199,17 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
   if (with_loss && (o.target.dim() < 1 || o.target.size(0) != input.size(0)))
     throw UsageError("the profiler's target batch has " + std::to_string(o.target.dim() < 1 ? 0 : o.target.size(0)) +
                      " rows but the input has " + std::to_string(input.size(0)) + ": give one target per sample");
-  const std::vector<std::string> types = layer_type_names(model);
-  for (std::size_t k = 0; k < model->size(); ++k)
-    if (std::dynamic_pointer_cast<BundleModule>(model->ptr(k)))
-      throw UsageError("layer " + std::to_string(k) + " (" + types[k] + ") maps bundles (runtime/bundle.h); the profiler "
+  for (int index = 0; index < layers.count; ++index) {
+    torch::nn::AnyModule any = layers.layer(index);
+    auto module = any.ptr();
+    LayerProfile l;
+    l.type = layers.type(index);
+    if (std::dynamic_pointer_cast<BundleModule>(module))
+      throw UsageError("layer " + std::to_string(index) + " (" + l.type + ") maps bundles (runtime/bundle.h); the profiler "
                        "times one-tensor layers only: balance this model by layer counts or parameters "
                        "(--balance uniform, parameters or a list) instead of a measured profile");
-  std::size_t index = 0;
-  for (auto& any : *model) {
-    auto module = model->ptr(index);
-    LayerProfile l;
-    l.type = types[index];
     l.name = std::to_string(index) + ":" + l.type;
-    const bool last = index + 1 == model->size();
+    const bool last = index + 1 == layers.count;
     const LayerTimes t = time_layer(any, x, o, last && with_loss ? target : torch::Tensor(), true);
     l.forward_ms = t.forward;
     l.backward_ms = t.backward;
@@ -223,13 +230,40 @@ Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, c
     }
     std::sort(l.by_micro_batch.begin(), l.by_micro_batch.end(),
               [](const SizeMeasurement& a, const SizeMeasurement& b) { return a.micro_batch_size < b.micro_batch_size; });
+    module->zero_grad();
     p.layers.push_back(l);
     x = t.output;
-    ++index;
   }
-  model->zero_grad();
   validate_profile(p, "measured profile");
   return p;
+}
+
+}  // namespace
+
+Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, const ProfilerOptions& o) {
+  model->train();
+  model->to(o.device);
+  const std::vector<std::string> types = layer_type_names(model);
+  LayerSource source;
+  source.count = static_cast<int>(model->size());
+  source.layer = [&](int i) { return *(model->begin() + i); };
+  source.type = [&](int i) { return types[static_cast<std::size_t>(i)]; };
+  return profile_layers(source, input, o);
+}
+
+Profile profile_model(const LayerwiseModel& model, const torch::Tensor& input, const ProfilerOptions& o) {
+  LayerSource source;
+  source.count = model.layers;
+  torch::nn::AnyModule current;  // the one layer alive
+  source.layer = [&](int i) {
+    current = torch::nn::AnyModule();  // drop the previous layer before building the next
+    current = build_layer(model, i);
+    current.ptr()->train();
+    current.ptr()->to(o.device);
+    return current;
+  };
+  source.type = [&](int) { return layer_info(*current.ptr()).type; };
+  return profile_layers(source, input, o);
 }
 
 namespace {

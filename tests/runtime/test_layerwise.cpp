@@ -16,6 +16,7 @@
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/layers.h"
+#include "pipetrain/runtime/profiler.h"
 #include "pipetrain/zoo/models.h"
 
 using namespace pipetrain;
@@ -168,6 +169,39 @@ TEST(Layerwise, TiedMembersByPathUseTheModelsNames) {
   dotted.names = named.names;
   dotted.names[2] = "a.b";
   EXPECT_THROW(layer_names(dotted), UsageError);
+}
+
+// A model given layer by layer is profiled one layer at a time (no two layers alive at once; the measured
+// balance of `train --balance time` relies on it), with the layers the whole model has.
+TEST(Layerwise, ProfiledOneLayerAtATimeAsTheWholeModel) {
+  std::vector<std::weak_ptr<torch::nn::Module>> made;
+  int most_alive = 0;
+  LayerwiseModel m = Counted().model(5);
+  m.build = [&](int i) {
+    int alive = 1;
+    for (const auto& w : made) alive += !w.expired();
+    most_alive = std::max(most_alive, alive);
+    torch::nn::AnyModule layer = i % 2 == 1 ? torch::nn::AnyModule(torch::nn::Tanh())
+                                            : torch::nn::AnyModule(torch::nn::Linear(kWidth, kWidth));
+    made.push_back(layer.ptr());
+    return layer;
+  };
+  ProfilerOptions o;
+  o.repeats = 2;
+  o.warmup = 0;
+  o.loss = mse;
+  o.target = batch(0).second;
+  const Profile by_layer = profile_model(m, batch(0).first, o);
+  EXPECT_EQ(most_alive, 1);
+  EXPECT_EQ(made.size(), static_cast<std::size_t>(kLayers));  // each layer built once
+  const Profile whole = profile_model(build_all(m), batch(0).first, o);
+  ASSERT_EQ(by_layer.layers.size(), whole.layers.size());
+  for (std::size_t l = 0; l < whole.layers.size(); ++l) {
+    EXPECT_EQ(by_layer.layers[l].type, whole.layers[l].type) << l;
+    EXPECT_EQ(by_layer.layers[l].parameter_bytes, whole.layers[l].parameter_bytes) << l;
+    EXPECT_EQ(by_layer.layers[l].activation_bytes, whole.layers[l].activation_bytes) << l;
+    EXPECT_EQ(by_layer.layers[l].bw_split, whole.layers[l].bw_split) << l;
+  }
 }
 
 TEST(Layerwise, CheckpointSavedAtTwoStagesResumesAtThree) {

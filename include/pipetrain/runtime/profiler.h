@@ -22,6 +22,8 @@
 
 namespace pipetrain {
 
+struct LayerwiseModel;
+
 struct ProfilerOptions {
   int repeats = 10;               // timed runs per measurement (median)
   int warmup = 2;                 // untimed runs first
@@ -49,6 +51,11 @@ struct ProfilerOptions {
 // Profiles `model` on `input`, one micro-batch (its first dimension is the micro-batch size). The
 // model is left in training mode with its gradients cleared. Throws UsageError on bad options.
 Profile profile_model(torch::nn::Sequential model, const torch::Tensor& input, const ProfilerOptions& options);
+// The same for a model given layer by layer (layers.h): each layer is built (with its own seed, as the
+// ranks build it), measured and dropped before the next is built, so no more than one layer's
+// parameters are alive at once: a model that does not fit one process can be profiled (and balanced by
+// measured time or memory).
+Profile profile_model(const LayerwiseModel& model, const torch::Tensor& input, const ProfilerOptions& options);
 
 class Transport;
 
