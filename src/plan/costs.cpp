@@ -114,6 +114,13 @@ double ring_allreduce_ms(double bytes, int ranks, double bandwidth_bytes_per_ms,
   return 2 * (r - 1) / r * (free_bytes ? 0.0 : bytes / bandwidth_bytes_per_ms) + 2 * (r - 1) * latency_ms;
 }
 
+double group_allreduce_ms(double bytes, int ranks, double bandwidth_bytes_per_ms, double latency_ms) {
+  if (ranks < 2) return 0.0;
+  const double r = ranks;
+  const bool free_bytes = !(bandwidth_bytes_per_ms > 0) || std::isinf(bandwidth_bytes_per_ms);
+  return 2 * (r - 1) / r * (free_bytes ? 0.0 : bytes / bandwidth_bytes_per_ms) + 2 * latency_ms;
+}
+
 std::vector<double> replica_allreduce_ms(const Profile& prof, const std::vector<int>& balance,
                                          const std::vector<int>& replication, double bandwidth_bytes_per_ms,
                                          double latency_ms) {
@@ -126,7 +133,7 @@ std::vector<double> replica_allreduce_ms(const Profile& prof, const std::vector<
   for (std::size_t s = 0; s < balance.size(); ++s) {
     double params = 0;
     for (int k = 0; k < balance[s]; ++k, ++layer) params += prof.layers[layer].parameter_bytes;
-    out.push_back(ring_allreduce_ms(params, replication[s], bandwidth_bytes_per_ms, latency_ms));
+    out.push_back(group_allreduce_ms(params, replication[s], bandwidth_bytes_per_ms, latency_ms));
   }
   return out;
 }

@@ -239,8 +239,10 @@ class Search {
       rank_act_[ur] = std::min(rank_act_[ur], ls.act[hi(s)] - ls.act[lo(s)]);
       if (c.d > 1) {
         const long long a0 = global_rank(c.replicas_inner, p, c.d, r, 0), a1 = global_rank(c.replicas_inner, p, c.d, r, c.d - 1);
-        rank_step_[ur] += ring_allreduce_ms(params_[hi(s)] - params_[lo(s)], c.d,
-                                            links_.bw[static_cast<std::size_t>(links_.level(a0, a1))], o_.latency_ms);
+        const double bw = links_.bw[static_cast<std::size_t>(links_.level(a0, a1))];
+        // the rank's loss and count (once per rank, with its first stage), then each stage's gradients
+        if (rank_step_[ur] == 0) rank_step_[ur] += group_allreduce_ms(kReplicaLossBytes, c.d, bw, o_.latency_ms);
+        rank_step_[ur] += group_allreduce_ms(params_[hi(s)] - params_[lo(s)], c.d, bw, o_.latency_ms);
       }
       path += F + B + 2 * overhead_;
       if (s + 1 < S && rank_in_pipeline(lay.shape, p, s + 1) != r) {
@@ -287,13 +289,22 @@ class Search {
       costs.boundary_comm[static_cast<std::size_t>(s)] = o_.latency_ms + (std::isinf(bw) ? 0.0 : bytes / bw);
     }
     if (c.d > 1) {
+      // The runtime's step on each rank: one group all-reduce of all its stages' gradients (as they are:
+      // the profile's parameter bytes), one of the step's loss and count (charged to the rank's first
+      // stage).
       costs.stage_step.assign(static_cast<std::size_t>(S), 0.0);
+      std::vector<char> charged(static_cast<std::size_t>(p), 0);
       for (int s = 0; s < S; ++s) {
         const int r = rank_in_pipeline(lay.shape, p, s);
         const long long a0 = global_rank(c.replicas_inner, p, c.d, r, 0), a1 = global_rank(c.replicas_inner, p, c.d, r, c.d - 1);
         const int lo = s == 0 ? 0 : be.end[static_cast<std::size_t>(s - 1)], hi = be.end[static_cast<std::size_t>(s)];
-        costs.stage_step[static_cast<std::size_t>(s)] = ring_allreduce_ms(
-            params_[hi] - params_[lo], c.d, links_.bw[static_cast<std::size_t>(links_.level(a0, a1))], o_.latency_ms);
+        const double bw = links_.bw[static_cast<std::size_t>(links_.level(a0, a1))];
+        double& step = costs.stage_step[static_cast<std::size_t>(s)];
+        step = group_allreduce_ms(params_[hi] - params_[lo], c.d, bw, o_.latency_ms);
+        if (!charged[static_cast<std::size_t>(r)]) {
+          charged[static_cast<std::size_t>(r)] = 1;
+          step += group_allreduce_ms(kReplicaLossBytes, c.d, bw, o_.latency_ms);
+        }
       }
     }
     const Schedule& sch = schedule(lay, costs);

@@ -372,6 +372,9 @@ struct PipelineRank::Impl {
   // layout.
   // Per-token loss (`count` given): the copies' gradient sums, loss sums and counts are summed instead
   // (divided by the total count at the flush).
+  // The gradients travel in their own dtype (the parameters' common one; float32 usually): one copy into
+  // a flat host buffer, reduced in place, and one pass back that also divides by the replicas. The loss
+  // and count are summed exactly, as doubles, in a second (small) all-reduce.
   void all_reduce_gradients(Transport& group, const std::vector<torch::Tensor>& params, double* loss,
                             double* count = nullptr);
   void optimizer_step(int s, int k);

@@ -196,28 +196,43 @@ void PipelineRank::Impl::sum_tied_gradients() {
 
 void PipelineRank::Impl::all_reduce_gradients(Transport& group, const std::vector<torch::Tensor>& params, double* loss,
                                               double* count) {
-  const double replicas = loss && !count ? group.world_size() : 1.0;
-  std::vector<torch::Tensor> flat;
-  for (const auto& p : params)
-    flat.push_back(p.grad().defined() ? p.grad().detach().reshape({-1}).to(torch::kCPU, torch::kDouble)
-                                      : torch::zeros({p.numel()}, torch::kDouble));
-  if (loss) flat.push_back(torch::tensor({*loss}, torch::kDouble));
-  if (count) flat.push_back(torch::tensor({*count}, torch::kDouble));
-  torch::Tensor all = torch::cat(flat);
-  group.all_reduce_sum(all);
-  if (replicas != 1.0) all.div_(replicas);
-  int64_t at = 0;
+  const int64_t replicas = loss && !count ? group.world_size() : 1;
   torch::NoGradGuard no_grad;
-  for (const auto& p : params) {
-    torch::Tensor mean = all.slice(0, at, at + p.numel()).view(p.sizes()).to(p.device(), p.scalar_type());
-    if (p.grad().defined())
-      p.mutable_grad().copy_(mean);
-    else
-      const_cast<torch::Tensor&>(p).mutable_grad() = mean.clone();
-    at += p.numel();
+  if (!params.empty()) {
+    c10::ScalarType dtype = params.front().scalar_type();
+    for (const auto& p : params) dtype = c10::promoteTypes(dtype, p.scalar_type());
+    std::vector<torch::Tensor> parts;
+    parts.reserve(params.size());
+    for (const auto& p : params)
+      parts.push_back(p.grad().defined() ? p.grad().detach().reshape({-1}).to(torch::kCPU, dtype)
+                                         : torch::zeros({p.numel()}, torch::TensorOptions().dtype(dtype)));
+    torch::Tensor all = torch::cat(parts);
+    parts.clear();
+    group.all_reduce_sum(all);
+    const torch::Tensor divisor = torch::scalar_tensor(static_cast<double>(replicas), torch::kDouble);
+    int64_t at = 0;
+    for (const auto& p : params) {
+      const torch::Tensor sum = all.slice(0, at, at + p.numel()).view(p.sizes());
+      at += p.numel();
+      if (!p.grad().defined()) {
+        const_cast<torch::Tensor&>(p).mutable_grad() =
+            (replicas != 1 ? sum.div(divisor) : sum.clone()).to(p.device(), p.scalar_type());
+      } else if (replicas == 1) {
+        p.mutable_grad().copy_(sum);
+      } else if (p.grad().is_cpu() && p.grad().scalar_type() == dtype) {
+        torch::Tensor g = p.mutable_grad();
+        at::div_out(g, sum, divisor);  // the mean, written straight into the gradient
+      } else {
+        p.mutable_grad().copy_(sum.div(divisor));
+      }
+    }
   }
-  if (loss) *loss = all[at].item<double>();
-  if (count) *count = all[at + (loss ? 1 : 0)].item<double>();
+  if (loss || count) {
+    torch::Tensor exact = torch::tensor({loss ? *loss : 0.0, count ? *count : 0.0}, torch::kDouble);
+    group.all_reduce_sum(exact);
+    if (loss) *loss = exact[0].item<double>() / static_cast<double>(replicas);
+    if (count) *count = exact[1].item<double>();
+  }
 }
 
 void PipelineRank::Impl::optimizer_step(int s, int k) {

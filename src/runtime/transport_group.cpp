@@ -1,6 +1,13 @@
 // A group view of a transport (transport.h make_group_transport): ranks renumbered within the group,
-// point-to-point passed through, collectives built from point-to-point messages to the group's first
-// member and back.
+// point-to-point passed through, collectives built from point-to-point messages between the members.
+//
+// all_reduce_sum of n members: a reduce-scatter, then an all-gather, each one direct exchange. The
+// tensor is cut into n chunks of (nearly) equal size; member i receives chunk i of every other member,
+// sums the n contributions in member order, and sends that sum to every other member. Every member thus
+// sends and receives 2 (n - 1) / n of the tensor (as a ring does, in 2 rounds of concurrent messages
+// rather than 2 (n - 1) steps), and adds 1/n of it. Each element is summed once, by its chunk's owner,
+// always in member order (member 0's value + member 1's + ...): every member gets bitwise the same
+// result, the same as a sum in member order through one member, and the same from run to run.
 #include <algorithm>
 
 #include "pipetrain/core/error.h"
@@ -26,27 +33,59 @@ class GroupTransport : public Transport {
   std::unique_ptr<Work> irecv(torch::Tensor& tensor, int src, int tag) override {
     return base_->irecv(tensor, member(src), tag);
   }
-  // Sum at the first member, in member order (so every group sums in the same order: deterministic),
-  // then the result back to every member.
   void all_reduce_sum(torch::Tensor& tensor) override {
     const int n = world_size();
     if (n == 1) return;
-    torch::Tensor t = tensor.contiguous();
-    if (rank_ == 0) {
-      torch::Tensor sum = t.clone();
-      torch::Tensor buf = torch::empty_like(t);
-      for (int r = 1; r < n; ++r) {
-        base_->recv(buf, members_[static_cast<std::size_t>(r)], tag_);
-        sum.add_(buf);
-      }
-      for (int r = 1; r < n; ++r) base_->send(sum, members_[static_cast<std::size_t>(r)], tag_);
-      tensor.copy_(sum);
-    } else {
-      base_->send(t, members_[0], tag_);
-      torch::Tensor sum = torch::empty_like(t);
-      base_->recv(sum, members_[0], tag_);
-      tensor.copy_(sum);
+    torch::NoGradGuard no_grad;
+    torch::Tensor t = tensor.contiguous();  // `tensor` itself when it is contiguous: reduced in place
+    torch::Tensor flat = t.view({-1});
+    const int64_t total = flat.numel();
+    // chunk i: [begin(i), begin(i + 1)); empty chunks (a tensor of fewer than n elements) send nothing.
+    auto begin = [&](int i) { return total * i / n; };
+    auto chunk = [&](int i) { return flat.slice(0, begin(i), begin(i + 1)); };
+    const auto me = static_cast<std::size_t>(rank_);
+    const int64_t mine = begin(rank_ + 1) - begin(rank_);
+    // The tensors handed to isend/irecv live in these vectors, sized before any is posted (a receive may
+    // hold a reference to its tensor until wait()).
+    std::vector<torch::Tensor> incoming(static_cast<std::size_t>(n)), outgoing(static_cast<std::size_t>(n));
+    std::vector<std::unique_ptr<Work>> works;
+    works.reserve(2 * static_cast<std::size_t>(n));
+    auto finish = [&] {
+      for (auto& w : works) w->wait();
+      works.clear();
+    };
+    // Reduce-scatter: every other member's share of my chunk in, my share of theirs out.
+    for (int j = 0; j < n; ++j) {
+      if (j == rank_ || mine == 0) continue;
+      incoming[static_cast<std::size_t>(j)] = torch::empty({mine}, flat.options());
+      works.push_back(base_->irecv(incoming[static_cast<std::size_t>(j)], members_[static_cast<std::size_t>(j)], tag_));
     }
+    for (int j = 0; j < n; ++j) {
+      if (j == rank_ || begin(j + 1) == begin(j)) continue;
+      outgoing[static_cast<std::size_t>(j)] = chunk(j);
+      works.push_back(base_->isend(outgoing[static_cast<std::size_t>(j)], members_[static_cast<std::size_t>(j)], tag_));
+    }
+    finish();
+    if (mine > 0) {
+      // Member order: accumulate into member 0's contribution (my chunk itself when I am member 0).
+      torch::Tensor own = chunk(rank_);
+      torch::Tensor& acc = rank_ == 0 ? own : incoming[0];
+      for (int j = 1; j < n; ++j) acc.add_(j == rank_ ? own : incoming[static_cast<std::size_t>(j)]);
+      if (rank_ != 0) own.copy_(acc);
+    }
+    // All-gather: my chunk's sum out to everyone, theirs straight into their places.
+    for (int j = 0; j < n; ++j) {
+      if (j == rank_ || begin(j + 1) == begin(j)) continue;
+      incoming[static_cast<std::size_t>(j)] = chunk(j);
+      works.push_back(base_->irecv(incoming[static_cast<std::size_t>(j)], members_[static_cast<std::size_t>(j)], tag_));
+    }
+    if (mine > 0) {
+      outgoing[me] = chunk(rank_);
+      for (int j = 0; j < n; ++j)
+        if (j != rank_) works.push_back(base_->isend(outgoing[me], members_[static_cast<std::size_t>(j)], tag_));
+    }
+    finish();
+    if (!t.is_same(tensor)) tensor.copy_(t);
   }
   void barrier() override {
     torch::Tensor one = torch::ones({1}, torch::kDouble);

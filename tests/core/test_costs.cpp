@@ -3,6 +3,8 @@
 // profile by a balance (sums, the B:W proportion, activation bytes, the transfer time).
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "pipetrain/core/error.h"
 #include "pipetrain/plan/costs.h"
 
@@ -90,7 +92,21 @@ TEST(Costs, RingAllReduceOverAStagesReplicas) {
   p.layers = {layer(1, 1, 4, 1e6), layer(1, 1, 4, 2e6), layer(1, 1, 4, 5e6)};
   const std::vector<double> ms = replica_allreduce_ms(p, {2, 1}, {3, 1}, 1e6, 0.05);
   ASSERT_EQ(ms.size(), 2u);
-  EXPECT_DOUBLE_EQ(ms[0], 4.2);  // layers 0 and 1: 3e6 bytes over 3 replicas
+  // layers 0 and 1: 3e6 bytes over 3 replicas, as the runtime's group all-reduce sends them (below)
+  EXPECT_DOUBLE_EQ(ms[0], 4.1);
   EXPECT_DOUBLE_EQ(ms[1], 0.0);
   EXPECT_THROW(replica_allreduce_ms(p, {2, 1}, {3}, 1e6, 0.05), UsageError);
+}
+
+// The runtime's group all-reduce (make_group_transport): a reduce-scatter and an all-gather, each one
+// round of concurrent messages. 3 members, 3e6 bytes at 1e6 bytes/ms, 0.05 ms latency: every member
+// sends 2 x 2/3 x 3e6 = 4e6 bytes (4 ms) and waits 2 latencies.
+TEST(Costs, GroupAllReduceSendsTwoShareOfTheBytesInTwoRounds) {
+  EXPECT_DOUBLE_EQ(group_allreduce_ms(3e6, 3, 1e6, 0.05), 4.0 + 0.1);
+  EXPECT_DOUBLE_EQ(group_allreduce_ms(4e6, 2, 1e6, 0.05), 4.0 + 0.1);  // 2 members: each sends half, twice
+  EXPECT_DOUBLE_EQ(group_allreduce_ms(4e6, 4, 1e6, 0.0), 6.0);         // 2 x 3/4 x 4 ms
+  EXPECT_DOUBLE_EQ(group_allreduce_ms(3e6, 1, 1e6, 0.05), 0.0);
+  EXPECT_DOUBLE_EQ(group_allreduce_ms(3e6, 2, 0.0, 0.05), 0.1);  // no bandwidth given: the latency only
+  EXPECT_DOUBLE_EQ(group_allreduce_ms(3e6, 2, std::numeric_limits<double>::infinity(), 0.05), 0.1);
+  EXPECT_EQ(kReplicaLossBytes, 16.0);  // the step's loss and token count, as doubles
 }

@@ -83,11 +83,14 @@ TEST(PlanSearch, ChoosesTheBestCandidateAndEachIsItsSimulation) {
   EXPECT_NE(r.best_straight.balance, (std::vector<int>{4, 4}));  // time balance moves layers off the slow end
   EXPECT_LT(r.best_straight.makespan, r.uniform_1f1b->makespan);
   EXPECT_EQ(r.best_straight.m, 8);  // more micro-batches, smaller bubble
-  // Data parallelism: the whole model on 16 samples per rank (4x the profiled size), then a ring
-  // all-reduce of 8 MiB of parameters (with its messages' latency).
+  // Data parallelism: the whole model on 16 samples per rank (4x the profiled size), then the runtime's
+  // group all-reduce of 8 MiB of gradients (with its messages' latency) and the one of the step's loss
+  // and token count.
   double compute = 0;
   for (const LayerProfile& l : prof.layers) compute += 4 * (l.forward_ms + l.backward_ms);
-  EXPECT_NEAR(r.data_parallel_ms, compute + ring_allreduce_ms(8.0 * (1 << 20), 2, o.bandwidth_bytes_per_ms, o.latency_ms),
+  EXPECT_NEAR(r.data_parallel_ms,
+              compute + group_allreduce_ms(8.0 * (1 << 20), 2, o.bandwidth_bytes_per_ms, o.latency_ms) +
+                  group_allreduce_ms(kReplicaLossBytes, 2, o.bandwidth_bytes_per_ms, o.latency_ms),
               1e-9);
   // No bubble and a cheap all-reduce: data parallelism beats the two-stage pipeline here, and is chosen.
   EXPECT_FALSE(r.chose_replicated);

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -716,4 +717,64 @@ TEST(GroupTransport, RenumbersAndReducesWithinTheGroup) {
   EXPECT_EQ(received, (std::vector<double>{-1, 0, -1, 2}));
   EXPECT_THROW(make_group_transport(world[0], {1, 2}), UsageError);  // rank 0 is not a member
   EXPECT_THROW(make_group_transport(world[0], {0, 0}), UsageError);
+}
+
+// The group all-reduce (a reduce-scatter and an all-gather between the members) for 2, 3 and 4 members
+// over in-process ranks: a world of n + 1 ranks whose last n form the group in reverse order (group rank
+// 0 is the highest world rank; world rank 0 stays out). Float tensors whose length does not split evenly
+// over the members (fewer elements than members included), a non-contiguous one, and doubles: every
+// member ends with bitwise the same tensor, the sum in member order (member 0's + member 1's + ...), and
+// that is the plain sum within float rounding.
+TEST(GroupTransport, AllReduceGivesEveryMemberTheSameSum) {
+  using namespace pipetrain;
+  for (int n : {2, 3, 4}) {
+    std::vector<int> members;
+    for (int r = n; r >= 1; --r) members.push_back(r);
+    for (int64_t numel : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{1000}, int64_t{100003}}) {
+      for (bool transposed : {false, true}) {
+        for (auto dtype : {torch::kFloat, torch::kDouble}) {
+          if ((transposed || dtype == torch::kDouble) && numel != 1000) continue;
+          SCOPED_TRACE("n=" + std::to_string(n) + " numel=" + std::to_string(numel) +
+                       (transposed ? " transposed" : "") + (dtype == torch::kDouble ? " double" : " float"));
+          torch::manual_seed(static_cast<uint64_t>(n * 1000003 + numel));
+          std::vector<torch::Tensor> input(static_cast<std::size_t>(n + 1)), output(static_cast<std::size_t>(n + 1));
+          for (auto& t : input)
+            t = transposed ? torch::randn({numel / 40, 40}, dtype).t() : torch::randn({numel}, dtype) * 1000;
+          auto world = make_local_transports(n + 1);
+          run_on_threads(n + 1, [&](int r) {
+            if (r == 0) return;  // not a member
+            auto group = make_group_transport(world[static_cast<std::size_t>(r)], members);
+            ASSERT_EQ(group->rank(), n - r);
+            torch::Tensor t = input[static_cast<std::size_t>(r)].clone();
+            group->all_reduce_sum(t);
+            output[static_cast<std::size_t>(r)] = t;
+            group->barrier();
+          });
+          torch::Tensor in_order = input[static_cast<std::size_t>(members[0])].clone();
+          // The plain sum (long double would do no better here: doubles hold a sum of 4 floats exactly),
+          // and the float rounding bound: n - 1 roundings, each at most half a unit in the last place of
+          // a partial sum no larger than the sum of the magnitudes.
+          torch::Tensor plain = input[static_cast<std::size_t>(members[0])].to(torch::kDouble);
+          torch::Tensor magnitude = plain.abs();
+          for (int j = 1; j < n; ++j) {
+            const torch::Tensor& x = input[static_cast<std::size_t>(members[static_cast<std::size_t>(j)])];
+            in_order.add_(x);
+            plain.add_(x.to(torch::kDouble));
+            magnitude.add_(x.to(torch::kDouble).abs());
+          }
+          const double unit = dtype == torch::kFloat ? std::ldexp(1.0, -24) : std::ldexp(1.0, -53);
+          const torch::Tensor bound = magnitude * ((n - 1) * unit);
+          for (int r = 1; r <= n; ++r) {
+            const torch::Tensor& out = output[static_cast<std::size_t>(r)];
+            ASSERT_TRUE(out.defined());
+            EXPECT_EQ(out.sizes(), input[0].sizes());
+            EXPECT_EQ(out.scalar_type(), dtype);
+            EXPECT_TRUE(torch::equal(out, in_order)) << "world rank " << r;
+            EXPECT_TRUE(torch::equal(out, output[1])) << "world rank " << r << " against world rank 1";
+            EXPECT_TRUE((out.to(torch::kDouble) - plain).abs().le(bound).all().item<bool>()) << "world rank " << r;
+          }
+        }
+      }
+    }
+  }
 }

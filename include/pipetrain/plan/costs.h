@@ -53,8 +53,18 @@ std::vector<double> stage_static_bytes(const Profile& profile, const std::vector
 // bandwidth <= 0 or infinite: the bytes cost nothing, only the latency counts. 0 for one rank.
 double ring_allreduce_ms(double bytes, int ranks, double bandwidth_bytes_per_ms, double latency_ms);
 
-// Stage replication (1F1B-RR): per stage the ring all-reduce of its parameters over its replicas, the
-// extra cost of its optimizer step (CostModel::stage_step). Throws UsageError if the balance does not
+// The runtime's all-reduce over a group of `ranks` (make_group_transport, which data parallelism and stage
+// replication use): a reduce-scatter and an all-gather, each one round of concurrent messages, so every
+// member sends (and receives) 2 (r-1)/r of the bytes and waits for 2 latencies. bandwidth <= 0 or
+// infinite: the bytes cost nothing, only the latency counts. 0 for one rank.
+double group_allreduce_ms(double bytes, int ranks, double bandwidth_bytes_per_ms, double latency_ms);
+// What the replicas of a data-parallel step sum besides the gradients, exactly (as doubles) in a second
+// group all-reduce: the step's loss and token count.
+inline constexpr double kReplicaLossBytes = 2 * sizeof(double);
+
+// Stage replication (1F1B-RR): per stage the group all-reduce of its parameters' gradients (bytes as the
+// profile gives them: in the parameters' dtype, which the runtime sends) over its replicas, the extra
+// cost of its optimizer step (CostModel::stage_step). Throws UsageError if the balance does not
 // fit the profile or the replication has another stage count.
 std::vector<double> replica_allreduce_ms(const Profile& profile, const std::vector<int>& balance,
                                          const std::vector<int>& replication, double bandwidth_bytes_per_ms,

@@ -4,8 +4,9 @@
 // micro-batch count m, balance kind x solver, and, across a --level hierarchy, both placements (a
 // replica's stages on neighbouring ranks, or a stage's replicas on neighbouring ranks), each simulated
 // with per-stage costs summed from the profile at the micro-batch size, a transfer time per stage
-// boundary from the bytes that cross it and the link it crosses, and a ring all-reduce of every stage's
-// gradients over its replicas at the end of the step, and checked against the memory per rank. p = 1 is
+// boundary from the bytes that cross it and the link it crosses, and the runtime's group all-reduce
+// (costs.h group_allreduce_ms) of every stage's gradients over its replicas at the end of the step, and
+// checked against the memory per rank. p = 1 is
 // data parallelism (with gradient accumulation when m > 1). PipeDream's planner with per-stage
 // replication (planner.h) runs too, and its plan, run synchronously as 1F1B-RR, is a candidate like the
 // others. Torch-free.
@@ -90,7 +91,7 @@ struct PlanSearchResult {
   PlanCandidate best_straight;  // the best single pipeline over min(R, L) ranks, one stage each (what UMPIPE cuts)
   std::optional<PlanCandidate> uniform_1f1b;  // the baseline: uniform balance, 1f1b, min(R, L) stages, its best m
   // Data parallelism: p = 1 on min(ranks, batch) replicas, one micro-batch, as simulated (the whole
-  // model's compute on each replica's share, then the ring all-reduce of the gradients).
+  // model's compute on each replica's share, then the group all-reduce of the gradients and the loss).
   std::optional<PlanCandidate> data_parallel;
   double data_parallel_ms = 0, data_parallel_bytes = 0;
   bool data_parallel_fits = true;
@@ -107,7 +108,7 @@ struct PlanSearchResult {
 PlanSearchResult search_plans(const Profile& profile, const PlanSearchOptions& options);
 
 // Simulates one candidate: a straight pipeline, or with `replication` (one count per stage) 1F1B-RR
-// over the replicas, each replicated stage's step carrying a ring all-reduce of its parameters.
+// over the replicas, each replicated stage's step carrying the group all-reduce of its parameters' gradients.
 PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>& balance, const std::string& schedule,
                                  int m, double micro_batch, double bandwidth_bytes_per_ms, double latency_ms,
                                  double memory_limit_bytes, const std::vector<int>& replication = {});

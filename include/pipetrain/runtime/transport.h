@@ -158,8 +158,10 @@ std::shared_ptr<Transport> make_mpi_transport();
 // base's own rank), for data parallelism across pipelines: one group per pipeline replica for its
 // stages' transfers, one per stage for the all-reduce of the replicas' gradients. Point-to-point goes
 // straight through `base` (groups whose members never share a pair of ranks cannot mix up messages);
-// collectives run as messages with tag `collective_tag` through the first member, which sums in member
-// order, so every member gets bitwise the same result. abort() aborts `base`: every rank stops.
+// collectives run as messages with tag `collective_tag`: all_reduce_sum as a reduce-scatter and an
+// all-gather between the members (each sends and receives 2 (n - 1) / n of the tensor), every element
+// summed in member order by one member, so every member gets bitwise the same result, the same as a sum
+// in member order (transport_group.cpp). abort() aborts `base`: every rank stops.
 // Collectives of one group must not overlap another group's that shares a pair of ranks.
 std::shared_ptr<Transport> make_group_transport(std::shared_ptr<Transport> base, const std::vector<int>& members,
                                                 int collective_tag = 32767);
