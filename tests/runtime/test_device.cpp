@@ -56,7 +56,9 @@ TEST(Device, TheVersionProbesAnswerWithoutAGpu) {
   // c10::Event reads elapsed times from 2.0 on; 1.13's CUDA builds fall back to synchronised host times.
   EXPECT_EQ(compat::kEventElapsedTime, TORCH_VERSION_MAJOR >= 2);
   // Asking a machine without a GPU for CUDA's peaks is no error: there are none.
-  if (!torch::cuda::is_available()) EXPECT_NO_THROW(device_memory_peak(torch::Device(torch::kCUDA, 0)));
+  if (!torch::cuda::is_available()) {
+    EXPECT_NO_THROW(device_memory_peak(torch::Device(torch::kCUDA, 0)));
+  }
 }
 
 // On a GPU the autograd engine runs a backward on its own device thread, not on the thread that set the

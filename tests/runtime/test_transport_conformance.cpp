@@ -520,9 +520,13 @@ TEST_P(Conformance, AKilledPeerStopsTheOthers) {
   EXPECT_FALSE(r.has("did not stop")) << r.output;
   EXPECT_FALSE(r.has("is still there")) << r.output;
   if (GetParam() != "mpi") {
-    for (int rank : {0, 2})
-      EXPECT_TRUE(r.has("pipetrain rank " + std::to_string(rank) + ": stopping: rank 1 failed: it went away"))
-          << r.output;
+    // Either detector may report it first: the transport (the closed connection or segment: "it went
+    // away") or the launcher that reaped the killed rank ("it was killed by signal 9"), which wins on a
+    // loaded machine (seen in the 2.6 suite while two builds ran).
+    for (int rank : {0, 2}) {
+      const std::string prefix = "pipetrain rank " + std::to_string(rank) + ": stopping: rank 1 failed: it ";
+      EXPECT_TRUE(r.has(prefix + "went away") || r.has(prefix + "was killed by signal 9")) << r.output;
+    }
   }
 }
 
@@ -535,7 +539,9 @@ void expect_extra_wait_stops_every_rank(const std::string& kind, const Outcome& 
   EXPECT_FALSE(r.has("the extra wait returned")) << r.output;
   EXPECT_FALSE(r.has("did not stop")) << r.output;  // stopped by itself, not by the launcher
   EXPECT_TRUE(r.has("rank 1 finished") && r.has("rank 0 waits " + waits_for)) << r.output;
-  if (kind == "shm" || kind == "gloo") EXPECT_TRUE(r.has("pipetrain rank 1: stopping: rank 0 failed: ")) << r.output;
+  if (kind == "shm" || kind == "gloo") {
+    EXPECT_TRUE(r.has("pipetrain rank 1: stopping: rank 0 failed: ")) << r.output;
+  }
 }
 
 TEST_P(Conformance, ARankThatFinishedStopsOneWaitingForItsMessage) {
