@@ -202,13 +202,19 @@ int scenario_abort(Transport& t) {
   return 0;
 }
 
-// Both ranks exchange once; then rank 1 finishes (returns: its transport is destroyed, or its thread
-// ends) while rank 0 waits for one more message from it, or in one more all_reduce_sum.
-int scenario_extra(Transport& t, bool collective) {
+// Ranks 0 and 1 swap one small message.
+void exchange_once(Transport& t) {
   at::Tensor out = at::full({4}, t.rank(), at::kFloat), in = at::empty({4}, at::kFloat);
   auto s = t.isend(out, 1 - t.rank(), 1);
   t.recv(in, 1 - t.rank(), 1);
   s->wait();
+}
+
+// Both ranks exchange once; then rank 1 finishes (returns: its transport is destroyed, or its thread
+// ends) while rank 0 waits for one more message from it, or in one more all_reduce_sum.
+int scenario_extra(Transport& t, bool collective) {
+  exchange_once(t);
+  at::Tensor in = at::zeros({4}, at::kFloat);
   if (t.rank() == 1) return 0;
   const auto start = std::chrono::steady_clock::now();
   try {
@@ -228,10 +234,7 @@ int scenario_extra(Transport& t, bool collective) {
 // (64 MiB) that no transport can buffer it whole (Gloo's send waits for the receive: it hung for good).
 // The local transport buffers every send, so there the send returns.
 int scenario_extra_send(Transport& t) {
-  at::Tensor out = at::full({4}, t.rank(), at::kFloat), in = at::empty({4}, at::kFloat);
-  auto s = t.isend(out, 1 - t.rank(), 1);
-  t.recv(in, 1 - t.rank(), 1);
-  s->wait();
+  exchange_once(t);
   if (t.rank() == 1) return 0;
   const auto start = std::chrono::steady_clock::now();
   try {
@@ -249,10 +252,7 @@ int scenario_extra_send(Transport& t) {
 // Both ranks exchange once; rank 0 finishes while rank 1 is stuck in its own code for 20 s (a hung rank
 // is not a failure any transport can see), then rank 1 finishes too.
 int scenario_hang_at_end(Transport& t) {
-  at::Tensor out = at::full({4}, t.rank(), at::kFloat), in = at::empty({4}, at::kFloat);
-  auto s = t.isend(out, 1 - t.rank(), 1);
-  t.recv(in, 1 - t.rank(), 1);
-  s->wait();
+  exchange_once(t);
   if (t.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(20));
   return 0;
 }
