@@ -78,8 +78,9 @@
 // Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (or OMPI_COMM_WORLD_RANK/SIZE), GLOO_SOCKET_IFNAME
 // (the network interface for Gloo; default: the one that routes to MASTER_ADDR, loopback for 127.0.0.1),
 // PIPETRAIN_HEARTBEAT_TIMEOUT (seconds, default 10), PIPETRAIN_FINAL_BARRIER_TIMEOUT (transport.h),
-// PIPETRAIN_RENDEZVOUS_TIMEOUT (seconds all ranks get to join, default 300), PIPETRAIN_RUN_TOKEN, PIPETRAIN_STORE_BIND, PIPETRAIN_LAUNCHER_STORE and
-// TORCHELASTIC_USE_AGENT_STORE (above), PIPETRAIN_RENDEZVOUS_FAULT (a test hook, rendezvous_fault()).
+// PIPETRAIN_RENDEZVOUS_TIMEOUT (seconds all ranks get to join, default 300), PIPETRAIN_RUN_TOKEN,
+// PIPETRAIN_STORE_BIND, PIPETRAIN_LAUNCHER_STORE and TORCHELASTIC_USE_AGENT_STORE (above),
+// PIPETRAIN_RENDEZVOUS_FAULT (a test hook, rendezvous_fault()).
 // Gloo operations time out after 30 min.
 //
 // Listening addresses: the store only on MASTER_ADDR's address (127.0.0.1 under pipetrain launch), never

@@ -61,8 +61,8 @@
 // (PIPETRAIN_LAUNCHER_STORE, PIPETRAIN_RUN_TOKEN, PIPETRAIN_STORE_BIND, PIPETRAIN_RENDEZVOUS_TIMEOUT),
 // PIPETRAIN_SHM_PREFIX (set by pipetrain launch), PIPETRAIN_SHM_RING_BYTES (ring size, a power of two
 // from 64 KiB; default 4 MiB, less when /dev/shm is small), PIPETRAIN_SHM_SPIN_US,
-// PIPETRAIN_HEARTBEAT_TIMEOUT, PIPETRAIN_FINAL_BARRIER_TIMEOUT (transport.h), PIPETRAIN_SHM_FAULT and PIPETRAIN_RENDEZVOUS_FAULT (test hooks,
-// shm_fault() and rendezvous_fault()).
+// PIPETRAIN_HEARTBEAT_TIMEOUT, PIPETRAIN_FINAL_BARRIER_TIMEOUT (transport.h), PIPETRAIN_SHM_FAULT and
+// PIPETRAIN_RENDEZVOUS_FAULT (test hooks, shm_fault() and rendezvous_fault()).
 #include <ATen/ATen.h>
 
 #include <fcntl.h>

@@ -210,24 +210,31 @@ void exchange_once(Transport& t) {
   s->wait();
 }
 
-// Both ranks exchange once; then rank 1 finishes (returns: its transport is destroyed, or its thread
-// ends) while rank 0 waits for one more message from it, or in one more all_reduce_sum.
-int scenario_extra(Transport& t, bool collective) {
-  exchange_once(t);
-  at::Tensor in = at::zeros({4}, at::kFloat);
-  if (t.rank() == 1) return 0;
+// Rank 0's last operation `op` (rank 1 has finished): a failure is noted with its time and aborts the
+// rank (code 1); `returned` is noted when it returns (code 0).
+template <class Op>
+int last_operation_of_rank0(Transport& t, Op op, const std::string& returned) {
   const auto start = std::chrono::steady_clock::now();
   try {
-    if (collective) t.all_reduce_sum(in);
-    else t.recv(in, 1, 2);
+    op();
   } catch (const std::exception& e) {
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
     note("rank 0: caught after " + std::to_string(ms.count()) + " ms: " + e.what());
     t.abort(e.what());
     return 1;
   }
-  note("rank 0: the extra wait returned");
+  note("rank 0: " + returned);
   return 0;
+}
+
+// Both ranks exchange once; then rank 1 finishes (returns: its transport is destroyed, or its thread
+// ends) while rank 0 waits for one more message from it, or in one more all_reduce_sum.
+int scenario_extra(Transport& t, bool collective) {
+  exchange_once(t);
+  if (t.rank() == 1) return 0;
+  at::Tensor in = at::zeros({4}, at::kFloat);
+  return last_operation_of_rank0(
+      t, [&] { collective ? t.all_reduce_sum(in) : t.recv(in, 1, 2); }, "the extra wait returned");
 }
 
 // Both ranks exchange once; then rank 1 finishes while rank 0 sends it one more message, large enough
@@ -236,17 +243,8 @@ int scenario_extra(Transport& t, bool collective) {
 int scenario_extra_send(Transport& t) {
   exchange_once(t);
   if (t.rank() == 1) return 0;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    t.send(at::zeros({16 << 20}, at::kFloat), 1, 2);
-  } catch (const std::exception& e) {
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-    note("rank 0: caught after " + std::to_string(ms.count()) + " ms: " + e.what());
-    t.abort(e.what());
-    return 1;
-  }
-  note("rank 0: the extra send returned");
-  return 0;
+  return last_operation_of_rank0(
+      t, [&] { t.send(at::zeros({16 << 20}, at::kFloat), 1, 2); }, "the extra send returned");
 }
 
 // Both ranks exchange once; rank 0 finishes while rank 1 is stuck in its own code for 20 s (a hung rank
