@@ -185,8 +185,8 @@ CostModel ScheduleFlags::base_costs(const Schedule& s) const {
       std::vector<int> counts;
       for (int st = 0; st < s.stages; ++st) counts.push_back(s.replicas_of(st));
       const auto [bandwidth, latency] = transfer_options(p);
-      c.stage_step = replica_allreduce_ms(p, plan_balance(p, s.stages, balance, parse_balance_solver(balance_solver)),
-                                          counts, bandwidth, latency);
+      add_stage_step(c, replica_allreduce_ms(p, plan_balance(p, s.stages, balance, parse_balance_solver(balance_solver)),
+                                             counts, bandwidth, latency));
     }
     return c;
   }

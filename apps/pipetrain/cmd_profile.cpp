@@ -62,19 +62,21 @@ void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime, bool report = 
   if (runtime) p.runtime = *runtime;
   std::cout << fmt::format("profile of {}\n  micro-batch {}, {} threads, median of {} runs\n", p.model,
                            p.micro_batch_size, p.threads, f.repeats);
-  std::cout << fmt::format("{:>3} {:<22} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}\n", "#", "layer", "F ms", "B ms",
-                           "W ms", "BW ms", "output KiB", "params KiB");
-  double tf = 0, tb = 0;
+  std::cout << fmt::format("{:>3} {:<22} {:>9} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}\n", "#", "layer", "F ms", "B ms",
+                           "W ms", "BW ms", "step ms", "output KiB", "params KiB");
+  double tf = 0, tb = 0, ts = 0;
   for (std::size_t i = 0; i < p.layers.size(); ++i) {
     const LayerProfile& l = p.layers[i];
     tf += l.forward_ms;
     tb += l.backward_ms;
-    std::cout << fmt::format("{:>3} {:<22} {:>9.3f} {:>9} {:>9} {:>9.3f} {:>12.1f} {:>12.1f}\n", i, l.type,
+    ts += l.optimizer_ms;
+    std::cout << fmt::format("{:>3} {:<22} {:>9.3f} {:>9} {:>9} {:>9.3f} {:>9.3f} {:>12.1f} {:>12.1f}\n", i, l.type,
                              l.forward_ms, l.bw_split ? fmt::format("{:.3f}", l.input_grad_ms) : "-",
-                             l.bw_split ? fmt::format("{:.3f}", l.weight_grad_ms) : "-", l.backward_ms,
+                             l.bw_split ? fmt::format("{:.3f}", l.weight_grad_ms) : "-", l.backward_ms, l.optimizer_ms,
                              l.activation_bytes / 1024.0, l.parameter_bytes / 1024.0);
   }
-  std::cout << fmt::format("    total forward {:.3f} ms, backward {:.3f} ms\n", tf, tb);
+  std::cout << fmt::format("    total forward {:.3f} ms, backward {:.3f} ms, optimizer step {:.3f} ms ({})\n", tf, tb,
+                           ts, f.optimizer);
   if (runtime) {
     std::cout << fmt::format("runtime over {} (2 ranks): one transfer = {:.2f} us + bytes at {}; overhead {:.2f} us per "
                              "compute action\n",
@@ -103,7 +105,7 @@ void add_profile_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--repeats", f->repeats, "timed runs per measurement (median), default 10");
   cmd->add_option("--warmup", f->warmup, "untimed runs first, default 2");
   cmd->add_option("--threads", f->threads, "intra-op threads while measuring; default: as LibTorch starts");
-  cmd->add_option("--optimizer", f->optimizer, "adam, adamw, sgd or sgd-momentum (optimizer state bytes); default adam");
+  cmd->add_option("--optimizer", f->optimizer, "adam, adamw, sgd or sgd-momentum (the optimizer state's bytes and step time); default adam");
   cmd->add_option("--sizes", f->sizes, "also measure at these micro-batch sizes (for UMPIPE), e.g. --sizes 1 2 4 16");
   cmd->add_option("--out", f->out, "write the profile JSON here");
   cmd->add_option("--backward-split", f->backward_split,

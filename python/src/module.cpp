@@ -119,8 +119,8 @@ CostModel flag_costs(const CostFlags& f, const Schedule& s) {
       std::vector<int> counts;
       for (int st = 0; st < s.stages; ++st) counts.push_back(s.replicas_of(st));
       const auto [bandwidth, latency] = transfer_options(f, p);
-      c.stage_step = replica_allreduce_ms(p, plan_balance(p, s.stages, f.balance, parse_balance_solver(f.balance_solver)),
-                                          counts, bandwidth, latency);
+      add_stage_step(c, replica_allreduce_ms(p, plan_balance(p, s.stages, f.balance, parse_balance_solver(f.balance_solver)),
+                                             counts, bandwidth, latency));
     }
   } else {
     const std::vector<StageCost> given = parse_stage_costs(f.cost);

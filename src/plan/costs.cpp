@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "pipetrain/core/error.h"
@@ -64,6 +66,15 @@ CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, cons
     }
     costs.stage.push_back(sc);
   }
+  // Each stage's optimizer step, where the profile measured it (version 3): its layers' times.
+  std::vector<double> step(balance.size(), 0.0);
+  bool timed_steps = false;
+  for (std::size_t s = 0, l = 0; s < balance.size(); ++s)
+    for (int k = 0; k < balance[s]; ++k, ++l) {
+      step[s] += prof.layers[l].optimizer_ms;
+      timed_steps = timed_steps || prof.layers[l].optimizer_ms > 0;
+    }
+  if (timed_steps) costs.stage_step = std::move(step);
   // What B frees of a micro-batch's activations, from the profile when it measured what split layers
   // keep for their W (every split layer, at least one); else the cost model's default.
   double held = 0, kept_for_w = 0;
@@ -119,6 +130,17 @@ double group_allreduce_ms(double bytes, int ranks, double bandwidth_bytes_per_ms
   const double r = ranks;
   const bool free_bytes = !(bandwidth_bytes_per_ms > 0) || std::isinf(bandwidth_bytes_per_ms);
   return 2 * (r - 1) / r * (free_bytes ? 0.0 : bytes / bandwidth_bytes_per_ms) + 2 * latency_ms;
+}
+
+void add_stage_step(CostModel& costs, const std::vector<double>& extra) {
+  if (costs.stage_step.empty()) {
+    costs.stage_step = extra;
+    return;
+  }
+  if (costs.stage_step.size() != extra.size())
+    throw std::logic_error("add_stage_step: " + std::to_string(extra.size()) + " step costs for " +
+                           std::to_string(costs.stage_step.size()) + " stages");
+  for (std::size_t s = 0; s < extra.size(); ++s) costs.stage_step[s] += extra[s];
 }
 
 std::vector<double> replica_allreduce_ms(const Profile& prof, const std::vector<int>& balance,

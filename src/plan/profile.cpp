@@ -161,6 +161,7 @@ void validate_profile(const Profile& p, const std::string& origin) {
     if (l.w_held_bytes >= 0) check_amount(origin, at + ".w_held_bytes", l.w_held_bytes, "bytes");
     check_amount(origin, at + ".parameter_bytes", l.parameter_bytes, "bytes");
     check_amount(origin, at + ".optimizer_bytes", l.optimizer_bytes, "bytes");
+    check_amount(origin, at + ".optimizer_ms", l.optimizer_ms, "milliseconds");
     int previous = 0;
     for (std::size_t k = 0; k < l.by_micro_batch.size(); ++k) {
       const SizeMeasurement& s = l.by_micro_batch[k];
@@ -238,6 +239,7 @@ json profile_to_json(const Profile& p) {
     if (l.bw_split && l.w_held_bytes >= 0) o["w_held_bytes"] = amount(l.w_held_bytes);
     o["parameter_bytes"] = amount(l.parameter_bytes);
     o["optimizer_bytes"] = amount(l.optimizer_bytes);
+    if (l.optimizer_ms > 0) o["optimizer_ms"] = l.optimizer_ms;
     if (!l.by_micro_batch.empty()) {
       json sizes = json::array();
       for (const SizeMeasurement& s : l.by_micro_batch)
@@ -264,9 +266,11 @@ json profile_to_json(const Profile& p) {
                     {"bandwidth_bytes_per_ms", rc.bandwidth_bytes_per_ms},
                     {"overhead_ms", rc.overhead_ms},
                     {"transfers", transfers}};
-  } else {
-    j["version"] = 1;  // what version 1 readers read: nothing of version 2 is in it
   }
+  // The lowest version that holds what this profile has, so older readers still read what they can.
+  const bool optimizer_times =
+      std::any_of(p.layers.begin(), p.layers.end(), [](const LayerProfile& l) { return l.optimizer_ms > 0; });
+  j["version"] = optimizer_times ? 3 : p.runtime ? 2 : 1;
   return j;
 }
 
@@ -306,7 +310,7 @@ Profile profile_from_json(const json& j, const std::string& origin) {
     r.only_keys(o, at,
                 {"name", "type", "forward_ms", "backward_ms", "bw_split", "input_grad_ms", "weight_grad_ms",
                  "activation_bytes", "saved_bytes", "w_held_bytes", "parameter_bytes", "optimizer_bytes",
-                 "by_micro_batch"});
+                 "optimizer_ms", "by_micro_batch"});
     l.type = r.text(o, at, "type");
     l.forward_ms = r.number(o, at, "forward_ms", "milliseconds");
     l.backward_ms = r.number(o, at, "backward_ms", "milliseconds");
@@ -330,6 +334,12 @@ Profile profile_from_json(const json& j, const std::string& origin) {
     if (o.contains("saved_bytes")) l.saved_bytes = r.number(o, at, "saved_bytes", "bytes");
     l.parameter_bytes = r.number(o, at, "parameter_bytes", "bytes");
     l.optimizer_bytes = r.number(o, at, "optimizer_bytes", "bytes");
+    if (o.contains("optimizer_ms")) {
+      if (version.get<long long>() < 3)
+        fail(origin, at + ".optimizer_ms", fmt::format("is given in a version {} profile", version.get<long long>()),
+             "write \"version\": 3 (optimizer step times came with it)");
+      l.optimizer_ms = r.number(o, at, "optimizer_ms", "milliseconds");
+    }
     if (o.contains("by_micro_batch")) {
       const json& sizes = o["by_micro_batch"];
       if (!sizes.is_array())

@@ -63,7 +63,7 @@ PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>&
     sch = generate(schedule, g);
   } else {
     sch = round_robin(schedule, replication, m);
-    costs.stage_step = replica_allreduce_ms(profile, balance, replication, bandwidth_bytes_per_ms, latency_ms);
+    add_stage_step(costs, replica_allreduce_ms(profile, balance, replication, bandwidth_bytes_per_ms, latency_ms));
   }
   const SimResult r = simulate(sch, costs);
   c.makespan = r.metrics.makespan;
@@ -167,9 +167,11 @@ class Search {
       : prof_(prof), o_(o), batch_(batch), links_(links), L_(static_cast<int>(prof.layers.size())) {
     static_bytes_.push_back(0);
     params_.push_back(0);
+    optimizer_ms_.push_back(0);
     for (const LayerProfile& l : prof.layers) {
       static_bytes_.push_back(static_bytes_.back() + 2 * l.parameter_bytes + l.optimizer_bytes);
       params_.push_back(params_.back() + l.parameter_bytes);
+      optimizer_ms_.push_back(optimizer_ms_.back() + l.optimizer_ms);
     }
     overhead_ = prof.runtime ? prof.runtime->overhead_ms : 0.0;
   }
@@ -227,6 +229,7 @@ class Search {
     // busy and static bytes per pipeline rank; arrival at pipeline rank r (its lowest stage is r).
     rank_busy_.assign(static_cast<std::size_t>(p), 0.0);
     rank_step_.assign(static_cast<std::size_t>(p), 0.0);
+    loss_charged_.assign(static_cast<std::size_t>(p), 0);
     rank_static_.assign(static_cast<std::size_t>(p), 0.0);
     rank_act_.assign(static_cast<std::size_t>(p), std::numeric_limits<double>::infinity());
     double path = 0;
@@ -236,12 +239,16 @@ class Search {
       const double F = ls.f[hi(s)] - ls.f[lo(s)], BW = ls.bw[hi(s)] - ls.bw[lo(s)], B = ls.b[hi(s)] - ls.b[lo(s)];
       rank_busy_[ur] += lay.m * (F + BW + 2 * overhead_);
       rank_static_[ur] += static_bytes_[hi(s)] - static_bytes_[lo(s)];
+      rank_step_[ur] += optimizer_ms_[hi(s)] - optimizer_ms_[lo(s)];
       rank_act_[ur] = std::min(rank_act_[ur], ls.act[hi(s)] - ls.act[lo(s)]);
       if (c.d > 1) {
         const long long a0 = global_rank(c.replicas_inner, p, c.d, r, 0), a1 = global_rank(c.replicas_inner, p, c.d, r, c.d - 1);
         const double bw = links_.bw[static_cast<std::size_t>(links_.level(a0, a1))];
         // the rank's loss and count (once per rank, with its first stage), then each stage's gradients
-        if (rank_step_[ur] == 0) rank_step_[ur] += group_allreduce_ms(kReplicaLossBytes, c.d, bw, o_.latency_ms);
+        if (!loss_charged_[ur]) {
+          loss_charged_[ur] = 1;
+          rank_step_[ur] += group_allreduce_ms(kReplicaLossBytes, c.d, bw, o_.latency_ms);
+        }
         rank_step_[ur] += group_allreduce_ms(params_[hi(s)] - params_[lo(s)], c.d, bw, o_.latency_ms);
       }
       path += F + B + 2 * overhead_;
@@ -288,24 +295,26 @@ class Search {
       const double bw = links_.bw[static_cast<std::size_t>(level)];
       costs.boundary_comm[static_cast<std::size_t>(s)] = o_.latency_ms + (std::isinf(bw) ? 0.0 : bytes / bw);
     }
+    std::vector<double> allreduce;  // per stage; empty for one replica
     if (c.d > 1) {
       // The runtime's step on each rank: one group all-reduce of all its stages' gradients (as they are:
       // the profile's parameter bytes), one of the step's loss and count (charged to the rank's first
       // stage).
-      costs.stage_step.assign(static_cast<std::size_t>(S), 0.0);
+      allreduce.assign(static_cast<std::size_t>(S), 0.0);
       std::vector<char> charged(static_cast<std::size_t>(p), 0);
       for (int s = 0; s < S; ++s) {
         const int r = rank_in_pipeline(lay.shape, p, s);
         const long long a0 = global_rank(c.replicas_inner, p, c.d, r, 0), a1 = global_rank(c.replicas_inner, p, c.d, r, c.d - 1);
         const int lo = s == 0 ? 0 : be.end[static_cast<std::size_t>(s - 1)], hi = be.end[static_cast<std::size_t>(s)];
         const double bw = links_.bw[static_cast<std::size_t>(links_.level(a0, a1))];
-        double& step = costs.stage_step[static_cast<std::size_t>(s)];
+        double& step = allreduce[static_cast<std::size_t>(s)];
         step = group_allreduce_ms(params_[hi] - params_[lo], c.d, bw, o_.latency_ms);
         if (!charged[static_cast<std::size_t>(r)]) {
           charged[static_cast<std::size_t>(r)] = 1;
           step += group_allreduce_ms(kReplicaLossBytes, c.d, bw, o_.latency_ms);
         }
       }
+      add_stage_step(costs, allreduce);  // after the optimizer's own time, where the profile has it
     }
     const Schedule& sch = schedule(lay, costs);
     const Metrics m = simulate_metrics(sch, costs);
@@ -328,7 +337,7 @@ class Search {
       const auto r = static_cast<std::size_t>(rank_in_pipeline(lay.shape, p, s));
       const int lo = s == 0 ? 0 : be.end[static_cast<std::size_t>(s - 1)], hi = be.end[static_cast<std::size_t>(s)];
       rank_static[r] += static_bytes_[hi] - static_bytes_[lo];
-      if (!costs.stage_step.empty()) rank_step[r] += costs.stage_step[static_cast<std::size_t>(s)];
+      if (!allreduce.empty()) rank_step[r] += allreduce[static_cast<std::size_t>(s)];
     }
     for (int r = 0; r < p; ++r) {
       out.peak_bytes = std::max(out.peak_bytes, rank_static[static_cast<std::size_t>(r)] +
@@ -384,7 +393,7 @@ class Search {
   const Links& links_;
   int L_;
   double overhead_ = 0;
-  std::vector<double> static_bytes_, params_;  // prefix sums over layers
+  std::vector<double> static_bytes_, params_, optimizer_ms_;  // prefix sums over layers
   std::map<int, std::vector<BalanceEntry>> balances_;
   std::map<double, LayerSums> sums_;
   std::map<std::string, Schedule> schedules_;
@@ -392,6 +401,7 @@ class Search {
   std::size_t cached_actions_ = 0;
   Schedule scratch_;
   std::vector<double> rank_busy_, rank_step_, rank_static_, rank_act_;
+  std::vector<char> loss_charged_;
 };
 
 Links make_links(const PlanSearchOptions& o, const PlannerOptions& po) {

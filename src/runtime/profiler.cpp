@@ -11,6 +11,7 @@
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/runtime/device.h"
 #include "autograd_split.h"
+#include "fused_optimizer.h"
 #include "pass_util.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/layers.h"
@@ -158,6 +159,53 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
   return t;
 }
 
+// One optimizer step over a layer's trainable weights as a stage's flush takes it: the gradient norm's
+// pass, the gradients' scaling (by 1 / tokens, here by 1 so the gradients stay what they are) and the
+// optimizer's update through the runtime's step (the fused loop on the CPU, the multi-tensor kernels on a
+// GPU). Median of `repeats` after `warmup` (at least one: the first step makes the optimizer's state). The
+// weights are put back afterwards, so profiling leaves the model as it found it. 0 for a layer without
+// trainable weights.
+double time_optimizer_step(torch::nn::Module& module, const ProfilerOptions& o) {
+  std::vector<torch::Tensor> params;
+  for (auto& p : module.parameters())
+    if (p.requires_grad()) params.push_back(p);
+  if (params.empty()) return 0.0;
+  std::vector<torch::Tensor> kept;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : params) {
+      kept.push_back(p.detach().clone());
+      if (!p.grad().defined()) p.mutable_grad() = torch::randn_like(p) * 1e-3;
+    }
+  }
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  const double lr = 1e-6;  // small: the weights barely move between the repeats
+  if (o.optimizer == "adam")
+    opt = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr));
+  else if (o.optimizer == "adamw")
+    opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr));
+  else
+    opt = std::make_unique<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(lr).momentum(o.optimizer == "sgd-momentum" ? 0.9 : 0.0));
+  std::vector<double> times;
+  const int warmup = std::max(1, o.warmup);
+  for (int i = 0; i < warmup + o.repeats; ++i) {
+    const double t0 = now_after(params.front());
+    const double sq = detail::gradient_sum_of_squares(params);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : params) p.mutable_grad().mul_(1.0);
+    }
+    detail::optimizer_step(*opt);
+    const double t1 = now_after(params.front());
+    if (!std::isfinite(sq)) throw std::runtime_error("the profiler's optimizer step met a non-finite gradient");
+    if (i >= warmup) times.push_back(t1 - t0);
+  }
+  torch::NoGradGuard no_grad;
+  for (std::size_t k = 0; k < params.size(); ++k) params[k].copy_(kept[k]);
+  return median(times);
+}
+
 }  // namespace
 
 namespace {
@@ -222,6 +270,7 @@ Profile profile_layers(const LayerSource& layers, const torch::Tensor& input, co
     for (const auto& param : module->parameters())
       if (param.requires_grad()) l.parameter_bytes += static_cast<double>(param.numel() * param.element_size());
     l.optimizer_bytes = state_factor * l.parameter_bytes;
+    l.optimizer_ms = time_optimizer_step(*module, o);
     for (std::size_t e = 0; e < extra_inputs.size(); ++e) {
       const LayerTimes te =
           time_layer(any, extra_inputs[e], o, last && with_loss ? resized(target, o.extra_sizes[e]) : torch::Tensor(), false);

@@ -80,6 +80,34 @@ TEST(Costs, StageCostsSumTheirLayers) {
   EXPECT_THROW(stage_costs(p, {2, 2}, o), UsageError);
 }
 
+// A stage's optimizer step costs its layers' measured step times (the runtime steps once per stage and
+// mini-batch, whatever the micro-batch); a profile without them leaves the step free. What replicas add
+// (their all-reduce) comes on top.
+TEST(Costs, StageStepsAreTheirLayersOptimizerTimes) {
+  Profile p;
+  p.model = "m";
+  p.micro_batch_size = 4;
+  p.layers = {layer(1, 2, 100, 10), layer(2, 4, 200, 20), layer(3, 6, 300, 30)};
+  StageCostOptions o;
+  o.micro_batch = 8;
+  EXPECT_TRUE(stage_costs(p, {2, 1}, o).stage_step.empty());
+  p.layers[0].optimizer_ms = 0.25;
+  p.layers[2].optimizer_ms = 1.5;
+  CostModel c = stage_costs(p, {2, 1}, o);
+  EXPECT_EQ(c.stage_step, (std::vector<double>{0.25, 1.5}));
+  o.micro_batch = 2;  // the step does not scale with the micro-batch
+  EXPECT_EQ(stage_costs(p, {1, 2}, o).stage_step, (std::vector<double>{0.25, 1.5}));
+  add_stage_step(c, {1.0, 2.0});
+  EXPECT_EQ(c.stage_step, (std::vector<double>{1.25, 3.5}));
+  EXPECT_THROW(add_stage_step(c, {1.0}), std::logic_error);
+  CostModel none = stage_costs(p, {3}, o);
+  none.stage_step.clear();
+  add_stage_step(none, {0.5});
+  EXPECT_EQ(none.stage_step, (std::vector<double>{0.5}));
+  // The simulator charges it to each stage's Step.
+  EXPECT_DOUBLE_EQ(c.duration(Action{ActionKind::Step, 1, 0}), 3.5);
+}
+
 // Ring all-reduce: r ranks move 2 (r-1)/r of the bytes through each link in 2 (r-1) messages. 3 ranks,
 // 3e6 bytes at 1e6 bytes/ms and 0.05 ms per message: 4/3 x 3 ms + 4 x 0.05 ms = 4.2 ms. Per stage of a
 // replicated plan, over the stage's own parameters; one replica costs nothing.

@@ -33,6 +33,7 @@ Profile random_profile(std::mt19937& rng, int layers) {
     l.activation_bytes = bytes(rng);
     l.parameter_bytes = params(rng);
     l.optimizer_bytes = 2 * l.parameter_bytes;
+    l.optimizer_ms = i % 3 ? t(rng) / 4 : 0.0;  // some measured, some not
     p.layers.push_back(l);
   }
   return p;
@@ -95,6 +96,35 @@ TEST(PlanHybrid, PrunedSearchAgreesWithExhaustiveOnSmallCases) {
       ++cases;
     }
   EXPECT_EQ(cases, 24);
+}
+
+// The optimizer's step (the profile's optimizer_ms) is part of every candidate's time, once per rank and
+// step, after its compute; the all-reduce column stays the all-reduce alone. Data parallelism on 4
+// replicas: its time grows by exactly the whole model's step, and nothing else changes.
+TEST(PlanHybrid, TheOptimizerStepCountsInEveryCandidate) {
+  std::mt19937 rng(5);
+  Profile without = random_profile(rng, 6);
+  for (auto& l : without.layers) l.optimizer_ms = 0;
+  Profile with = without;
+  double total = 0;  // 0.5, 0.75, ..., 1.75
+  for (std::size_t i = 0; i < with.layers.size(); ++i) total += with.layers[i].optimizer_ms = 0.5 + 0.25 * i;
+  PlanSearchOptions o;
+  o.ranks = 4;
+  o.batch_size = 16;
+  o.bandwidth_bytes_per_ms = 1e5;
+  const PlanSearchResult a = search_plans(without, o), b = search_plans(with, o);
+  ASSERT_TRUE(a.data_parallel && b.data_parallel);
+  EXPECT_NEAR(b.data_parallel->makespan - a.data_parallel->makespan, total, 1e-9);
+  EXPECT_DOUBLE_EQ(b.data_parallel->allreduce_ms, a.data_parallel->allreduce_ms);
+  EXPECT_GT(b.data_parallel->allreduce_ms, 0.0);
+  // A straight pipeline's time grows by at least its busiest stage's step and at most the whole model's.
+  const PlanCandidate sa = simulate_candidate(without, {3, 3}, "1f1b", 4, 4, 1e5, 0.05, 0);
+  const PlanCandidate sb = simulate_candidate(with, {3, 3}, "1f1b", 4, 4, 1e5, 0.05, 0);
+  // Each rank's step is its last action, so nothing else moves: the time grows by at least stage 0's step
+  // (rank 0 ends last without them) and at most stage 1's.
+  EXPECT_GE(sb.makespan - sa.makespan, 0.5 + 0.75 + 1.0 - 1e-9);
+  EXPECT_LE(sb.makespan - sa.makespan, 1.25 + 1.5 + 1.75 + 1e-9);
+  expect_never_worse(b);
 }
 
 TEST(PlanHybrid, MoreRanksThanLayersGiveReplicatedPlansBetterThanTheBaselines) {

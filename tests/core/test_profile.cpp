@@ -153,7 +153,14 @@ TEST(Profile, StrictReaderNamesFieldLayerAndFix) {
       {[](json& j) { j["layers"][1]["foward_ms"] = 1; }, {"layers[1] (\"fc\")", "unknown field \"foward_ms\""}},
       {[](json& j) { j["extra"] = 1; }, {"unknown field \"extra\""}},
       {[](json& j) { j["format"] = "pipedream"; }, {"format", "\"pipetrain-profile\""}},
-      {[](json& j) { j["version"] = 3; }, {"version", "is 3", "reads versions 1..2"}},
+      {[](json& j) { j["version"] = 4; }, {"version", "is 4", "reads versions 1..3"}},
+      {[](json& j) { j["layers"][1]["optimizer_ms"] = 0.5; },
+       {"layers[1] (\"fc\").optimizer_ms", "version 1 profile", "write \"version\": 3"}},
+      {[](json& j) {
+         j["version"] = 3;
+         j["layers"][0]["optimizer_ms"] = -0.5;
+       },
+       {"layers[0] (\"embed\").optimizer_ms", "cannot be negative"}},
       {[](json& j) { j.erase("version"); }, {"\"version\" is missing"}},
       {[](json& j) { j["micro_batch_size"] = 0; }, {"micro_batch_size", "is 0", ">= 1"}},
       {[](json& j) { j["threads"] = 1.5; }, {"threads", "write an integer"}},
@@ -174,6 +181,25 @@ TEST(Profile, StrictReaderNamesFieldLayerAndFix) {
   }
   EXPECT_EQ(json_error([](json&) {}), "accepted");
   EXPECT_THROW(profile_from_json_text("{\"format\": ", "x"), UsageError);
+}
+
+// A layer's optimizer step time (version 3) round-trips; a file is written with the lowest version that
+// holds what it has, so a profile without step times stays readable by earlier pipetrains.
+TEST(Profile, OptimizerStepTimesComeWithVersion3) {
+  Profile p = small_profile();
+  EXPECT_EQ(profile_to_json(p)["version"], 1);
+  p.runtime = fit_transfers({{1024, 0.1}, {1 << 20, 1.0}});
+  p.runtime->transport = "shm";
+  EXPECT_EQ(profile_to_json(p)["version"], 2);
+  p.layers[1].optimizer_ms = 0.375;
+  const json j = profile_to_json(p);
+  EXPECT_EQ(j["version"], 3);
+  EXPECT_FALSE(j["layers"][0].contains("optimizer_ms"));  // 0: not measured, not written
+  const Profile q = profile_from_json(j, "mem");
+  EXPECT_EQ(q.layers[0].optimizer_ms, 0.0);
+  EXPECT_EQ(q.layers[1].optimizer_ms, 0.375);
+  p.layers[1].optimizer_ms = std::nan("");
+  EXPECT_NE(validate_error(p).find("optimizer_ms"), std::string::npos) << validate_error(p);
 }
 
 TEST(Profile, BAndWFieldsCountOnlyWithTheSplit) {

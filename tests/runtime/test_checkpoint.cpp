@@ -766,8 +766,29 @@ TEST(Profiler, MeasuresEveryLayer) {
   EXPECT_EQ(p.layers[0].type, "Linear");
   EXPECT_EQ(p.layers[4].type, "LayerNorm");
   EXPECT_EQ(profile_from_json_text(profile_to_json_text(p)).layers.size(), 6u);
+  // The optimizer step is timed for every layer with weights, and only for those (Tanh, Dropout).
+  const std::vector<bool> has_weights{true, false, false, true, true, true};
+  for (std::size_t i = 0; i < 6; ++i)
+    if (has_weights[i]) {
+      EXPECT_GT(p.layers[i].optimizer_ms, 0.0) << i;
+    } else {
+      EXPECT_EQ(p.layers[i].optimizer_ms, 0.0) << i;
+    }
   // The model's gradients are left cleared.
   for (const auto& t : model->parameters()) EXPECT_TRUE(!t.grad().defined() || t.grad().abs().sum().item<double>() == 0);
+  // Timing the optimizer's steps leaves the weights as they were, whatever the optimizer.
+  std::vector<torch::Tensor> before;
+  for (const auto& t : model->parameters()) before.push_back(t.detach().clone());
+  for (const char* name : {"adam", "adamw", "sgd", "sgd-momentum"}) {
+    ProfilerOptions each;
+    each.repeats = 2;
+    each.warmup = 0;
+    each.optimizer = name;
+    const Profile q = profile_model(model, torch::randn({4, kIn}), each);
+    EXPECT_GT(q.layers[0].optimizer_ms, 0.0) << name;
+    const auto after = model->parameters();
+    for (std::size_t k = 0; k < before.size(); ++k) EXPECT_TRUE(torch::equal(before[k], after[k])) << name << " " << k;
+  }
   ProfilerOptions bad;
   bad.optimizer = "lion";
   EXPECT_THROW(profile_model(model, torch::randn({4, kIn}), bad), UsageError);

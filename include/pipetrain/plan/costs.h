@@ -30,7 +30,8 @@ struct StageCostOptions {
 // boundary activation / bandwidth (the cost model has one transfer time), overhead = options.overhead_ms
 // or the profile's runtime overhead, b_release_fraction = 1 - (what split layers keep after B for W,
 // w_held_bytes) / (what all layers keep) when the profile measured it for every split layer, else the
-// default. For the heap model (core/heap.h): gradient_w = the parameter bytes of the stage's split layers,
+// default. stage_step = the sum of the stage's layers' optimizer_ms where the profile measured any (else
+// empty: the step costs nothing). For the heap model (core/heap.h): gradient_w = the parameter bytes of the stage's split layers,
 // gradient_b those of its other layers, message = its last layer's activation_bytes at the micro-batch size.
 // Throws UsageError if the balance does not fit the profile.
 CostModel stage_costs(const Profile& profile, const std::vector<int>& balance, const StageCostOptions& options);
@@ -61,6 +62,10 @@ double group_allreduce_ms(double bytes, int ranks, double bandwidth_bytes_per_ms
 // What the replicas of a data-parallel step sum besides the gradients, exactly (as doubles) in a second
 // group all-reduce: the step's loss and token count.
 inline constexpr double kReplicaLossBytes = 2 * sizeof(double);
+
+// Adds `extra` (one time per stage, e.g. an all-reduce over replicas) to the costs' per-stage step times,
+// which stage_costs fills with the optimizer's where the profile measured them.
+void add_stage_step(CostModel& costs, const std::vector<double>& extra);
 
 // Stage replication (1F1B-RR): per stage the group all-reduce of its parameters' gradients (bytes as the
 // profile gives them: in the parameters' dtype, which the runtime sends) over its replicas, the extra

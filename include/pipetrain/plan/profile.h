@@ -52,6 +52,11 @@ struct LayerProfile {
   double w_held_bytes = -1;
   double parameter_bytes = 0;   // trainable weights
   double optimizer_bytes = 0;   // optimizer state for those weights (e.g. Adam: 2 x parameter_bytes)
+  // What the runtime's optimizer step costs for this layer's weights, once per mini-batch whatever the
+  // micro-batch: the gradient norm's pass, the gradient scaling and the optimizer's update, as a stage's
+  // flush runs them (`pipetrain profile` measures it with the profile's optimizer). 0 = not measured
+  // (profiles before version 3, PipeDream's): the step is then free in every prediction.
+  double optimizer_ms = 0;
   std::vector<SizeMeasurement> by_micro_batch;  // optional; strictly increasing sizes
 };
 
@@ -94,8 +99,9 @@ struct Profile {
 };
 
 inline constexpr const char* kProfileFormat = "pipetrain-profile";
-// Version 2 added the optional "runtime" object; a profile without it is still written as version 1.
-inline constexpr int kProfileVersion = 2;
+// Version 2 added the optional "runtime" object, version 3 the layers' optional "optimizer_ms". A profile
+// is written with the lowest version that holds what it has (one without either is still version 1).
+inline constexpr int kProfileVersion = 3;
 
 // Sets input_grad_ms = backward_ms and weight_grad_ms = 0 on every layer without a B/W split, so the
 // fields read the same as b_ms() and w_ms().

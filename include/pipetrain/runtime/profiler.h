@@ -6,7 +6,10 @@
 //                   (they hold pipetrain::nn::Linear; bw_split says so): B under a WeightGradStore, W
 //                   running the store's queue; for other layers bw_split is false (W is empty);
 //   activation_bytes  its output for one micro-batch; parameter_bytes its trainable weights;
-//   optimizer_bytes   the optimizer's state for them (Adam/AdamW 2x, SGD with momentum 1x, SGD 0).
+//   optimizer_bytes   the optimizer's state for them (Adam/AdamW 2x, SGD with momentum 1x, SGD 0);
+//   optimizer_ms    one optimizer step over them as a stage's flush takes it (the gradient norm, the
+//                   gradients' scaling and the runtime's step of `optimizer`), median over repeats; the
+//                   weights are restored afterwards.
 // Each layer runs on the previous layer's real output, so shapes and data are those of training.
 // Timings are medians of `repeats` runs after `warmup` runs, so one noisy run does not move them.
 #pragma once
@@ -27,7 +30,7 @@ struct LayerwiseModel;
 struct ProfilerOptions {
   int repeats = 10;               // timed runs per measurement (median)
   int warmup = 2;                 // untimed runs first
-  std::string optimizer = "adam"; // adam | adamw | sgd | sgd-momentum: sets optimizer_bytes
+  std::string optimizer = "adam"; // adam | adamw | sgd | sgd-momentum: sets optimizer_bytes and optimizer_ms
   // Extra micro-batch sizes to measure forward and backward at (Profile's by_micro_batch, for UMPIPE);
   // the input is cut or tiled to each size.
   std::vector<int> extra_sizes;
