@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -165,6 +167,18 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
 // GPU). Median of `repeats` after `warmup` (at least one: the first step makes the optimizer's state). The
 // weights are put back afterwards, so profiling leaves the model as it found it. 0 for a layer without
 // trainable weights.
+// Writes a buffer larger than the last-level cache, so that what the next measurement touches comes from
+// memory, as in training (the optimizer's state was last touched a whole step ago).
+void evict_caches() {
+  long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+  const std::size_t bytes = 2 * static_cast<std::size_t>(std::clamp<long>(l3 > 0 ? l3 : 0, 8L << 20, 32L << 20));
+  static std::vector<char> scratch;
+  scratch.resize(bytes);
+  static char round = 0;
+  ++round;
+  for (std::size_t i = 0; i < bytes; i += 64) scratch[i] = round;
+}
+
 double time_optimizer_step(torch::nn::Module& module, const ProfilerOptions& o) {
   std::vector<torch::Tensor> params;
   for (auto& p : module.parameters())
@@ -190,6 +204,7 @@ double time_optimizer_step(torch::nn::Module& module, const ProfilerOptions& o) 
   std::vector<double> times;
   const int warmup = std::max(1, o.warmup);
   for (int i = 0; i < warmup + o.repeats; ++i) {
+    if (params.front().device().is_cpu()) evict_caches();
     const double t0 = now_after(params.front());
     const double sq = detail::gradient_sum_of_squares(params);
     {

@@ -90,7 +90,8 @@ TEST(RuntimeCostsCli, ProfileMeasuresTheLocalTransport) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("runtime over local (2 ranks)")) << r.out;
   const nlohmann::json p = read_json_file(dir / "p.json");
-  EXPECT_EQ(p.at("version"), 2);
+  EXPECT_EQ(p.at("version"), 3);  // runtime costs (2) and the layers' optimizer step times (3)
+  EXPECT_GT(p.at("layers").at(1).at("optimizer_ms").get<double>(), 0.0);
   const nlohmann::json& rt = p.at("runtime");
   EXPECT_EQ(rt.at("transport"), "local");
   EXPECT_GE(rt.at("latency_ms").get<double>(), 0.0);
