@@ -26,6 +26,7 @@ struct ProfileFlags {
   ModelFlags model;
   int micro_batch = 8;
   int repeats = 10;
+  bool warm_caches = false;
   int warmup = 2;
   int threads = 0;
   std::string optimizer = "adam";
@@ -44,6 +45,7 @@ void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime, bool report = 
   const zoo::Batch b = data->batch(0, f.micro_batch);
   ProfilerOptions o;
   o.repeats = f.repeats;
+  o.cold_caches = !f.warm_caches;
   o.warmup = f.warmup;
   o.optimizer = f.optimizer;
   o.model_name = f.model.describe();
@@ -103,6 +105,9 @@ void add_profile_command(CLI::App& app, int& exit_code) {
   f->model.add_to(*cmd);
   cmd->add_option("--microbatch-size", f->micro_batch, "samples per micro-batch to measure at, default 8");
   cmd->add_option("--repeats", f->repeats, "timed runs per measurement (median), default 10");
+  cmd->add_flag("--warm-caches", f->warm_caches,
+                "time each repeat with what the last one left in the CPU caches (default: write a buffer twice the "
+                "last-level cache before each timed run, so weights and activations come from memory as in training)");
   cmd->add_option("--warmup", f->warmup, "untimed runs first, default 2");
   cmd->add_option("--threads", f->threads, "intra-op threads while measuring; default: as LibTorch starts");
   cmd->add_option("--optimizer", f->optimizer, "adam, adamw, sgd or sgd-momentum (the optimizer state's bytes and step time); default adam");

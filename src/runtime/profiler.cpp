@@ -65,6 +65,23 @@ torch::Tensor resized(const torch::Tensor& x, int64_t size) {
   return x.repeat(r).slice(0, 0, size);
 }
 
+// Cold caches (ProfilerOptions::cold_caches): before each timed run the profiler writes a buffer twice the
+// last-level cache (at least 16 MiB, at most 64 MiB), so what the run touches (weights, saved activations,
+// optimizer state) comes from memory, as in training, where every other layer and micro-batch has passed
+// through the caches since. profile_layers owns the buffer for its duration (g_scratch); CPU runs only.
+thread_local std::vector<char>* g_scratch = nullptr;
+
+void evict_caches(const torch::Tensor& on) {
+  if (g_scratch == nullptr || !on.device().is_cpu()) return;
+  std::vector<char>& b = *g_scratch;
+  if (b.empty()) {
+    const long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+    b.assign(2 * static_cast<std::size_t>(std::clamp<long>(l3 > 0 ? l3 : 0, 8L << 20, 32L << 20)), 0);
+  }
+  const char round = static_cast<char>(b[0] + 1);
+  for (std::size_t i = 0; i < b.size(); i += 64) b[i] = round;
+}
+
 struct LayerTimes {
   double forward = 0, backward = 0, b = 0, w = 0;
   double saved_bytes = 0;  // heap growth of one forward with autograd on, output included
@@ -108,11 +125,13 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
   for (int k = 0; k < o.warmup + o.repeats; ++k) {
     const bool timed = k >= o.warmup;
     torch::Tensor in = leaf_input(x);
+    evict_caches(x);
     double t0 = now_after(x);
     torch::Tensor out = run(in);
     if (timed) fwd.push_back(now_after(x) - t0);
     if (!out.requires_grad()) continue;  // nothing to differentiate (e.g. a parameter-free first layer on ids)
     if (!grad.defined() && !with_loss) grad = torch::randn_like(out);
+    evict_caches(x);
     t0 = now_after(x);
     backward(out);
     if (timed) bwd.push_back(now_after(x) - t0);
@@ -120,10 +139,12 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
     in = leaf_input(x);
     out = run(in);
     WeightGradStore store;
+    evict_caches(x);
     t0 = now_after(x);
     backward_b(out, in, store);
     if (timed) bs.push_back(now_after(x) - t0);
     t.split = !store.empty();
+    evict_caches(x);
     t0 = now_after(x);
     store.run();
     if (timed) ws.push_back(now_after(x) - t0);
@@ -167,18 +188,6 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
 // GPU). Median of `repeats` after `warmup` (at least one: the first step makes the optimizer's state). The
 // weights are put back afterwards, so profiling leaves the model as it found it. 0 for a layer without
 // trainable weights.
-// Writes a buffer larger than the last-level cache, so that what the next measurement touches comes from
-// memory, as in training (the optimizer's state was last touched a whole step ago).
-void evict_caches() {
-  long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
-  const std::size_t bytes = 2 * static_cast<std::size_t>(std::clamp<long>(l3 > 0 ? l3 : 0, 8L << 20, 32L << 20));
-  static std::vector<char> scratch;
-  scratch.resize(bytes);
-  static char round = 0;
-  ++round;
-  for (std::size_t i = 0; i < bytes; i += 64) scratch[i] = round;
-}
-
 double time_optimizer_step(torch::nn::Module& module, const ProfilerOptions& o) {
   std::vector<torch::Tensor> params;
   for (auto& p : module.parameters())
@@ -204,7 +213,7 @@ double time_optimizer_step(torch::nn::Module& module, const ProfilerOptions& o) 
   std::vector<double> times;
   const int warmup = std::max(1, o.warmup);
   for (int i = 0; i < warmup + o.repeats; ++i) {
-    if (params.front().device().is_cpu()) evict_caches();
+    evict_caches(params.front());
     const double t0 = now_after(params.front());
     const double sq = detail::gradient_sum_of_squares(params);
     {
@@ -259,6 +268,12 @@ Profile profile_layers(const LayerSource& layers, const torch::Tensor& input, co
   for (int s : o.extra_sizes) extra_inputs.push_back(resized(x, s));
   const torch::Tensor target = o.target.defined() ? o.target.to(o.device) : o.target;
   const bool with_loss = o.loss && o.target.defined();
+  std::vector<char> scratch;  // the cold-cache buffer, allocated at its first use and freed on return
+  struct ScratchScope {
+    std::vector<char>* previous;
+    explicit ScratchScope(std::vector<char>* s) : previous(g_scratch) { g_scratch = s; }
+    ~ScratchScope() { g_scratch = previous; }
+  } scratch_scope(o.cold_caches ? &scratch : nullptr);
   if (with_loss && (o.target.dim() < 1 || o.target.size(0) != input.size(0)))
     throw UsageError("the profiler's target batch has " + std::to_string(o.target.dim() < 1 ? 0 : o.target.size(0)) +
                      " rows but the input has " + std::to_string(input.size(0)) + ": give one target per sample");
