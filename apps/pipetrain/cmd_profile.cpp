@@ -106,7 +106,7 @@ void add_profile_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--microbatch-size", f->micro_batch, "samples per micro-batch to measure at, default 8");
   cmd->add_option("--repeats", f->repeats, "timed runs per measurement (median), default 10");
   cmd->add_flag("--warm-caches", f->warm_caches,
-                "time each repeat with what the last one left in the CPU caches (default: write a buffer twice the "
+                "time each repeat with what the last one left in the CPU caches (default: write a buffer the size of the "
                 "last-level cache before each timed run, so weights and activations come from memory as in training)");
   cmd->add_option("--warmup", f->warmup, "untimed runs first, default 2");
   cmd->add_option("--threads", f->threads, "intra-op threads while measuring; default: as LibTorch starts");

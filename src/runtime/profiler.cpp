@@ -65,8 +65,8 @@ torch::Tensor resized(const torch::Tensor& x, int64_t size) {
   return x.repeat(r).slice(0, 0, size);
 }
 
-// Cold caches (ProfilerOptions::cold_caches): before each timed run the profiler writes a buffer twice the
-// last-level cache (at least 16 MiB, at most 64 MiB), so what the run touches (weights, saved activations,
+// Cold caches (ProfilerOptions::cold_caches): before each timed run the profiler writes a buffer the size of
+// the last-level cache (at least 16 MiB, at most 32 MiB: a VM may report its host's), so what the run touches (weights, saved activations,
 // optimizer state) comes from memory, as in training, where every other layer and micro-batch has passed
 // through the caches since. profile_layers owns the buffer for its duration (g_scratch); CPU runs only.
 thread_local std::vector<char>* g_scratch = nullptr;
@@ -76,7 +76,7 @@ void evict_caches(const torch::Tensor& on) {
   std::vector<char>& b = *g_scratch;
   if (b.empty()) {
     const long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
-    b.assign(2 * static_cast<std::size_t>(std::clamp<long>(l3 > 0 ? l3 : 0, 8L << 20, 32L << 20)), 0);
+    b.assign(static_cast<std::size_t>(std::clamp<long>(l3 > 0 ? l3 : 0, 16L << 20, 32L << 20)), 0);
   }
   const char round = static_cast<char>(b[0] + 1);
   for (std::size_t i = 0; i < b.size(); i += 64) b[i] = round;
@@ -125,13 +125,13 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
   for (int k = 0; k < o.warmup + o.repeats; ++k) {
     const bool timed = k >= o.warmup;
     torch::Tensor in = leaf_input(x);
-    evict_caches(x);
+    if (timed) evict_caches(x);
     double t0 = now_after(x);
     torch::Tensor out = run(in);
     if (timed) fwd.push_back(now_after(x) - t0);
     if (!out.requires_grad()) continue;  // nothing to differentiate (e.g. a parameter-free first layer on ids)
     if (!grad.defined() && !with_loss) grad = torch::randn_like(out);
-    evict_caches(x);
+    if (timed) evict_caches(x);
     t0 = now_after(x);
     backward(out);
     if (timed) bwd.push_back(now_after(x) - t0);
@@ -139,12 +139,12 @@ LayerTimes time_layer(torch::nn::AnyModule& any, const torch::Tensor& x, const P
     in = leaf_input(x);
     out = run(in);
     WeightGradStore store;
-    evict_caches(x);
+    if (timed) evict_caches(x);
     t0 = now_after(x);
     backward_b(out, in, store);
     if (timed) bs.push_back(now_after(x) - t0);
     t.split = !store.empty();
-    evict_caches(x);
+    if (timed) evict_caches(x);
     t0 = now_after(x);
     store.run();
     if (timed) ws.push_back(now_after(x) - t0);
@@ -213,7 +213,7 @@ double time_optimizer_step(torch::nn::Module& module, const ProfilerOptions& o) 
   std::vector<double> times;
   const int warmup = std::max(1, o.warmup);
   for (int i = 0; i < warmup + o.repeats; ++i) {
-    evict_caches(params.front());
+    if (i >= warmup) evict_caches(params.front());
     const double t0 = now_after(params.front());
     const double sq = detail::gradient_sum_of_squares(params);
     {

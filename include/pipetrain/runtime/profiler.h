@@ -49,8 +49,8 @@ struct ProfilerOptions {
   // explicit split for layers of nothing else, autograd's split for any other layer), "autograd" or
   // "explicit" (only nn::Linear splits; other layers' backward is all B).
   std::string backward_split = "auto";
-  // Before each timed run (forward, backward, B, W, optimizer step) on the CPU, write a buffer twice the
-  // last-level cache, so the run finds its weights, activations and optimizer state in memory as training
+  // Before each timed run (forward, backward, B, W, optimizer step) on the CPU, write a buffer the size of
+  // the last-level cache (16-32 MiB), so the run finds its weights, activations and optimizer state in memory as training
   // does (a layer's repeats would otherwise find them in the cache: on the zoo GPT at d_model 128 the runs of
   // a pipeline computed 13-20% slower than such warm timings). false: warm repeats, as before.
   bool cold_caches = true;
