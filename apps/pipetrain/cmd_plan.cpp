@@ -48,6 +48,7 @@ struct PlanFlags {
   std::vector<int> microbatch_counts{1, 2, 4, 8, 16, 32};
   bool no_hybrid = false;  // only straight pipelines over all ranks (the search before replicas)
   bool exhaustive = false; // simulate every candidate (no pruning)
+  bool allreduce_measured = false;  // price replicas with the profile's measured all-reduce (read_plan_profile)
   int top = 8;             // runners-up shown
   std::vector<std::string> kinds{"uniform", "parameters", "time", "memory"};
   std::string cost_form = "paper";
@@ -182,6 +183,16 @@ Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
                              "per compute action\n",
                              excerpt(prof.runtime->transport), f->latency_us, bandwidth_text(f->bandwidth_gbps),
                              prof.runtime->overhead_ms * 1e3);
+  }
+  // And its measured all-reduce prices the replicas' gradients on one host (not across --level links).
+  if (prof.runtime && !prof.runtime->allreduce.empty() && !transfers_given && f->levels.empty()) {
+    f->allreduce_measured = true;
+    std::cout << fmt::format("replicas' all-reduce as measured over {} ({} ranks, {} sizes up to {:.0f} KiB)\n",
+                             excerpt(prof.runtime->transport), prof.runtime->allreduce_ranks,
+                             prof.runtime->allreduce.size(),
+                             std::max_element(prof.runtime->allreduce.begin(), prof.runtime->allreduce.end(),
+                                              [](const TransferSample& a, const TransferSample& b) { return a.bytes < b.bytes; })
+                                     ->bytes / 1024);
   }
   return prof;
 }
@@ -368,6 +379,10 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       so.hybrid = !f->no_hybrid;
       so.exhaustive = f->exhaustive;
       so.microbatch_counts = f->microbatch_counts;
+      if (f->allreduce_measured) {
+        so.allreduce = prof.runtime->allreduce;
+        so.allreduce_ranks = prof.runtime->allreduce_ranks;
+      }
       so.balance_kinds = f->kinds;
       so.pipedream.levels = parse_levels(f->levels);
       so.pipedream.cost_form = parse_planner_cost_form(f->cost_form);

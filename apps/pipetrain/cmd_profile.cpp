@@ -90,6 +90,12 @@ void profile_layers(ProfileFlags& f, const RuntimeCosts* runtime, bool report = 
     for (const TransferSample& t : runtime->transfers)
       std::cout << fmt::format("  {:>10.0f} bytes one way {:>9.2f} us (fit {:.2f} us)\n", t.bytes, t.one_way_ms * 1e3,
                                runtime->transfer_ms(t.bytes) * 1e3);
+    if (!runtime->allreduce.empty()) {
+      std::cout << fmt::format("data-parallel all-reduce of float32 gradients over {} ranks (copy in, sum, copy back):\n",
+                               runtime->allreduce_ranks);
+      for (const TransferSample& t : runtime->allreduce)
+        std::cout << fmt::format("  {:>10.0f} bytes {:>9.2f} us\n", t.bytes, t.one_way_ms * 1e3);
+    }
   }
   if (!f.out.empty()) {
     save_profile(f.out, p);

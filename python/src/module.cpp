@@ -871,6 +871,12 @@ PYBIND11_MODULE(_pipetrain, m) {
           so.hybrid = hybrid;
           so.virtual_counts = virtual_counts;
           so.exhaustive = exhaustive;
+          // As `pipetrain plan`: a measured all-reduce prices the replicas on one host unless transfers or
+          // levels are given.
+          if (!bandwidth && !latency && so.pipedream.levels.empty() && prof.runtime) {
+            so.allreduce = prof.runtime->allreduce;
+            so.allreduce_ranks = prof.runtime->allreduce_ranks;
+          }
           return to_python(search_json(prof, search_plans(prof, so)));
         },
         py::arg("profile"), py::arg("ranks") = 2, py::arg("bandwidth") = py::none(), py::arg("latency") = py::none(),

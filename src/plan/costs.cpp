@@ -106,6 +106,33 @@ std::optional<TransferOptions> profile_transfers(const Profile& prof) {
   return t;
 }
 
+double measured_allreduce_ms(const std::vector<TransferSample>& samples, int measured_ranks, double bytes,
+                             int replicas) {
+  if (samples.empty() || measured_ranks < 2)
+    throw UsageError("a measured all-reduce needs samples over at least 2 ranks (pipetrain profile --transport NAME)");
+  if (replicas < 2) return 0.0;
+  const double share = (replicas - 1.0) / replicas, measured = (measured_ranks - 1.0) / measured_ranks;
+  const double x = bytes * share / measured;  // the bytes whose time at the measured rank count is the answer
+  std::vector<TransferSample> s = samples;
+  std::sort(s.begin(), s.end(), [](const TransferSample& a, const TransferSample& b) { return a.bytes < b.bytes; });
+  if (x < s.front().bytes) {
+    const RuntimeCosts line = fit_transfers(s);
+    return std::max(0.0, std::min(line.transfer_ms(x), s.front().one_way_ms));
+  }
+  for (std::size_t k = 1; k < s.size(); ++k)
+    if (x <= s[k].bytes) {
+      const double span = s[k].bytes - s[k - 1].bytes;
+      const double f = span > 0 ? (x - s[k - 1].bytes) / span : 1.0;
+      return s[k - 1].one_way_ms + f * (s[k].one_way_ms - s[k - 1].one_way_ms);
+    }
+  const TransferSample& last = s.back();
+  if (s.size() == 1 || s[s.size() - 2].bytes >= last.bytes)
+    return last.bytes > 0 ? last.one_way_ms * x / last.bytes : last.one_way_ms;
+  const TransferSample& prev = s[s.size() - 2];
+  const double slope = std::max(0.0, (last.one_way_ms - prev.one_way_ms) / (last.bytes - prev.bytes));
+  return last.one_way_ms + slope * (x - last.bytes);
+}
+
 std::vector<double> stage_static_bytes(const Profile& prof, const std::vector<int>& balance) {
   check_balance(balance, static_cast<int>(prof.layers.size()));
   std::vector<double> out;

@@ -186,6 +186,14 @@ void validate_profile(const Profile& p, const std::string& origin) {
       check_amount(origin, fmt::format("runtime.transfers[{}].one_way_ms", k), rc.transfers[k].one_way_ms,
                    "milliseconds");
     }
+    if (rc.allreduce.empty() != (rc.allreduce_ranks == 0) || rc.allreduce_ranks < 0 || rc.allreduce_ranks == 1)
+      fail(origin, "runtime.allreduce.ranks", fmt::format("is {} with {} samples", rc.allreduce_ranks, rc.allreduce.size()),
+           "give the ranks (at least 2) that the samples were measured over, or neither");
+    for (std::size_t k = 0; k < rc.allreduce.size(); ++k) {
+      check_amount(origin, fmt::format("runtime.allreduce.samples[{}].bytes", k), rc.allreduce[k].bytes, "bytes");
+      check_amount(origin, fmt::format("runtime.allreduce.samples[{}].ms", k), rc.allreduce[k].one_way_ms,
+                   "milliseconds");
+    }
   }
 }
 
@@ -266,10 +274,16 @@ json profile_to_json(const Profile& p) {
                     {"bandwidth_bytes_per_ms", rc.bandwidth_bytes_per_ms},
                     {"overhead_ms", rc.overhead_ms},
                     {"transfers", transfers}};
+    if (!rc.allreduce.empty()) {
+      json samples = json::array();
+      for (const TransferSample& t : rc.allreduce) samples.push_back({{"bytes", amount(t.bytes)}, {"ms", t.one_way_ms}});
+      j["runtime"]["allreduce"] = {{"ranks", rc.allreduce_ranks}, {"samples", samples}};
+    }
   }
   // The lowest version that holds what this profile has, so older readers still read what they can.
   const bool optimizer_times =
-      std::any_of(p.layers.begin(), p.layers.end(), [](const LayerProfile& l) { return l.optimizer_ms > 0; });
+      std::any_of(p.layers.begin(), p.layers.end(), [](const LayerProfile& l) { return l.optimizer_ms > 0; }) ||
+      (p.runtime && !p.runtime->allreduce.empty());
   j["version"] = optimizer_times ? 3 : p.runtime ? 2 : 1;
   return j;
 }
@@ -363,7 +377,8 @@ Profile profile_from_json(const json& j, const std::string& origin) {
       fail(origin, "runtime", "is given in a version 1 profile", "write \"version\": 2 (runtime costs came with it)");
     const json& o = j["runtime"];
     r.object(o, "runtime");
-    r.only_keys(o, "runtime", {"transport", "latency_ms", "bandwidth_bytes_per_ms", "overhead_ms", "transfers"});
+    r.only_keys(o, "runtime",
+                {"transport", "latency_ms", "bandwidth_bytes_per_ms", "overhead_ms", "transfers", "allreduce"});
     RuntimeCosts rc;
     rc.transport = r.text(o, "runtime", "transport");
     rc.latency_ms = r.number(o, "runtime", "latency_ms", "milliseconds");
@@ -379,6 +394,24 @@ Profile profile_from_json(const json& j, const std::string& origin) {
         r.only_keys(ts[k], at, {"bytes", "one_way_ms"});
         rc.transfers.push_back(TransferSample{r.number(ts[k], at, "bytes", "bytes"),
                                               r.number(ts[k], at, "one_way_ms", "milliseconds")});
+      }
+    }
+    if (o.contains("allreduce")) {
+      if (version.get<long long>() < 3)
+        fail(origin, "runtime.allreduce", fmt::format("is given in a version {} profile", version.get<long long>()),
+             "write \"version\": 3 (measured all-reduces came with it)");
+      const json& a = o["allreduce"];
+      r.object(a, "runtime.allreduce");
+      r.only_keys(a, "runtime.allreduce", {"ranks", "samples"});
+      rc.allreduce_ranks = r.positive_int(a, "runtime.allreduce", "ranks");
+      const json& ss = r.field(a, "runtime.allreduce", "samples", "an array of {\"bytes\", \"ms\"} objects");
+      if (!ss.is_array() || ss.empty())
+        fail(origin, "runtime.allreduce.samples", "is " + json_excerpt(ss), "write a non-empty array of {\"bytes\", \"ms\"} objects");
+      for (std::size_t k = 0; k < ss.size(); ++k) {
+        const std::string at = fmt::format("runtime.allreduce.samples[{}]", k);
+        r.object(ss[k], at);
+        r.only_keys(ss[k], at, {"bytes", "ms"});
+        rc.allreduce.push_back(TransferSample{r.number(ss[k], at, "bytes", "bytes"), r.number(ss[k], at, "ms", "milliseconds")});
       }
     }
     p.runtime = std::move(rc);

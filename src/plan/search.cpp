@@ -90,6 +90,13 @@ void check_search_options(const Profile& profile, const PlanSearchOptions& o) {
   if (!(o.bandwidth_bytes_per_ms > 0))  // infinite: the bytes cost nothing (a latency-only profile)
     throw UsageError(fmt::format("the bandwidth must be > 0, got {} bytes/ms", o.bandwidth_bytes_per_ms));
   if (!(o.latency_ms >= 0)) throw UsageError(fmt::format("the latency must be >= 0, got {} ms", o.latency_ms));
+  if (!o.allreduce.empty() && o.allreduce_ranks < 2)
+    throw UsageError(fmt::format("measured all-reduce samples over {} ranks: they need at least 2 (measure the profile "
+                                 "again with pipetrain profile --transport)", o.allreduce_ranks));
+  for (const TransferSample& a : o.allreduce)
+    if (!(a.bytes >= 0) || !(a.one_way_ms >= 0) || !std::isfinite(a.bytes) || !std::isfinite(a.one_way_ms))
+      throw UsageError(fmt::format("measured all-reduce sample ({} bytes, {} ms) must be finite and >= 0", a.bytes,
+                                   a.one_way_ms));
   if (!(o.memory_limit_bytes >= 0)) throw UsageError(fmt::format("the memory limit must be >= 0, got {}", o.memory_limit_bytes));
   for (int m : o.microbatch_counts)
     if (m < 1) throw UsageError(fmt::format("micro-batch counts must be >= 1, got {}", m));
@@ -218,6 +225,13 @@ class Search {
     return sums_[b] = std::move(ls);
   }
 
+  // The group all-reduce of `bytes` over `d` replicas whose slowest link is `level`: on the innermost
+  // level as the profile measured it, where given (PlanSearchOptions::allreduce), else over the links.
+  double replica_ms(double bytes, int d, int level) const {
+    if (level == 0 && !o_.allreduce.empty()) return measured_allreduce_ms(o_.allreduce, o_.allreduce_ranks, bytes, d);
+    return group_allreduce_ms(bytes, d, links_.bw[static_cast<std::size_t>(level)], o_.latency_ms);
+  }
+
   // Lower bounds on a candidate's makespan and peak bytes per rank (see search.h).
   void bound(Cand& c, const Layout& lay, const BalanceEntry& be) {
     const double b = static_cast<double>(c.n) / lay.m;
@@ -243,13 +257,13 @@ class Search {
       rank_act_[ur] = std::min(rank_act_[ur], ls.act[hi(s)] - ls.act[lo(s)]);
       if (c.d > 1) {
         const long long a0 = global_rank(c.replicas_inner, p, c.d, r, 0), a1 = global_rank(c.replicas_inner, p, c.d, r, c.d - 1);
-        const double bw = links_.bw[static_cast<std::size_t>(links_.level(a0, a1))];
+        const int level = links_.level(a0, a1);
         // the rank's loss and count (once per rank, with its first stage), then each stage's gradients
         if (!loss_charged_[ur]) {
           loss_charged_[ur] = 1;
-          rank_step_[ur] += group_allreduce_ms(kReplicaLossBytes, c.d, bw, o_.latency_ms);
+          rank_step_[ur] += replica_ms(kReplicaLossBytes, c.d, level);
         }
-        rank_step_[ur] += group_allreduce_ms(params_[hi(s)] - params_[lo(s)], c.d, bw, o_.latency_ms);
+        rank_step_[ur] += replica_ms(params_[hi(s)] - params_[lo(s)], c.d, level);
       }
       path += F + B + 2 * overhead_;
       if (s + 1 < S && rank_in_pipeline(lay.shape, p, s + 1) != r) {
@@ -306,12 +320,12 @@ class Search {
         const int r = rank_in_pipeline(lay.shape, p, s);
         const long long a0 = global_rank(c.replicas_inner, p, c.d, r, 0), a1 = global_rank(c.replicas_inner, p, c.d, r, c.d - 1);
         const int lo = s == 0 ? 0 : be.end[static_cast<std::size_t>(s - 1)], hi = be.end[static_cast<std::size_t>(s)];
-        const double bw = links_.bw[static_cast<std::size_t>(links_.level(a0, a1))];
+        const int level = links_.level(a0, a1);
         double& step = allreduce[static_cast<std::size_t>(s)];
-        step = group_allreduce_ms(params_[hi] - params_[lo], c.d, bw, o_.latency_ms);
+        step = replica_ms(params_[hi] - params_[lo], c.d, level);
         if (!charged[static_cast<std::size_t>(r)]) {
           charged[static_cast<std::size_t>(r)] = 1;
-          step += group_allreduce_ms(kReplicaLossBytes, c.d, bw, o_.latency_ms);
+          step += replica_ms(kReplicaLossBytes, c.d, level);
         }
       }
       add_stage_step(costs, allreduce);  // after the optimizer's own time, where the profile has it

@@ -387,6 +387,10 @@ RuntimeCosts profile_runtime(const std::shared_ptr<Transport>& transport, const 
   if (o.iters < 1 || o.warmup < 0 || o.steps < 1 || o.microbatches < 1)
     throw UsageError("runtime profiling needs iters, steps and micro-batches >= 1 and warm-up >= 0");
   if (o.sizes.empty()) throw UsageError("runtime profiling needs at least one message size");
+  if (o.allreduce_iters < 1) throw UsageError("runtime profiling needs allreduce_iters >= 1");
+  for (int64_t b : o.allreduce_sizes)
+    if (b < 8 || b % 4 != 0)
+      throw UsageError("all-reduce size " + std::to_string(b) + " bytes must be a multiple of 4 (float tensors), >= 8");
   for (int64_t b : o.sizes)
     if (b < 4 || b % 4 != 0)
       throw UsageError("message size " + std::to_string(b) + " bytes must be a multiple of 4 (float tensors), >= 4");
@@ -413,6 +417,32 @@ RuntimeCosts profile_runtime(const std::shared_ptr<Transport>& transport, const 
   }
   RuntimeCosts rc = fit_transfers(samples);
   rc.transport = name;
+
+  // The data-parallel step's all-reduce, as PipelineRank's flush runs it over every rank (a group of all).
+  if (!o.allreduce_sizes.empty()) {
+    std::vector<int> members(static_cast<std::size_t>(p));
+    for (int q = 0; q < p; ++q) members[static_cast<std::size_t>(q)] = q;
+    const std::shared_ptr<Transport> group = make_group_transport(transport, members);
+    rc.allreduce_ranks = p;
+    for (int64_t bytes : o.allreduce_sizes) {
+      // Two "parameters" of half the bytes each, so the copy in is a concatenation as in the flush.
+      const int64_t n = bytes / 4, half = n / 2;
+      torch::Tensor g1 = torch::ones({half}), g2 = torch::ones({n - half});
+      const torch::Tensor divisor = torch::scalar_tensor(static_cast<double>(p), torch::kDouble);
+      std::vector<double> times;
+      for (int i = 0; i < o.warmup + o.allreduce_iters; ++i) {
+        t.barrier();
+        const double t0 = now_ms();
+        torch::Tensor all = torch::cat({g1.reshape({-1}), g2.reshape({-1})});
+        group->all_reduce_sum(all);
+        at::div_out(g1, all.slice(0, 0, half), divisor);
+        at::div_out(g2, all.slice(0, half, n), divisor);
+        if (i >= o.warmup) times.push_back(now_ms() - t0);
+      }
+      const double ms = from_rank0(t, {t.rank() == 0 ? median(times) : 0.0})[0];
+      rc.allreduce.push_back(TransferSample{static_cast<double>(bytes), ms});
+    }
+  }
 
   // Overhead: a pipeline of 1x1 layers, one per rank, micro-batches of one sample.
   PipelineOptions po;

@@ -93,6 +93,11 @@ TEST(RuntimeCostsCli, ProfileMeasuresTheLocalTransport) {
   EXPECT_EQ(p.at("version"), 3);  // runtime costs (2) and the layers' optimizer step times (3)
   EXPECT_GT(p.at("layers").at(1).at("optimizer_ms").get<double>(), 0.0);
   const nlohmann::json& rt = p.at("runtime");
+  // The data-parallel all-reduce over the 2 ranks, at the three default sizes, each taking some time.
+  EXPECT_EQ(rt.at("allreduce").at("ranks"), 2);
+  ASSERT_EQ(rt.at("allreduce").at("samples").size(), 3u);
+  for (const auto& a : rt.at("allreduce").at("samples")) EXPECT_GT(a.at("ms").get<double>(), 0.0);
+  EXPECT_TRUE(r.has("data-parallel all-reduce of float32 gradients over 2 ranks")) << r.out;
   EXPECT_EQ(rt.at("transport"), "local");
   EXPECT_GE(rt.at("latency_ms").get<double>(), 0.0);
   EXPECT_GE(rt.at("overhead_ms").get<double>(), 0.0);

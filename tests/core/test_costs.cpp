@@ -108,6 +108,26 @@ TEST(Costs, StageStepsAreTheirLayersOptimizerTimes) {
   EXPECT_DOUBLE_EQ(c.duration(Action{ActionKind::Step, 1, 0}), 3.5);
 }
 
+// A measured all-reduce: piecewise linear between the measured sizes (a cliff between two of them is
+// kept, as a transport's large-message path may have one), the samples' line below them, the two largest
+// samples' slope above; at other replica counts each member sends 2 (d-1)/d of the bytes, so the time is
+// the measured one at the bytes scaled by that share over the measured one.
+TEST(Costs, MeasuredAllReduceInterpolatesTheSamples) {
+  const std::vector<TransferSample> s{{4e6, 5.0}, {2.5e5, 0.05}, {1e6, 0.2}};  // any order
+  EXPECT_DOUBLE_EQ(measured_allreduce_ms(s, 2, 1e6, 2), 0.2);
+  EXPECT_DOUBLE_EQ(measured_allreduce_ms(s, 2, 2.5e6, 2), 0.2 + 0.5 * 4.8);  // halfway up the cliff
+  EXPECT_DOUBLE_EQ(measured_allreduce_ms(s, 2, 8e6, 2), 5.0 + 4e6 * (4.8 / 3e6));
+  const double small = measured_allreduce_ms(s, 2, 16, 2);  // the loss's 16 bytes: the line's latency
+  EXPECT_GE(small, 0.0);
+  EXPECT_LE(small, 0.05);
+  // 4 replicas send 3/4 of the bytes where 2 send 1/2: 1e6 bytes over 4 cost what 1.5e6 cost over 2.
+  EXPECT_DOUBLE_EQ(measured_allreduce_ms(s, 2, 1e6, 4), measured_allreduce_ms(s, 2, 1.5e6, 2));
+  EXPECT_EQ(measured_allreduce_ms(s, 2, 1e6, 1), 0.0);
+  EXPECT_DOUBLE_EQ(measured_allreduce_ms({{1e6, 2.0}}, 3, 2e6, 3), 4.0);  // one sample: scaled with the bytes
+  EXPECT_THROW(measured_allreduce_ms({}, 2, 1e6, 2), UsageError);
+  EXPECT_THROW(measured_allreduce_ms(s, 1, 1e6, 2), UsageError);
+}
+
 // Ring all-reduce: r ranks move 2 (r-1)/r of the bytes through each link in 2 (r-1) messages. 3 ranks,
 // 3e6 bytes at 1e6 bytes/ms and 0.05 ms per message: 4/3 x 3 ms + 4 x 0.05 ms = 4.2 ms. Per stage of a
 // replicated plan, over the stage's own parameters; one replica costs nothing.

@@ -127,6 +127,41 @@ TEST(PlanHybrid, TheOptimizerStepCountsInEveryCandidate) {
   expect_never_worse(b);
 }
 
+// A measured all-reduce (PlanSearchOptions::allreduce, from a profile's runtime.allreduce) prices the
+// replicas' gradients instead of the links: data parallelism's all-reduce column is the group model at the
+// measured terms, for the whole model's gradients and the loss; the pruned search still agrees with the
+// exhaustive one.
+TEST(PlanHybrid, AMeasuredAllReducePricesTheReplicas) {
+  std::mt19937 rng(9);
+  const Profile prof = random_profile(rng, 6);
+  double params = 0;
+  for (const auto& l : prof.layers) params += l.parameter_bytes;
+  PlanSearchOptions o;
+  o.ranks = 4;
+  o.batch_size = 16;
+  o.microbatch_counts = {1, 2, 4};
+  o.bandwidth_bytes_per_ms = 1e7;
+  o.allreduce = {{1e5, 0.5}, {1e6, 4.0}, {1e7, 60.0}};  // far slower than the links
+  o.allreduce_ranks = 2;
+  const PlanSearchResult r = search_plans(prof, o);
+  ASSERT_TRUE(r.data_parallel.has_value());
+  const int d = r.data_parallel->replicas;
+  ASSERT_GT(d, 1);
+  EXPECT_NEAR(r.data_parallel->allreduce_ms,
+              measured_allreduce_ms(o.allreduce, 2, params, d) + measured_allreduce_ms(o.allreduce, 2, kReplicaLossBytes, d),
+              1e-9);
+  EXPECT_GT(r.data_parallel->allreduce_ms, group_allreduce_ms(params, d, o.bandwidth_bytes_per_ms, o.latency_ms));
+  PlanSearchOptions brute = o;
+  brute.exhaustive = true;
+  EXPECT_TRUE(same_choice(r.chosen(), search_plans(prof, brute).chosen()));
+  expect_never_worse(r);
+  o.allreduce_ranks = 1;
+  EXPECT_THROW(search_plans(prof, o), UsageError);
+  o.allreduce_ranks = 2;
+  o.allreduce[1].one_way_ms = -1;
+  EXPECT_THROW(search_plans(prof, o), UsageError);
+}
+
 TEST(PlanHybrid, MoreRanksThanLayersGiveReplicatedPlansBetterThanTheBaselines) {
   PipeDreamOptions po;
   po.micro_batch_size = 128;

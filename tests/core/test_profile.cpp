@@ -202,6 +202,41 @@ TEST(Profile, OptimizerStepTimesComeWithVersion3) {
   EXPECT_NE(validate_error(p).find("optimizer_ms"), std::string::npos) << validate_error(p);
 }
 
+// The measured data-parallel all-reduce (runtime.allreduce, version 3) round-trips and is checked.
+TEST(Profile, MeasuredAllReducesComeWithVersion3) {
+  Profile p = small_profile();
+  p.runtime = fit_transfers({{1024, 0.1}, {1 << 20, 1.0}});
+  p.runtime->transport = "shm";
+  p.runtime->allreduce_ranks = 2;
+  p.runtime->allreduce = {{262144, 0.25}, {4194304, 2.5}};
+  const json j = profile_to_json(p);
+  EXPECT_EQ(j["version"], 3);
+  const Profile q = profile_from_json(j, "mem");
+  ASSERT_TRUE(q.runtime.has_value());
+  EXPECT_EQ(q.runtime->allreduce_ranks, 2);
+  ASSERT_EQ(q.runtime->allreduce.size(), 2u);
+  EXPECT_EQ(q.runtime->allreduce[1].bytes, 4194304.0);
+  EXPECT_EQ(q.runtime->allreduce[1].one_way_ms, 2.5);
+  json older = j;
+  older["version"] = 2;
+  try {
+    profile_from_json(older, "p.json");
+    ADD_FAILURE() << "a version 2 file with runtime.allreduce was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("write \"version\": 3"), std::string::npos) << e.what();
+  }
+  json one_rank = j;
+  one_rank["runtime"]["allreduce"]["ranks"] = 1;
+  try {
+    profile_from_json(one_rank, "p.json");
+    ADD_FAILURE() << "an all-reduce over 1 rank was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("runtime.allreduce.ranks"), std::string::npos) << e.what();
+  }
+  p.runtime->allreduce[0].one_way_ms = -1;
+  EXPECT_NE(validate_error(p).find("runtime.allreduce.samples[0].ms"), std::string::npos) << validate_error(p);
+}
+
 TEST(Profile, BAndWFieldsCountOnlyWithTheSplit) {
   Profile p = small_profile();
   p.layers[0].input_grad_ms = 0;  // left unset by code that fills a profile without a split

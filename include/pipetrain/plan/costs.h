@@ -47,6 +47,15 @@ struct TransferOptions {
 // bandwidth term (latency only) gives an infinite bandwidth: the bytes cost nothing.
 std::optional<TransferOptions> profile_transfers(const Profile& profile);
 
+// The runtime's data-parallel all-reduce of `bytes` over `replicas` ranks, from a profile's measured samples
+// (RuntimeCosts::allreduce over `measured_ranks` ranks): at the measured rank count, piecewise linear
+// through the samples between the smallest and the largest size, the samples' fitted line (fit_transfers)
+// below, the slope of the two largest above (the time of the largest scaled with the bytes for one
+// sample); other replica counts as the group algorithm scales, each member sending 2 (d-1)/d of the bytes:
+// the time at bytes x ((d-1)/d) / ((r-1)/r). It holds the local copies and the sum, which the link's
+// transfer fit leaves out. 0 for one replica. Throws UsageError without samples or with measured_ranks < 2.
+double measured_allreduce_ms(const std::vector<TransferSample>& samples, int measured_ranks, double bytes, int replicas);
+
 // Per-stage static bytes: 2 x parameters (weights and gradients) + optimizer state.
 std::vector<double> stage_static_bytes(const Profile& profile, const std::vector<int>& balance);
 

@@ -76,6 +76,12 @@ struct RuntimeCosts {
   double bandwidth_bytes_per_ms = 0;  // 0: unlimited (the bytes cost nothing)
   double overhead_ms = 0;             // per compute action
   std::vector<TransferSample> transfers;  // the measurements latency and bandwidth were fitted to
+  // The data-parallel step's gradient all-reduce as the runtime runs it over `allreduce_ranks` ranks (version
+  // 3; 0 ranks and no samples: not measured): per sample, `bytes` of float32 gradients copied into one
+  // buffer, summed over the group (reduce-scatter and all-gather) and written back divided by the ranks,
+  // in `one_way_ms` (the median over repeats). costs.h measured_allreduce_ms() prices replicas with them.
+  int allreduce_ranks = 0;
+  std::vector<TransferSample> allreduce;
   // latency_ms + bytes / bandwidth (bandwidth 0: the latency only).
   double transfer_ms(double bytes) const;
 };

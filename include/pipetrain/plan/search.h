@@ -29,6 +29,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/planner.h"
 #include "pipetrain/plan/profile.h"
 
@@ -53,6 +54,11 @@ struct PlanSearchOptions {
   // bandwidth. Every candidate's transfers and all-reduces cross the links these levels give; PipeDream's
   // planner gets them too, with its memory limit and allow_fewer_machines set from the options above.
   PlannerOptions pipedream;
+  // The group all-reduce between replicas on the innermost level (one host), as a measured profile timed it
+  // (RuntimeCosts::allreduce over allreduce_ranks; costs.h measured_allreduce_ms): `pipetrain plan` sets them
+  // unless --bandwidth, --latency or --level is given. Empty: the links' bandwidth and `latency_ms`.
+  std::vector<TransferSample> allreduce;
+  int allreduce_ranks = 0;
   bool replicated_may_win = true;  // false: only one pipeline (no replicas, no 1F1B-RR) may be chosen
   bool hybrid = true;              // false: only straight pipelines over min(ranks, layers) ranks
   bool exhaustive = false;         // simulate every candidate (no pruning): the reference the tests compare with

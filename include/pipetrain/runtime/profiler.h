@@ -78,8 +78,14 @@ class Transport;
 //    median over steps, averaged over the ranks (the train summary's definition of the term).
 // Collective over every rank of `transport` (at least 2); returns the same costs on every rank (rank
 // 0's transfer samples). `name` is recorded as RuntimeCosts::transport. Throws UsageError on bad options.
+//  - the data-parallel all-reduce (RuntimeCosts::allreduce): every rank all-reduces float32 gradients of each
+//    of `allreduce_sizes` bytes as a data-parallel step does (one copy into a buffer, the group all-reduce
+//    over all ranks, the sum written back divided by the ranks), `warmup` untimed then `allreduce_iters`
+//    timed; rank 0's median is one sample. Empty sizes: not measured.
 struct RuntimeProfilerOptions {
   std::vector<int64_t> sizes{64, 4096, 65536, 1048576};  // bytes per message (multiples of 4)
+  std::vector<int64_t> allreduce_sizes{262144, 1048576, 4194304};  // bytes of gradients (multiples of 4)
+  int allreduce_iters = 20;
   int iters = 50;
   int warmup = 5;
   std::string schedule = "1f1b";
