@@ -145,6 +145,10 @@ TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
     if (text) entry["tokens_per_s"] = per_s * units_per_sample;
     entry["busy_ms"] = s.busy_ms;
     entry["pass_ms"] = s.pass_ms;
+    if (f.memory) entry["heap_growth_mib"] = s.heap_growth_mib;  // per rank
+    if (std::any_of(s.device_peak_allocated_mib.begin(), s.device_peak_allocated_mib.end(),
+                    [](double mib) { return mib >= 0; }))
+      entry["gpu_peak_allocated_mib"] = s.device_peak_allocated_mib;  // per rank; -1 where not measured
     if (s.eval) {
       entry["eval_loss"] = s.eval->loss;
       entry["eval_accuracy"] = s.eval->accuracy;

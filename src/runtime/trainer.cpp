@@ -242,14 +242,21 @@ TrainResult Trainer::run() {
       m.set_bytes = w.set_bytes;
       m.peak_extra_sets = std::max(m.peak_extra_sets, w.peak_extra_sets);
     }
-    std::vector<double> busy;
+    std::vector<double> busy, heap_mib, device_mib;
     double pass_ms = 0;
     if (o_.stage_times) {  // the same on every rank of the pipeline: one collective
       // Entries [0, stages): the busy time of each stage in this call (its compute actions), per step.
       // Then per rank its first and last event: the pipeline's own time in this call, per step, is from
       // the first event to the last over all ranks (without the barriers; with UMPIPE also without the
-      // optimizer step, as its prediction).
-      std::vector<double> v(static_cast<std::size_t>(stages + 2 * p), 0.0);
+      // optimizer step, as its prediction). Then per rank its memory: the heap growth of this call (with
+      // PipelineOptions::measure_memory) and its device's peak allocated MiB so far (-1: not measured).
+      std::vector<double> v(static_cast<std::size_t>(stages + 4 * p), 0.0);
+      {
+        const auto me = static_cast<std::size_t>(stages + 2 * p + 2 * pipeline_->rank());
+        v[me] = r.last.peak_heap_growth / 1048576.0;
+        const std::optional<DeviceMemory> device = device_memory_peak(rank_.device());
+        v[me + 1] = device ? static_cast<double>(device->peak_allocated) / 1048576.0 : -1.0;
+      }
       double lo = 1e300, hi = -1e300;
       for (const TimedAction& e : r.last.timeline.events) {
         if (is_compute(e.action.kind)) v[static_cast<std::size_t>(e.action.stage)] += (e.end - e.start) / calls_steps;
@@ -272,6 +279,10 @@ TrainResult Trainer::run() {
           hi = std::max(hi, sum[at(q, 1)]);
         }
       pass_ms = hi > lo ? (hi - lo) / calls_steps : 0.0;
+      for (int q = 0; q < p; ++q) {
+        heap_mib.push_back(sum[stages + 2 * p + 2 * q]);
+        device_mib.push_back(sum[stages + 2 * p + 2 * q + 1]);
+      }
     }
     for (int k = 0; k < calls_steps; ++k, ++step) {
       StepRecord rec;
@@ -282,6 +293,8 @@ TrainResult Trainer::run() {
       rec.ms = ms;
       rec.busy_ms = busy;
       rec.pass_ms = pass_ms;
+      rec.heap_growth_mib = heap_mib;
+      rec.device_peak_allocated_mib = device_mib;
       r.step_ms.push_back(ms);
       if (step == start_) r.first_loss = rec.loss;
       r.last_loss = rec.loss;

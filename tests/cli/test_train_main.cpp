@@ -79,6 +79,32 @@ TEST(TrainMain, LanguageModelOnTheBibleLearns) {
   fs::remove_all(dir);
 }
 
+// --memory with --log: every step's line gives each rank's heap growth (one entry per rank, a step of a
+// GPT allocates activations on both); a CPU run has no GPU memory to give, so that field is left out.
+TEST(TrainMain, TheLogGivesEachRanksMemoryPerStep) {
+  const fs::path dir = temp_dir("memlog");
+  const CommandResult r = run_pipetrain(
+      "train --transport local --model gpt --data synthetic --layers 2 --d-model 32 --heads 2 --vocab 32 --seq-len 16 "
+      "--batch-size 8 --stages 2 --steps 3 --eval-every 0 --sample 0 --progress quiet --memory --log " +
+      (dir / "log.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto log = read_log(dir / "log.jsonl");
+  ASSERT_EQ(log.size(), 3u);
+  for (const auto& [step, line] : log) {
+    ASSERT_TRUE(line.contains("heap_growth_mib")) << line.dump();
+    ASSERT_EQ(line.at("heap_growth_mib").size(), 2u) << line.dump();
+    for (const auto& mib : line.at("heap_growth_mib")) EXPECT_GT(mib.get<double>(), 0.0) << line.dump();
+    EXPECT_FALSE(line.contains("gpu_peak_allocated_mib")) << line.dump();
+  }
+  const CommandResult plain = run_pipetrain(
+      "train --transport local --model gpt --data synthetic --layers 1 --d-model 32 --heads 2 --vocab 32 --seq-len 16 "
+      "--batch-size 8 --stages 2 --steps 2 --eval-every 0 --sample 0 --progress quiet --log " +
+      (dir / "plain.jsonl").string());
+  ASSERT_EQ(plain.code, 0) << plain.out;
+  EXPECT_FALSE(read_log(dir / "plain.jsonl").at(1).contains("heap_growth_mib"));  // not measured without --memory
+  fs::remove_all(dir);
+}
+
 TEST(TrainMain, MlpOnFashionMnistLearns) {
   if (!fs::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist not installed";
   const CommandResult r = run_pipetrain(

@@ -72,8 +72,9 @@ struct TrainerOptions {
   std::function<nlohmann::json(int total_steps)> run_description;
   int steps_per_call = 0;        // asynchronous schedules: steps per executor call; 0: up to the next
                                  // evaluation or checkpoint, at most kMaxStepsPerCall
-  bool stage_times = false;      // per step, each stage's busy time and the pipeline's span (two more
-                                 // all-reduces per call; StepRecord::busy_ms, pass_ms)
+  bool stage_times = false;      // per step, each stage's busy time, the pipeline's span and each rank's
+                                 // memory (one more all-reduce per call; StepRecord::busy_ms, pass_ms,
+                                 // heap_growth_mib, device_peak_allocated_mib)
   // Polled at the start of every call: a signal number (or any non-zero code) asks the run to stop.
   // The ranks agree (one all-reduce), so they all stop after the same step.
   std::function<int()> stop_requested;
@@ -95,6 +96,10 @@ struct StepRecord {
   double ms = 0;                 // wall time of the step (a call's time over its steps)
   std::vector<double> busy_ms;   // per stage (stage_times): compute time in this step
   double pass_ms = 0;            // (stage_times) first action to last over all ranks, per step
+  // (stage_times) per pipeline rank: the heap growth of this step's call in MiB (PipelineOptions::
+  // measure_memory; else 0), and its device's peak allocated MiB since the run began (-1 where not
+  // measured: the CPU, or a LibTorch without the allocator's statistics, device.h).
+  std::vector<double> heap_growth_mib, device_peak_allocated_mib;
   std::optional<EvalResult> eval;  // evaluated after this step
 };
 
