@@ -34,6 +34,13 @@
 //   stream until the message comes, and receives posted early (the executor's prefetch) would otherwise
 //   queue ahead of sends the peer needs first. Sends are issued at once; their wait() orders the
 //   caller's current stream after them and returns without blocking the CPU (NCCL's stream semantics).
+// - Progress. NCCL buffers nothing: a send is done only once its receiver has read it, and a rank reads
+//   from a source only while it waits for a message from that source (there is no thread per peer as in
+//   gloo: ProcessGroupNCCL is not made to be called from several threads at once). The executor waits
+//   for its sends at the end of a step and keeps at most `prefetch` sends unfinished (reap_sends), so a
+//   sender's stream can stall until its receiver reaches a wait for it. For the pipelines' usual order
+//   (a stage reads its input before it needs anything the input's sender makes later) that wait comes;
+//   whether every schedule's order avoids a cycle of such stalls has not been checked on hardware.
 // - Failure. NCCL operations do not return when a peer dies. The failure board does it: a rank that
 //   fails (abort()), dies (its store connection closes without a goodbye), hangs (no heartbeat for
 //   PIPETRAIN_HEARTBEAT_TIMEOUT s) or loses the store makes every other rank print

@@ -36,6 +36,11 @@
 //   leaves without MPI_Finalize, so mpirun stops the job).
 // - A transport object belongs to its rank; only that rank's thread calls it (abort may be called from
 //   any thread).
+// - nccl (tests/runtime/test_transport_nccl.cpp: one rank only, on a GPU) keeps this contract with two
+//   differences NCCL imposes: the first isend from one rank to another returns only once that peer
+//   waits for a message from it (NCCL connects the pair then), and a send is done (its wait() orders
+//   the caller's stream after it; the CPU goes on) only once the receiver has read it, which a rank
+//   does while it waits for a message from that sender. See transport_nccl.cpp.
 #pragma once
 
 #include <torch/types.h>
