@@ -37,7 +37,7 @@ namespace {
 
 // This rank's pipeline options from the flags (the balance is a collective over `world`).
 PipelineOptions rank_options(const TrainFlags& f, const std::shared_ptr<Transport>& world, int64_t share) {
-  PipelineOptions o = f.pipe.options(f.model.seed, world->rank());
+  PipelineOptions o = f.pipe.options(f.model.seed, device_rank(world->name(), world->rank()));
   o.tied = f.model.ties();
   o.variable_shapes = f.model.gpt.variable_length;
   o.layers_per_stage = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world);

@@ -75,8 +75,9 @@ void PipelineFlags::add_to(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "autograd", "explicit"}));
   app.add_option("--transport", transport,
                  "local (threads in this process), shm (processes on this host, over shared memory), gloo, mpi "
-                 "(under mpirun), or auto: mpi under mpirun, shm for ranks pipetrain starts on this host, gloo otherwise; "
-                 "default auto");
+                 "(under mpirun), nccl (CUDA ranks on distinct GPUs; builds against a CUDA LibTorch), or auto: mpi "
+                 "under mpirun, nccl for --device cuda ranks with a GPU each (when built with it), shm for ranks "
+                 "pipetrain starts on this host, gloo otherwise; default auto");
   app.add_option("--threads", threads, "intra-op threads per rank; default: a --plan's (its profile's), else cores / ranks");
   app.add_option("--placement", placement,
                  "with --replicas: pipeline-inner (a copy's ranks side by side, default) or replicas-inner (a stage's "
@@ -87,7 +88,7 @@ void PipelineFlags::add_to(CLI::App& app) {
                  "mini-batch, gradients averaged per stage before the step; default 1");
   app.add_flag("--reference", reference, "use the blocking reference executor instead of the fast path");
   app.add_option("--device", device,
-                 "cpu (default), cuda (rank r on GPU r mod the GPU count) or cuda:N; cuda needs a CUDA LibTorch");
+                 "cpu (default), cuda (local rank r on GPU r mod the GPU count) or cuda:N; cuda needs a CUDA LibTorch");
   app.add_option("--precision", precision,
                  "fp32 (default) or bf16: forwards under autocast to bfloat16 (activations, their gradients and the "
                  "transfers in bf16; weights, gradients, optimizer state and loss in float32)")
@@ -145,6 +146,16 @@ torch::Device device_of_flag(const std::string& device, int local_rank) {
     throw UsageError("--device " + device + ": there are only " + std::to_string(gpus) + " GPUs (0.." +
                      std::to_string(gpus - 1) + ")");
   return d;
+}
+
+int device_rank(const std::string& transport, int world_rank) {
+  if (transport != "local")
+    if (const char* v = std::getenv("LOCAL_RANK"); v && *v) {
+      char* end = nullptr;
+      const long r = std::strtol(v, &end, 10);
+      if (*end == '\0' && r >= 0) return static_cast<int>(r);
+    }
+  return world_rank;
 }
 
 PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
@@ -276,9 +287,13 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
   if (flags.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(flags.replicas));
   const int world = flags.world_size();
   const std::string& t = flags.transport;
-  if (t != "local" && t != "shm" && t != "gloo" && t != "mpi" && t != "auto")
-    throw UsageError("unknown transport '" + t + "': use local, shm, gloo, mpi or auto");
+  if (t != "local" && t != "shm" && t != "gloo" && t != "mpi" && t != "nccl" && t != "auto")
+    throw UsageError("unknown transport '" + t + "': use local, shm, gloo, mpi, nccl or auto");
   if (t == "gloo" && !gloo_transport_available()) throw UsageError("--transport gloo: " + gloo_transport_absent_reason());
+  if (t == "nccl" && !nccl_transport_available()) throw UsageError("--transport nccl: " + nccl_transport_absent_reason());
+  if (t == "nccl" && flags.device.rfind("cuda", 0) != 0)
+    throw UsageError("--transport nccl moves CUDA tensors, but --device is " + flags.device +
+                     ": use --device cuda (each rank on its own GPU), or --transport shm, gloo or mpi for CPU ranks");
   // Ranks this process starts itself (threads, or processes through the launcher) are bounded by what
   // one host serves; the message names the user's flags, not the launcher's -n.
   if ((t == "local" || (!launched() && t != "mpi")) && world > kMaxLocalRanks) {
@@ -332,7 +347,13 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
       if (started > 0 && started != world) throw UsageError(mismatch(started));
       break;
     }
-  auto transport = make_process_transport(t);
+  // The device decides whether auto means nccl (CUDA ranks on distinct GPUs), and nccl needs it.
+  torch::Device device = torch::kCPU;
+  if (flags.device != "cpu" && (t == "nccl" || t == "auto")) {
+    const char* rank = std::getenv("RANK") ? std::getenv("RANK") : std::getenv("OMPI_COMM_WORLD_RANK");
+    device = device_of_flag(flags.device, device_rank(t, rank ? std::atoi(rank) : 0));
+  }
+  auto transport = make_process_transport(t, device, flags.device == "cuda");
   if (transport->world_size() != world) {
     const std::string msg = mismatch(transport->world_size());
     transport->abort(msg);

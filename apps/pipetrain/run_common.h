@@ -71,6 +71,10 @@ struct ModelFlags {
 // The device a --device flag names for the rank with this local rank (cuda: GPU local_rank mod the GPU
 // count); UsageError naming the value and the fix for anything else, and for CUDA without a GPU.
 torch::Device device_of_flag(const std::string& device, int local_rank = 0);
+// The index that --device cuda maps to a GPU (local rank mod the GPU count) for rank `world_rank` of a
+// run over `transport`: LOCAL_RANK where a launcher set it for this process (pipetrain launch, torchrun),
+// else the world rank (the threads of --transport local; ranks started by hand on one host each).
+int device_rank(const std::string& transport, int world_rank);
 
 struct PipelineFlags {
   int stages = 2;

@@ -78,6 +78,7 @@ RuntimeInfo runtime_info() {
   info.blas = blas_from_config(info.build_config);
   info.blas_library = loaded_blas();
   info.gloo = gloo_transport_available();
+  info.nccl = nccl_transport_available();
   return info;
 }
 
@@ -90,9 +91,13 @@ std::string describe(const RuntimeInfo& info) {
       "LibTorch {}, {} intra-op thread(s), {} inter-op thread(s)\n"
       "BLAS: {}\n"
       "CUDA: {}\n"
-      "Transports: local, shm, mpi{}\n",
-      info.torch_version, info.intra_op_threads, info.inter_op_threads, blas, cuda,
-      info.gloo ? ", gloo" : " (no gloo in this build)");
+      "Transports: local, shm, mpi{}{}{}\n",
+      info.torch_version, info.intra_op_threads, info.inter_op_threads, blas, cuda, info.gloo ? ", gloo" : "",
+      info.nccl ? ", nccl" : "",
+      !info.gloo && !info.nccl ? " (no gloo, no nccl in this build)"
+      : !info.gloo             ? " (no gloo in this build)"
+      : !info.nccl             ? " (no nccl in this build)"
+                               : "");
 }
 
 }  // namespace pipetrain

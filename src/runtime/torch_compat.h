@@ -24,6 +24,9 @@
 // - Hooks on an autograd node: 1.x keeps those of Tensor::register_hook among the node's pre_hooks(),
 //   2.x in tensor_pre_hooks() and retains_grad_hooks(). clear_pre_hooks() removes them all (the B/W split
 //   through autograd, autograd_split.cpp, so that W does not run a tensor's hook a second time).
+// - c10d::ProcessGroupNCCL (the nccl transport, CUDA builds of 2.x only): shutdown() (2.3 on) ends its
+//   communicators and watchdog in order; a group destroyed without it warns, and before 2.3 there is
+//   nothing to call. shutdown_process_group() calls it where it exists.
 // pipetrain does nothing else differently per version; losses then agree to float32 rounding across
 // versions (LibTorch's own kernels differ), and bitwise within one.
 #pragma once
@@ -217,6 +220,17 @@ void clear_pre_hooks(Node& node) {
   node.tensor_pre_hooks().clear();
   node.retains_grad_hooks().clear();
 #endif
+}
+
+// Ends a c10d process group's communicators in order where the group has shutdown() (ProcessGroupNCCL
+// since 2.3); elsewhere nothing (its destructor does what that version does).
+template <class PG, class = void>
+struct HasShutdown : std::false_type {};
+template <class PG>
+struct HasShutdown<PG, std::void_t<decltype(std::declval<PG&>().shutdown())>> : std::true_type {};
+template <class PG>
+void shutdown_process_group(PG& pg) {
+  if constexpr (HasShutdown<PG>::value) pg.shutdown();
 }
 
 }  // namespace pipetrain::compat

@@ -85,6 +85,10 @@
 //
 // Listening addresses: the store only on MASTER_ADDR's address (127.0.0.1 under pipetrain launch), never
 // the wildcard unless PIPETRAIN_STORE_BIND asks; Gloo only on the address chosen above.
+//
+// Code: the store, phases, watchdog, heartbeats, failure reports, finished counts and the final barrier
+// are detail::RunBoard's (transport_board.h), which the nccl transport shares; this file keeps Gloo's
+// connection, the headers and their threads, and what a lost connection means.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -113,52 +117,25 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/store.h"
 #include "pipetrain/runtime/transport.h"
-#include "torch_compat.h"
+#include "transport_board.h"
 #include "transport_util.h"
 
 namespace pipetrain {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 using detail::byte_size;
 using detail::cpu_contiguous;
-using detail::env_seconds;
 using detail::getenv_string;
-using detail::parse_integer;
 using detail::rendezvous_fault;
-using detail::find_or_host_store;
-using detail::StoreSite;
-using std::chrono::seconds;
+using detail::RunBoard;
+using detail::short_what;
 
-constexpr milliseconds kAbortPollPeriod{150};
-constexpr milliseconds kHeartbeatPeriod{1000};
 constexpr milliseconds kOpTimeout = std::chrono::minutes(30);
 constexpr milliseconds kForever = std::chrono::hours(24 * 365);  // a year: no overflow inside wait_for
-constexpr milliseconds kDetachWait{10000};
-constexpr milliseconds kAbortLinger{5000};
 constexpr int kControlTag = 1 << 30;  // Gloo slot of the headers; user tags are 0 .. kControlTag-1
 
-const std::string kAbortSeenKey = "pipetrain/abort_seen";
-const std::string kFinishedKey = "pipetrain/finished";
-const std::string kDetachedKey = "pipetrain/detached";
-std::string heartbeat_key(int rank) { return "pipetrain/heartbeat/" + std::to_string(rank); }
-std::string finished_key(int rank) { return "pipetrain/finished/" + std::to_string(rank); }
-
 // --- environment -------------------------------------------------------------------------------
-
-// The text of an exception without c10's backtrace or Gloo's "[file.cc:line] " prefix.
-std::string short_what(const std::exception& e) {
-  std::string text = e.what();
-  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) text = c10e->what_without_backtrace();
-  if (text.rfind("[", 0) == 0) {
-    const auto end = text.find("] ");
-    if (end != std::string::npos && text.find(".cc:") < end) text.erase(0, end + 2);
-  }
-  return text;
-}
-
-std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
 // The local address of the route towards `host`: the interface this rank should give Gloo ("" if
 // unknown). A UDP connect sends nothing; it only makes the kernel pick the route.
@@ -219,12 +196,6 @@ Header header_for(const at::Tensor& t, int tag) {
   h.nbytes = byte_size(t);
   for (int i = 0; i < std::min<int>(h.ndim, kMaxDims); ++i) h.sizes[i] = t.size(i);
   return h;
-}
-
-std::atomic<bool> g_exiting{false};  // one thread ends the process; the others wait for it
-
-[[noreturn]] void wait_for_exit() {
-  for (;;) ::pause();
 }
 
 // One receive: posted by the owner thread, matched with its header by the header thread of its source
@@ -305,42 +276,20 @@ class GlooTransport final : public Transport {
   // The connection to `peer` failed (on its header thread): unless that is the end of a normal run,
   // `peer` died; stop this rank now rather than when it next needs that peer.
   void peer_lost(int peer, const std::string& error);
-  void watchdog_loop();
-  void monitor_loop();
-  void watchdog_poll(std::vector<int64_t>& beats, std::vector<Clock::time_point>& changed,
-                     Clock::time_point& next_beat, Clock::time_point& next_check);
-  [[noreturn]] void lost_store(const std::string& why);
-  // Watchdog: reads what newly finished ranks sent; stops this rank if it waits in a collective one of
-  // them never called.
-  void poll_finished();
-  // What stop_process does with the store first: kPublish writes the diagnosis as the abort key (or
-  // reports the one already there), kAcknowledge only counts this rank in abort_seen (rank 0 instead
-  // keeps the store up for the others for up to 2 s), kLeave does not touch it (it is gone or hung).
-  enum class Store { kPublish, kAcknowledge, kLeave };
+  using Store = RunBoard::Report;
   // Ends the process after rank `failed_rank`'s failure (see the file comment).
-  [[noreturn]] void stop_process(int failed_rank, std::string message, Store store);
-  // Joins (or, on rank 0, hosts and joins) the rendezvous store: store_ and watch_store_.
-  void connect_store(const Rendezvous& rv, milliseconds join_timeout);
-  // Tells the store what this rank is doing, for its report should the rank vanish.
-  void set_phase(const std::string& phase);
+  [[noreturn]] void stop_process(int failed_rank, std::string message, Store store) {
+    board_.stop_process(failed_rank, std::move(message), store);
+  }
   void finish_barrier();
   // mu_ held: the message naming a message from `peer` (its header `h`) that arrived at this finished rank
   // and will never be received.
   std::string unreceived(int peer, const Header& h) const;
   void stop_threads();
-  // Polls `key` (an add() counter) on the main store client until it reaches `target` or `limit` passes.
-  bool wait_for_count(const std::string& key, int64_t target, milliseconds limit);
 
+  RunBoard board_;  // the store, the watchdog, the failure board (transport_board.h)
   int rank_;
   int world_size_;
-  std::string store_address_;  // "addr:port", for messages
-  milliseconds dead_after_;
-  milliseconds final_limit_{std::chrono::minutes(30)};  // the final barrier's (PIPETRAIN_FINAL_BARRIER_TIMEOUT)
-
-  std::unique_ptr<StoreServer> server_;          // rank 0's, when it hosts the store (destroyed last)
-  c10::intrusive_ptr<c10d::Store> store_;        // main client
-  c10::intrusive_ptr<c10d::Store> watch_store_;  // the watchdog's own connection
-  std::mutex store_mu_;                             // guards store_ (abort may come from any thread)
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
 
   // Matching of headers and receives (owner thread and header threads).
@@ -359,49 +308,22 @@ class GlooTransport final : public Transport {
   std::vector<int64_t> sent_;               // owner thread: headers sent per peer
   std::vector<int64_t> received_;           // mu_: headers received per peer
   std::vector<int64_t> peer_sent_;          // mu_: per peer, -1 until it finished; then what it sent here
-  std::vector<int64_t> peer_collectives_;   // watchdog: per peer, -1 until it finished; then its collectives
-  int64_t finished_seen_ = 0;               // watchdog: the finished count last read
-  std::atomic<int64_t> collectives_{0};     // owner thread: collectives entered
-  std::atomic<bool> in_collective_{false};  // owner thread: in one now
-
-  // Watchdog.
-  std::mutex wd_mu_;
-  std::condition_variable wd_cv_;
-  bool wd_stop_ = false;
-  std::atomic<int64_t> wd_progress_ns_{0};
-  std::atomic<bool> aborted_{false};  // this rank called abort()
-  std::atomic<bool> connected_{false};  // Gloo is connected: from now on heartbeats are judged
 
   std::vector<std::thread> header_threads_;
-  std::thread watchdog_, monitor_;
 };
 
-GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_(rv.world_size) {
-  if (rv.world_size < 1)
-    throw UsageError("WORLD_SIZE=" + std::to_string(rv.world_size) + " is not a process count: use >= 1");
-  if (rv.rank < 0 || rv.rank >= rv.world_size)
-    throw UsageError("RANK=" + std::to_string(rv.rank) + " is out of range for WORLD_SIZE=" +
-                     std::to_string(rv.world_size) + ": use 0.." + std::to_string(rv.world_size - 1));
-  if (rv.master_port < 1 || rv.master_port > 65535)
-    throw UsageError("MASTER_PORT=" + std::to_string(rv.master_port) + " is not a port number: use 1..65535");
-  if (rv.master_addr.empty()) throw UsageError("MASTER_ADDR is empty: set it to rank 0's host, e.g. 127.0.0.1");
-  store_address_ = rv.master_addr + ":" + std::to_string(rv.master_port);
-  dead_after_ = env_seconds("PIPETRAIN_HEARTBEAT_TIMEOUT", seconds(10));
-  final_limit_ = detail::final_barrier_limit();
-  const milliseconds join_timeout = env_seconds("PIPETRAIN_RENDEZVOUS_TIMEOUT", seconds(300));
-
-  // A peer that dies mid-write must give an error, not SIGPIPE.
-  struct sigaction old {};
-  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
-
-  connect_store(rv, join_timeout);
-  set_phase("the rendezvous");
+GlooTransport::GlooTransport(const Rendezvous& rv)
+    : board_(rv, "gloo"), rank_(rv.rank), world_size_(rv.world_size) {
+  board_.connect(rv);
+  board_.set_phase("the rendezvous");
   rendezvous_fault(rank_, "after-join");
   // The watchdog runs from here on: a failure reported while Gloo connects (a rank that died during the
   // rendezvous) stops this rank too. Heartbeats are judged only once Gloo is connected.
-  wd_progress_ns_ = Clock::now().time_since_epoch().count();
-  watchdog_ = std::thread([this] { watchdog_loop(); });
-  monitor_ = std::thread([this] { monitor_loop(); });
+  board_.start([this](int peer, int64_t sent_here) {
+    std::lock_guard<std::mutex> lk(mu_);
+    peer_sent_[peer] = sent_here;
+    cv_.notify_all();
+  });
 
   auto options = c10d::ProcessGroupGloo::Options::create(kOpTimeout);
   std::string device_address;
@@ -420,7 +342,7 @@ GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_
       }
     }
     options->threads = 1;  // collectives only; point-to-point runs on Gloo's network thread
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("pipetrain/gloo", store_);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("pipetrain/gloo", board_.store());
     pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank_, world_size_, options);
   } catch (const std::exception& e) {
     // Another rank's failure (seen while waiting for its address) is the root cause; else this rank's
@@ -430,12 +352,13 @@ GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_
       reported = *remote;
     } else {
       try {
-        std::lock_guard<std::mutex> lk(store_mu_);
-        if (store_->check({kAbortKey})) {
-          const auto raw = store_->get(kAbortKey);
-          const auto [failed, message] = parse_abort(std::string(raw.begin(), raw.end()));
-          reported = RemoteFailure(failed, message);
-        }
+        board_.with_store([&](c10d::Store& store) {
+          if (store.check({kAbortKey})) {
+            const auto raw = store.get(kAbortKey);
+            const auto [failed, message] = parse_abort(std::string(raw.begin(), raw.end()));
+            reported = RemoteFailure(failed, message);
+          }
+        });
       } catch (const RemoteFailure& remote) {  // the client's get() reports it so while it watches
         reported = remote;
       } catch (const std::exception&) {
@@ -452,125 +375,33 @@ GlooTransport::GlooTransport(const Rendezvous& rv) : rank_(rv.rank), world_size_
   }
   // From here on a failure report reaches this rank through the watchdog; the main client's get() must
   // read the report itself (fail() does), not throw it.
-  if (auto* client = dynamic_cast<StoreClient*>(store_.get())) client->stop_waiting_on_abort(StoreClient::kNotWatching);
+  board_.stop_watching_abort();
   header_work_.resize(world_size_);
   peer_error_.resize(world_size_);
   peer_gone_.resize(world_size_);
   sent_.assign(world_size_, 0);
   received_.assign(world_size_, 0);
   peer_sent_.assign(world_size_, -1);
-  peer_collectives_.assign(world_size_, -1);
-  connected_ = true;
-  set_phase("the run");
+  board_.set_connected();
+  board_.set_phase("the run");
   for (int peer = 0; peer < world_size_; ++peer)
     if (peer != rank_) header_threads_.emplace_back([this, peer] { header_loop(peer); });
 }
 
-void GlooTransport::set_phase(const std::string& phase) {
-  try {
-    std::lock_guard<std::mutex> lk(store_mu_);
-    store_->set(phase_key(rank_), bytes_of(phase));
-  } catch (const std::exception&) {
-    // Only for the store's report; a lost store shows elsewhere.
-  }
-}
-
-void GlooTransport::connect_store(const Rendezvous& rv, milliseconds join_timeout) {
-  const std::string join_hint = "start all WORLD_SIZE=" + std::to_string(world_size_) +
-                                " ranks with the same MASTER_ADDR and MASTER_PORT (pipetrain launch does), or "
-                                "raise PIPETRAIN_RENDEZVOUS_TIMEOUT (now " +
-                                std::to_string(join_timeout.count() / 1000) + " s)";
-  const std::string master = store_address_ + " (MASTER_ADDR:MASTER_PORT)";
-
-  // torchrun: its agent hosts a c10d::TCPStore on MASTER_ADDR:MASTER_PORT for the workers; join it.
-  if (getenv_string("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") {
-    const std::string attempt = getenv_string("TORCHELASTIC_RESTART_COUNT").value_or("0");
-    try {
-      c10d::TCPStoreOptions o;
-      o.port = static_cast<std::uint16_t>(rv.master_port);
-      o.isServer = false;
-      o.waitWorkers = false;
-      o.timeout = join_timeout;
-      auto prefix = "pipetrain/attempt-" + attempt;  // a restarted group must not read the last one's keys
-      store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, compat::make_tcp_store<c10d::TCPStore>(rv.master_addr, o));
-      watch_store_ =
-          c10::make_intrusive<c10d::PrefixStore>(prefix, compat::make_tcp_store<c10d::TCPStore>(rv.master_addr, o));
-    } catch (const std::exception& e) {
-      throw std::runtime_error("rank " + std::to_string(rank_) + " could not join torchrun's store at " + master +
-                               " (TORCHELASTIC_USE_AGENT_STORE=True): " + short_what(e));
-    }
-    return;
-  }
-
-  StoreSite site = find_or_host_store(rv, rank_, world_size_);
-  server_ = std::move(site.server);
-  if (site.launcher) store_address_ = site.host + ":" + std::to_string(site.port) + " (the launcher's)";
-  const std::string& token = site.token;
-  const std::string& host = site.host;
-  const int port = site.port;
-  const std::string& what = site.what;
-  rendezvous_fault(rank_, "before-join");
-  try {
-    auto main = c10::make_intrusive<StoreClient>(host, port, token, rank_, world_size_, join_timeout, what);
-    watch_store_ = c10::make_intrusive<StoreClient>(host, port, token, rank_, world_size_, join_timeout, what);
-    main->stop_waiting_on_abort(rank_);  // Gloo's rendezvous waits end at once when a rank failed
-    store_ = main;
-  } catch (const std::exception& e) {
-    const std::string text = e.what();
-    if (text.find("hosts another pipetrain run") != std::string::npos)
-      throw std::runtime_error("rank " + std::to_string(rank_) + ": " + text);
-    throw std::runtime_error("rank " + std::to_string(rank_) + " could not join the rendezvous store: " + text +
-                             ". Is rank 0 running? " + join_hint);
-  }
-}
-
 GlooTransport::~GlooTransport() {
-  if (std::uncaught_exceptions() > 0 && !aborted_)
+  if (std::uncaught_exceptions() > 0 && !board_.aborted())
     abort("its transport was destroyed while an error was propagating (see rank " + std::to_string(rank_) +
           "'s own output for it)");
-  const bool failed = aborted_;
+  const bool failed = board_.aborted();
   if (!failed) finish_barrier();
   stop_threads();
-  try {
-    if (!failed) {
-      if (rank_ != 0) {
-        std::lock_guard<std::mutex> lk(store_mu_);
-        store_->add(kDetachedKey, 1);
-      } else {
-        wait_for_count(kDetachedKey, world_size_ - 1, kDetachWait);
-      }
-    } else {
-      if (rank_ == 0) {  // keep the store up until the ranks still connected have seen the failure
-        int gone = 0;
-        {
-          std::lock_guard<std::mutex> lk(mu_);
-          for (int k = 0; k < world_size_; ++k) gone += k != rank_ && peer_gone_[k];
-        }
-        wait_for_count(kAbortSeenKey, world_size_ - 1 - gone, kAbortLinger);
-      }
-    }
-  } catch (const std::exception&) {
-    // The store is gone: nothing left to coordinate.
+  int gone = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (int k = 0; k < world_size_; ++k) gone += k != rank_ && peer_gone_[k];
   }
+  board_.leave(failed, gone);
   pg_.reset();
-  watch_store_.reset();
-  store_.reset();
-}
-
-bool GlooTransport::wait_for_count(const std::string& key, int64_t target, milliseconds limit) {
-  const auto until = Clock::now() + limit;
-  milliseconds pause{5};
-  for (;;) {
-    int64_t v;
-    {
-      std::lock_guard<std::mutex> lk(store_mu_);
-      v = store_->add(key, 0);
-    }
-    if (v >= target) return true;
-    if (Clock::now() >= until) return false;
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, milliseconds(50));
-  }
 }
 
 std::string GlooTransport::unreceived(int peer, const Header& h) const {
@@ -596,41 +427,11 @@ void GlooTransport::finish_barrier() {
         stop_process(rank_, message, Store::kPublish);
       }
   }
-  try {
-    set_phase("shutdown (the final barrier)");
-    {
-      std::string counts = std::to_string(collectives_.load()) + ";";
-      for (int k = 0; k < world_size_; ++k) counts += (k ? "," : "") + std::to_string(sent_[k]);
-      std::lock_guard<std::mutex> lk(store_mu_);
-      store_->set(finished_key(rank_), bytes_of(counts));
-      store_->add(kFinishedKey, 1);
-    }
-    // A slower rank is still working; one that fails meanwhile is caught by the watchdog, which ends this
-    // process, and one that waits for this rank fails as soon as its watchdog reads the counts above.
-    if (!wait_for_count(kFinishedKey, world_size_, final_limit_)) {
-      std::string missing;
-      for (int k = 0; k < world_size_; ++k) {
-        std::lock_guard<std::mutex> lk(store_mu_);
-        if (!store_->check({finished_key(k)})) missing += (missing.empty() ? "" : ", ") + std::to_string(k);
-      }
-      std::fprintf(stderr,
-                   "pipetrain rank %d: gloo: gave up the final barrier after %s: rank(s) %s neither finished "
-                   "nor failed (still working, or waiting where nothing comes?)\n",
-                   rank_, detail::describe_limit(final_limit_).c_str(), missing.c_str());
-    }
-  } catch (const std::exception& e) {
-    lost_store(short_what(e));
-  }
+  board_.finish(sent_);
 }
 
 void GlooTransport::stop_threads() {
-  {
-    std::lock_guard<std::mutex> lk(wd_mu_);
-    wd_stop_ = true;
-  }
-  wd_cv_.notify_all();
-  if (watchdog_.joinable()) watchdog_.join();
-  if (monitor_.joinable()) monitor_.join();
+  board_.stop_threads();
   {
     std::lock_guard<std::mutex> lk(mu_);
     stopping_ = true;
@@ -641,175 +442,7 @@ void GlooTransport::stop_threads() {
   for (auto& t : header_threads_) t.join();
 }
 
-void GlooTransport::lost_store(const std::string& why) {
-  stop_process(0, "lost the rendezvous store at " + store_address_ + " (its host died?): " + why,
-               Store::kLeave);
-}
-
-void GlooTransport::stop_process(int failed_rank, std::string message, Store store) {
-  if (g_exiting.exchange(true)) wait_for_exit();
-  if (store != Store::kLeave) {
-    try {
-      // The watchdog thread owns watch_store_; any other thread uses the main client.
-      const bool on_watchdog = std::this_thread::get_id() == watchdog_.get_id();
-      std::unique_lock<std::mutex> lk(store_mu_, std::defer_lock);
-      if (!on_watchdog) lk.lock();
-      c10d::Store& st = on_watchdog ? *watch_store_ : *store_;
-      if (store == Store::kPublish) {
-        const std::string value = std::to_string(failed_rank) + "\n" + message;
-        const std::vector<uint8_t> raw = st.compareSet(kAbortKey, {}, bytes_of(value));
-        const std::string stored(raw.begin(), raw.end());
-        if (stored != value) {  // someone reported a failure first: that is the root cause
-          const auto nl = stored.find('\n');
-          failed_rank = static_cast<int>(parse_integer(stored.substr(0, nl)).value_or(failed_rank));
-          message = nl == std::string::npos ? stored : stored.substr(nl + 1);
-        }
-      }
-      if (rank_ != 0) {
-        st.add(kAbortSeenKey, 1);
-      } else {  // the store dies with this process: give the others time to read the report
-        const auto until = Clock::now() + milliseconds(2000);
-        while (Clock::now() < until && st.add(kAbortSeenKey, 0) < world_size_ - 2)
-          std::this_thread::sleep_for(milliseconds(20));
-      }
-    } catch (...) {
-    }
-  }
-  std::fprintf(stderr, "pipetrain rank %d: stopping: rank %d failed: %s\n", rank_, failed_rank, message.c_str());
-  std::fflush(nullptr);
-  std::_Exit(1);
-}
-
-void GlooTransport::abort(const std::string& message) noexcept {
-  aborted_ = true;
-  try {
-    const std::string value = std::to_string(rank_) + "\n" + message;
-    std::lock_guard<std::mutex> lk(store_mu_);
-    store_->compareSet(kAbortKey, {}, bytes_of(value));  // the first failure is the one reported
-  } catch (const std::exception& e) {
-    std::fprintf(stderr,
-                 "pipetrain rank %d: could not tell the other ranks that it failed (%s); they will notice "
-                 "when it exits\n",
-                 rank_, short_what(e).c_str());
-  } catch (...) {
-  }
-}
-
-// --- watchdog ----------------------------------------------------------------------------------
-
-void GlooTransport::watchdog_loop() {
-  const auto start = Clock::now();
-  std::vector<int64_t> beats(world_size_, -1);
-  std::vector<Clock::time_point> changed(world_size_, start);
-  Clock::time_point next_beat = start, next_check = start + kHeartbeatPeriod;
-  std::unique_lock<std::mutex> lk(wd_mu_);
-  while (!wd_stop_) {
-    lk.unlock();
-    watchdog_poll(beats, changed, next_beat, next_check);
-    wd_progress_ns_ = Clock::now().time_since_epoch().count();
-    lk.lock();
-    wd_cv_.wait_for(lk, kAbortPollPeriod, [&] { return wd_stop_; });
-  }
-}
-
-void GlooTransport::watchdog_poll(std::vector<int64_t>& beats, std::vector<Clock::time_point>& changed,
-                                  Clock::time_point& next_beat, Clock::time_point& next_check) {
-  try {
-    const auto now = Clock::now();
-    if (now >= next_beat) {
-      watch_store_->add(heartbeat_key(rank_), 1);
-      next_beat = now + kHeartbeatPeriod;
-    }
-    if (aborted_) return;  // this rank is already failing: nothing to add
-    if (watch_store_->check({kAbortKey})) {
-      const std::vector<uint8_t> raw = watch_store_->get(kAbortKey);
-      const std::string value(raw.begin(), raw.end());
-      const auto nl = value.find('\n');
-      const int failed = static_cast<int>(parse_integer(value.substr(0, nl)).value_or(-1));
-      const std::string message = nl == std::string::npos ? value : value.substr(nl + 1);
-      if (failed != rank_ && !aborted_) stop_process(failed, message, Store::kAcknowledge);
-    }
-    if (connected_) poll_finished();
-    if (!connected_) {  // ranks may join late: heartbeats count from the moment Gloo is connected
-      next_check = now + kHeartbeatPeriod;
-      std::fill(changed.begin(), changed.end(), now);
-    } else if (now >= next_check) {
-      next_check = now + kHeartbeatPeriod;
-      for (int k = 0; k < world_size_; ++k) {
-        if (k == rank_) continue;
-        const int64_t v = watch_store_->add(heartbeat_key(k), 0);
-        if (v != beats[k]) {
-          beats[k] = v;
-          changed[k] = now;
-        } else if (now - changed[k] > dead_after_) {
-          stop_process(k,
-                       "it stopped responding: no heartbeat for " + std::to_string(dead_after_.count() / 1000) +
-                           " s (killed, crashed or hung)",
-                       Store::kPublish);
-        }
-      }
-    }
-  } catch (const std::exception& e) {
-    {
-      std::lock_guard<std::mutex> lk(wd_mu_);
-      if (wd_stop_) return;
-    }
-    if (aborted_) return;
-    lost_store(short_what(e));
-  }
-}
-
-void GlooTransport::poll_finished() {
-  const int64_t finished = watch_store_->add(kFinishedKey, 0);
-  if (finished > finished_seen_) {
-    finished_seen_ = finished;  // each rank writes its counts before it counts itself finished
-    for (int k = 0; k < world_size_; ++k) {
-      if (k == rank_ || peer_collectives_[k] >= 0 || !watch_store_->check({finished_key(k)})) continue;
-      const std::vector<uint8_t> raw = watch_store_->get(finished_key(k));
-      const std::string value(raw.begin(), raw.end());
-      const auto semi = value.find(';');
-      std::vector<int64_t> counts;
-      for (std::size_t at = semi + 1; semi != std::string::npos && at <= value.size();) {
-        const auto comma = std::min(value.find(',', at), value.size());
-        counts.push_back(parse_integer(value.substr(at, comma - at)).value_or(0));
-        at = comma + 1;
-      }
-      peer_collectives_[k] = parse_integer(value.substr(0, semi)).value_or(0);
-      std::lock_guard<std::mutex> lk(mu_);
-      peer_sent_[k] = rank_ < static_cast<int>(counts.size()) ? counts[rank_] : 0;
-      cv_.notify_all();
-    }
-  }
-  if (!in_collective_) return;
-  const int64_t entered = collectives_.load();
-  for (int k = 0; k < world_size_; ++k)
-    if (k != rank_ && peer_collectives_[k] >= 0 && peer_collectives_[k] < entered && in_collective_)
-      stop_process(rank_,
-                   "rank " + std::to_string(k) + " finished after " + std::to_string(peer_collectives_[k]) +
-                       " collectives while rank " + std::to_string(rank_) + " waits in its collective number " +
-                       std::to_string(entered) +
-                       " (all_reduce_sum or barrier): do all ranks make the same calls (the same number of "
-                       "train_step calls, say)?",
-                   Store::kPublish);
-}
-
-void GlooTransport::monitor_loop() {
-  // The watchdog's store calls have no timeout of their own: one that hangs (rank 0 stopped, network
-  // gone) shows here as a watchdog that stopped making progress.
-  const auto limit = dead_after_ + seconds(5);
-  std::unique_lock<std::mutex> lk(wd_mu_);
-  while (!wd_stop_) {
-    wd_cv_.wait_for(lk, seconds(1), [&] { return wd_stop_; });
-    if (wd_stop_ || aborted_) break;
-    const auto last = Clock::time_point(Clock::duration(wd_progress_ns_.load()));
-    if (Clock::now() - last > limit)
-      stop_process(0,
-                   "the rendezvous store at " + store_address_ + " has not answered for " +
-                       std::to_string(std::chrono::duration_cast<seconds>(limit).count()) +
-                       " s (rank 0 hung, or its host is unreachable)",
-                   Store::kLeave);
-  }
-}
+void GlooTransport::abort(const std::string& message) noexcept { board_.abort(message); }
 
 // --- messages ----------------------------------------------------------------------------------
 
@@ -895,24 +528,11 @@ void GlooTransport::match(PendingRecv& rec, const Header& h) {
 }
 
 void GlooTransport::fail(const std::string& operation, const std::string& error, int peer) {
-  if (!aborted_) {
-    std::optional<std::string> reported;
-    try {
-      std::lock_guard<std::mutex> lk(store_mu_);
-      if (store_->check({kAbortKey})) {
-        const std::vector<uint8_t> raw = store_->get(kAbortKey);
-        reported = std::string(raw.begin(), raw.end());
-      }
-    } catch (const std::exception& e) {
-      // The store lives in rank 0's process: rank 0 died, and is the likely cause of this error too.
-      lost_store(short_what(e) + "; then " + operation + " failed: " + error);
-    }
-    if (reported) {
-      const auto nl = reported->find('\n');
-      const int failed = static_cast<int>(parse_integer(reported->substr(0, nl)).value_or(-1));
-      if (failed >= 0 && failed != rank_)
-        stop_process(failed, nl == std::string::npos ? *reported : reported->substr(nl + 1), Store::kAcknowledge);
-    }
+  if (!board_.aborted()) {
+    // A store that is gone means rank 0 died, the likely cause of this error too (lost_store).
+    if (const auto reported = board_.reported_failure(operation + " failed: " + error))
+      if (reported->first >= 0 && reported->first != rank_)
+        stop_process(reported->first, reported->second, Store::kAcknowledge);
     if (peer >= 0)
       stop_process(peer,
                    "it went away (killed or crashed?) while rank " + std::to_string(rank_) + " was " + operation +
@@ -982,16 +602,10 @@ void GlooRecvWork::wait() {
 }
 
 void GlooTransport::peer_lost(int peer, const std::string& error) {
-  if (aborted_) return;  // this rank is failing already
-  int64_t finished = 0;
-  try {
-    std::lock_guard<std::mutex> lk(store_mu_);
-    finished = store_->add(kFinishedKey, 0);
-  } catch (const std::exception& e) {
-    // The store lives in rank 0's process: rank 0 is the one that died (the peer may just have
-    // stopped because of it).
-    lost_store(short_what(e) + "; the connection to rank " + std::to_string(peer) + " closed too (" + error + ")");
-  }
+  if (board_.aborted()) return;  // this rank is failing already
+  // A store that is gone means rank 0 died (the peer may just have stopped because of it): lost_store.
+  const int64_t finished =
+      board_.finished_count("the connection to rank " + std::to_string(peer) + " closed too (" + error + ")");
   // A rank closes its connections only after the final barrier, i.e. once every rank has finished.
   if (finished >= world_size_) return;
   try {
@@ -1066,12 +680,11 @@ void GlooTransport::all_reduce_sum(torch::Tensor& tensor) {
   at::Tensor buffer = cpu_contiguous(tensor);
   try {
     std::vector<at::Tensor> v{buffer};
-    ++collectives_;
-    in_collective_ = true;
+    board_.enter_collective();
     pg_->allreduce(v)->wait();
-    in_collective_ = false;
+    board_.leave_collective();
   } catch (const std::exception& e) {
-    in_collective_ = false;
+    board_.leave_collective();
     fail("reducing " + describe(tensor) + " (all_reduce_sum) on rank " + std::to_string(rank_), short_what(e), -1);
   }
   if (!buffer.is_same(tensor)) tensor.copy_(buffer);
@@ -1079,12 +692,11 @@ void GlooTransport::all_reduce_sum(torch::Tensor& tensor) {
 
 void GlooTransport::barrier() {
   try {
-    ++collectives_;
-    in_collective_ = true;
+    board_.enter_collective();
     pg_->barrier()->wait();
-    in_collective_ = false;
+    board_.leave_collective();
   } catch (const std::exception& e) {
-    in_collective_ = false;
+    board_.leave_collective();
     fail("in a barrier on rank " + std::to_string(rank_), short_what(e), -1);
   }
 }

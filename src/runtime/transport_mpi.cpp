@@ -27,6 +27,7 @@
 // exception was propagating, skips MPI_Finalize (which would wait for the other ranks) and mpirun,
 // seeing it leave, stops the job.
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <mpi.h>
 
 #include <array>
@@ -469,31 +470,61 @@ std::shared_ptr<Transport> make_mpi_transport() {
   return std::make_shared<MpiTransport>();
 }
 
-std::shared_ptr<Transport> make_process_transport(const std::string& name) {
-  if (name == "gloo") {
-    // A build without gloo says so first, not that the rendezvous variables are missing.
-    if (!gloo_transport_available()) throw UsageError(gloo_transport_absent_reason());
-    return make_gloo_transport(Rendezvous::from_environment());
-  }
-  if (name == "mpi") return make_mpi_transport();
-  if (name == "shm") return make_shm_transport(Rendezvous::from_environment());
+namespace {
+
+// LOCAL_WORLD_SIZE (pipetrain launch and torchrun set it): the ranks on this host; 1 when unset or bad.
+int local_world_size() {
+  const auto v = detail::getenv_string("LOCAL_WORLD_SIZE");
+  const auto n = v ? detail::parse_integer(*v) : std::nullopt;
+  return n && *n > 0 ? static_cast<int>(*n) : 1;
+}
+
+}  // namespace
+
+std::string resolve_process_transport(const std::string& name, const torch::Device& device,
+                                      bool cuda_device_given_by_rank) {
+  if (name == "gloo" || name == "mpi" || name == "shm" || name == "nccl") return name;
   if (name == "auto") {
-    if (std::getenv("OMPI_COMM_WORLD_SIZE")) return make_mpi_transport();
+    if (std::getenv("OMPI_COMM_WORLD_SIZE")) return "mpi";
+    // CUDA ranks on distinct GPUs: NCCL moves their tensors device to device. Ranks that would share a
+    // GPU (more ranks on this host than GPUs, or one cuda:N named for all) must not get it: NCCL
+    // refuses two ranks on one GPU.
+    if (kAutoPicksNccl && nccl_transport_available() && device.is_cuda()) {
+      const int here = local_world_size();
+      const int gpus = static_cast<int>(torch::cuda::device_count());
+      if (cuda_device_given_by_rank ? here <= gpus : here == 1) return "nccl";
+    }
     // Ranks of `pipetrain launch` on one host get PIPETRAIN_SHM_PREFIX from it: they share this host's
     // memory, so shm (per-transfer cost a fraction of gloo's loopback TCP; docs/BENCHMARKS.md, issue 15).
     // Ranks started otherwise (torchrun, by hand, across hosts) meet over gloo.
     const char* prefix = std::getenv("PIPETRAIN_SHM_PREFIX");
-    if (prefix && *prefix) return make_shm_transport(Rendezvous::from_environment());
+    if (prefix && *prefix) return "shm";
     if (!gloo_transport_available())
       throw UsageError("--transport auto needs gloo for ranks that neither mpirun nor pipetrain started, but " +
                        gloo_transport_absent_reason());
-    return make_gloo_transport(Rendezvous::from_environment());
+    return "gloo";
   }
   if (name == "local")
     throw UsageError("transport 'local' runs every rank as a thread of one process and is made with "
-                     "make_local_transports; for processes use shm, gloo, mpi or auto");
+                     "make_local_transports; for processes use shm, gloo, mpi, nccl or auto");
   throw UsageError("unknown transport '" + name +
-                   "': use shm, gloo, mpi or auto ('local' is only for in-process runs)");
+                   "': use shm, gloo, mpi, nccl or auto ('local' is only for in-process runs)");
+}
+
+std::shared_ptr<Transport> make_process_transport(const std::string& name, const torch::Device& device,
+                                                  bool cuda_device_given_by_rank) {
+  const std::string chosen = resolve_process_transport(name, device, cuda_device_given_by_rank);
+  if (chosen == "gloo") {
+    // A build without gloo says so first, not that the rendezvous variables are missing.
+    if (!gloo_transport_available()) throw UsageError(gloo_transport_absent_reason());
+    return make_gloo_transport(Rendezvous::from_environment());
+  }
+  if (chosen == "nccl") {
+    if (!nccl_transport_available()) throw UsageError(nccl_transport_absent_reason());
+    return make_nccl_transport(Rendezvous::from_environment(), device);
+  }
+  if (chosen == "mpi") return make_mpi_transport();
+  return make_shm_transport(Rendezvous::from_environment());
 }
 
 }  // namespace pipetrain

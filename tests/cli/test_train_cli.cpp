@@ -102,6 +102,21 @@ TEST(TrainCli, RanksWithDifferentModelsAreRefusedBeforeTraining) {
   EXPECT_FALSE(r.has("frame #")) << "backtraces leak into the message:\n" << r.out;
 }
 
+// --transport nccl where it cannot run, before any rank starts: a build without NCCL names the reason and
+// the alternatives; a build with it refuses CPU ranks (the default --device cpu). Exit 2 either way, at once.
+TEST(TrainCli, NcclWhereItCannotRunExitsTwoAtOnce) {
+  for (const std::string stages : {" --stages 1", " --stages 2"}) {
+    const Result r = run(bin + " train --transport nccl" + small + stages);
+    EXPECT_EQ(r.code, 2) << r.out;
+    const bool absent = r.has("this pipetrain was built against a LibTorch without NCCL (") &&
+                        r.has("use --transport gloo|shm|mpi, or rebuild against a CUDA LibTorch");
+    const bool cpu = r.has("--transport nccl moves CUDA tensors, but --device is cpu: use --device cuda");
+    EXPECT_TRUE(absent || cpu) << r.out;
+    EXPECT_LT(r.seconds, 30) << r.out;
+    EXPECT_FALSE(r.has("step 1/")) << r.out;
+  }
+}
+
 TEST(TrainCli, WorldSizeOtherThanStagesIsAUsageError) {
   const Result r = run(bin + " launch -n 3 -- " + bin + " train --stages 2" + small);
   EXPECT_NE(r.code, 0) << r.out;
@@ -120,7 +135,7 @@ TEST(TrainCli, BadInputExitsTwo) {
            {"--stages 0", "stages must be >= 1"},
            {"--stages 9", "--stages 9 but the gpt has 4 pipeline layers"},
            {"--balance 3,3", "sums to 6 but the model has 4 layers"},
-           {"--transport tcp", "unknown transport 'tcp': use local, shm, gloo, mpi or auto"},
+           {"--transport tcp", "unknown transport 'tcp': use local, shm, gloo, mpi, nccl or auto"},
            {"--schedule pipedream --microbatches 2", "use --microbatches 1"},
            {"--optimizer lion", "unknown optimizer"},
            {"--checkpoint sometimes", "use always, except_last or never"},

@@ -1,6 +1,7 @@
 // Checks runtime_info()/describe() against what the linked LibTorch really does, and that a small
 // autograd computation runs (so the LibTorch link works end to end).
 #include "pipetrain/runtime/info.h"
+#include "pipetrain/runtime/transport.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -37,6 +38,16 @@ TEST(RuntimeInfo, BuildConfigAndBlasAreFilledIn) {
     // Debian's LibTorch calls the system libblas.so.3; the process must resolve it somewhere.
     EXPECT_FALSE(info.blas_library.empty());
   }
+}
+
+TEST(RuntimeInfo, TransportsOfThisBuildAreListed) {
+  const RuntimeInfo info = runtime_info();
+  EXPECT_EQ(info.gloo, gloo_transport_available());
+  EXPECT_EQ(info.nccl, nccl_transport_available());
+  const std::string text = describe(info);
+  EXPECT_NE(text.find("Transports: local, shm, mpi"), std::string::npos) << text;
+  EXPECT_EQ(text.find(", nccl") != std::string::npos, info.nccl) << text;
+  EXPECT_EQ(text.find("no nccl in this build") != std::string::npos, !info.nccl && info.gloo) << text;
 }
 
 TEST(RuntimeInfo, CudaFieldsAgree) {

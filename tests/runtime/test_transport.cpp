@@ -583,7 +583,7 @@ TEST(Rendezvous, BadPortAndEmptyAddress) {
 
 TEST(ProcessTransport, UnknownAndLocalNamesAreUsageErrors) {
   const std::string unknown = usage_error_of([] { make_process_transport("tcp"); });
-  EXPECT_NE(unknown.find("unknown transport 'tcp': use shm, gloo, mpi or auto"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("unknown transport 'tcp': use shm, gloo, mpi, nccl or auto"), std::string::npos) << unknown;
   const std::string local = usage_error_of([] { make_process_transport("local"); });
   EXPECT_NE(local.find("make_local_transports"), std::string::npos) << local;
 }

@@ -18,12 +18,13 @@ struct RuntimeInfo {
                                // Matters where blas is "generic": Debian's libblas.so.3 alternative.
   std::string build_config;    // at::show_config(), verbatim
   bool gloo = false;           // this build has the gloo transport (gloo_transport_available())
+  bool nccl = false;           // this build has the nccl transport (nccl_transport_available())
 };
 
 RuntimeInfo runtime_info();
 
 // A few human-readable lines: "LibTorch 1.13.1, 2 intra-op threads, BLAS ..., CUDA: none", and the
-// process transports of this build ("Transports: shm, mpi, gloo").
+// process transports of this build ("Transports: local, shm, mpi, gloo (no nccl in this build)").
 std::string describe(const RuntimeInfo& info);
 
 }  // namespace pipetrain

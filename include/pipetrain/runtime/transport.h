@@ -5,6 +5,9 @@
 //   gloo   (transport_gloo.cpp):  ranks are processes; c10d's ProcessGroupGloo over pipetrain's own
 //                                  rendezvous store (runtime/store.h), or torchrun's TCPStore under torchrun.
 //   mpi    (transport_mpi.cpp):   ranks are processes started by mpirun; Open MPI point-to-point (CPU).
+//   nccl   (transport_nccl.cpp):  ranks are processes with one CUDA device each (distinct GPUs);
+//                                  c10d's ProcessGroupNCCL over the same rendezvous store as gloo's.
+//                                  Only in builds against a CUDA LibTorch with c10d NCCL.
 //
 // Contract shared by all of them (tested once for each in tests/runtime/test_transport.cpp and
 // test_transport_conformance.cpp):
@@ -33,6 +36,11 @@
 //   leaves without MPI_Finalize, so mpirun stops the job).
 // - A transport object belongs to its rank; only that rank's thread calls it (abort may be called from
 //   any thread).
+// - nccl (tests/runtime/test_transport_nccl.cpp: one rank only, on a GPU) keeps this contract with two
+//   differences NCCL imposes: the first isend from one rank to another returns only once that peer
+//   waits for a message from it (NCCL connects the pair then), and a send is done (its wait() orders
+//   the caller's stream after it; the CPU goes on) only once the receiver has read it, which a rank
+//   does while it waits for a message from that sender. See transport_nccl.cpp.
 #pragma once
 
 #include <torch/types.h>
@@ -71,7 +79,7 @@ class Transport {
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
-  virtual std::string name() const = 0;  // "local", "shm", "gloo" or "mpi"
+  virtual std::string name() const = 0;  // "local", "shm", "gloo", "mpi" or "nccl"
   // True when all ranks share one process (and so the global RNG): the executor then serialises
   // forwards that consume random numbers, to keep dropout masks deterministic.
   virtual bool shares_process() const { return false; }
@@ -166,10 +174,39 @@ std::shared_ptr<Transport> make_mpi_transport();
 std::shared_ptr<Transport> make_group_transport(std::shared_ptr<Transport> base, const std::vector<int>& members,
                                                 int collective_tag = 32767);
 
-// Picks by name: "local" is not valid here (it needs make_local_transports); "shm", "gloo", "mpi", or
-// "auto": mpi when launched by mpirun, shm for ranks that pipetrain launch started on this host
-// (PIPETRAIN_SHM_PREFIX set), else gloo (torchrun, ranks started by hand, several hosts; a build without
-// gloo refuses with the alternatives instead). Throws UsageError listing the valid names otherwise.
-std::shared_ptr<Transport> make_process_transport(const std::string& name);
+// NCCL (c10d::ProcessGroupNCCL) between processes that each drive one CUDA device, `device` (this
+// rank's; cuda:N). Rendezvous, failure board, watchdog and final barrier are the gloo transport's
+// (transport_board.h); transport_nccl.cpp has the details (message order, headers, costs). Throws
+// UsageError when `device` is not a CUDA device, when two ranks name the same GPU (NCCL refuses that:
+// the message names both ranks and the GPU), or, in a build without it (nccl_transport_available()
+// false), with nccl_transport_absent_reason().
+std::shared_ptr<Transport> make_nccl_transport(const Rendezvous& rv, const torch::Device& device);
+// Whether this build has the nccl transport: only a build against a CUDA LibTorch whose headers have c10d's
+// ProcessGroupNCCL (CMake option PIPETRAIN_NCCL).
+bool nccl_transport_available();
+// Why it is missing and which transports to use instead ("" when it is there).
+std::string nccl_transport_absent_reason();
+
+// Whether "auto" may choose nccl. Not yet: the nccl transport has been compiled against CUDA headers but has
+// not run between ranks on GPUs (issue 26); until it has, a user names it (--transport nccl) and auto keeps
+// CUDA ranks in separate processes on shm or gloo. The rule it will follow is below.
+inline constexpr bool kAutoPicksNccl = false;
+
+// The transport `name` stands for in a process whose rank computes on `device`: "shm", "gloo", "mpi" and
+// "nccl" as they are; "auto": mpi when launched by mpirun; else (once kAutoPicksNccl) nccl when this build has it, `device` is
+// a CUDA device, and the ranks on this host (LOCAL_WORLD_SIZE, 1 when unset) have distinct GPUs (`device`
+// was picked as cuda:LOCAL_RANK mod the GPU count, i.e. `cuda_device_given_by_rank`, and there are at
+// least LOCAL_WORLD_SIZE GPUs); else shm for ranks that pipetrain launch started on this host
+// (PIPETRAIN_SHM_PREFIX set); else gloo (torchrun, ranks started by hand, several hosts; a build without
+// gloo refuses with the alternatives instead). Every rank decides from its own host's facts, so hosts of
+// one run must agree (same GPU count) or name the transport. Throws UsageError listing the valid names
+// for an unknown one ("local" is not valid here: it needs make_local_transports).
+std::string resolve_process_transport(const std::string& name, const torch::Device& device = torch::kCPU,
+                                      bool cuda_device_given_by_rank = true);
+
+// Makes the transport resolve_process_transport names (see there; `device` is the rank's device, which
+// nccl needs).
+std::shared_ptr<Transport> make_process_transport(const std::string& name, const torch::Device& device = torch::kCPU,
+                                                  bool cuda_device_given_by_rank = true);
 
 }  // namespace pipetrain
