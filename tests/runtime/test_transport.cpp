@@ -10,6 +10,7 @@
 // one-rank gloo transport, and rank 0's error for a MASTER_PORT already in use.
 #include "listening.h"
 #include "pipetrain/runtime/transport.h"
+#include "env_guard.h"
 
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
@@ -466,38 +467,9 @@ TEST(MpiTransport, KilledRankStopsTheJob) {
 
 // ---- in-process ---------------------------------------------------------------------------------
 
-// Sets environment variables for one test and puts the old values back.
-class EnvGuard {
- public:
-  explicit EnvGuard(const std::map<std::string, std::optional<std::string>>& values) {
-    for (const auto& [name, value] : values) {
-      const char* old = std::getenv(name.c_str());
-      saved_[name] = old ? std::optional<std::string>(old) : std::nullopt;
-      if (value) ::setenv(name.c_str(), value->c_str(), 1);
-      else ::unsetenv(name.c_str());
-    }
-  }
-  ~EnvGuard() {
-    for (const auto& [name, value] : saved_) {
-      if (value) ::setenv(name.c_str(), value->c_str(), 1);
-      else ::unsetenv(name.c_str());
-    }
-  }
-
- private:
-  std::map<std::string, std::optional<std::string>> saved_;
-};
-
-const std::optional<std::string> unset = std::nullopt;
-
-std::string usage_error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "(no UsageError)";
-}
+using testing::EnvGuard;
+using testing::unset;
+using testing::usage_error_of;
 
 std::map<std::string, std::optional<std::string>> env_of(std::optional<std::string> rank,
                                                          std::optional<std::string> size,

@@ -23,42 +23,14 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/launch.h"
 #include "pipetrain/runtime/transport.h"
+#include "env_guard.h"
 
 namespace pipetrain {
 namespace {
 
-// Sets environment variables for one test and puts the old values back.
-class Env {
- public:
-  explicit Env(const std::map<std::string, std::optional<std::string>>& values) {
-    for (const auto& [name, value] : values) {
-      const char* old = std::getenv(name.c_str());
-      saved_[name] = old ? std::optional<std::string>(old) : std::nullopt;
-      if (value) ::setenv(name.c_str(), value->c_str(), 1);
-      else ::unsetenv(name.c_str());
-    }
-  }
-  ~Env() {
-    for (const auto& [name, value] : saved_) {
-      if (value) ::setenv(name.c_str(), value->c_str(), 1);
-      else ::unsetenv(name.c_str());
-    }
-  }
-
- private:
-  std::map<std::string, std::optional<std::string>> saved_;
-};
-
-const std::optional<std::string> unset = std::nullopt;
-
-std::string usage_error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "(no UsageError)";
-}
+using Env = testing::EnvGuard;
+using testing::unset;
+using testing::usage_error_of;
 
 // A process started by nobody: no launcher, no mpirun, no torchrun.
 std::map<std::string, std::optional<std::string>> plain_process(std::optional<std::string> local_world_size = unset) {
