@@ -1,5 +1,7 @@
 #include "pipetrain/plan/costs.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -106,18 +108,25 @@ std::optional<TransferOptions> profile_transfers(const Profile& prof) {
   return t;
 }
 
-double measured_allreduce_ms(const std::vector<TransferSample>& samples, int measured_ranks, double bytes,
-                             int replicas) {
-  if (samples.empty() || measured_ranks < 2)
-    throw UsageError("a measured all-reduce needs samples over at least 2 ranks (pipetrain profile --transport NAME)");
+MeasuredAllReduce::MeasuredAllReduce(std::vector<TransferSample> samples, int measured_ranks)
+    : samples_(std::move(samples)), ranks_(measured_ranks) {
+  if (samples_.empty() || ranks_ < 2)
+    throw UsageError(fmt::format("a measured all-reduce needs samples over at least 2 ranks, got {} over {}: measure "
+                                 "the profile again (pipetrain profile --transport NAME)", samples_.size(), ranks_));
+  std::sort(samples_.begin(), samples_.end(), [](const TransferSample& a, const TransferSample& b) { return a.bytes < b.bytes; });
+  const RuntimeCosts line = fit_transfers(samples_);  // refuses negative or non-finite samples
+  line_latency_ms_ = line.latency_ms;
+  line_bandwidth_ = line.bandwidth_bytes_per_ms;
+}
+
+double MeasuredAllReduce::ms(double bytes, int replicas) const {
   if (replicas < 2) return 0.0;
-  const double share = (replicas - 1.0) / replicas, measured = (measured_ranks - 1.0) / measured_ranks;
+  const double share = (replicas - 1.0) / replicas, measured = (ranks_ - 1.0) / ranks_;
   const double x = bytes * share / measured;  // the bytes whose time at the measured rank count is the answer
-  std::vector<TransferSample> s = samples;
-  std::sort(s.begin(), s.end(), [](const TransferSample& a, const TransferSample& b) { return a.bytes < b.bytes; });
+  const std::vector<TransferSample>& s = samples_;
   if (x < s.front().bytes) {
-    const RuntimeCosts line = fit_transfers(s);
-    return std::max(0.0, std::min(line.transfer_ms(x), s.front().one_way_ms));
+    const double line = line_latency_ms_ + (line_bandwidth_ > 0 ? x / line_bandwidth_ : 0.0);
+    return std::max(0.0, std::min(line, s.front().one_way_ms));
   }
   for (std::size_t k = 1; k < s.size(); ++k)
     if (x <= s[k].bytes) {
@@ -131,6 +140,11 @@ double measured_allreduce_ms(const std::vector<TransferSample>& samples, int mea
   const TransferSample& prev = s[s.size() - 2];
   const double slope = std::max(0.0, (last.one_way_ms - prev.one_way_ms) / (last.bytes - prev.bytes));
   return last.one_way_ms + slope * (x - last.bytes);
+}
+
+double measured_allreduce_ms(const std::vector<TransferSample>& samples, int measured_ranks, double bytes,
+                             int replicas) {
+  return MeasuredAllReduce(samples, measured_ranks).ms(bytes, replicas);
 }
 
 std::vector<double> stage_static_bytes(const Profile& prof, const std::vector<int>& balance) {

@@ -90,13 +90,7 @@ void check_search_options(const Profile& profile, const PlanSearchOptions& o) {
   if (!(o.bandwidth_bytes_per_ms > 0))  // infinite: the bytes cost nothing (a latency-only profile)
     throw UsageError(fmt::format("the bandwidth must be > 0, got {} bytes/ms", o.bandwidth_bytes_per_ms));
   if (!(o.latency_ms >= 0)) throw UsageError(fmt::format("the latency must be >= 0, got {} ms", o.latency_ms));
-  if (!o.allreduce.empty() && o.allreduce_ranks < 2)
-    throw UsageError(fmt::format("measured all-reduce samples over {} ranks: they need at least 2 (measure the profile "
-                                 "again with pipetrain profile --transport)", o.allreduce_ranks));
-  for (const TransferSample& a : o.allreduce)
-    if (!(a.bytes >= 0) || !(a.one_way_ms >= 0) || !std::isfinite(a.bytes) || !std::isfinite(a.one_way_ms))
-      throw UsageError(fmt::format("measured all-reduce sample ({} bytes, {} ms) must be finite and >= 0", a.bytes,
-                                   a.one_way_ms));
+  if (!o.allreduce.empty()) MeasuredAllReduce(o.allreduce, o.allreduce_ranks);  // refuses bad samples
   if (!(o.memory_limit_bytes >= 0)) throw UsageError(fmt::format("the memory limit must be >= 0, got {}", o.memory_limit_bytes));
   for (int m : o.microbatch_counts)
     if (m < 1) throw UsageError(fmt::format("micro-batch counts must be >= 1, got {}", m));
@@ -181,6 +175,7 @@ class Search {
       optimizer_ms_.push_back(optimizer_ms_.back() + l.optimizer_ms);
     }
     overhead_ = prof.runtime ? prof.runtime->overhead_ms : 0.0;
+    if (!o.allreduce.empty()) measured_.emplace(o.allreduce, o.allreduce_ranks);
   }
 
   // Balances for S stages (kinds x solvers, duplicates dropped).
@@ -228,7 +223,7 @@ class Search {
   // The group all-reduce of `bytes` over `d` replicas whose slowest link is `level`: on the innermost
   // level as the profile measured it, where given (PlanSearchOptions::allreduce), else over the links.
   double replica_ms(double bytes, int d, int level) const {
-    if (level == 0 && !o_.allreduce.empty()) return measured_allreduce_ms(o_.allreduce, o_.allreduce_ranks, bytes, d);
+    if (level == 0 && measured_) return measured_->ms(bytes, d);
     return group_allreduce_ms(bytes, d, links_.bw[static_cast<std::size_t>(level)], o_.latency_ms);
   }
 
@@ -408,6 +403,7 @@ class Search {
   int L_;
   double overhead_ = 0;
   std::vector<double> static_bytes_, params_, optimizer_ms_;  // prefix sums over layers
+  std::optional<MeasuredAllReduce> measured_;  // PlanSearchOptions::allreduce, sorted and fitted
   std::map<int, std::vector<BalanceEntry>> balances_;
   std::map<double, LayerSums> sums_;
   std::map<std::string, Schedule> schedules_;

@@ -2,8 +2,8 @@
 // Internal (not installed); the runtime and its tests include it instead of spelling a version's API.
 //
 // - The optimizer state (torch::optim::Optimizer::state()) is keyed by the parameter's TensorImpl: in 1.x
-//   by its text (c10::guts::to_string of the pointer), since 2.0 by the pointer itself (void*), and
-//   c10::guts::to_string is gone. optimizer_state_key() gives the key either way.
+//   by the pointer's text (as an ostream writes it), since 2.0 by the pointer itself (void*).
+//   optimizer_state_key() gives the key either way.
 // - c10d::Store gained a pure virtual clone() (2.11 has it, 2.6 not): StoreClient declares clone() as a
 //   plain virtual, which overrides it where it exists and is an unused extra elsewhere
 //   (runtime/store.h); store.cpp asserts that StoreClient is not abstract on every version.
@@ -45,7 +45,7 @@
 #include <utility>
 
 #if TORCH_VERSION_MAJOR < 2
-#include <c10/util/C++17.h>  // c10::guts::to_string
+#include <sstream>
 #endif
 #if __has_include(<c10/core/CachingDeviceAllocator.h>)
 #include <c10/core/CachingDeviceAllocator.h>
@@ -64,7 +64,11 @@ using OptimizerStateKey =
 // The key under which `optimizer.state()` keeps parameter `p`'s state.
 inline OptimizerStateKey optimizer_state_key(const at::Tensor& p) {
 #if TORCH_VERSION_MAJOR < 2
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
+  // 1.x's optimizers key by the pointer's text as an ostream writes it (what their to_string helper
+  // does); written out here, as that helper is gone from 2.x's headers.
+  std::ostringstream text;
+  text << static_cast<const void*>(p.unsafeGetTensorImpl());
+  return text.str();
 #else
   return static_cast<void*>(p.unsafeGetTensorImpl());
 #endif

@@ -49,11 +49,24 @@ std::optional<TransferOptions> profile_transfers(const Profile& profile);
 
 // The runtime's data-parallel all-reduce of `bytes` over `replicas` ranks, from a profile's measured samples
 // (RuntimeCosts::allreduce over `measured_ranks` ranks): at the measured rank count, piecewise linear
-// through the samples between the smallest and the largest size, the samples' fitted line (fit_transfers)
-// below, the slope of the two largest above (the time of the largest scaled with the bytes for one
-// sample); other replica counts as the group algorithm scales, each member sending 2 (d-1)/d of the bytes:
-// the time at bytes x ((d-1)/d) / ((r-1)/r). It holds the local copies and the sum, which the link's
-// transfer fit leaves out. 0 for one replica. Throws UsageError without samples or with measured_ranks < 2.
+// through the samples between the smallest and the largest size, the samples' fitted line (fit_transfers,
+// at most the smallest sample's time) below, the slope of the two largest above (the time of the largest
+// scaled with the bytes for one sample); other replica counts as the group algorithm scales, each member
+// sending 2 (d-1)/d of the bytes: the time at bytes x ((d-1)/d) / ((r-1)/r). It holds the local copies
+// and the sum, which the link's transfer fit leaves out. 0 for one replica. Sorted and fitted once, so the
+// plan search asks it for every candidate's stages at no allocation.
+class MeasuredAllReduce {
+ public:
+  // Throws UsageError without samples, with measured_ranks < 2, or with a negative or non-finite sample.
+  MeasuredAllReduce(std::vector<TransferSample> samples, int measured_ranks);
+  double ms(double bytes, int replicas) const;
+
+ private:
+  std::vector<TransferSample> samples_;  // by bytes
+  int ranks_;
+  double line_latency_ms_, line_bandwidth_;  // the fit below the smallest sample (bandwidth 0: none)
+};
+// MeasuredAllReduce(samples, measured_ranks).ms(bytes, replicas).
 double measured_allreduce_ms(const std::vector<TransferSample>& samples, int measured_ranks, double bytes, int replicas);
 
 // Per-stage static bytes: 2 x parameters (weights and gradients) + optimizer state.
