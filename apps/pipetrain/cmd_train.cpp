@@ -36,11 +36,14 @@ namespace pipetrain::cli {
 namespace {
 
 // This rank's pipeline options from the flags (the balance is a collective over `world`).
-PipelineOptions rank_options(const TrainFlags& f, const std::shared_ptr<Transport>& world, int64_t share) {
+// With --memory, rank 0 gets the profile the heap model predicts from in `profile`.
+PipelineOptions rank_options(const TrainFlags& f, const std::shared_ptr<Transport>& world, int64_t share,
+                             std::optional<Profile>& profile) {
   PipelineOptions o = f.pipe.options(f.model.seed, device_rank(world->name(), world->rank()));
   o.tied = f.model.ties();
   o.variable_shapes = f.model.gpt.variable_length;
-  o.layers_per_stage = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world);
+  o.layers_per_stage = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world,
+                                       f.memory ? &profile : nullptr);
   o.data_parallel = f.pipe.replica_group(world);
   o.optimizer.name = f.optimizer;
   o.optimizer.lr = f.lr;
@@ -121,6 +124,7 @@ class LogFile {
 struct RankOutput {
   std::unique_ptr<LogFile> log;
   std::unique_ptr<Progress> progress;
+  HeapPrediction heap;  // --memory: the heap model's prediction per pipeline rank
 };
 
 TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
@@ -145,7 +149,14 @@ TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
     if (text) entry["tokens_per_s"] = per_s * units_per_sample;
     entry["busy_ms"] = s.busy_ms;
     entry["pass_ms"] = s.pass_ms;
-    if (f.memory) entry["heap_growth_mib"] = s.heap_growth_mib;  // per rank
+    if (f.memory) {
+      entry["heap_growth_mib"] = s.heap_growth_mib;  // per rank
+      if (!out.heap.ranks.empty()) {
+        std::vector<double> predicted;
+        for (const HeapPeak& p : out.heap.ranks) predicted.push_back(p.total() / 1048576.0);
+        entry["heap_predicted_mib"] = predicted;  // per pipeline rank, the heap model's
+      }
+    }
     if (std::any_of(s.device_peak_allocated_mib.begin(), s.device_peak_allocated_mib.end(),
                     [](double mib) { return mib >= 0; }))
       entry["gpu_peak_allocated_mib"] = s.device_peak_allocated_mib;  // per rank; -1 where not measured
@@ -160,8 +171,9 @@ TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
 
 // After the run, on rank 0: the summary, the text sample and the files written.
 void print_outputs(const TrainFlags& f, PipelineRank& rank, const Transport& transport, const TrainResult& r,
-                   const RunReport& rep, const std::pair<std::string, std::string>& sample) {
-  print_summary(f, rank, transport, r, rep);
+                   const RunReport& rep, const std::pair<std::string, std::string>& sample,
+                   const HeapPrediction& out_heap) {
+  print_summary(f, rank, transport, r, rep, &out_heap);
   if (!sample.second.empty()) {
     std::string prompt = sample.first.substr(sample.first.size() > 80 ? sample.first.size() - 80 : 0);
     std::cout << "sample (temperature " << f.temperature << ") after the held-out prompt \"..." << prompt << "\":\n"
@@ -188,7 +200,8 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   const std::shared_ptr<Transport> transport = f.pipe.pipeline_group(world);
   const int64_t share = f.batch_size / f.pipe.replicas;  // samples per copy and step
   const bool leader = world->rank() == 0;
-  PipelineOptions o = rank_options(f, world, share);
+  std::optional<Profile> profile;  // rank 0, with --memory: what the heap model predicts from
+  PipelineOptions o = rank_options(f, world, share, profile);
   const LrSchedule lr = lr_schedule(f);
   int total = 0;  // the trainer's, set before the first step
   // One asynchronous call runs several steps: each stage sets the learning rate of its step just before
@@ -210,6 +223,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   if (dataset) data = zoo::train_data(*dataset);
 
   RankOutput out;
+  if (f.memory && leader) out.heap = predict_run_heap(f, rank, o, profile);
   const bool text = f.model.model == "gpt";
   Trainer trainer(rank, world, transport, data ? &*data : nullptr, trainer_options(f, lr), callbacks(f, leader, out));
   trainer.prepare();
@@ -240,7 +254,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
     sample = generate_text(f, rank, *transport, dataset.get());
   const RunReport rep = trainer.report(r);
   if (out.log) out.log->close();
-  if (leader) print_outputs(f, rank, *transport, r, rep, sample);
+  if (leader) print_outputs(f, rank, *transport, r, rep, sample, out.heap);
   return 0;
 }
 
@@ -300,8 +314,10 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
                   "training (the gpt's ranks build only their own layers, so more --stages fit a larger gpt); "
                   "default: only this host's memory (or cgroup limit) is checked");
   cmd->add_flag("--memory", f->memory,
-                "measure each rank's peak heap growth during a step (activations, buffers, gradients); with "
-                "--transport local all ranks share one heap");
+                "measure each rank's peak heap growth during a step (activations, buffers, gradients; on a GPU "
+                "whose LibTorch reports it, the GPU's), next to the heap model's prediction from a profile "
+                "(--profile's, else rank 0 measures one before training); with --transport local all ranks share "
+                "one heap");
 }
 
 constexpr const char* kTrainExamples =

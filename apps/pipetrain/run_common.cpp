@@ -221,31 +221,52 @@ void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model) {
   }
 }
 
+namespace {
+
+// Rank 0's measurement of the model on a micro-batch of its data (one layer at a time for a model given
+// layer by layer: rank 0 never holds the gpt whole). `repeats` timed runs per measurement.
+Profile measure_model(const ModelFlags& model, const PipelineFlags& pipe, int64_t micro_batch, int repeats) {
+  const zoo::Batch b = model.dataset()->batch(0, std::max<int64_t>(1, micro_batch));
+  ProfilerOptions o;
+  o.repeats = repeats;
+  o.warmup = 1;
+  o.loss = model.loss();
+  o.target = b.target;
+  o.backward_split = pipe.backward_split;  // B and W (and what W keeps) as the run splits them
+  const auto layers = model.layerwise();
+  return layers ? profile_model(*layers, b.input, o) : profile_model(model.factory()(), b.input, o);
+}
+
+}  // namespace
+
 std::vector<int> resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
-                                 Transport& transport) {
+                                 Transport& transport, std::optional<Profile>* profile) {
   const int stages = pipe.stages * stages_per_rank(pipe.schedule, pipe.virtual_stages);
   const BalanceSolver solver = parse_balance_solver(pipe.balance_solver);
+  const bool keep = profile && transport.rank() == 0;
   std::vector<int> balance;
   if (!pipe.profile_file.empty()) {
-    balance = plan_balance(load_profile(pipe.profile_file), stages, pipe.balance, solver);
+    const Profile p = load_profile(pipe.profile_file);
+    balance = plan_balance(p, stages, pipe.balance, solver);
+    if (keep) *profile = p;
   } else if (!measured_kind(pipe.balance)) {
+    if (profile) {
+      // Only the memory columns are wanted, so one timed run; the others wait, so that no rank sharing
+      // this process allocates while the heap is measured.
+      if (keep) *profile = measure_model(model, pipe, micro_batch, 1);
+      torch::Tensor done = torch::zeros({1}, torch::kDouble);
+      transport.all_reduce_sum(done);
+    }
     if (solver == BalanceSolver::min_max) return {};  // PipelineOptions::balance (the kind) does it
     balance = model.choose_balance(stages, pipe.balance, pipe.balance_solver);
   } else {
     // Measured on rank 0 only, so every rank cuts the model the same way.
     torch::Tensor counts = torch::zeros({stages}, torch::kDouble);
     if (transport.rank() == 0) {
-      const zoo::Batch b = model.dataset()->batch(0, std::max<int64_t>(1, micro_batch));
-      ProfilerOptions o;
-      o.repeats = 5;
-      o.warmup = 1;
-      o.loss = model.loss();
-      o.target = b.target;
-      // A model given layer by layer (the gpt) is measured one layer at a time: rank 0 never holds it whole.
-      const auto layers = model.layerwise();
-      const Profile p = layers ? profile_model(*layers, b.input, o) : profile_model(model.factory()(), b.input, o);
+      const Profile p = measure_model(model, pipe, micro_batch, 5);
       const auto mine = plan_balance(p, stages, pipe.balance, solver);
       for (int s = 0; s < stages; ++s) counts[s] = mine[static_cast<std::size_t>(s)];
+      if (keep) *profile = p;
     }
     transport.all_reduce_sum(counts);
     for (int s = 0; s < stages; ++s) balance.push_back(static_cast<int>(counts[s].item<double>()));

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "pipetrain/plan/profile.h"
 #include "pipetrain/plan/umpipe.h"
 #include "pipetrain/runtime/executor.h"
 #include "pipetrain/runtime/transport.h"
@@ -138,9 +139,12 @@ struct PipelineFlags {
 // ("time", "memory") or the block-partition solver: from --profile when given (every rank reads it),
 // else rank 0 measures the model (runtime/profiler.h) on a micro-batch of its data and all ranks receive
 // the result (collective over `transport`). Empty for the other kinds: PipelineOptions::balance (the
-// kind) cuts the model. `micro_batch` sizes the measurement.
+// kind) cuts the model. `micro_batch` sizes the measurement. With `profile` given (the same on every
+// rank: it adds a collective), rank 0 keeps the profile the balance came from (--profile's or the
+// measured one) in it, or, where the balance needed none, measures one for its memory columns (one
+// timed run per layer) while the other ranks wait; the other ranks leave it empty.
 std::vector<int> resolve_balance(const PipelineFlags& pipe, const ModelFlags& model, int64_t micro_batch,
-                                 Transport& transport);
+                                 Transport& transport, std::optional<Profile>* profile = nullptr);
 // Checks --balance, --balance-solver and --profile before any rank starts (no measuring).
 void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model);
 

@@ -11,6 +11,7 @@
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/plan/costs.h"
 #include "pipetrain/runtime/device.h"
 #include "pipetrain/runtime/info.h"
 #include "train_support.h"
@@ -173,9 +174,36 @@ std::string banner(const TrainFlags& f, const Trainer& trainer, PipelineRank& ra
       describe(runtime_info()));
 }
 
+HeapPrediction predict_run_heap(const TrainFlags& f, const PipelineRank& rank, const PipelineOptions& o,
+                                const std::optional<Profile>& profile) {
+  HeapPrediction h;
+  if (!profile)
+    h.missing = "no profile of the model";
+  else if (is_async(f.pipe.schedule))
+    h.missing = "it does not count the weight sets " + f.pipe.schedule + " keeps";
+  else if (f.pipe.umpipe_chosen)
+    h.missing = "it does not model UMPIPE's unequal micro-batches";
+  else if (f.pipe.checkpoint != "never")
+    h.missing = "it does not model re-materialisation (--checkpoint " + f.pipe.checkpoint + ")";
+  else if (f.pipe.precision != "fp32")
+    h.missing = "the profile's bytes are float32's, and the run computes in " + f.pipe.precision;
+  if (!h.missing.empty()) return h;
+  try {
+    StageCostOptions so;  // the run's largest micro-batch (split_equal gives the first ones the remainder)
+    const int64_t share = f.batch_size / std::max(1, f.pipe.replicas);
+    so.micro_batch = static_cast<double>((share + f.pipe.microbatches - 1) / std::max(1, f.pipe.microbatches));
+    const CostModel costs = stage_costs(*profile, rank.balance(), so);
+    h.ranks = predict_heap(rank.schedule(), costs,
+                           o.reference ? HeapOptions::reference() : HeapOptions::fast_path(o.prefetch));
+  } catch (const UsageError& e) {
+    h.missing = e.what();
+  }
+  return h;
+}
+
 // The summary rank 0 prints after the run, from the trainer's report.
 void print_summary(const TrainFlags& f, PipelineRank& rank, const Transport& transport, const TrainResult& r,
-                   const RunReport& rep) {
+                   const RunReport& rep, const HeapPrediction* heap) {
   const bool text = f.model.model == "gpt";
   const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
   const double median = r.median_step_ms();
@@ -211,15 +239,39 @@ void print_summary(const TrainFlags& f, PipelineRank& rank, const Transport& tra
         full.bubble_fraction, measured.makespan > 0 ? full.makespan / measured.makespan : 0.0);
   }
   const bool shared = transport.shares_process();
+  // --memory: each rank's growth in a step, on a GPU with allocator statistics its device's (device.h),
+  // next to the heap model's prediction.
+  const std::string grew =
+      device_memory_measured(rank.device()) ? "peak GPU memory growth in a step" : "peak heap growth in a step";
+  auto memory_text = [&](int r) {
+    if (!f.memory) return std::string();
+    const double mib = rep.heap_growth_bytes[static_cast<std::size_t>(r)] / 1048576.0;
+    std::string text = fmt::format(", {} {:.2f} MiB", grew, mib);
+    if (heap && static_cast<std::size_t>(r) < heap->ranks.size()) {
+      const HeapPeak& p = heap->ranks[static_cast<std::size_t>(r)];
+      const double mi = 1048576.0;
+      // Ranks that share a process grow one heap (and one allocator per GPU), so a rank's measurement
+      // holds the others' too: no ratio then.
+      const bool one_heap = shared;
+      double sum = 0;
+      for (const HeapPeak& q : heap->ranks) sum += q.total();
+      text += fmt::format(" against the heap model's {:.2f} (activations {:.2f} + gradients {:.2f} + transfers {:.2f}){}",
+                          p.total() / mi, p.activations / mi, p.gradients / mi, p.transfers / mi,
+                          one_heap ? fmt::format(" for this rank alone (all ranks grow one heap; their predictions sum "
+                                                 "to {:.2f})", sum / mi)
+                          : p.total() > 0 ? fmt::format(", measured/predicted {:.2f}", mib * mi / p.total())
+                                          : std::string());
+    }
+    return text;
+  };
   for (const RankMetrics& m : measured.per_rank)
     std::cout << fmt::format("  {}: busy {:.1f} ms, span {:.1f} ms, bubble {:.1f} ms; peak RSS {:.0f} MiB{}{}{}\n",
                              rank_label(rank.schedule(), m.rank), m.busy, m.span, m.bubble,
                              rep.peak_rss_mib[static_cast<std::size_t>(m.rank)],
                              shared ? " (one process for all ranks)" : "",
-                             device_memory_text(rep, m.rank, rank.device()),
-                             f.memory ? fmt::format(", peak heap growth in a step {:.2f} MiB",
-                                                    rep.heap_growth_bytes[static_cast<std::size_t>(m.rank)] / 1048576.0)
-                                      : std::string());
+                             device_memory_text(rep, m.rank, rank.device()), memory_text(m.rank));
+  if (f.memory && heap && !heap->missing.empty())
+    std::cout << "  heap model: no prediction: " << heap->missing << "\n";
   if (is_async(f.pipe.schedule)) {
     std::string list;
     for (std::size_t s = 0; s < rep.extra_weight_sets.size(); ++s)

@@ -5,10 +5,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "pipetrain/core/heap.h"
+#include "pipetrain/plan/profile.h"
 #include "pipetrain/runtime/trainer.h"
 #include "run_common.h"
 
@@ -66,7 +69,17 @@ std::string rank_label(const Schedule& s, int rank);
 void check_same_settings(const TrainFlags& f, Transport& world);
 std::string banner(const TrainFlags& f, const Trainer& trainer, PipelineRank& rank, const Transport& transport,
                    int threads);
+// The heap model's prediction (core/heap.h) of what a step adds to each pipeline rank's memory (the host
+// heap; a GPU's allocator where --memory measures it), from a profile of the model (its memory columns)
+// cut as the run cuts it, at the run's micro-batch size: per pipeline rank, or why there is none.
+struct HeapPrediction {
+  std::vector<HeapPeak> ranks;
+  std::string missing;  // why there is no prediction; empty when there is one
+};
+HeapPrediction predict_run_heap(const TrainFlags& f, const PipelineRank& rank, const PipelineOptions& o,
+                                const std::optional<Profile>& profile);
+// `heap`: the prediction next to --memory's measurement (null: none asked).
 void print_summary(const TrainFlags& f, PipelineRank& rank, const Transport& transport, const TrainResult& r,
-                   const RunReport& rep);
+                   const RunReport& rep, const HeapPrediction* heap = nullptr);
 
 }  // namespace pipetrain::cli

@@ -29,6 +29,13 @@ void reset_device_memory_peak(const torch::Device& device) {
   }
 }
 
+double memory_in_use(const torch::Device& device) {
+  if (const auto m = device_memory_peak(device)) return static_cast<double>(m->allocated);
+  return detail::heap_in_use();
+}
+
+bool device_memory_measured(const torch::Device& device) { return device_memory_peak(device).has_value(); }
+
 bool device_event_timing(const torch::Device& device) { return device.is_cuda() && compat::kEventElapsedTime; }
 
 namespace detail {

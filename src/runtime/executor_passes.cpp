@@ -12,13 +12,13 @@
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/validate.h"
+#include "pipetrain/runtime/device.h"
 #include "pass_util.h"
 
 namespace pipetrain {
 
 namespace {
 
-using detail::heap_in_use;
 using detail::host_doubles;
 using detail::host_tensor;
 using detail::number_text;
@@ -99,7 +99,9 @@ void PipelineRank::Impl::begin_pass(const Bundle& in, const Bundle& tgt, int64_t
 }
 
 void PipelineRank::Impl::run_list(const std::vector<Action>& actions) {
-  const double heap0 = options.measure_memory ? heap_in_use() : 0.0;
+  // On a GPU with allocator statistics, the device's bytes in tensors; else the C heap (device.h).
+  const torch::Device where = rank_device->device();
+  const double heap0 = options.measure_memory ? memory_in_use(where) : 0.0;
   stats.timeline.events.reserve(2 * actions.size());  // an action and its receive's wait at most
   // The rank's device times each action: on the CPU with the host clock; on a GPU from events on the
   // rank's stream, since the host clock around an action measures its kernel launches, not its work.
@@ -121,7 +123,7 @@ void PipelineRank::Impl::run_list(const std::vector<Action>& actions) {
         stats.timeline.events.push_back(TimedAction{rank(), actions[pos], 0.0, 0.0});  // timed below
       }
       if (!options.reference) reap_sends();
-      if (options.measure_memory) stats.peak_heap_growth = std::max(stats.peak_heap_growth, heap_in_use() - heap0);
+      if (options.measure_memory) stats.peak_heap_growth = std::max(stats.peak_heap_growth, memory_in_use(where) - heap0);
     }
     finish_sends();
     if (!forward_mode) finish_call();

@@ -38,11 +38,7 @@ double now_after(const torch::Tensor& x) {
 
 // What the layers' tensors use: the host heap on the CPU; on a GPU the caching allocator's bytes in
 // tensors, where this LibTorch offers them (device.h), else the host heap, which then misses them.
-double memory_in_use(const torch::Tensor& x) {
-  if (!x.device().is_cpu())
-    if (const auto m = device_memory_peak(x.device())) return static_cast<double>(m->allocated);
-  return detail::heap_in_use();
-}
+double memory_in_use(const torch::Tensor& x) { return pipetrain::memory_in_use(x.device()); }
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -18,13 +18,14 @@
 #include <utility>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/runtime/device.h"
 
 namespace pipetrain {
 namespace {
 
 constexpr int kHeaderTag = kUmpipeTagBase;
 constexpr int kHeaderLen = detail::kTensorHeaderLen;  // dtype, trailing rank, up to 8 trailing sizes
-using detail::heap_in_use;
+
 using detail::now_ms;
 using detail::shape_text;
 
@@ -90,7 +91,7 @@ class Pass {
     t.microbatches = 0;
     for (const auto* rows : {&c_.plan.forward, &c_.plan.backward})
       for (const auto& row : *rows) t.microbatches = std::max(t.microbatches, static_cast<int>(row.size()));
-    heap0_ = c_.measure_memory ? heap_in_use() : 0.0;
+    heap0_ = c_.measure_memory ? memory_in_use(c_.device) : 0.0;
     forward_phase();
     backward_phase();
     where_ = Action{ActionKind::SendGrad, j_, -1};
@@ -126,7 +127,7 @@ class Pass {
     if (c_.before_action && *c_.before_action) (*c_.before_action)(rank(), c_.step, where_);
   }
   void sample_heap() {
-    if (c_.measure_memory) result_.peak_heap_growth = std::max(result_.peak_heap_growth, heap_in_use() - heap0_);
+    if (c_.measure_memory) result_.peak_heap_growth = std::max(result_.peak_heap_growth, memory_in_use(c_.device) - heap0_);
   }
 
   void check_batch() const {

@@ -31,6 +31,15 @@ std::optional<DeviceMemory> device_memory_peak(const torch::Device& device);
 // Starts the peaks of `device` afresh (nothing on the CPU). Ranks that share a GPU share its peaks.
 void reset_device_memory_peak(const torch::Device& device);
 
+// The bytes a step's memory growth is measured in (PipelineOptions::measure_memory, the profiler's memory
+// columns): on a GPU whose allocator offers statistics (device_memory_peak), its bytes in tensors now;
+// else the C heap's bytes in use (the CPU; a GPU without statistics, whose tensors that does not see:
+// device_memory_measured says which). Ranks that share a process (CPU) or a GPU share what it counts.
+double memory_in_use(const torch::Device& device);
+// Whether memory_in_use(device) counts the device's own memory: false on the CPU and on a GPU without
+// allocator statistics.
+bool device_memory_measured(const torch::Device& device);
+
 // Whether actions on `device` are timed by device events (CUDA with a LibTorch whose c10::Event reads
 // elapsed times, 2.x); false on the CPU and where the host clock is used after a stream synchronisation.
 bool device_event_timing(const torch::Device& device);
