@@ -7,9 +7,9 @@ Run with Debian's interpreter (python3-torch 1.13, the same LibTorch and BLAS as
     /usr/bin/python3 bench/peer_pipe.py --layers 8 --d-model 256 --heads 4 --vocab 96 --seq-len 128 \
         --batch-size 32 --microbatches 4 --steps 10 --threads 2 --partitions 2
 
-The model is pipetrain's zoo GPT written in Python: [token + position embedding] [pre-norm block with
+The model is pipetrain's zoo GPT written in Python (zoo_gpt.py): [token + position embedding] [pre-norm block with
 causal self-attention and a GELU MLP 4x] * layers [LayerNorm + head without bias], built in the same
-order after torch.manual_seed(seed), so its initial weights equal LibTorch's; the data replays
+order, each layer from the seed pipetrain's ranks build it with, so its initial weights equal LibTorch's; the data replays
 zoo::make_synthetic_tokens (seed + 1) with the same generator calls, so step 1's loss should equal
 pipetrain's to print precision (a check that both train the same thing). The layers+2 pipeline layers
 are cut like pipetrain's uniform balance (layer counts, the remainder on the first partitions), one
@@ -25,7 +25,6 @@ Prints per-step times and a final JSON line with the median step ms (first 2 ste
 """
 import argparse
 import json
-import math
 import os
 import socket
 import statistics
@@ -38,90 +37,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipeline.sync import Pipe
 
-
-class Embedding(nn.Module):
-    def __init__(self, vocab, seq_len, d_model):
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, d_model)
-        self.positions = nn.Embedding(seq_len, d_model)
-
-    def forward(self, idx):
-        pos = torch.arange(idx.size(1), dtype=torch.long)
-        return self.tokens(idx) + self.positions(pos).unsqueeze(0)
-
-
-class Block(nn.Module):
-    def __init__(self, d_model, heads):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)
-        self.heads = heads
-
-    def forward(self, x):
-        b, t, c = x.shape
-        hd = c // self.heads
-        q, k, v = self.qkv(self.ln1(x)).split(c, 2)
-        q, k, v = (y.view(b, t, self.heads, hd).transpose(1, 2) for y in (q, k, v))
-        att = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
-        att = torch.softmax(att.masked_fill(mask, float("-inf")), -1)
-        y = att.matmul(v).transpose(1, 2).contiguous().view(b, t, c)
-        h = x + self.proj(y)
-        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
-
-
-class Head(nn.Module):
-    def __init__(self, d_model, vocab):
-        super().__init__()
-        self.ln = nn.LayerNorm(d_model)
-        self.out = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, x):
-        return self.out(self.ln(x))
-
-
-def make_layers(a):
-    torch.manual_seed(a.seed)
-    layers = [Embedding(a.vocab, a.seq_len, a.d_model)]
-    layers += [Block(a.d_model, a.heads) for _ in range(a.layers)]
-    layers.append(Head(a.d_model, a.vocab))
-    return layers
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zoo_gpt import SyntheticTokens, make_layers, pipetrain_parameter_count  # noqa: E402
 
 
 def uniform(n, parts):
     return [n // parts + (1 if s < n % parts else 0) for s in range(parts)]
-
-
-def pipetrain_parameter_count(a):
-    c, v = a.d_model, a.vocab
-    block = 2 * 2 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
-    return v * c + a.seq_len * c + a.layers * block + 2 * c + v * c
-
-
-class SyntheticTokens:
-    """zoo::make_synthetic_tokens, call for call."""
-
-    def __init__(self, vocab, seq_len, seed):
-        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
-        g = torch.Generator().manual_seed(seed)
-        self.next = torch.randint(vocab, (vocab,), generator=g, dtype=torch.long)
-
-    def batch(self, step, n):
-        g = torch.Generator().manual_seed((self.seed * 1000003 + step + 1) % (1 << 64))
-        seq = torch.empty(n, self.seq_len + 1, dtype=torch.long)
-        cur = torch.randint(self.vocab, (n,), generator=g, dtype=torch.long)
-        seq[:, 0] = cur
-        for t in range(1, self.seq_len + 1):
-            follow = self.next.index_select(0, cur)
-            noise = torch.randint(self.vocab, (n,), generator=g, dtype=torch.long)
-            keep = torch.rand(n, generator=g) < 0.9
-            cur = torch.where(keep, follow, noise)
-            seq[:, t] = cur
-        return seq[:, : self.seq_len].contiguous(), seq[:, 1:].contiguous()
 
 
 def free_port():

@@ -10,12 +10,16 @@
 #   bash bench/run_gpu_checks.sh BUILD_DIR [OUT_DIR]       (a build dir holding pipetrain, test_runtime, bench/)
 #   QUICK=1 bash bench/run_gpu_checks.sh BUILD_DIR          (the test suite's run: the CPU, tiny sizes)
 # With FMNIST_DIR set (the four Fashion-MNIST IDX files), also selftest of the cnn and the unet.
+# Issue 26's benchmark too: the same GPT in plain PyTorch (bench/gpt_reference.py, eager and torch.compile;
+# its first loss must equal pipetrain's), and 1, 2 and 4 ranks on the GPU at m=8. PYTHON names the
+# interpreter whose torch to use (default python3). LARGE=1 adds the large GPT (d_model 2048, 16 blocks,
+# context 1024, bf16) on 2 ranks for 1f1b, zb-h1, zb-v, v-min and interleaved (minutes of GPU time).
 set -uo pipefail
 B=${1:?usage: bash bench/run_gpu_checks.sh BUILD_DIR [OUT_DIR]}
 if [[ -n ${2:-} ]]; then OUT=$2; else OUT=$(mktemp -d); trap 'rm -rf "$OUT"' EXIT; fi
 mkdir -p "$OUT"
 if [[ ${QUICK:-0} == 1 ]]; then
-  DEV=cpu; LAYERS=1; D=32; HEADS=2; SEQ=16; VOCAB=32; BATCH=8; STEPS=3
+  DEV=cpu; LAYERS=2; D=32; HEADS=2; SEQ=16; VOCAB=32; BATCH=8; STEPS=3
 else
   DEV=cuda; LAYERS=8; D=512; HEADS=8; SEQ=256; VOCAB=256; BATCH=32; STEPS=30
 fi
@@ -36,7 +40,7 @@ if [[ -n ${FMNIST_DIR:-} ]]; then
 fi
 G=(--model gpt --data synthetic --layers $LAYERS --d-model $D --heads $HEADS --seq-len $SEQ --vocab $VOCAB
    --batch-size $BATCH -m 4 --steps $STEPS --eval-every 0 --sample 0 --optimizer adam --progress quiet --device $DEV)
-for c in "--stages 1" "--stages 2" "--stages 2 --schedule zb-h1" "--stages 2 --schedule zb-h1 --backward-split explicit" \
+for c in "--stages 1" "--stages 2 --memory" "--stages 2 --schedule zb-h1" "--stages 2 --schedule zb-h1 --backward-split explicit" \
          "--stages 1 --precision bf16" "--stages 2 --precision bf16"; do
   # shellcheck disable=SC2086
   run "$B/pipetrain" train "${G[@]}" --transport local $c
@@ -54,6 +58,56 @@ elif [[ $nccl_rc == 2 && ( $nccl_out == *"without NCCL"* || $nccl_out == *"moves
   echo "refused as expected: $(echo "$nccl_out" | tail -1)"
 else
   echo "$nccl_out" | tail -5; echo "FAILED ($nccl_rc): train --transport nccl on the CPU must exit 2 with the reason"; status=1
+fi
+# The same GPT in plain PyTorch, against pipetrain's one stage (the same weights and data: the first
+# losses must agree; on a GPU within 2e-3, its kernels differ from run to run).
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PY=${PYTHON:-}
+if [[ -z $PY ]]; then  # the first python3 whose torch imports
+  for c in python3 /usr/bin/python3; do
+    if "$c" -c "import torch" 2>/dev/null; then PY=$c; break; fi
+  done
+  PY=${PY:-python3}
+fi
+SHAPE=(--layers $LAYERS --d-model $D --heads $HEADS --seq-len $SEQ --vocab $VOCAB --batch-size $BATCH)
+ref_loss=""
+t "gpt_reference.py eager"
+if ref=$("$PY" "$HERE/gpt_reference.py" "${SHAPE[@]}" --microbatches 4 --steps $STEPS --skip 1 --device $DEV 2>&1); then
+  echo "$ref" | tail -2
+  ref_loss=$(echo "$ref" | tail -1 | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["first_loss"])')
+else
+  echo "$ref" | tail -5; echo "FAILED: gpt_reference.py"; status=1
+fi
+t "pipetrain train --stages 1 --log (first loss against the reference's)"
+if "$B/pipetrain" train "${G[@]}" --transport local --stages 1 --log "$OUT/one.jsonl" > "$OUT/one.txt" 2>&1 && [[ -n $ref_loss ]]; then
+  "$PY" - "$OUT/one.jsonl" "$ref_loss" "$DEV" <<'PYEOF' || status=1
+import json, sys
+ours = json.loads(open(sys.argv[1]).readline())["loss"]
+ref, dev = float(sys.argv[2]), sys.argv[3]
+tol = 2e-3 if dev == "cuda" else 1e-4
+print(f"first loss: pipetrain {ours:.4f}, plain PyTorch {ref:.4f}")
+if abs(ours - ref) > tol:
+    sys.exit(f"FAILED: the first losses differ by more than {tol}: not the same model and data")
+PYEOF
+else
+  tail -5 "$OUT/one.txt"; echo "FAILED: train --stages 1 --log, or no reference loss"; status=1
+fi
+if [[ $DEV == cuda ]]; then
+  run "$PY" "$HERE/gpt_reference.py" "${SHAPE[@]}" --microbatches 4 --steps $STEPS --device cuda --compile
+  run "$PY" "$HERE/gpt_reference.py" "${SHAPE[@]}" --microbatches 4 --steps $STEPS --device cuda --fused
+fi
+# Pipelining on one GPU can only add overhead: 1, 2 and 4 ranks (threads) at m=8.
+for st in 1 2 4; do
+  run "$B/pipetrain" train "${G[@]}" --transport local --stages $st -m 8
+done
+if [[ ${LARGE:-0} == 1 && $DEV == cuda ]]; then
+  L=(--model gpt --data synthetic --layers 16 --d-model 2048 --heads 16 --seq-len 1024 --vocab 256 --batch-size 16
+     -m 8 --steps 6 --eval-every 0 --sample 0 --optimizer adam --progress quiet --device cuda --precision bf16
+     --transport local --stages 2)
+  for sc in "1f1b" "zb-h1" "zb-v" "v-min" "interleaved --virtual 2"; do
+    # shellcheck disable=SC2086
+    run "$B/pipetrain" train "${L[@]}" --schedule $sc
+  done
 fi
 run "$B/pipetrain" profile --model gpt --data synthetic --layers $LAYERS --d-model $D --heads $HEADS --seq-len $SEQ \
   --vocab $VOCAB --microbatch-size $((BATCH / 4)) --device $DEV --out "$OUT/gpt-profile.json"
