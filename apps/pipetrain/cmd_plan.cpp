@@ -43,7 +43,7 @@ struct PlanFlags {
   std::vector<std::string> levels;
   double memory_gib = 0;       // per rank; 0 = unlimited
   int64_t batch_size = 0;      // 0: 8 x the profile's micro-batch size
-  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"};
+  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved", "zb-v", "v-half", "v-min"};
   std::vector<int> virtual_counts{2};
   std::vector<int> microbatch_counts{1, 2, 4, 8, 16, 32};
   bool no_hybrid = false;  // only straight pipelines over all ranks (the search before replicas)
@@ -108,7 +108,8 @@ void add_plan_flags(CLI::App* cmd, const std::shared_ptr<PlanFlags>& f) {
   cmd->add_option("--batch-size", f->batch_size,
                   "samples per mini-batch; default max(8, ranks) x the profile's micro-batch size");
   cmd->add_option("--schedules", f->schedules,
-                  "schedules to consider (synchronous ones), default gpipe 1f1b zb-h1 interleaved zb-v");
+                  "schedules to consider (synchronous ones), default gpipe 1f1b zb-h1 zb-h2 interleaved zb-v v-half v-min "
+                  "(v-half and v-min keep about 1/2 and 1/3 of 1f1b's activations: the ones that fit a tight --memory)");
   cmd->add_option("--virtual-counts", f->virtual_counts,
                   "stages per rank to try for the looped schedules (interleaved, interleaved-zb, looped-bfs), default 2");
   cmd->add_flag("--no-hybrid", f->no_hybrid,

@@ -728,6 +728,15 @@ Schedule round_robin(const std::string& base, const std::vector<int>& replicatio
   return s;
 }
 
+void check_generator_options(const std::string& name, const GeneratorOptions& o) {
+  if (name == "v-half" || name == "v-min") {  // generate's checks, then v_squeezed_if_better's
+    if (o.virtual_stages != 1) stages_per_rank(name, o.virtual_stages);
+    check_sizes(name.c_str(), o.ranks, o.microbatches, 2, o.steps);
+    return;
+  }
+  (void)generate(name, o);
+}
+
 Schedule generate(const std::string& name, const GeneratorOptions& o) {
   if (o.virtual_stages != 1 && std::find(schedule_names().begin(), schedule_names().end(), name) != schedule_names().end())
     stages_per_rank(name, o.virtual_stages);  // throws for --virtual on a schedule without virtual stages

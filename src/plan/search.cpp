@@ -364,7 +364,13 @@ class Search {
     if (it != valid_.end()) return it->second;
     bool ok = true;
     try {
-      if (!lay.cost_aware) (void)schedule(lay, CostModel{});
+      if (!lay.cost_aware) {
+        GeneratorOptions g;
+        g.ranks = lay.p;
+        g.microbatches = lay.m;
+        g.virtual_stages = lay.v;
+        check_generator_options(lay.name, g);  // the V blocks: without generating (they cost two simulations)
+      }
     } catch (const UsageError&) {
       ok = false;
     }

@@ -239,5 +239,9 @@ int stages_per_rank(const std::string& name, int virtual_stages);
 // Builds the named schedule; throws UsageError for an unknown name (listing the valid ones) or bad
 // sizes (naming the value and the fix).
 Schedule generate(const std::string& name, const GeneratorOptions& options);
+// Throws the UsageError generate(name, options) would throw, and nothing otherwise. Cheap for the V
+// building blocks (v-half, v-min), whose checks come before their work (two unit-cost simulations to
+// choose the squeeze); the others are generated (the plan search caches what it simulates).
+void check_generator_options(const std::string& name, const GeneratorOptions& options);
 
 }  // namespace pipetrain

@@ -46,7 +46,7 @@ struct PlanSearchOptions {
   // Samples per mini-batch; 0: max(8, ranks) x the profile's micro-batch size (so every rank can get one
   // profiled micro-batch).
   int64_t batch_size = 0;
-  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"};
+  std::vector<std::string> schedules{"gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved", "zb-v", "v-half", "v-min"};
   std::vector<int> virtual_counts{2};   // v for the looped schedules (interleaved, interleaved-zb, looped-bfs)
   std::vector<int> microbatch_counts{1, 2, 4, 8, 16, 32};
   std::vector<std::string> balance_kinds{"uniform", "parameters", "time", "memory"};
