@@ -272,7 +272,7 @@ nlohmann::json candidate_json(const PlanCandidate& c) {
           {"makespan", c.makespan}, {"bubble", c.bubble},   {"peak_bytes", c.peak_bytes},
           {"fits", c.fits},         {"stages", c.stages},   {"virtual_stages", c.virtual_stages},
           {"replicas", c.replicas}, {"ranks_used", c.ranks_used}, {"samples", c.samples},
-          {"allreduce_ms", c.allreduce_ms}, {"placement", c.placement}};
+          {"allreduce_ms", c.allreduce_ms}, {"placement", c.placement}, {"copies", c.copies}};
 }
 
 nlohmann::json search_json(const Profile& profile, const PlanSearchResult& r) {
@@ -288,6 +288,12 @@ nlohmann::json search_json(const Profile& profile, const PlanSearchResult& r) {
   j["pipedream"] = r.pipedream ? plan_to_json(*r.pipedream) : nlohmann::json();
   j["pipedream_error"] = r.pipedream_error;
   j["replicated"] = r.replicated ? candidate_json(*r.replicated) : nlohmann::json();
+  j["pipedream_copies"] = nlohmann::json::array();  // PipeDream's plan for R/d ranks x d copies, per d tried
+  for (std::size_t i = 0; i < r.pipedream_copies.size(); ++i) {
+    nlohmann::json c = candidate_json(r.pipedream_copies[i]);
+    c["plan"] = plan_to_json(r.pipedream_copy_plans[i]);
+    j["pipedream_copies"].push_back(std::move(c));
+  }
   j["chose_replicated"] = r.chose_replicated;
   j["chosen"] = candidate_json(r.chosen());
   j["plan_file"] = plan_file_to_json(plan_file_for(profile, r));
