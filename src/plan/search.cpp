@@ -65,13 +65,13 @@ PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>&
     sch = round_robin(schedule, replication, m);
     add_stage_step(costs, replica_allreduce_ms(profile, balance, replication, bandwidth_bytes_per_ms, latency_ms));
   }
-  const SimResult r = simulate(sch, costs);
-  c.makespan = r.metrics.makespan;
-  c.bubble = r.metrics.bubble_fraction;
+  const Metrics metrics = simulate_metrics(sch, costs);  // the full simulation's metrics, without its timeline
+  c.makespan = metrics.makespan;
+  c.bubble = metrics.bubble_fraction;
   for (int rank = 0; rank < sch.ranks; ++rank) {
     const int stage = sch.first_stage_of(rank);
     const double bytes =
-        static_bytes[static_cast<std::size_t>(stage)] + r.metrics.per_rank[static_cast<std::size_t>(rank)].peak_memory;
+        static_bytes[static_cast<std::size_t>(stage)] + metrics.per_rank[static_cast<std::size_t>(rank)].peak_memory;
     c.peak_bytes = std::max(c.peak_bytes, bytes);
   }
   c.fits = memory_limit_bytes <= 0 || c.peak_bytes <= memory_limit_bytes;

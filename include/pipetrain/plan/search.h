@@ -73,7 +73,8 @@ struct PlanSearchOptions {
   int pipedream_max_ranks = 256;
   // PipeDream's plan x d copies: its planner runs for k = R/d ranks, k a divisor of R in
   // 2..min(pipedream_max_ranks, R/2) (so each run is at most one flat run at the cap); when there are more
-  // such k than this, this many spread evenly over them, the smallest and the largest included. 0: none.
+  // such k than this, this many spread evenly over them, the smallest and the largest included. 0: none;
+  // none either without hybrid or replicated_may_win.
   int pipedream_copy_plans = 8;
 };
 
