@@ -10,13 +10,16 @@
 //        one sample profiled; times from the blocks' FLOPs at 100 TFLOP/s, bf16 activations, Adam state),
 //        at 25 GB/s: no real profile of such a model can be made on this machine.
 //    Per row: the planning time (median of --repeats), the chosen plan and its predicted samples/s,
-//    data parallelism's and PipeDream's plan (as 1F1B-RR) in the same simulation, and how many
-//    candidates the search had and simulated. The mini-batch is the default, max(8, R) profiled batches.
+//    data parallelism's, PipeDream's plan's (as 1F1B-RR) and the best of PipeDream's plan for R/d ranks
+//    x d copies ("pd_copies_sps") in the same simulation, and how many candidates the search had and
+//    simulated. The mini-batch is the default, max(8, R) profiled batches.
 // 2. Simulation: generate + simulate at p x m from 64 x 256 to 512 x 2048 for 1f1b, zb-h1 and
 //    interleaved (v=2): the time of simulate_metrics (no timeline) and of simulate (with the timeline),
 //    and each case's peak resident memory, measured in a child process per case (getrusage).
 //
 //   build/bench_plan_scale [--quick] [--repeats 3] [--vgg PATH] [--only plan|simulate]
+//       [--copy-plans N]       (PlanSearchOptions::pipedream_copy_plans, default 8; 0: without PipeDream's
+//                               plan x copies, the search as it was before they were added)
 //       [--write-gpt96 FILE]   (writes the synthetic GPT profile as a pipetrain profile JSON and exits)
 //
 // --quick (the ctest run): 8 and 64 ranks, one simulation at 8 x 32; its numbers only show it works.
@@ -77,14 +80,15 @@ Profile gpt_profile(int blocks) {
 }
 
 void plan_rows(const std::string& name, const Profile& prof, double bandwidth_gbps, const std::vector<int>& ranks,
-               int repeats) {
+               int repeats, int copy_plans) {
   fmt::print("# planning {}: {} layers, {} GB/s, default options\n", name, prof.layers.size(), bandwidth_gbps);
-  fmt::print("{:<5} {:<7} {:>6} {:>9} {:>10} {:>10} {:>12} {:>12} {:>12} {:>12}  {}\n", "what", "model", "ranks",
-             "plan_s", "cands", "simulated", "chosen_sps", "dp_sps", "pipedream_sps", "vs_dp", "chosen");
+  fmt::print("{:<5} {:<7} {:>6} {:>9} {:>10} {:>10} {:>12} {:>12} {:>12} {:>14} {:>12}  {}\n", "what", "model", "ranks",
+             "plan_s", "cands", "simulated", "chosen_sps", "dp_sps", "pipedream_sps", "pd_copies_sps", "vs_dp", "chosen");
   for (int R : ranks) {
     PlanSearchOptions o;
     o.ranks = R;
     o.bandwidth_bytes_per_ms = bandwidth_gbps * 1e6;
+    o.pipedream_copy_plans = copy_plans;
     std::vector<double> times;
     PlanSearchResult res;
     for (int k = 0; k < repeats; ++k) {
@@ -98,10 +102,17 @@ void plan_rows(const std::string& name, const Profile& prof, double bandwidth_gb
     const std::string shape =
         c.replication.empty()
             ? fmt::format("{}x{} {} v={} m={}", c.stages, c.replicas, c.schedule, c.virtual_stages, c.m)
+        : c.copies > 1
+            ? fmt::format("PipeDream's {} stages on {} ranks x {} copies, 1F1B-RR m={}", c.balance.size(),
+                          c.ranks_used / c.copies, c.copies, c.m)
             : fmt::format("1F1B-RR {} stages on {} ranks m={}", c.balance.size(), c.ranks_used, c.m);
-    fmt::print("{:<5} {:<7} {:>6} {:>9.3f} {:>10} {:>10} {:>12.1f} {:>12.1f} {:>12} {:>12.2f}  {}\n", "plan", name, R,
-               median(times), res.considered, res.candidates.size(), sps(c.makespan), sps(res.data_parallel_ms),
+    const PlanCandidate* copies = nullptr;
+    for (const PlanCandidate& x : res.pipedream_copies)
+      if (!copies || better_candidate(x, *copies)) copies = &x;
+    fmt::print("{:<5} {:<7} {:>6} {:>9.3f} {:>10} {:>10} {:>12.1f} {:>12.1f} {:>12} {:>14} {:>12.2f}  {}\n", "plan", name,
+               R, median(times), res.considered, res.candidates.size(), sps(c.makespan), sps(res.data_parallel_ms),
                res.replicated ? fmt::format("{:.1f}", sps(res.replicated->makespan)) : std::string("-"),
+               copies ? fmt::format("{:.1f} (d={})", sps(copies->makespan), copies->copies) : std::string("-"),
                res.data_parallel_ms > 0 ? res.data_parallel_ms / c.makespan : 0.0, shape);
     std::fflush(stdout);
   }
@@ -144,7 +155,7 @@ void simulate_case(const std::string& name, int p, int m, int v) {
 
 int main(int argc, char** argv) {
   bool quick = false;
-  int repeats = 3;
+  int repeats = 3, copy_plans = PlanSearchOptions().pipedream_copy_plans;
   std::string only, vgg = std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/vgg16-graph.txt";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -159,6 +170,7 @@ int main(int argc, char** argv) {
     else if (a == "--repeats") repeats = std::max(1, std::stoi(next()));
     else if (a == "--vgg") vgg = next();
     else if (a == "--only") only = next();
+    else if (a == "--copy-plans") copy_plans = std::max(0, std::stoi(next()));
     else if (a == "--write-gpt96") {
       save_profile(next(), gpt_profile(96));
       return 0;
@@ -173,8 +185,8 @@ int main(int argc, char** argv) {
     PipeDreamOptions po;
     po.micro_batch_size = 128;
     po.model = "vgg16";
-    plan_rows("vgg16", load_pipedream_graph(vgg, po), 1.25, ranks, repeats);
-    plan_rows("gpt96", gpt_profile(96), 25, ranks, repeats);
+    plan_rows("vgg16", load_pipedream_graph(vgg, po), 1.25, ranks, repeats, copy_plans);
+    plan_rows("gpt96", gpt_profile(96), 25, ranks, repeats, copy_plans);
   }
   if (only.empty() || only == "simulate") {
     fmt::print("# simulate: generate + simulate, F=B=W=1, comm 0.1; seconds; peak RSS MiB (metrics-only, then with "

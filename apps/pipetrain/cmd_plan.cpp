@@ -201,6 +201,9 @@ Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
 
 // One plan's shape in words: "4 stages x 8 replicas, 1f1b v=1 m=16 (time, min-max)".
 std::string shape_text(const PlanCandidate& c) {
+  if (!c.replication.empty() && c.copies > 1)
+    return fmt::format("PipeDream's plan for {} ranks x {} copies: {} stages replicated {} (1F1B-RR), m={}",
+                       c.ranks_used / c.copies, c.copies, c.balance.size(), list(c.replication), c.m);
   if (!c.replication.empty())
     return fmt::format("{} stages replicated {} (1F1B-RR), m={}", c.balance.size(), list(c.replication), c.m);
   std::string s = c.stages == 1 ? fmt::format("1 stage x {} replicas", c.replicas)
@@ -259,6 +262,14 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
     row(fmt::format("data parallelism ({} replicas, all layers)", res.data_parallel->replicas), *res.data_parallel);
   if (const auto& rr = res.replicated)
     row(fmt::format("PipeDream's plan as 1F1B-RR m={}", rr->m), *rr);
+  // PipeDream's plan for fewer ranks x data-parallel copies of it: the best of the copy counts tried.
+  const PlanCandidate* copies = nullptr;
+  for (const PlanCandidate& c : res.pipedream_copies)
+    if (!copies || better_candidate(c, *copies)) copies = &c;
+  if (copies)
+    row(fmt::format("PipeDream's plan for {} ranks x {} copies, 1F1B-RR m={}", copies->ranks_used / copies->copies,
+                    copies->copies, copies->m),
+        *copies);
   if (const auto& pd = res.pipedream) {
     const double per_batch = pd->time_ms * static_cast<double>(batch) / prof.micro_batch_size;
     std::cout << fmt::format("  PipeDream planner's own estimate (asynchronous, no flush; its cost model, not the rows'): "
@@ -282,6 +293,8 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
   ratio("uniform 1f1b", res.uniform_1f1b);
   ratio("data parallelism", res.data_parallel);
   ratio("PipeDream's plan", res.replicated);
+  if (copies && top.makespan > 0)
+    why += fmt::format("; {:.2f}x PipeDream's plan x {} copies", copies->makespan / top.makespan, copies->copies);
   if (!top.fits) why += "; nothing fits the memory limit: this is the fastest of those over it";
   std::cout << why << "\n";
 }

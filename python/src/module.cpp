@@ -272,7 +272,7 @@ nlohmann::json candidate_json(const PlanCandidate& c) {
           {"makespan", c.makespan}, {"bubble", c.bubble},   {"peak_bytes", c.peak_bytes},
           {"fits", c.fits},         {"stages", c.stages},   {"virtual_stages", c.virtual_stages},
           {"replicas", c.replicas}, {"ranks_used", c.ranks_used}, {"samples", c.samples},
-          {"allreduce_ms", c.allreduce_ms}, {"placement", c.placement}};
+          {"allreduce_ms", c.allreduce_ms}, {"placement", c.placement}, {"copies", c.copies}};
 }
 
 nlohmann::json search_json(const Profile& profile, const PlanSearchResult& r) {
@@ -288,6 +288,12 @@ nlohmann::json search_json(const Profile& profile, const PlanSearchResult& r) {
   j["pipedream"] = r.pipedream ? plan_to_json(*r.pipedream) : nlohmann::json();
   j["pipedream_error"] = r.pipedream_error;
   j["replicated"] = r.replicated ? candidate_json(*r.replicated) : nlohmann::json();
+  j["pipedream_copies"] = nlohmann::json::array();  // PipeDream's plan for R/d ranks x d copies, per d tried
+  for (std::size_t i = 0; i < r.pipedream_copies.size(); ++i) {
+    nlohmann::json c = candidate_json(r.pipedream_copies[i]);
+    c["plan"] = plan_to_json(r.pipedream_copy_plans[i]);
+    j["pipedream_copies"].push_back(std::move(c));
+  }
   j["chose_replicated"] = r.chose_replicated;
   j["chosen"] = candidate_json(r.chosen());
   j["plan_file"] = plan_file_to_json(plan_file_for(profile, r));
@@ -891,7 +897,8 @@ PYBIND11_MODULE(_pipetrain, m) {
         "is data parallelism) for every schedule (interleaved with each of virtual_counts), micro-batch count and "
         "balance kind x solver, simulated with per-boundary transfers and the copies' all-reduce, pruned exactly by "
         "lower bounds (exhaustive=True: no pruning); PipeDream's planner and its plan as 1F1B-RR are candidates "
-        "too. hybrid=False: straight pipelines over min(ranks, layers) ranks only. bandwidth GB/s (default 10, or "
+        "too, and so is its plan for ranks/d ranks x d copies ('pipedream_copies', one per d tried, each with its "
+        "'copies' and the planner's 'plan'). hybrid=False: straight pipelines over min(ranks, layers) ranks only. bandwidth GB/s (default 10, or "
         "the profile's measured), latency us (default 50, or measured), memory GiB per rank (0: no limit), "
         "batch_size 0: max(8, ranks) x the profile's micro-batch. Returns a dict: 'chosen' (never worse than any "
         "entry of 'candidates'), 'best_straight', the baselines, and 'plan_file', what `pipetrain plan --out` "

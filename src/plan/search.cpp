@@ -65,13 +65,13 @@ PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>&
     sch = round_robin(schedule, replication, m);
     add_stage_step(costs, replica_allreduce_ms(profile, balance, replication, bandwidth_bytes_per_ms, latency_ms));
   }
-  const SimResult r = simulate(sch, costs);
-  c.makespan = r.metrics.makespan;
-  c.bubble = r.metrics.bubble_fraction;
+  const Metrics metrics = simulate_metrics(sch, costs);  // the full simulation's metrics, without its timeline
+  c.makespan = metrics.makespan;
+  c.bubble = metrics.bubble_fraction;
   for (int rank = 0; rank < sch.ranks; ++rank) {
     const int stage = sch.first_stage_of(rank);
     const double bytes =
-        static_bytes[static_cast<std::size_t>(stage)] + r.metrics.per_rank[static_cast<std::size_t>(rank)].peak_memory;
+        static_bytes[static_cast<std::size_t>(stage)] + metrics.per_rank[static_cast<std::size_t>(rank)].peak_memory;
     c.peak_bytes = std::max(c.peak_bytes, bytes);
   }
   c.fits = memory_limit_bytes <= 0 || c.peak_bytes <= memory_limit_bytes;
@@ -635,27 +635,91 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
     }
   }
 
-  // PipeDream's plan run synchronously as 1F1B-RR (stage replication in the runtime), simulated like
-  // the others; micro-batch counts that every replica count divides.
-  const auto& pd = res.pipedream;
-  if (pd && std::any_of(pd->replication.begin(), pd->replication.end(), [](int r) { return r > 1; }) &&
-      pd->balance.size() > 1) {
+  // A PipeDream plan x `copies` data-parallel copies, run synchronously as 1F1B-RR (stage replication
+  // in the runtime) with every replication times `copies`, simulated like the others: its best over the
+  // micro-batch counts, per copy the counts asked for rounded up to a multiple of every replica count
+  // (equal shares), so the whole schedule's m is copies x that.
+  auto run_replicated = [&](const Plan& plan, int copies) -> std::optional<PlanCandidate> {
+    std::vector<int> replication = plan.replication;
     int lcm = 1;
-    for (int r : pd->replication) lcm = std::lcm(lcm, r);
+    for (int& r : replication) lcm = std::lcm(lcm, r), r *= copies;
+    // Replicated equally (u times), the runtime runs it as u copies of the pipeline (train --plan reads
+    // it as --replicas u), which must split the mini-batch evenly.
+    const int u = replication.front();
+    if (std::all_of(replication.begin(), replication.end(), [&](int r) { return r == u; }) && batch % u != 0)
+      return std::nullopt;
     std::vector<int> counts = o.microbatch_counts;
     counts.push_back(1);  // at least one round over the replicas
+    std::vector<long long> totals;
     for (int m : counts) {
-      const long long mm = (static_cast<long long>(m) + lcm - 1) / lcm * lcm;
-      if (mm > batch || mm > (1 << 16)) continue;
-      PlanCandidate c = simulate_candidate(prof, pd->balance, "1f1b", static_cast<int>(mm),
+      const long long mm = (static_cast<long long>(m) + lcm - 1) / lcm * lcm * copies;
+      if (mm > batch || mm > (1 << 16) || std::find(totals.begin(), totals.end(), mm) != totals.end()) continue;
+      totals.push_back(mm);
+    }
+    std::optional<PlanCandidate> best;
+    for (long long mm : totals) {
+      PlanCandidate c = simulate_candidate(prof, plan.balance, "1f1b", static_cast<int>(mm),
                                            static_cast<double>(batch) / static_cast<double>(mm), links.bw.back(),
-                                           o.latency_ms, limit, pd->replication);
+                                           o.latency_ms, limit, replication);
       c.kind = "pipedream";
       c.solver = "planner";
-      c.stages = static_cast<int>(pd->balance.size());
-      c.ranks_used = pd->devices_used();
+      c.stages = static_cast<int>(plan.balance.size());
+      c.copies = copies;
+      c.ranks_used = plan.devices_used() * copies;
       c.samples = static_cast<double>(batch);
-      if (!res.replicated || better_candidate(c, *res.replicated)) res.replicated = c;
+      if (!best || better_candidate(c, *best)) best = c;
+    }
+    return best;
+  };
+  const auto& pd = res.pipedream;
+  if (pd && std::any_of(pd->replication.begin(), pd->replication.end(), [](int r) { return r > 1; }) &&
+      pd->balance.size() > 1)
+    res.replicated = run_replicated(*pd, 1);
+
+  // PipeDream's plan for k = R/d ranks x d copies. Its planner runs for each k tried, on the same links:
+  // the levels given with d taken off the outermost first (each copy keeps the inner, faster links), or
+  // one level of k ranks; k <= pipedream_max_ranks, so no run costs more than one flat run at the cap,
+  // and at most pipedream_copy_plans values of k.
+  if (o.hybrid && o.replicated_may_win && o.pipedream_copy_plans > 0) {
+    std::vector<int> ks;
+    for (int k = 2; k <= std::min(o.pipedream_max_ranks, R / 2); ++k)
+      if (R % k == 0 && R / k <= batch) ks.push_back(k);
+    const auto want = static_cast<std::size_t>(o.pipedream_copy_plans);
+    if (ks.size() > want) {
+      std::vector<int> spread;
+      for (std::size_t i = 0; i < want; ++i)
+        spread.push_back(ks[want == 1 ? ks.size() - 1 : (i * (ks.size() - 1) + (want - 1) / 2) / (want - 1)]);
+      spread.erase(std::unique(spread.begin(), spread.end()), spread.end());
+      ks = std::move(spread);
+    }
+    for (auto it = ks.rbegin(); it != ks.rend(); ++it) {  // by d = R / k, ascending
+      const int k = *it, d = R / k;
+      PlannerOptions sub = res.pipedream_options;
+      if (o.pipedream.levels.empty()) {
+        sub.levels = {NetworkLevel{k, o.bandwidth_bytes_per_ms * 1e3}};
+      } else {
+        sub.levels = o.pipedream.levels;
+        int left = d;
+        for (auto l = sub.levels.rbegin(); l != sub.levels.rend() && left > 1; ++l) {
+          const int g = std::gcd(left, l->machines);
+          l->machines /= g;
+          left /= g;
+        }
+        sub.levels.erase(std::remove_if(sub.levels.begin(), sub.levels.end(), [](const NetworkLevel& l) { return l.machines == 1; }),
+                         sub.levels.end());
+        if (left != 1 || sub.levels.empty()) continue;  // neither happens for d | R and k >= 2
+      }
+      Plan plan;
+      try {
+        plan = plan_pipedream(prof, sub);
+      } catch (const UsageError&) {
+        continue;  // nothing fits k ranks (the memory limit): no copies of it either
+      }
+      if (plan.balance.size() < 2) continue;  // one stage: data parallelism, a candidate already
+      if (auto c = run_replicated(plan, d)) {
+        res.pipedream_copies.push_back(*c);
+        res.pipedream_copy_plans.push_back(std::move(plan));
+      }
     }
   }
   // The chosen plan is the best of everything simulated: the search's optimum and every baseline shown.
@@ -666,10 +730,30 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
     res.best = *res.replicated;
     res.chose_replicated = true;
   }
+  for (const PlanCandidate& c : res.pipedream_copies)
+    if (o.replicated_may_win && better_candidate(c, res.best)) {
+      res.best = c;
+      res.chose_replicated = true;
+    }
   for (const std::optional<PlanCandidate>* x : {&res.uniform_1f1b})
     if (*x && better_candidate(**x, res.best_straight)) res.best_straight = **x;
   return res;
 }
+
+namespace {
+
+// The micro-batches a plan file records for a candidate: its m, except for 1F1B-RR with every stage
+// replicated u times, which train --plan runs as u copies of the pipeline (--replicas u), each with its
+// own m: m / u of them (the same schedule: each copy's replica of stage s gets every u-th micro-batch and
+// keeps p - s of them in flight, as plain 1F1B does; m is a multiple of u).
+int equal_copies_microbatches(const PlanCandidate& c) {
+  if (c.replication.empty()) return c.m;
+  const int u = c.replication.front();
+  if (u <= 1 || std::any_of(c.replication.begin(), c.replication.end(), [&](int r) { return r != u; })) return c.m;
+  return c.m / u;
+}
+
+}  // namespace
 
 PlanFile plan_file_for(const Profile& prof, const PlanSearchResult& res) {
   const PlanCandidate& top = res.chosen();
@@ -693,7 +777,7 @@ PlanFile plan_file_for(const Profile& prof, const PlanSearchResult& res) {
   chosen.stage_memory_bytes = stage_static_bytes(prof, top.balance);
   chosen.stage_in_flight.assign(top.balance.size(), 1);
   f.schedule = top.schedule;
-  f.microbatches = top.m;
+  f.microbatches = equal_copies_microbatches(top);
   f.virtual_stages = std::max(1, top.virtual_stages);
   f.batch_size = res.batch_size;
   f.placement = top.placement;
@@ -704,7 +788,7 @@ PlanFile plan_file_for(const Profile& prof, const PlanSearchResult& res) {
   f.pipedream = res.pipedream;
   if (res.replicated) {  // how train --plan-use pipedream runs it: synchronous 1F1B-RR with this m
     f.pipedream_schedule = "1f1b";
-    f.pipedream_microbatches = res.replicated->m;
+    f.pipedream_microbatches = equal_copies_microbatches(*res.replicated);
     f.pipedream_simulated_ms = res.replicated->makespan;
   }
   return f;

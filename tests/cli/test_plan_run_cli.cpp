@@ -187,6 +187,23 @@ TEST(PlanRunCli, PipeDreamsReplicatedPlanRuns) {
   EXPECT_TRUE(r.has("batch 12")) << r.out;
 }
 
+// PipeDream's plan for 3 ranks x 2 data-parallel copies as the chosen plan (its replication 2,1 times 2):
+// one 1F1B-RR schedule over 6 ranks, as the file says. And replicated equally (three straight stages x 2
+// copies, chosen when only interleaved pipelines compete), the file's 2,2,2 runs as 2 copies of the
+// pipeline with m / 2 micro-batches each, the same schedule.
+TEST(PlanRunCli, PipeDreamsPlanTimesCopiesRuns) {
+  const fs::path dir = temp_dir("copies");
+  auto [j, t] = round_trip(dir, write_profile(dir, 1, 4e6, {6, 1, 1, 1, 1, 1}, 256), "--ranks 6 --batch-size 16 --bandwidth 1");
+  EXPECT_TRUE(t.has("2 stages replicated 4,2 (1F1B-RR, 6 ranks)")) << t.out;
+  ASSERT_EQ(j.at("replication"), nlohmann::json::array({4, 2})) << j.dump(1);
+  EXPECT_EQ(j.at("microbatches").get<int>() % 4, 0) << j.dump(1);
+  std::tie(j, t) = round_trip(dir, write_profile(dir, 1, 4e6, {0.05, 1, 1, 1, 1, 0.05}, 256),
+                              "--ranks 6 --batch-size 16 --bandwidth 1 --schedules interleaved");
+  ASSERT_EQ(j.at("replication"), nlohmann::json::array({2, 2, 2})) << j.dump(1);
+  EXPECT_EQ(j.at("schedule"), "1f1b") << j.dump(1);
+  EXPECT_TRUE(t.has("3 stages x 2 replicas")) << t.out;
+}
+
 // A plan file's new fields are checked like the others.
 TEST(PlanRunCli, BadPlacementOrThreadsInAPlanAreRefused) {
   const fs::path dir = temp_dir("bad");

@@ -308,6 +308,45 @@ TEST(RoundRobin, RandomReplicationsValidateLowerAndSimulate) {
   }
 }
 
+// d copies of a replicated pipeline are the pipeline with every replication times d (what the plan search's
+// "PipeDream's plan x d copies" candidates and train --plan run): in round_robin(rep x d, d m), replica
+// c + d q of stage s runs exactly what replica q of round_robin(rep, m) runs, with micro-batch j renamed
+// c + d j (copy c gets every d-th micro-batch, at every stage), in the same order and with the same
+// in-flight count; so the copies never exchange activations, and with all-ones `rep` each copy is the
+// plain schedule over m micro-batches (train --plan runs equal replication as --replicas).
+TEST(RoundRobin, ReplicationTimesDIsDCopiesOfThePipeline) {
+  uint64_t state = 11;
+  auto next = [&](int n) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<int>((state >> 33) % static_cast<uint64_t>(n));
+  };
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::string base = trial % 2 ? "1f1b" : "gpipe";
+    const int stages = 1 + next(4), m = 1 + next(6), steps = 1 + next(2), d = 2 + next(3);
+    std::vector<int> rep, scaled;
+    for (int s = 0; s < stages; ++s) {
+      rep.push_back(trial % 5 == 0 ? 1 : 1 + next(3));
+      scaled.push_back(rep.back() * d);
+    }
+    const Schedule one = round_robin(base, rep, m, steps), all = round_robin(base, scaled, d * m, steps);
+    SCOPED_TRACE(base + " m=" + std::to_string(m) + " d=" + std::to_string(d) + " stages=" + std::to_string(stages));
+    for (int st = 0; st < stages; ++st)
+      for (int q = 0; q < rep[static_cast<std::size_t>(st)]; ++q)
+        for (int c = 0; c < d; ++c) {
+          std::vector<Action> renamed = one.actions[static_cast<std::size_t>(
+              one.stage_replicas[static_cast<std::size_t>(st)][static_cast<std::size_t>(q)])];
+          for (Action& a : renamed)
+            if (a.kind != ActionKind::Step) a.index = c + d * a.index;
+          const int r = all.stage_replicas[static_cast<std::size_t>(st)][static_cast<std::size_t>(c + d * q)];
+          EXPECT_EQ(all.actions[static_cast<std::size_t>(r)], renamed) << "stage " << st << " replica " << q << " copy " << c;
+        }
+    // Simulated (copies independent until their steps): the same makespan.
+    CostModel costs = CostModel::uniform(stages, StageCost{1.0, 1.0, 0.5, 1.0}, 1, 0.25);
+    for (std::size_t k = 0; k < costs.stage.size(); ++k) costs.stage[k].f += 0.3 * static_cast<double>(k);
+    EXPECT_DOUBLE_EQ(simulate_metrics(all, costs).makespan, simulate_metrics(one, costs).makespan);
+  }
+}
+
 // Replication is for uneven stages: stage 0 three times as slow as stage 1 and given three replicas
 // runs at stage 1's pace. Over m micro-batches the makespan is m x max_s (c_s / r_s) plus a fill and
 // drain of at most the summed stage costs twice. PipeDream's in-flight count matters here: with one

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <numeric>
 #include <random>
 
 #include "pipetrain/core/error.h"
@@ -51,13 +52,42 @@ void expect_never_worse(const PlanSearchResult& r) {
     if (*x) {
       EXPECT_FALSE(better_candidate(**x, best)) << (*x)->schedule;
     }
+  for (const PlanCandidate& c : r.pipedream_copies)
+    EXPECT_FALSE(better_candidate(c, best)) << "PipeDream's plan x " << c.copies << " copies, m=" << c.m;
+}
+
+// PipeDream's plan x d copies as the search holds it: the planner's plan for R/d ranks with every
+// replication times d, on d x its devices, with m a multiple of d x every replica count.
+void expect_copies_consistent(const PlanSearchResult& r, int ranks, int64_t batch) {
+  ASSERT_EQ(r.pipedream_copies.size(), r.pipedream_copy_plans.size());
+  for (std::size_t i = 0; i < r.pipedream_copies.size(); ++i) {
+    const PlanCandidate& c = r.pipedream_copies[i];
+    const Plan& plan = r.pipedream_copy_plans[i];
+    ASSERT_GT(c.copies, 1);
+    EXPECT_EQ(ranks % c.copies, 0) << c.copies;
+    EXPECT_LE(plan.devices_used(), ranks / c.copies);
+    EXPECT_EQ(c.balance, plan.balance);
+    ASSERT_EQ(c.replication.size(), plan.replication.size());
+    int lcm = 1;
+    for (std::size_t s = 0; s < plan.replication.size(); ++s) {
+      EXPECT_EQ(c.replication[s], plan.replication[s] * c.copies);
+      lcm = std::lcm(lcm, plan.replication[s]);
+    }
+    EXPECT_EQ(c.ranks_used, plan.devices_used() * c.copies);
+    EXPECT_LE(c.ranks_used, ranks);
+    EXPECT_EQ(c.m % (lcm * c.copies), 0) << c.m;
+    EXPECT_LE(c.m, batch);
+    if (i > 0) {
+      EXPECT_GT(c.copies, r.pipedream_copies[i - 1].copies);  // one per d, ascending
+    }
+  }
 }
 
 }  // namespace
 
 TEST(PlanHybrid, PrunedSearchAgreesWithExhaustiveOnSmallCases) {
   std::mt19937 rng(28);
-  int cases = 0;
+  int cases = 0, copies = 0;
   for (int ranks = 1; ranks <= 8; ++ranks)
     for (int variant = 0; variant < 3; ++variant) {
       const Profile prof = random_profile(rng, 3 + static_cast<int>(rng() % 6));
@@ -93,9 +123,113 @@ TEST(PlanHybrid, PrunedSearchAgreesWithExhaustiveOnSmallCases) {
       EXPECT_LE(pruned.chosen().ranks_used, ranks);
       expect_never_worse(pruned);
       expect_never_worse(full);
+      expect_copies_consistent(pruned, ranks, pruned.batch_size);
+      copies += !pruned.pipedream_copies.empty();
       ++cases;
     }
   EXPECT_EQ(cases, 24);
+  EXPECT_GT(copies, 0);  // PipeDream's plan x copies was in the space (R = 4, 6, 8: k = 2, 3, 4)
+}
+
+// PipeDream's plan for fewer ranks x data-parallel copies of it, where it wins: 6 ranks, a slow first
+// layer with few parameters and heavy blocks over a 1 GB/s link. PipeDream's planner on all 6 ranks gives
+// the first layer 3 replicas and every block its own stage (four stages, 3,1,1,1); its plan for 3 ranks
+// (the first two layers on 2 replicas, the rest on one) x 2 copies is 4,2 over the same 6 ranks, fewer
+// stages, less bubble. The search finds it, chooses it over everything it shows, and writes the plan that
+// train --plan runs: the replication as it is (1F1B-RR), m that every replica count divides.
+TEST(PlanHybrid, PipeDreamsPlanTimesCopiesWins) {
+  Profile prof;
+  prof.model = "six";
+  prof.micro_batch_size = 2;
+  const double forward[] = {6, 1, 1, 1, 1, 1};
+  for (int i = 0; i < 6; ++i) {
+    LayerProfile l;
+    l.name = "l" + std::to_string(i);
+    l.type = i == 0 ? "Embedding" : i == 5 ? "Head" : "Block";
+    l.forward_ms = forward[i];
+    l.backward_ms = 2 * forward[i];
+    l.activation_bytes = 4096;
+    l.parameter_bytes = i == 0 ? 256 : i == 5 ? 4096 : 4e6;
+    l.optimizer_bytes = 2 * l.parameter_bytes;
+    prof.layers.push_back(l);
+  }
+  PlanSearchOptions o;
+  o.ranks = 6;
+  o.batch_size = 16;
+  o.bandwidth_bytes_per_ms = 1e6;  // 1 GB/s
+  const PlanSearchResult r = search_plans(prof, o);
+  ASSERT_TRUE(r.pipedream.has_value()) << r.pipedream_error;
+  EXPECT_EQ(r.pipedream->replication, (std::vector<int>{3, 1, 1, 1}));
+  ASSERT_TRUE(r.replicated.has_value());
+  const PlanCandidate& c = r.chosen();
+  EXPECT_TRUE(r.chose_replicated);
+  EXPECT_EQ(c.copies, 2);
+  EXPECT_EQ(c.balance, (std::vector<int>{2, 4}));
+  EXPECT_EQ(c.replication, (std::vector<int>{4, 2}));
+  EXPECT_EQ(c.ranks_used, 6);
+  EXPECT_EQ(c.m % 4, 0);
+  EXPECT_LT(c.makespan, r.replicated->makespan);
+  ASSERT_TRUE(r.data_parallel.has_value());
+  EXPECT_LT(c.makespan, r.data_parallel->makespan);
+  expect_never_worse(r);
+  expect_copies_consistent(r, 6, 16);
+  // Its simulation is the 1F1B-RR one of the scaled replication over the whole mini-batch.
+  const PlanCandidate again = simulate_candidate(prof, c.balance, "1f1b", c.m, 16.0 / c.m, o.bandwidth_bytes_per_ms,
+                                                 o.latency_ms, 0, c.replication);
+  EXPECT_DOUBLE_EQ(again.makespan, c.makespan);
+  // The plan file: the scaled replication, run as 1F1B-RR with the candidate's m.
+  const PlanFile f = plan_file_for(prof, r);
+  EXPECT_EQ(f.plan.replication, (std::vector<int>{4, 2}));
+  EXPECT_EQ(f.plan.balance, (std::vector<int>{2, 4}));
+  EXPECT_EQ(f.schedule, "1f1b");
+  EXPECT_EQ(f.microbatches, c.m);
+  const PlanFile back = plan_file_from_json(plan_file_to_json(f), "copies.json");
+  EXPECT_EQ(back.plan.replication, f.plan.replication);
+  EXPECT_EQ(back.microbatches, f.microbatches);
+  // Off when only one pipeline may win, or with no copy plans asked for.
+  PlanSearchOptions none = o;
+  none.pipedream_copy_plans = 0;
+  const PlanSearchResult without = search_plans(prof, none);
+  EXPECT_TRUE(without.pipedream_copies.empty());
+  EXPECT_GT(without.chosen().makespan, c.makespan);
+}
+
+// Replicated equally (u times every stage), a plan runs as u copies of the pipeline (train --plan reads it
+// as --replicas u), each with its own micro-batches: the file records m / u of them, which is the same
+// schedule (RoundRobin.ReplicationTimesDIsDCopiesOfThePipeline). Light first and last layers, heavy
+// blocks: PipeDream's plan for 3 ranks is three straight stages, x 2 copies 2,2,2; with only interleaved
+// asked for (no plain 1f1b pipelines), it wins.
+TEST(PlanHybrid, EquallyReplicatedCopiesAreWrittenAsReplicas) {
+  Profile prof;
+  prof.model = "six";
+  prof.micro_batch_size = 2;
+  const double forward[] = {0.05, 1, 1, 1, 1, 0.05};
+  for (int i = 0; i < 6; ++i) {
+    LayerProfile l;
+    l.name = "l" + std::to_string(i);
+    l.type = i == 0 ? "Embedding" : i == 5 ? "Head" : "Block";
+    l.forward_ms = forward[i];
+    l.backward_ms = 2 * forward[i];
+    l.activation_bytes = 4096;
+    l.parameter_bytes = i == 0 ? 256 : i == 5 ? 4096 : 4e6;
+    l.optimizer_bytes = 2 * l.parameter_bytes;
+    prof.layers.push_back(l);
+  }
+  PlanSearchOptions o;
+  o.ranks = 6;
+  o.batch_size = 16;
+  o.bandwidth_bytes_per_ms = 1e6;
+  o.schedules = {"interleaved"};
+  const PlanSearchResult r = search_plans(prof, o);
+  const PlanCandidate& c = r.chosen();
+  ASSERT_EQ(c.copies, 2);
+  EXPECT_EQ(c.replication, (std::vector<int>{2, 2, 2}));
+  expect_never_worse(r);
+  const PlanFile f = plan_file_for(prof, r);
+  EXPECT_EQ(f.plan.replication, (std::vector<int>{2, 2, 2}));
+  EXPECT_EQ(f.schedule, "1f1b");
+  EXPECT_EQ(f.microbatches * 2, c.m);
+  EXPECT_EQ(f.batch_size % 2, 0);
 }
 
 // The optimizer's step (the profile's optimizer_ms) is part of every candidate's time, once per rank and

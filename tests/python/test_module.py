@@ -254,6 +254,13 @@ class Planning(unittest.TestCase):
                                           hybrid=False)
         self.assertTrue(all(c["stages"] == 2 and c["replicas"] == 1 for c in straight["candidates"]))
         self.assertEqual(res["plan_file"]["format"], "pipetrain-plan")
+        # PipeDream's plan for ranks / d ranks x d copies: its replication times d, never better than chosen.
+        vgg = pipetrain.search_plans(os.path.join(DATA, "pipedream", "vgg16-graph.txt"), ranks=8, bandwidth=1.25)
+        self.assertTrue(vgg["pipedream_copies"])
+        for c in vgg["pipedream_copies"]:
+            self.assertGreater(c["copies"], 1)
+            self.assertEqual(c["replication"], [r * c["copies"] for r in c["plan"]["replication"]])
+            self.assertLessEqual(vgg["chosen"]["makespan"], c["makespan"] + 1e-9)
         um = pipetrain.umpipe(prof, balance=best["balance"], samples=8, generations=20)
         self.assertEqual([u["planner"] for u in um], ["equal", "local-greedy", "global-dp", "dgap"])
         for u in um:

@@ -9,7 +9,11 @@
 // checked against the memory per rank. p = 1 is
 // data parallelism (with gradient accumulation when m > 1). PipeDream's planner with per-stage
 // replication (planner.h) runs too, and its plan, run synchronously as 1F1B-RR, is a candidate like the
-// others. Torch-free.
+// others; so are d data-parallel copies of its plan for R/d ranks (stage s replicated r_s times in the
+// plan for R/d ranks runs on d x r_s ranks: micro-batch i goes to the stage's replica i mod (d r_s), so
+// i mod d picks one copy at every stage, and each stage's gradients are all-reduced over its d r_s
+// replicas; that is one 1F1B-RR schedule with the replication times d, which the runtime runs as it
+// is). Torch-free.
 //
 // Exact pruning: every candidate gets a lower bound on its time (the busiest rank's work after its first
 // input can arrive, plus its step; and one micro-batch's path through every stage and back), and
@@ -67,6 +71,11 @@ struct PlanSearchOptions {
   // (each level costs about L^3 x its units squared), which restricts its replication to whole groups at
   // the outer level; not at all for a prime R.
   int pipedream_max_ranks = 256;
+  // PipeDream's plan x d copies: its planner runs for k = R/d ranks, k a divisor of R in
+  // 2..min(pipedream_max_ranks, R/2) (so each run is at most one flat run at the cap); when there are more
+  // such k than this, this many spread evenly over them, the smallest and the largest included. 0: none;
+  // none either without hybrid or replicated_may_win.
+  int pipedream_copy_plans = 8;
 };
 
 // One way to run the model, simulated.
@@ -75,6 +84,8 @@ struct PlanCandidate {
   int m = 0;                           // micro-batches per replica and step
   std::vector<int> balance;            // layers per (virtual) stage
   std::vector<int> replication;  // per stage (PipeDream's 1F1B-RR); empty: `replicas` copies of one pipeline
+  int copies = 1;  // with replication: data-parallel copies of PipeDream's plan for ranks_used / copies
+                   // ranks (`replication` is that plan's times copies)
   double makespan = 0, bubble = 0, peak_bytes = 0;  // ms per mini-batch, bubble fraction, bytes per rank
   bool fits = true;                                  // within the memory limit
   int stages = 0;          // p: ranks per pipeline
@@ -105,7 +116,11 @@ struct PlanSearchResult {
   std::optional<Plan> pipedream;             // PipeDream's planner (asynchronous), if it found a plan
   std::string pipedream_error;               // why not, otherwise
   std::optional<PlanCandidate> replicated;   // its plan as synchronous 1F1B-RR, if it replicates a stage
-  bool chose_replicated = false;             // `best` is PipeDream's plan as 1F1B-RR
+  // PipeDream's plan for R/d ranks x d copies (PlanCandidate::copies = d), as 1F1B-RR: the best m of
+  // each d tried (PlanSearchOptions::pipedream_copy_plans), by d; the planner's plans in `pipedream_copy_plans`.
+  std::vector<PlanCandidate> pipedream_copies;
+  std::vector<Plan> pipedream_copy_plans;
+  bool chose_replicated = false;             // `best` is PipeDream's plan as 1F1B-RR (best.copies: how many)
   const PlanCandidate& chosen() const { return best; }
 };
 
