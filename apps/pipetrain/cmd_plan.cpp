@@ -281,9 +281,14 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
     std::cout << "  PipeDream planner: no plan: " << res.pipedream_error << "\n";
   }
   // Why it won.
-  std::string why = fmt::format("  why: fastest{} of the {} simulated ({:.2f} ms, {:.1f} samples/s",
-                                limit > 0 ? fmt::format(" within {} GiB per rank", f->memory_gib) : "",
-                                res.candidates.size(), top.makespan, 1e3 * static_cast<double>(batch) / top.makespan);
+  std::string why =
+      !top.fits ? fmt::format("  why: none of the {} simulated fits {} GiB per rank (raise --memory, give more --ranks "
+                              "or a smaller --batch-size); the fastest of them ({:.2f} ms, {:.1f} samples/s",
+                              res.candidates.size(), f->memory_gib, top.makespan,
+                              1e3 * static_cast<double>(batch) / top.makespan)
+                : fmt::format("  why: fastest{} of the {} simulated ({:.2f} ms, {:.1f} samples/s",
+                              limit > 0 ? fmt::format(" within {} GiB per rank", f->memory_gib) : "",
+                              res.candidates.size(), top.makespan, 1e3 * static_cast<double>(batch) / top.makespan);
   why += fmt::format(", bubble {:.3f}, peak {:.3f} GiB per rank", top.bubble, top.peak_bytes / 1073741824.0);
   if (top.replicas > 1) why += fmt::format(", all-reduce {:.2f} ms", top.allreduce_ms);
   why += ")";
@@ -295,7 +300,6 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
   ratio("PipeDream's plan", res.replicated);
   if (copies && top.makespan > 0)
     why += fmt::format("; {:.2f}x PipeDream's plan x {} copies", copies->makespan / top.makespan, copies->copies);
-  if (!top.fits) why += "; nothing fits the memory limit: this is the fastest of those over it";
   std::cout << why << "\n";
 }
 

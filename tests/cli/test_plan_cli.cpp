@@ -282,6 +282,26 @@ TEST(PlanCli, HybridPlansForMoreRanksThanLayers) {
   }
 }
 
+// A per-rank memory limit: the chosen plan is within it where any simulated plan is (on VGG-16 x 8 ranks
+// at 10 GiB no plain 1F1B-family pipeline is, but copies of PipeDream's plan and v-min plans are); a limit
+// nothing meets says so, with the fix, and marks the rows over it.
+TEST(PlanCli, AMemoryLimitIsMetOrSaidToBeUnmet) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  const std::string base = "plan --profile " + vgg.string() + " --ranks 8 --bandwidth 1.25 --memory ";
+  const CommandResult fits = run_pipetrain(base + "10");
+  ASSERT_EQ(fits.code, 0) << fits.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(fits.out, m, std::regex(R"(chosen: .* ([0-9.]+)  [0-9,]+\n)"))) << fits.out;
+  EXPECT_LE(std::stod(m[1]), 10.0) << fits.out;  // the peak GiB column
+  EXPECT_FALSE(m.str().find("over the memory limit") != std::string::npos) << fits.out;
+  EXPECT_TRUE(fits.has("why: fastest within 10 GiB per rank")) << fits.out;
+  const CommandResult tight = run_pipetrain(base + "8");
+  ASSERT_EQ(tight.code, 0) << tight.out;
+  EXPECT_TRUE(tight.has("fits 8 GiB per rank (raise --memory, give more --ranks or a smaller --batch-size)")) << tight.out;
+  EXPECT_TRUE(tight.has("(over the memory limit)")) << tight.out;
+  EXPECT_FALSE(tight.has("why: fastest within")) << tight.out;
+}
+
 // The torch-free front (`pipetrain`) runs plan, simulate and schedule itself and hands other commands to
 // pipetrain-torch next to it with the same arguments.
 TEST(PlanCli, TheFrontHandsTorchCommandsOn) {
