@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <queue>
 #include <limits>
 #include <sstream>
 
@@ -18,7 +19,9 @@ namespace {
 // arrival (counted before the first action that starts at or after it) until the end of the backward
 // that finishes the consumer's micro-batch (W, or BW). The producer holds nothing extra: the stashed
 // tensor is part of its own activation.
-std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& costs, const Timeline& t,
+// `for_each(visit)` calls visit(rank, action, start) for every event, each rank's in its own order.
+template <class ForEach>
+std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& costs, ForEach&& for_each,
                                            const std::vector<double>& skip_at) {
   std::vector<std::vector<std::pair<double, double>>> arrivals(static_cast<std::size_t>(s.ranks));
   for (std::size_t k = 0; k < s.skips.size(); ++k)
@@ -30,19 +33,19 @@ std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& c
   for (auto& list : arrivals) std::sort(list.begin(), list.end());
   std::vector<double> mem(static_cast<std::size_t>(s.ranks), 0.0), peak(mem);
   std::vector<std::size_t> next(static_cast<std::size_t>(s.ranks), 0);
-  for (const TimedAction& e : t.events) {  // each rank's events in its own order
-    const auto ur = static_cast<std::size_t>(e.rank);
+  for_each([&](int rank, const Action& action, double start) {  // each rank's events in its own order
+    const auto ur = static_cast<std::size_t>(rank);
     const auto& list = arrivals[ur];
-    for (; next[ur] < list.size() && list[next[ur]].first <= e.start; ++next[ur]) {
+    for (; next[ur] < list.size() && list[next[ur]].first <= start; ++next[ur]) {
       mem[ur] += list[next[ur]].second;
       peak[ur] = std::max(peak[ur], mem[ur]);
     }
-    mem[ur] += costs.memory_delta(e.action);
+    mem[ur] += costs.memory_delta(action);
     peak[ur] = std::max(peak[ur], mem[ur]);
-    if (e.action.kind == ActionKind::W || e.action.kind == ActionKind::BW)
+    if (action.kind == ActionKind::W || action.kind == ActionKind::BW)
       for (const SkipEdge& route : s.skips)
-        if (route.to_stage == e.action.stage) mem[ur] -= route.size;
-  }
+        if (route.to_stage == action.stage) mem[ur] -= route.size;
+  });
   return peak;
 }
 
@@ -249,7 +252,12 @@ SimResult simulate(const Schedule& s, const CostModel& costs) {
   });
   out.metrics = sink.finish();
   if (!s.skips.empty()) {
-    const std::vector<double> peak = peak_memory_with_skips(s, costs, out.timeline, skip_at);
+    const std::vector<double> peak = peak_memory_with_skips(
+        s, costs,
+        [&](auto&& visit) {
+          for (const TimedAction& e : out.timeline.events) visit(e.rank, e.action, e.start);
+        },
+        skip_at);
     for (int r = 0; r < s.ranks; ++r)
       out.metrics.per_rank[static_cast<std::size_t>(r)].peak_memory = peak[static_cast<std::size_t>(r)];
   }
@@ -263,6 +271,99 @@ Metrics simulate_metrics(const Schedule& s, const CostModel& costs) {
   MetricsSink sink(s, costs);
   run_simulation(s, costs, skip_at, [&](int r, const Action& a, double start, double end) { sink(r, a, start, end); });
   return sink.finish();
+}
+
+SimTimeline::SimTimeline(const Schedule& schedule, const CostModel& costs)
+    : schedule_(&schedule), costs_(costs) {
+  header_.schedule = schedule.name;
+  header_.ranks = schedule.ranks;
+  header_.microbatches = schedule.microbatches_per_step;
+  header_.total_microbatches = schedule.microbatches;
+  header_.virtual_stages = schedule.virtual_stages_per_rank();
+  header_.unit = "units";
+  start_.resize(static_cast<std::size_t>(schedule.ranks));
+  order_.resize(static_cast<std::size_t>(schedule.ranks));
+}
+
+void SimTimeline::by_rank(const Visit& visit) const {
+  // A rank's events are in start order in its own order: each starts when the one before it ended.
+  for (std::size_t r = 0; r < start_.size(); ++r) {
+    std::size_t k = 0;
+    for (const Action& a : schedule_->actions[r]) {
+      if (is_comm(a.kind)) continue;
+      const double start = start_[r][k++];
+      visit(TimedAction{static_cast<int>(r), a, start, start + costs_.duration(a)});
+    }
+  }
+}
+
+void SimTimeline::by_start(const Visit& visit) const {
+  // A merge of the ranks' sequences (each already in start order, by_rank) on (start, end, run order):
+  // the stable sort of the run's events by start and end, without an index per event.
+  struct Head {
+    double start, end;
+    std::uint32_t order;
+    int rank;
+    std::size_t pos, k;  // place in the rank's list, and among its non-transfers
+  };
+  const auto later = [](const Head& a, const Head& b) {
+    if (a.start != b.start) return a.start > b.start;
+    if (a.end != b.end) return a.end > b.end;
+    return a.order > b.order;
+  };
+  std::priority_queue<Head, std::vector<Head>, decltype(later)> heads(later);
+  const auto push_from = [&](int rank, std::size_t pos, std::size_t k) {
+    const auto& row = schedule_->actions[static_cast<std::size_t>(rank)];
+    while (pos < row.size() && is_comm(row[pos].kind)) ++pos;
+    if (pos == row.size()) return;
+    const double start = start_[static_cast<std::size_t>(rank)][k];
+    heads.push(Head{start, start + costs_.duration(row[pos]), order_[static_cast<std::size_t>(rank)][k], rank, pos, k});
+  };
+  for (int r = 0; r < header_.ranks; ++r) push_from(r, 0, 0);
+  while (!heads.empty()) {
+    const Head h = heads.top();
+    heads.pop();
+    const Action& a = schedule_->actions[static_cast<std::size_t>(h.rank)][h.pos];
+    visit(TimedAction{h.rank, a, h.start, h.end});
+    push_from(h.rank, h.pos + 1, h.k + 1);
+  }
+}
+
+CompactSimResult simulate_compact(const Schedule& s, const CostModel& costs) {
+  CompactSimResult out{SimTimeline(s, costs), Metrics{}};
+  std::size_t total = 0;
+  for (int r = 0; r < s.ranks; ++r) {
+    std::size_t n = 0;
+    for (const Action& a : s.actions[static_cast<std::size_t>(r)]) n += is_comm(a.kind) ? 0 : 1;
+    out.timeline.start_[static_cast<std::size_t>(r)].reserve(n);
+    out.timeline.order_[static_cast<std::size_t>(r)].reserve(n);
+    total += n;
+  }
+  if (total > std::numeric_limits<std::uint32_t>::max())
+    throw UsageError("schedule '" + s.name + "' has " + std::to_string(total) +
+                     " actions: drawing its timeline supports at most 2^32 - 1; simulate without --trace, --svg "
+                     "and --ascii");
+  std::vector<double> skip_at;
+  costs.check(s.stages);
+  MetricsSink sink(s, costs);
+  std::uint32_t ran = 0;
+  run_simulation(s, costs, skip_at, [&](int r, const Action& a, double start, double end) {
+    out.timeline.start_[static_cast<std::size_t>(r)].push_back(start);
+    out.timeline.order_[static_cast<std::size_t>(r)].push_back(ran++);
+    sink(r, a, start, end);
+  });
+  out.metrics = sink.finish();
+  if (!s.skips.empty()) {
+    const std::vector<double> peak = peak_memory_with_skips(
+        s, costs,
+        [&](auto&& visit) {
+          out.timeline.by_rank([&](const TimedAction& e) { visit(e.rank, e.action, e.start); });
+        },
+        skip_at);
+    for (int r = 0; r < s.ranks; ++r)
+      out.metrics.per_rank[static_cast<std::size_t>(r)].peak_memory = peak[static_cast<std::size_t>(r)];
+  }
+  return out;
 }
 
 }  // namespace pipetrain
