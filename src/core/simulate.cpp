@@ -141,6 +141,21 @@ class MetricsSink {
   std::vector<std::uint8_t> state_;  // per (stage, micro): kLive | kHasW
 };
 
+// Whether every action that makes a token (F, B, BW) is on the rank rank_of names for its stage and
+// micro-batch, so that the rank that made a token need not be kept per token.
+bool makers_are_owners(const Schedule& s) {
+  for (int r = 0; r < s.ranks; ++r)
+    for (const Action& a : s.actions[static_cast<std::size_t>(r)]) {
+      if (a.kind != ActionKind::F && a.kind != ActionKind::B && a.kind != ActionKind::BW) continue;
+      if (a.stage < 0 || a.stage >= s.stages || a.index < 0 || a.index >= s.microbatches) return false;
+      const auto st = static_cast<std::size_t>(a.stage);
+      if (s.stage_replicas.empty() ? st >= s.stage_rank.size() : st >= s.stage_replicas.size() || s.stage_replicas[st].empty())
+        return false;
+      if (s.rank_of(a.stage, a.index) != r) return false;
+    }
+  return true;
+}
+
 // The event simulation (docs/ALGORITHMS.md §1.6): calls on_event(rank, action, start, end) for every
 // action in execution order (per rank, its own order); fills skip_at. Memory: one time and one rank per
 // token, nothing per action beyond what on_event keeps.
@@ -151,10 +166,12 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
   const double never = std::numeric_limits<double>::infinity();
   skip_at.assign(skip_token_count(s), never);
   const bool with_skips = !s.skips.empty();
-  // made[token] = time the token was made; maker[token] = rank that made it.
+  // made[token] = time the token was made; maker[token] = rank that made it, kept only when some action
+  // that makes a token is not on the rank the schedule names for it (never after validate()).
+  const bool owners = makers_are_owners(s);
   const std::size_t ntok = 2 * static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches);
   std::vector<double> made(ntok, never);
-  std::vector<int> maker(ntok, -1);
+  std::vector<int> maker(owners ? 0 : ntok, -1);
   std::vector<std::size_t> ptr(static_cast<std::size_t>(s.ranks), 0);
   std::vector<double> free_at(static_cast<std::size_t>(s.ranks), 0.0);
 
@@ -183,7 +200,8 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
             ready = false;
             break;
           }
-          start = std::max(start, made[ti] + (maker[ti] != r ? costs.transfer(need[k].stage, a.stage) : 0.0));
+          const int by = owners ? s.rank_of(need[k].stage, need[k].micro) : maker[ti];
+          start = std::max(start, made[ti] + (by != r ? costs.transfer(need[k].stage, a.stage) : 0.0));
         }
         if (ready && with_skips)
           for (const SkipToken& t : skip_needs(s, a)) {
@@ -206,7 +224,7 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
           const std::size_t ti = token_index(Token{a.kind == ActionKind::F ? Token::Act : Token::Grad, a.stage, a.index},
                                              s.stages, s.microbatches);
           made[ti] = end;
-          maker[ti] = r;
+          if (!owners) maker[ti] = r;
         }
         on_event(r, a, start, end);
         free_at[ur] = end;
@@ -282,7 +300,6 @@ SimTimeline::SimTimeline(const Schedule& schedule, const CostModel& costs)
   header_.virtual_stages = schedule.virtual_stages_per_rank();
   header_.unit = "units";
   start_.resize(static_cast<std::size_t>(schedule.ranks));
-  order_.resize(static_cast<std::size_t>(schedule.ranks));
 }
 
 void SimTimeline::by_rank(const Visit& visit) const {
@@ -298,58 +315,69 @@ void SimTimeline::by_rank(const Visit& visit) const {
 }
 
 void SimTimeline::by_start(const Visit& visit) const {
-  // A merge of the ranks' sequences (each already in start order, by_rank) on (start, end, run order):
-  // the stable sort of the run's events by start and end, without an index per event.
-  struct Head {
+  // The stable sort of the run's events by start and end, without an index per event: the simulation is
+  // run again, its events (in the order it runs them) go into a heap on (start, end, run order), and the
+  // heap gives up its first while no event still to come can precede it. Every event still to come on a
+  // rank starts at or after that rank's next stored start (its events are in start order, by_rank), so
+  // one that starts before the least of those (`low`), or at it and ends there too, is final.
+  struct Event {
     double start, end;
-    std::uint32_t order;
+    std::uint64_t order;
     int rank;
-    std::size_t pos, k;  // place in the rank's list, and among its non-transfers
+    std::uint32_t pos;  // in the rank's list
   };
-  const auto later = [](const Head& a, const Head& b) {
+  const auto later = [](const Event& a, const Event& b) {
     if (a.start != b.start) return a.start > b.start;
     if (a.end != b.end) return a.end > b.end;
     return a.order > b.order;
   };
-  std::priority_queue<Head, std::vector<Head>, decltype(later)> heads(later);
-  const auto push_from = [&](int rank, std::size_t pos, std::size_t k) {
-    const auto& row = schedule_->actions[static_cast<std::size_t>(rank)];
-    while (pos < row.size() && is_comm(row[pos].kind)) ++pos;
-    if (pos == row.size()) return;
-    const double start = start_[static_cast<std::size_t>(rank)][k];
-    heads.push(Head{start, start + costs_.duration(row[pos]), order_[static_cast<std::size_t>(rank)][k], rank, pos, k});
+  std::priority_queue<Event, std::vector<Event>, decltype(later)> pending(later);
+  // A tournament tree over the ranks' next starts (infinity once a rank is done); tree[1] is the least.
+  const std::size_t n = start_.size();
+  std::size_t leaves = 1;
+  while (leaves < std::max<std::size_t>(n, 1)) leaves *= 2;
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> tree(2 * leaves, inf);
+  std::vector<std::size_t> next(n, 0), pos(n, 0);  // per rank: events run, and the list position of the next
+  const auto set_leaf = [&](std::size_t r) {
+    std::size_t i = leaves + r;
+    tree[i] = next[r] < start_[r].size() ? start_[r][next[r]] : inf;
+    for (i /= 2; i >= 1; i /= 2) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
   };
-  for (int r = 0; r < header_.ranks; ++r) push_from(r, 0, 0);
-  while (!heads.empty()) {
-    const Head h = heads.top();
-    heads.pop();
-    const Action& a = schedule_->actions[static_cast<std::size_t>(h.rank)][h.pos];
-    visit(TimedAction{h.rank, a, h.start, h.end});
-    push_from(h.rank, h.pos + 1, h.k + 1);
-  }
+  for (std::size_t r = 0; r < n; ++r) set_leaf(r);
+  const auto emit = [&](const Event& e) {
+    visit(TimedAction{e.rank, schedule_->actions[static_cast<std::size_t>(e.rank)][e.pos], e.start, e.end});
+  };
+  std::uint64_t ran = 0;
+  std::vector<double> skip_at;
+  run_simulation(*schedule_, costs_, skip_at, [&](int r, const Action&, double start, double end) {
+    const auto ur = static_cast<std::size_t>(r);
+    const auto& row = schedule_->actions[ur];
+    while (is_comm(row[pos[ur]].kind)) ++pos[ur];  // the simulator passes over transfers
+    pending.push(Event{start, end, ran++, r, static_cast<std::uint32_t>(pos[ur]++)});
+    ++next[ur];
+    set_leaf(ur);
+    const double low = tree[1];
+    while (!pending.empty() && (pending.top().start < low || (pending.top().start == low && pending.top().end <= low))) {
+      emit(pending.top());
+      pending.pop();
+    }
+  });
+  for (; !pending.empty(); pending.pop()) emit(pending.top());
 }
 
 CompactSimResult simulate_compact(const Schedule& s, const CostModel& costs) {
   CompactSimResult out{SimTimeline(s, costs), Metrics{}};
-  std::size_t total = 0;
   for (int r = 0; r < s.ranks; ++r) {
     std::size_t n = 0;
     for (const Action& a : s.actions[static_cast<std::size_t>(r)]) n += is_comm(a.kind) ? 0 : 1;
     out.timeline.start_[static_cast<std::size_t>(r)].reserve(n);
-    out.timeline.order_[static_cast<std::size_t>(r)].reserve(n);
-    total += n;
   }
-  if (total > std::numeric_limits<std::uint32_t>::max())
-    throw UsageError("schedule '" + s.name + "' has " + std::to_string(total) +
-                     " actions: drawing its timeline supports at most 2^32 - 1; simulate without --trace, --svg "
-                     "and --ascii");
   std::vector<double> skip_at;
   costs.check(s.stages);
   MetricsSink sink(s, costs);
-  std::uint32_t ran = 0;
   run_simulation(s, costs, skip_at, [&](int r, const Action& a, double start, double end) {
     out.timeline.start_[static_cast<std::size_t>(r)].push_back(start);
-    out.timeline.order_[static_cast<std::size_t>(r)].push_back(ran++);
     sink(r, a, start, end);
   });
   out.metrics = sink.finish();

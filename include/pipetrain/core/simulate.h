@@ -12,7 +12,6 @@
 // Pure function; any thread may call it.
 #pragma once
 
-#include <cstdint>
 #include <vector>
 
 #include "pipetrain/core/cost.h"
@@ -39,8 +38,9 @@ Metrics simulate_metrics(const Schedule& schedule, const CostModel& costs);
 struct CompactSimResult;
 
 // The simulator's timeline in compact form: per rank the start of each of its actions other than
-// transfers, in the rank's order, and the order the simulator ran it (12 bytes per action where a
-// TimedAction takes 48); ends are recomputed as the simulator computed them (start + duration). The
+// transfers, in the rank's order (8 bytes per action where a TimedAction takes 48); ends are recomputed
+// as the simulator computed them (start + duration). by_start runs the simulation again to learn the
+// order it ran the events in (ties are drawn in that order), holding only the events not yet final. The
 // writers (timeline.h) draw it as they draw simulate()'s Timeline, with the same output. It reads the
 // schedule it was made from, which must outlive it.
 class SimTimeline : public TimelineEvents {
@@ -56,8 +56,7 @@ class SimTimeline : public TimelineEvents {
   Timeline header_;  // no events
   const Schedule* schedule_;
   CostModel costs_;
-  std::vector<std::vector<double>> start_;         // [rank][k]: the rank's k-th action that is not a transfer
-  std::vector<std::vector<std::uint32_t>> order_;  // [rank][k]: its place in the simulator's run
+  std::vector<std::vector<double>> start_;  // [rank][k]: start of the rank's k-th action that is not a transfer
 };
 
 struct CompactSimResult {
