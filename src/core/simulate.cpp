@@ -5,6 +5,7 @@
 #include <queue>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
 
 #include "pipetrain/core/dependencies.h"
 #include "pipetrain/core/error.h"
@@ -248,6 +249,54 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
   }
 }
 
+// The order in which run_simulation runs the actions, without their times: calls on_event(rank, position
+// in the rank's list) for every action that is not a transfer, in run_simulation's order. Readiness there
+// depends only on which tokens exist, never on their times, so one byte per token suffices here. Must
+// follow run_simulation's loop step for step (tests/core/test_streamed_output.cpp compares the orders).
+template <class OnEvent>
+void replay_run(const Schedule& s, OnEvent&& on_event) {
+  const bool with_skips = !s.skips.empty();
+  std::vector<std::uint8_t> made(2 * static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches), 0);
+  std::vector<std::uint8_t> skip_made(with_skips ? skip_token_count(s) : 0, 0);
+  std::vector<std::size_t> ptr(static_cast<std::size_t>(s.ranks), 0);
+  std::size_t remaining = 0;
+  for (const auto& row : s.actions) remaining += row.size();
+  Token need[2];
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int r = 0; r < s.ranks; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      const auto& row = s.actions[ur];
+      while (ptr[ur] < row.size()) {
+        const Action& a = row[ptr[ur]];
+        if (!is_comm(a.kind)) {
+          bool ready = true;
+          const int n = needed_tokens(a, s.stages, need);
+          for (int k = 0; k < n && ready; ++k) ready = made[token_index(need[k], s.stages, s.microbatches)] != 0;
+          if (ready && with_skips)
+            for (const SkipToken& t : skip_needs(s, a))
+              if (!skip_made[skip_index(t, s.microbatches)]) {
+                ready = false;
+                break;
+              }
+          if (!ready) break;
+          if (with_skips)
+            for (const SkipToken& t : skip_makes(s, a)) skip_made[skip_index(t, s.microbatches)] = 1;
+          if (a.kind == ActionKind::F || a.kind == ActionKind::B || a.kind == ActionKind::BW)
+            made[token_index(Token{a.kind == ActionKind::F ? Token::Act : Token::Grad, a.stage, a.index}, s.stages,
+                             s.microbatches)] = 1;
+          on_event(r, ptr[ur]);
+        }
+        ++ptr[ur];
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (!progressed)  // run_simulation ran this schedule to the end
+      throw std::logic_error("schedule '" + s.name + "': replaying the simulation deadlocked where it had not");
+  }
+}
+
 }  // namespace
 
 SimResult simulate(const Schedule& s, const CostModel& costs) {
@@ -315,8 +364,8 @@ void SimTimeline::by_rank(const Visit& visit) const {
 }
 
 void SimTimeline::by_start(const Visit& visit) const {
-  // The stable sort of the run's events by start and end, without an index per event: the simulation is
-  // run again, its events (in the order it runs them) go into a heap on (start, end, run order), and the
+  // The stable sort of the run's events by start and end, without an index per event: the run is
+  // replayed (replay_run), its events (in the order it runs them) go into a heap on (start, end, run order), and the
   // heap gives up its first while no event still to come can precede it. Every event still to come on a
   // rank starts at or after that rank's next stored start (its events are in start order, by_rank), so
   // one that starts before the least of those (`low`), or at it and ends there too, is final.
@@ -338,7 +387,7 @@ void SimTimeline::by_start(const Visit& visit) const {
   while (leaves < std::max<std::size_t>(n, 1)) leaves *= 2;
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<double> tree(2 * leaves, inf);
-  std::vector<std::size_t> next(n, 0), pos(n, 0);  // per rank: events run, and the list position of the next
+  std::vector<std::size_t> next(n, 0);  // per rank: its events run so far
   const auto set_leaf = [&](std::size_t r) {
     std::size_t i = leaves + r;
     tree[i] = next[r] < start_[r].size() ? start_[r][next[r]] : inf;
@@ -349,12 +398,11 @@ void SimTimeline::by_start(const Visit& visit) const {
     visit(TimedAction{e.rank, schedule_->actions[static_cast<std::size_t>(e.rank)][e.pos], e.start, e.end});
   };
   std::uint64_t ran = 0;
-  std::vector<double> skip_at;
-  run_simulation(*schedule_, costs_, skip_at, [&](int r, const Action&, double start, double end) {
+  replay_run(*schedule_, [&](int r, std::size_t at) {
     const auto ur = static_cast<std::size_t>(r);
-    const auto& row = schedule_->actions[ur];
-    while (is_comm(row[pos[ur]].kind)) ++pos[ur];  // the simulator passes over transfers
-    pending.push(Event{start, end, ran++, r, static_cast<std::uint32_t>(pos[ur]++)});
+    const double start = start_[ur][next[ur]];
+    pending.push(Event{start, start + costs_.duration(schedule_->actions[ur][at]), ran++, r,
+                       static_cast<std::uint32_t>(at)});
     ++next[ur];
     set_leaf(ur);
     const double low = tree[1];
