@@ -199,7 +199,9 @@ TEST(CompactTimeline, ByStartIsTheStableStartOrderOfTheRun) {
       EXPECT_EQ(got[i].end, expected[i].end) << i;
       if (i > 0 && got[i].start == got[i - 1].start && got[i].end == got[i - 1].end) ++ties;
     }
-    if (std::string(c.what).rfind("1f1b, unit", 0) == 0) EXPECT_GT(ties, 0u);  // the order of ties is tested
+    if (std::string(c.what).rfind("1f1b, unit", 0) == 0) {
+      EXPECT_GT(ties, 0u);  // the order of ties is tested
+    }
   }
 }
 
