@@ -17,18 +17,26 @@
 //    interleaved (v=2): the time of simulate_metrics (no timeline) and of simulate (with the timeline),
 //    and each case's peak resident memory, measured in a child process per case (getrusage).
 //
-//   build/bench_plan_scale [--quick] [--repeats 3] [--vgg PATH] [--only plan|simulate]
+// 3. Simulate's outputs (what `pipetrain simulate --trace/--svg/--ascii/--json` does after generating):
+//    per output, in a child process of its own, simulate_compact + the streamed writer into a file
+//    (write_file_atomic), or for json simulate_metrics + predict_heap; its time and the child's peak
+//    resident memory, and the file's size.
+//
+//   build/bench_plan_scale [--quick] [--repeats 3] [--vgg PATH] [--only plan|simulate|outputs]
 //       [--copy-plans N]       (PlanSearchOptions::pipedream_copy_plans, default 8; 0: without PipeDream's
 //                               plan x copies, the search as it was before they were added)
 //       [--write-gpt96 FILE]   (writes the synthetic GPT profile as a pipetrain profile JSON and exits)
 //
-// --quick (the ctest run): 8 and 64 ranks, one simulation at 8 x 32; its numbers only show it works.
+// --quick (the ctest run): 8 and 64 ranks, one simulation and each output at 8 x 32; its numbers only
+// show it works.
 #include <fmt/format.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -36,6 +44,7 @@
 #include <vector>
 
 #include "pipetrain/core/generators.h"
+#include "pipetrain/core/heap.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/plan/profile.h"
 #include "pipetrain/plan/search.h"
@@ -151,6 +160,50 @@ void simulate_case(const std::string& name, int p, int m, int v) {
   waitpid(pid, &status, 0);
 }
 
+// One output of `simulate` in a child process: trace, svg, ascii (into a file in `dir`) or json (the heap
+// walk --json adds to the metrics).
+void output_case(const std::string& name, int p, int m, int v, const std::string& what, const std::string& dir) {
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    GeneratorOptions g;
+    g.ranks = p;
+    g.microbatches = m;
+    g.virtual_stages = v;
+    const Schedule s = generate(name, g);
+    const CostModel costs = CostModel::uniform(s.stages, StageCost{1, 1, 1, 1}, v, 0.1);
+    const std::string path = dir + "/out." + what;
+    const double t0 = now_s();
+    double makespan = 0;
+    if (what == "json") {
+      makespan = simulate_metrics(s, costs).makespan;
+      const std::vector<HeapPeak> heap = predict_heap(s, costs, HeapOptions{});
+      if (heap.size() != static_cast<std::size_t>(s.ranks)) fmt::print("MISMATCH: one heap entry per rank\n");
+    } else {
+      const CompactSimResult r = simulate_compact(s, costs);
+      makespan = r.metrics.makespan;
+      write_file_atomic(path, [&](TextSink& out) {
+        if (what == "trace") write_chrome_trace(r.timeline, out);
+        else if (what == "svg") write_gantt_svg(r.timeline, r.metrics, out);
+        else write_ascii_gantt(r.timeline, out);
+      });
+    }
+    const double secs = now_s() - t0;
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    struct stat st {};
+    const double mb = what != "json" && ::stat(path.c_str(), &st) == 0 ? st.st_size / 1e6 : 0.0;
+    std::remove(path.c_str());
+    fmt::print("{:<5} {:<12} {:>5} {:>6} {:>3} {:<6} {:>11.3f} {:>10.1f} {:>9.1f} {:>12.2f}\n", "out", name, p, m, v, what,
+               secs, ru.ru_maxrss / 1024.0, mb, makespan);
+    std::fflush(stdout);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) fmt::print("FAILED: {} {} x {} {}\n", name, p, m, what);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -200,6 +253,28 @@ int main(int argc, char** argv) {
       simulate_case("zb-h1", p, m, 1);
       simulate_case("interleaved", p, m, 2);
     }
+  }
+  if (only.empty() || only == "outputs") {
+    char tmpl[] = "/tmp/bench_plan_scale.XXXXXX";
+    const char* dir = ::mkdtemp(tmpl);
+    if (!dir) {
+      fmt::print(stderr, "cannot create a temporary folder: {}\n", std::strerror(errno));
+      return 1;
+    }
+    fmt::print("# simulate's outputs: generate + simulate_compact + the streamed writer into a file (json: "
+               "simulate_metrics + predict_heap); F=B=W=1, comm 0.1; seconds after generating; the child's peak "
+               "RSS MiB; file MB\n");
+    fmt::print("{:<5} {:<12} {:>5} {:>6} {:>3} {:<6} {:>11} {:>10} {:>9} {:>12}\n", "what", "schedule", "p", "m", "v",
+               "output", "seconds", "rss_MiB", "file_MB", "makespan");
+    std::vector<std::pair<int, int>> sizes{{64, 256}, {512, 2048}};
+    if (quick) sizes = {{8, 32}};
+    for (const auto& [p, m] : sizes)
+      for (const char* what : {"trace", "svg", "ascii", "json"}) {
+        output_case("1f1b", p, m, 1, what, dir);
+        output_case("zb-h1", p, m, 1, what, dir);
+        output_case("interleaved", p, m, 2, what, dir);
+      }
+    ::rmdir(dir);
   }
   return 0;
 }

@@ -3,6 +3,7 @@
 
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
@@ -144,10 +145,16 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       const CostModel costs = flags->costs(s);
       // The timeline is kept only for what draws it; the table and --json need the metrics alone, which
       // take a fraction of the memory at large p x m.
+      // What draws it gets the compact timeline (12 bytes per action) and writes as it reads it.
       const bool timeline = !trace->empty() || !svg->empty() || *ascii;
+      std::optional<CompactSimResult> drawn;
       SimResult r;
-      if (timeline) r = simulate(s, costs);
-      else r.metrics = simulate_metrics(s, costs);
+      if (timeline) {
+        drawn.emplace(simulate_compact(s, costs));
+        r.metrics = drawn->metrics;
+      } else {
+        r.metrics = simulate_metrics(s, costs);
+      }
       const HeapOptions policy = *reference ? HeapOptions::reference() : HeapOptions{};
       // With a profile (or byte amounts) the heap model has gradients and messages to add; the table shows
       // it only then, --json always. (It walks the lowered schedule: skipped when nothing shows it.)
@@ -155,8 +162,10 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       for (const StageCost& c : costs.stage) heap_inputs |= c.gradient_b + c.gradient_w + c.message > 0;
       const std::vector<HeapPeak> heap =
           *json || heap_inputs ? predict_heap(s, costs, policy) : std::vector<HeapPeak>{};
-      if (!trace->empty()) write_file_atomic(*trace, chrome_trace_json(r.timeline));
-      if (!svg->empty()) write_file_atomic(*svg, gantt_svg(r.timeline, r.metrics));
+      if (!trace->empty())
+        write_file_atomic(*trace, [&](TextSink& out) { write_chrome_trace(drawn->timeline, out); });
+      if (!svg->empty())
+        write_file_atomic(*svg, [&](TextSink& out) { write_gantt_svg(drawn->timeline, r.metrics, out); });
       if (*json) {
         nlohmann::json j = simulation_json(s, r, heap, policy);
         if (*format == "torch") j["notes"] = notes;
@@ -170,7 +179,10 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
         if (searched) std::cout << found.summary() << " (one step)\n";
         print_metrics_table(std::cout, s, r);
         if (heap_inputs) print_heap_table(std::cout, heap, policy, !flags->profile.empty());
-        if (*ascii) std::cout << ascii_gantt(r.timeline);
+        if (*ascii) {
+          OstreamSink out(std::cout);
+          write_ascii_gantt(drawn->timeline, out);
+        }
         if (!trace->empty()) std::cout << "trace written to " << *trace << "\n";
         if (!svg->empty()) std::cout << "timeline written to " << *svg << "\n";
       }

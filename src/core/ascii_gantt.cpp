@@ -6,19 +6,23 @@
 
 namespace pipetrain {
 
-std::string ascii_gantt(const Timeline& t, double chars_per_unit) {
+// Rows are held whole (a byte per column per rank); each rank's boxes are drawn in the order its events
+// were made, a later one over an earlier one where they overlap.
+void write_ascii_gantt(const TimelineEvents& events, TextSink& out, double chars_per_unit) {
+  const Timeline& t = events.header();
   double t0 = 0, t1 = 0;
   bool any = false;
-  for (const TimedAction& e : t.events) {
+  events.in_order([&](const TimedAction& e) {
     t0 = any ? std::min(t0, e.start) : e.start;
     t1 = any ? std::max(t1, e.end) : e.end;
     any = true;
-  }
+  });
   const auto col = [&](double x) { return static_cast<std::size_t>(std::llround((x - t0) * chars_per_unit)); };
   const std::size_t width = any ? col(t1) : 0;
   std::vector<std::string> rows(static_cast<std::size_t>(t.ranks), std::string(width, '.'));
-  for (const TimedAction& e : t.events) {
-    if (!is_compute(e.action.kind) && e.action.kind != ActionKind::Step) continue;
+  std::string box;
+  events.in_order([&](const TimedAction& e) {
+    if (!is_compute(e.action.kind) && e.action.kind != ActionKind::Step) return;
     const std::size_t a = col(e.start), b = std::max(col(e.end), a + 1);
     char letter = 'f';
     switch (e.action.kind) {
@@ -28,14 +32,25 @@ std::string ascii_gantt(const Timeline& t, double chars_per_unit) {
       case ActionKind::Step: letter = 'S'; break;
       default: break;
     }
-    std::string box = std::string(1, letter) + (e.action.kind == ActionKind::Step ? "" : std::to_string(e.action.index));
+    box.assign(1, letter);
+    if (e.action.kind != ActionKind::Step) box += std::to_string(e.action.index);
     auto& row = rows.at(static_cast<std::size_t>(e.rank));
     if (row.size() < b) row.resize(b, '.');
     for (std::size_t c = a; c < b; ++c) row[c] = c - a < box.size() ? box[c - a] : '-';
+  });
+  for (int r = 0; r < t.ranks; ++r) {
+    std::string& row = rows[static_cast<std::size_t>(r)];
+    out.write("rank " + std::to_string(r) + "  ");
+    row += '\n';
+    out.write(row);
+    std::string().swap(row);  // written: its memory goes back
   }
-  std::string out;
-  for (int r = 0; r < t.ranks; ++r) out += "rank " + std::to_string(r) + "  " + rows[static_cast<std::size_t>(r)] + "\n";
-  return out;
+}
+
+std::string ascii_gantt(const Timeline& t, double chars_per_unit) {
+  StringSink out;
+  write_ascii_gantt(TimelineView(t), out, chars_per_unit);
+  return std::move(out.text);
 }
 
 }  // namespace pipetrain

@@ -42,18 +42,37 @@ class RankWalk {
   std::vector<HeapParts> run() {
     std::vector<HeapParts> samples;
     samples.reserve(list_.size());
+    walk([&](std::size_t, const HeapParts& h) { samples.push_back(h); });
+    return samples;
+  }
+
+  // The first largest total with its parts, keeping nothing per action.
+  HeapPeak peak() {
+    HeapPeak out;
+    walk([&](std::size_t pos, const HeapParts& h) {
+      if (h.total() > out.total()) {
+        static_cast<HeapParts&>(out) = h;
+        out.position = static_cast<int>(pos);
+        out.after = list_[pos];
+      }
+    });
+    return out;
+  }
+
+ private:
+  // Calls on_sample(position, parts) after every action of the rank's list.
+  template <class OnSample>
+  void walk(OnSample&& on_sample) {
     for (std::size_t pos = 0; pos < list_.size(); ++pos) {
       if (o_.receives_ahead > 0) prefetch(pos);
       act(list_[pos], static_cast<int>(pos));
       // The fast path's reap_sends after every action; the reference path's sends completed in place.
       while (!sends_.empty() && (o_.sends_in_flight == 0 || sends_.size() > static_cast<std::size_t>(o_.sends_in_flight)))
         release_oldest_send();
-      samples.push_back(HeapParts{act_, grads_, xfer_});
+      on_sample(pos, HeapParts{act_, grads_, xfer_});
     }
-    return samples;
   }
 
- private:
   struct Send {
     bool activation = false;  // a boundary SendAct (its output may outlive the stage's backward)
     Slot slot;
@@ -212,12 +231,32 @@ class RankWalk {
 
 }  // namespace
 
-HeapWalk heap_walk(const Schedule& schedule, const CostModel& costs, const HeapOptions& options) {
+namespace {
+
+void check_heap_inputs(const Schedule& schedule, const CostModel& costs, const HeapOptions& options) {
   if (options.receives_ahead < 0 || options.sends_in_flight < 0)
     throw UsageError("the heap model's receives ahead (" + std::to_string(options.receives_ahead) +
                      ") and sends in flight (" + std::to_string(options.sends_in_flight) + ") must be >= 0");
   costs.check(schedule.stages);
   check_skip_routes(schedule);
+}
+
+// Whether the walk needs the lowered schedule: only transfers that carry bytes (a message > 0) and skip
+// routes (their activation is held from its receive) change the heap at a send or receive. Without them
+// every transfer adds and removes 0, so the totals after the compute and step actions, and the first
+// position of the largest, are those of the schedule without its transfers.
+bool needs_lowering(const Schedule& schedule, const CostModel& costs) {
+  if (schedule.ranks <= 1 || has_transfers(schedule)) return false;
+  if (!schedule.skips.empty()) return true;
+  for (const StageCost& c : costs.stage)
+    if (c.message != 0) return true;
+  return false;
+}
+
+}  // namespace
+
+HeapWalk heap_walk(const Schedule& schedule, const CostModel& costs, const HeapOptions& options) {
+  check_heap_inputs(schedule, costs, options);
   HeapWalk out;
   // The runtime lowers with unit costs unless given others (PipelineOptions::costs).
   out.lowered = schedule.ranks > 1 && !has_transfers(schedule) ? insert_communication(schedule) : schedule;
@@ -226,15 +265,15 @@ HeapWalk heap_walk(const Schedule& schedule, const CostModel& costs, const HeapO
 }
 
 std::vector<HeapPeak> predict_heap(const Schedule& schedule, const CostModel& costs, const HeapOptions& options) {
-  const HeapWalk walk = heap_walk(schedule, costs, options);
-  std::vector<HeapPeak> out(walk.samples.size());
-  for (std::size_t r = 0; r < walk.samples.size(); ++r)
-    for (std::size_t k = 0; k < walk.samples[r].size(); ++k)
-      if (walk.samples[r][k].total() > out[r].total()) {
-        static_cast<HeapParts&>(out[r]) = walk.samples[r][k];
-        out[r].position = static_cast<int>(k);
-        out[r].after = walk.lowered.actions[r][k];
-      }
+  check_heap_inputs(schedule, costs, options);
+  // Neither the lowered copy (2-3 actions per action) nor a sample per action is kept when not needed:
+  // at p = 512, m = 2048 they took ~470 MB (docs/BENCHMARKS.md, issue 28).
+  const bool lower = needs_lowering(schedule, costs);
+  const Schedule lowered = lower ? insert_communication(schedule) : Schedule{};
+  const Schedule& walked = lower ? lowered : schedule;
+  std::vector<HeapPeak> out;
+  out.reserve(static_cast<std::size_t>(walked.ranks));
+  for (int r = 0; r < walked.ranks; ++r) out.push_back(RankWalk(walked, costs, options, r).peak());
   return out;
 }
 

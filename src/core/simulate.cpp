@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <queue>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
 
 #include "pipetrain/core/dependencies.h"
 #include "pipetrain/core/error.h"
@@ -18,7 +20,9 @@ namespace {
 // arrival (counted before the first action that starts at or after it) until the end of the backward
 // that finishes the consumer's micro-batch (W, or BW). The producer holds nothing extra: the stashed
 // tensor is part of its own activation.
-std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& costs, const Timeline& t,
+// `for_each(visit)` calls visit(rank, action, start) for every event, each rank's in its own order.
+template <class ForEach>
+std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& costs, ForEach&& for_each,
                                            const std::vector<double>& skip_at) {
   std::vector<std::vector<std::pair<double, double>>> arrivals(static_cast<std::size_t>(s.ranks));
   for (std::size_t k = 0; k < s.skips.size(); ++k)
@@ -30,19 +34,19 @@ std::vector<double> peak_memory_with_skips(const Schedule& s, const CostModel& c
   for (auto& list : arrivals) std::sort(list.begin(), list.end());
   std::vector<double> mem(static_cast<std::size_t>(s.ranks), 0.0), peak(mem);
   std::vector<std::size_t> next(static_cast<std::size_t>(s.ranks), 0);
-  for (const TimedAction& e : t.events) {  // each rank's events in its own order
-    const auto ur = static_cast<std::size_t>(e.rank);
+  for_each([&](int rank, const Action& action, double start) {  // each rank's events in its own order
+    const auto ur = static_cast<std::size_t>(rank);
     const auto& list = arrivals[ur];
-    for (; next[ur] < list.size() && list[next[ur]].first <= e.start; ++next[ur]) {
+    for (; next[ur] < list.size() && list[next[ur]].first <= start; ++next[ur]) {
       mem[ur] += list[next[ur]].second;
       peak[ur] = std::max(peak[ur], mem[ur]);
     }
-    mem[ur] += costs.memory_delta(e.action);
+    mem[ur] += costs.memory_delta(action);
     peak[ur] = std::max(peak[ur], mem[ur]);
-    if (e.action.kind == ActionKind::W || e.action.kind == ActionKind::BW)
+    if (action.kind == ActionKind::W || action.kind == ActionKind::BW)
       for (const SkipEdge& route : s.skips)
-        if (route.to_stage == e.action.stage) mem[ur] -= route.size;
-  }
+        if (route.to_stage == action.stage) mem[ur] -= route.size;
+  });
   return peak;
 }
 
@@ -138,6 +142,21 @@ class MetricsSink {
   std::vector<std::uint8_t> state_;  // per (stage, micro): kLive | kHasW
 };
 
+// Whether every action that makes a token (F, B, BW) is on the rank rank_of names for its stage and
+// micro-batch, so that the rank that made a token need not be kept per token.
+bool makers_are_owners(const Schedule& s) {
+  for (int r = 0; r < s.ranks; ++r)
+    for (const Action& a : s.actions[static_cast<std::size_t>(r)]) {
+      if (a.kind != ActionKind::F && a.kind != ActionKind::B && a.kind != ActionKind::BW) continue;
+      if (a.stage < 0 || a.stage >= s.stages || a.index < 0 || a.index >= s.microbatches) return false;
+      const auto st = static_cast<std::size_t>(a.stage);
+      if (s.stage_replicas.empty() ? st >= s.stage_rank.size() : st >= s.stage_replicas.size() || s.stage_replicas[st].empty())
+        return false;
+      if (s.rank_of(a.stage, a.index) != r) return false;
+    }
+  return true;
+}
+
 // The event simulation (docs/ALGORITHMS.md §1.6): calls on_event(rank, action, start, end) for every
 // action in execution order (per rank, its own order); fills skip_at. Memory: one time and one rank per
 // token, nothing per action beyond what on_event keeps.
@@ -148,10 +167,12 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
   const double never = std::numeric_limits<double>::infinity();
   skip_at.assign(skip_token_count(s), never);
   const bool with_skips = !s.skips.empty();
-  // made[token] = time the token was made; maker[token] = rank that made it.
+  // made[token] = time the token was made; maker[token] = rank that made it, kept only when some action
+  // that makes a token is not on the rank the schedule names for it (never after validate()).
+  const bool owners = makers_are_owners(s);
   const std::size_t ntok = 2 * static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches);
   std::vector<double> made(ntok, never);
-  std::vector<int> maker(ntok, -1);
+  std::vector<int> maker(owners ? 0 : ntok, -1);
   std::vector<std::size_t> ptr(static_cast<std::size_t>(s.ranks), 0);
   std::vector<double> free_at(static_cast<std::size_t>(s.ranks), 0.0);
 
@@ -180,7 +201,8 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
             ready = false;
             break;
           }
-          start = std::max(start, made[ti] + (maker[ti] != r ? costs.transfer(need[k].stage, a.stage) : 0.0));
+          const int by = owners ? s.rank_of(need[k].stage, need[k].micro) : maker[ti];
+          start = std::max(start, made[ti] + (by != r ? costs.transfer(need[k].stage, a.stage) : 0.0));
         }
         if (ready && with_skips)
           for (const SkipToken& t : skip_needs(s, a)) {
@@ -203,7 +225,7 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
           const std::size_t ti = token_index(Token{a.kind == ActionKind::F ? Token::Act : Token::Grad, a.stage, a.index},
                                              s.stages, s.microbatches);
           made[ti] = end;
-          maker[ti] = r;
+          if (!owners) maker[ti] = r;
         }
         on_event(r, a, start, end);
         free_at[ur] = end;
@@ -224,6 +246,54 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
       }
       throw ScheduleError(why.str() + render_grid(s, heads));
     }
+  }
+}
+
+// The order in which run_simulation runs the actions, without their times: calls on_event(rank, position
+// in the rank's list) for every action that is not a transfer, in run_simulation's order. Readiness there
+// depends only on which tokens exist, never on their times, so one byte per token suffices here. Must
+// follow run_simulation's loop step for step (tests/core/test_streamed_output.cpp compares the orders).
+template <class OnEvent>
+void replay_run(const Schedule& s, OnEvent&& on_event) {
+  const bool with_skips = !s.skips.empty();
+  std::vector<std::uint8_t> made(2 * static_cast<std::size_t>(s.stages) * static_cast<std::size_t>(s.microbatches), 0);
+  std::vector<std::uint8_t> skip_made(with_skips ? skip_token_count(s) : 0, 0);
+  std::vector<std::size_t> ptr(static_cast<std::size_t>(s.ranks), 0);
+  std::size_t remaining = 0;
+  for (const auto& row : s.actions) remaining += row.size();
+  Token need[2];
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int r = 0; r < s.ranks; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      const auto& row = s.actions[ur];
+      while (ptr[ur] < row.size()) {
+        const Action& a = row[ptr[ur]];
+        if (!is_comm(a.kind)) {
+          bool ready = true;
+          const int n = needed_tokens(a, s.stages, need);
+          for (int k = 0; k < n && ready; ++k) ready = made[token_index(need[k], s.stages, s.microbatches)] != 0;
+          if (ready && with_skips)
+            for (const SkipToken& t : skip_needs(s, a))
+              if (!skip_made[skip_index(t, s.microbatches)]) {
+                ready = false;
+                break;
+              }
+          if (!ready) break;
+          if (with_skips)
+            for (const SkipToken& t : skip_makes(s, a)) skip_made[skip_index(t, s.microbatches)] = 1;
+          if (a.kind == ActionKind::F || a.kind == ActionKind::B || a.kind == ActionKind::BW)
+            made[token_index(Token{a.kind == ActionKind::F ? Token::Act : Token::Grad, a.stage, a.index}, s.stages,
+                             s.microbatches)] = 1;
+          on_event(r, ptr[ur]);
+        }
+        ++ptr[ur];
+        --remaining;
+        progressed = true;
+      }
+    }
+    if (!progressed)  // run_simulation ran this schedule to the end
+      throw std::logic_error("schedule '" + s.name + "': replaying the simulation deadlocked where it had not");
   }
 }
 
@@ -249,7 +319,12 @@ SimResult simulate(const Schedule& s, const CostModel& costs) {
   });
   out.metrics = sink.finish();
   if (!s.skips.empty()) {
-    const std::vector<double> peak = peak_memory_with_skips(s, costs, out.timeline, skip_at);
+    const std::vector<double> peak = peak_memory_with_skips(
+        s, costs,
+        [&](auto&& visit) {
+          for (const TimedAction& e : out.timeline.events) visit(e.rank, e.action, e.start);
+        },
+        skip_at);
     for (int r = 0; r < s.ranks; ++r)
       out.metrics.per_rank[static_cast<std::size_t>(r)].peak_memory = peak[static_cast<std::size_t>(r)];
   }
@@ -263,6 +338,108 @@ Metrics simulate_metrics(const Schedule& s, const CostModel& costs) {
   MetricsSink sink(s, costs);
   run_simulation(s, costs, skip_at, [&](int r, const Action& a, double start, double end) { sink(r, a, start, end); });
   return sink.finish();
+}
+
+SimTimeline::SimTimeline(const Schedule& schedule, const CostModel& costs)
+    : schedule_(&schedule), costs_(costs) {
+  header_.schedule = schedule.name;
+  header_.ranks = schedule.ranks;
+  header_.microbatches = schedule.microbatches_per_step;
+  header_.total_microbatches = schedule.microbatches;
+  header_.virtual_stages = schedule.virtual_stages_per_rank();
+  header_.unit = "units";
+  start_.resize(static_cast<std::size_t>(schedule.ranks));
+}
+
+void SimTimeline::by_rank(const Visit& visit) const {
+  // A rank's events are in start order in its own order: each starts when the one before it ended.
+  for (std::size_t r = 0; r < start_.size(); ++r) {
+    std::size_t k = 0;
+    for (const Action& a : schedule_->actions[r]) {
+      if (is_comm(a.kind)) continue;
+      const double start = start_[r][k++];
+      visit(TimedAction{static_cast<int>(r), a, start, start + costs_.duration(a)});
+    }
+  }
+}
+
+void SimTimeline::by_start(const Visit& visit) const {
+  // The stable sort of the run's events by start and end, without an index per event: the run is
+  // replayed (replay_run), its events (in the order it runs them) go into a heap on (start, end, run order), and the
+  // heap gives up its first while no event still to come can precede it. Every event still to come on a
+  // rank starts at or after that rank's next stored start (its events are in start order, by_rank), so
+  // one that starts before the least of those (`low`), or at it and ends there too, is final.
+  struct Event {
+    double start, end;
+    std::uint64_t order;
+    int rank;
+    std::uint32_t pos;  // in the rank's list
+  };
+  const auto later = [](const Event& a, const Event& b) {
+    if (a.start != b.start) return a.start > b.start;
+    if (a.end != b.end) return a.end > b.end;
+    return a.order > b.order;
+  };
+  std::priority_queue<Event, std::vector<Event>, decltype(later)> pending(later);
+  // A tournament tree over the ranks' next starts (infinity once a rank is done); tree[1] is the least.
+  const std::size_t n = start_.size();
+  std::size_t leaves = 1;
+  while (leaves < std::max<std::size_t>(n, 1)) leaves *= 2;
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> tree(2 * leaves, inf);
+  std::vector<std::size_t> next(n, 0);  // per rank: its events run so far
+  const auto set_leaf = [&](std::size_t r) {
+    std::size_t i = leaves + r;
+    tree[i] = next[r] < start_[r].size() ? start_[r][next[r]] : inf;
+    for (i /= 2; i >= 1; i /= 2) tree[i] = std::min(tree[2 * i], tree[2 * i + 1]);
+  };
+  for (std::size_t r = 0; r < n; ++r) set_leaf(r);
+  const auto emit = [&](const Event& e) {
+    visit(TimedAction{e.rank, schedule_->actions[static_cast<std::size_t>(e.rank)][e.pos], e.start, e.end});
+  };
+  std::uint64_t ran = 0;
+  replay_run(*schedule_, [&](int r, std::size_t at) {
+    const auto ur = static_cast<std::size_t>(r);
+    const double start = start_[ur][next[ur]];
+    pending.push(Event{start, start + costs_.duration(schedule_->actions[ur][at]), ran++, r,
+                       static_cast<std::uint32_t>(at)});
+    ++next[ur];
+    set_leaf(ur);
+    const double low = tree[1];
+    while (!pending.empty() && (pending.top().start < low || (pending.top().start == low && pending.top().end <= low))) {
+      emit(pending.top());
+      pending.pop();
+    }
+  });
+  for (; !pending.empty(); pending.pop()) emit(pending.top());
+}
+
+CompactSimResult simulate_compact(const Schedule& s, const CostModel& costs) {
+  CompactSimResult out{SimTimeline(s, costs), Metrics{}};
+  for (int r = 0; r < s.ranks; ++r) {
+    std::size_t n = 0;
+    for (const Action& a : s.actions[static_cast<std::size_t>(r)]) n += is_comm(a.kind) ? 0 : 1;
+    out.timeline.start_[static_cast<std::size_t>(r)].reserve(n);
+  }
+  std::vector<double> skip_at;
+  costs.check(s.stages);
+  MetricsSink sink(s, costs);
+  run_simulation(s, costs, skip_at, [&](int r, const Action& a, double start, double end) {
+    out.timeline.start_[static_cast<std::size_t>(r)].push_back(start);
+    sink(r, a, start, end);
+  });
+  out.metrics = sink.finish();
+  if (!s.skips.empty()) {
+    const std::vector<double> peak = peak_memory_with_skips(
+        s, costs,
+        [&](auto&& visit) {
+          out.timeline.by_rank([&](const TimedAction& e) { visit(e.rank, e.action, e.start); });
+        },
+        skip_at);
+    for (int r = 0; r < s.ranks; ++r)
+      out.metrics.per_rank[static_cast<std::size_t>(r)].peak_memory = peak[static_cast<std::size_t>(r)];
+  }
+  return out;
 }
 
 }  // namespace pipetrain

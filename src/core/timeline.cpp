@@ -174,45 +174,99 @@ Metrics compute_metrics(const Timeline& t) {
   return m;
 }
 
-std::string chrome_trace_json(const Timeline& t) {
-  check_events(t);
+void OstreamSink::write(std::string_view bytes) { out_.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); }
+
+TimelineView::TimelineView(const Timeline& t) : t_(t) { check_events(t); }
+
+void TimelineView::by_rank(const Visit& visit) const {
+  std::vector<std::size_t> order = start_order(t_.events);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return t_.events[a].rank < t_.events[b].rank; });
+  for (std::size_t i : order) visit(t_.events[i]);
+}
+
+void TimelineView::by_start(const Visit& visit) const {
+  for (std::size_t i : start_order(t_.events)) visit(t_.events[i]);
+}
+
+void TimelineView::in_order(const Visit& visit) const {
+  for (const TimedAction& e : t_.events) visit(e);
+}
+
+namespace {
+
+// The writers' fixed buffer: text is formatted into it and handed to the sink in pieces of ~64 KiB.
+class Chunked {
+ public:
+  explicit Chunked(TextSink& sink) : sink_(sink) {}
+  template <class... Args>
+  void put(fmt::format_string<Args...> f, Args&&... args) {
+    fmt::format_to(std::back_inserter(buf_), f, std::forward<Args>(args)...);
+    if (buf_.size() >= kChunk) flush();
+  }
+  void raw(std::string_view text) {
+    buf_.append(text.data(), text.data() + text.size());
+    if (buf_.size() >= kChunk) flush();
+  }
+  // A double as nlohmann::json's dump() writes it (shortest round-trip form, "null" if not finite).
+  void json_number(double x) {
+    if (!std::isfinite(x)) return raw("null");
+    char digits[64];
+    const char* end = nlohmann::detail::to_chars(digits, digits + sizeof digits, x);
+    raw(std::string_view(digits, static_cast<std::size_t>(end - digits)));
+  }
+  void flush() {
+    if (buf_.size() == 0) return;
+    sink_.write(std::string_view(buf_.data(), buf_.size()));
+    buf_.clear();
+  }
+
+ private:
+  static constexpr std::size_t kChunk = 64 * 1024;
+  TextSink& sink_;
+  fmt::memory_buffer buf_;
+};
+
+}  // namespace
+
+// The text nlohmann::json's dump() made from the trace's document (keys sorted, no spaces), written as
+// the events are visited: tests/core/test_timeline.cpp compares the two.
+void write_chrome_trace(const TimelineEvents& events, TextSink& sink) {
+  const Timeline& t = events.header();
   const double scale = micros_per_unit(t.unit);
   using nlohmann::json;
-  json events = json::array();
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 0}, {"args", {{"name", "pipetrain: " + t.schedule}}}});
+  Chunked out(sink);
+  out.put("{{\"displayTimeUnit\":\"ms\",\"otherData\":{{\"microbatches\":{},\"ranks\":{},\"schedule\":{},"
+          "\"unit\":{},\"virtual_stages\":{}}},\"traceEvents\":[",
+          t.microbatches, t.ranks, json(t.schedule).dump(), json(t.unit).dump(), t.virtual_stages);
+  out.put("{{\"args\":{{\"name\":{}}},\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0}}",
+          json("pipetrain: " + t.schedule).dump());
   for (int r = 0; r < t.ranks; ++r) {
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
-                      {"args", {{"name", fmt::format("rank {}", r)}}}});
-    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
-                      {"args", {{"sort_index", r}}}});
+    out.put(",{{\"args\":{{\"name\":\"rank {}\"}},\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":{}}}", r, r);
+    out.put(",{{\"args\":{{\"sort_index\":{}}},\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":0,\"tid\":{}}}",
+            r, r);
   }
-  // Deterministic output: by rank, then in start order.
-  std::vector<std::size_t> order = start_order(t.events);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::size_t a, std::size_t b) { return t.events[a].rank < t.events[b].rank; });
-  for (std::size_t i : order) {
-    const TimedAction& e = t.events[i];
-    const std::string kind(kind_name(e.action.kind));
-    json args = {{"stage", e.action.stage}, {"kind", kind}};
-    args[e.action.kind == ActionKind::Step ? "step" : "micro"] = e.action.index;
-    events.push_back({{"name", to_string(e.action)},
-                      {"cat", kind},
-                      {"ph", "X"},
-                      {"pid", 0},
-                      {"tid", e.rank},
-                      {"ts", e.start * scale},
-                      {"dur", (e.end - e.start) * scale},
-                      {"args", std::move(args)}});
-  }
-  json doc = {{"traceEvents", std::move(events)},
-              {"displayTimeUnit", "ms"},
-              {"otherData",
-               {{"schedule", t.schedule},
-                {"ranks", t.ranks},
-                {"microbatches", t.microbatches},
-                {"virtual_stages", t.virtual_stages},
-                {"unit", t.unit}}}};
-  return doc.dump() + "\n";
+  // Deterministic output: by rank, then in start order. Kind names and action texts need no escaping.
+  events.by_rank([&](const TimedAction& e) {
+    const std::string_view kind = kind_name(e.action.kind);
+    if (e.action.kind == ActionKind::Step)
+      out.put(",{{\"args\":{{\"kind\":\"{}\",\"stage\":{},\"step\":{}}}", kind, e.action.stage, e.action.index);
+    else
+      out.put(",{{\"args\":{{\"kind\":\"{}\",\"micro\":{},\"stage\":{}}}", kind, e.action.index, e.action.stage);
+    out.put(",\"cat\":\"{}\",\"dur\":", kind);
+    out.json_number((e.end - e.start) * scale);
+    out.put(",\"name\":\"{}\",\"ph\":\"X\",\"pid\":0,\"tid\":{},\"ts\":", to_string(e.action), e.rank);
+    out.json_number(e.start * scale);
+    out.raw("}");
+  });
+  out.raw("]}\n");
+  out.flush();
+}
+
+std::string chrome_trace_json(const Timeline& t) {
+  StringSink out;
+  write_chrome_trace(TimelineView(t), out);
+  return std::move(out.text);
 }
 
 // Layout (pixels):
@@ -222,23 +276,26 @@ std::string chrome_trace_json(const Timeline& t) {
 //   rank 1 | ...                                             |  bubble b1
 //          +----+----+----+----+  time axis, round ticks in t.unit
 //   legend: one swatch per kind present
-std::string gantt_svg(const Timeline& t, const Metrics& m) {
-  check_events(t);
+void write_gantt_svg(const TimelineEvents& events, const Metrics& m, TextSink& sink) {
+  const Timeline& t = events.header();
   constexpr double kWidth = 1400, kLeft = 80, kRight = 110, kTop = 46;
   constexpr double kRowH = 30, kRowGap = 4;
   constexpr double kStrip = 4;                              // height of the thin comm boxes
   constexpr double kBoxY = kStrip + 2, kBoxH = kRowH - 2 * kBoxY;  // compute box inside the row
   const double plot_w = kWidth - kLeft - kRight;
 
-  double t0 = 0.0, t1 = 0.0;
-  if (!t.events.empty()) {
-    t0 = std::numeric_limits<double>::infinity();
-    t1 = -std::numeric_limits<double>::infinity();
-    for (const TimedAction& e : t.events) {
-      t0 = std::min(t0, e.start);
-      t1 = std::max(t1, e.end);
-    }
-  }
+  // One pass for the time range and the kinds present (the legend).
+  double t0 = std::numeric_limits<double>::infinity();
+  double t1 = -std::numeric_limits<double>::infinity();
+  bool any = false;
+  std::set<ActionKind> kinds;
+  events.in_order([&](const TimedAction& e) {
+    t0 = std::min(t0, e.start);
+    t1 = std::max(t1, e.end);
+    any = true;
+    kinds.insert(e.action.kind);
+  });
+  if (!any) t0 = t1 = 0.0;
   const double range = t1 > t0 ? t1 - t0 : 1.0;
   auto x_of = [&](double time) { return kLeft + (time - t0) / range * plot_w; };
 
@@ -246,8 +303,6 @@ std::string gantt_svg(const Timeline& t, const Metrics& m) {
   const double axis_y = rows_bottom + 2;
   const double legend_y = axis_y + 50;
 
-  std::set<ActionKind> kinds;
-  for (const TimedAction& e : t.events) kinds.insert(e.action.kind);
 
   // Legend entries laid out left to right, wrapping at the plot width.
   struct Entry { ActionKind kind; double x, y; };
@@ -263,15 +318,15 @@ std::string gantt_svg(const Timeline& t, const Metrics& m) {
   }
   const double height = (legend.empty() ? legend_y : legend.back().y) + 24;
 
-  std::string out;
-  out += fmt::format(
+  Chunked out(sink);
+  out.put(
       "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0:.0f}\" height=\"{1:.0f}\" viewBox=\"0 0 {0:.0f} {1:.0f}\" "
       "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n",
       kWidth, height);
-  out += fmt::format("<rect class=\"background\" x=\"0\" y=\"0\" width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#ffffff\"/>\n",
+  out.put("<rect class=\"background\" x=\"0\" y=\"0\" width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#ffffff\"/>\n",
                      kWidth, height);
-  out += fmt::format(
+  out.put(
       "<text class=\"title\" x=\"{:.0f}\" y=\"26\" font-size=\"16\" font-weight=\"bold\" xml:space=\"preserve\">"
       "{}  p={}  m={}  v={}  bubble fraction={:.3f}  makespan={:g} {}</text>\n",
       kLeft, xml_escape(t.schedule), t.ranks,
@@ -285,19 +340,19 @@ std::string gantt_svg(const Timeline& t, const Metrics& m) {
   // Rows: light background, label on the left, per-rank bubble on the right.
   for (int r = 0; r < t.ranks; ++r) {
     const double y = kTop + r * (kRowH + kRowGap);
-    out += fmt::format("<rect class=\"row\" x=\"{:.0f}\" y=\"{:.1f}\" width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#f3f4f6\"/>\n",
+    out.put("<rect class=\"row\" x=\"{:.0f}\" y=\"{:.1f}\" width=\"{:.0f}\" height=\"{:.0f}\" fill=\"#f3f4f6\"/>\n",
                        kLeft, y, plot_w, kRowH);
-    out += fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"13\" text-anchor=\"end\">rank {}</text>\n", kLeft - 8,
+    out.put("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"13\" text-anchor=\"end\">rank {}</text>\n", kLeft - 8,
                        y + kRowH / 2 + 4.5, r);
     if (static_cast<std::size_t>(r) < m.per_rank.size())
-      out += fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"11\" fill=\"#555555\">bubble {:.4g}</text>\n",
+      out.put("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"11\" fill=\"#555555\">bubble {:.4g}</text>\n",
                          kLeft + plot_w + 8, y + kRowH / 2 + 4, m.per_rank[static_cast<std::size_t>(r)].bubble);
   }
 
   // Time axis with round ticks and light grid lines behind the boxes.
   const double step = tick_step(range);
   const int decimals = step >= 1.0 ? 0 : static_cast<int>(std::ceil(-std::log10(step) - 1e-9));
-  out += fmt::format("<line x1=\"{0:.0f}\" y1=\"{1:.1f}\" x2=\"{2:.0f}\" y2=\"{1:.1f}\" stroke=\"#333333\" stroke-width=\"1\"/>\n",
+  out.put("<line x1=\"{0:.0f}\" y1=\"{1:.1f}\" x2=\"{2:.0f}\" y2=\"{1:.1f}\" stroke=\"#333333\" stroke-width=\"1\"/>\n",
                      kLeft, axis_y, kLeft + plot_w);
   for (double n = std::ceil(t0 / step - 1e-9);; n += 1.0) {
     double tick = n * step;
@@ -305,20 +360,19 @@ std::string gantt_svg(const Timeline& t, const Metrics& m) {
     if (std::fabs(tick) < 1e-9 * step) tick = 0.0;  // no "-0"
     const double x = x_of(tick);
     if (t.ranks > 0)
-      out += fmt::format("<line x1=\"{0:.2f}\" y1=\"{1:.0f}\" x2=\"{0:.2f}\" y2=\"{2:.1f}\" stroke=\"#dddddd\" stroke-width=\"1\"/>\n",
+      out.put("<line x1=\"{0:.2f}\" y1=\"{1:.0f}\" x2=\"{0:.2f}\" y2=\"{2:.1f}\" stroke=\"#dddddd\" stroke-width=\"1\"/>\n",
                          x, kTop, rows_bottom);
-    out += fmt::format("<line x1=\"{0:.2f}\" y1=\"{1:.1f}\" x2=\"{0:.2f}\" y2=\"{2:.1f}\" stroke=\"#333333\" stroke-width=\"1\"/>\n",
+    out.put("<line x1=\"{0:.2f}\" y1=\"{1:.1f}\" x2=\"{0:.2f}\" y2=\"{2:.1f}\" stroke=\"#333333\" stroke-width=\"1\"/>\n",
                        x, axis_y, axis_y + 5);
-    out += fmt::format("<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"11\" text-anchor=\"middle\">{:.{}f}</text>\n", x,
+    out.put("<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"11\" text-anchor=\"middle\">{:.{}f}</text>\n", x,
                        axis_y + 18, tick, decimals);
   }
-  out += fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"12\" text-anchor=\"middle\">time ({})</text>\n",
+  out.put("<text x=\"{:.0f}\" y=\"{:.1f}\" font-size=\"12\" text-anchor=\"middle\">time ({})</text>\n",
                      kLeft + plot_w / 2, axis_y + 34, xml_escape(t.unit));
 
   // Boxes: compute and Step fill the middle of the row; receives are a thin strip at its top, sends at
   // its bottom, so communication that overlaps compute stays visible.
-  for (std::size_t i : start_order(t.events)) {
-    const TimedAction& e = t.events[i];
+  events.by_start([&](const TimedAction& e) {
     const KindStyle st = style_of(e.action.kind);
     const double row_y = kTop + e.rank * (kRowH + kRowGap);
     double y = row_y + kBoxY, h = kBoxH;
@@ -332,51 +386,41 @@ std::string gantt_svg(const Timeline& t, const Metrics& m) {
     const double x = x_of(e.start);
     const double w = std::max(1.0, x_of(e.end) - x);
     const std::string text = to_string(e.action);
-    out += fmt::format(
+    out.put(
         "<rect class=\"box\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\" fill=\"{}\" stroke=\"#ffffff\" "
         "stroke-width=\"0.5\"><title>{} rank {} [{:g}, {:g}] {}</title></rect>\n",
         x, y, w, h, st.fill, xml_escape(text), e.rank, e.start, e.end, xml_escape(t.unit));
-    if (is_comm(e.action.kind)) continue;
+    if (is_comm(e.action.kind)) return;
     // Micro-batch number (step number for Step), as large as fits, omitted when the box is too narrow.
     const std::string label = std::to_string(e.action.index);
     const double fit = (w - 3) / (0.62 * static_cast<double>(label.size()));
     const double fs = std::floor(std::min(11.0, fit) * 2) / 2;
-    if (fs < 6.0) continue;
-    out += fmt::format(
+    if (fs < 6.0) return;
+    out.put(
         "<text class=\"micro\" x=\"{:.2f}\" y=\"{:.2f}\" font-size=\"{:g}\" text-anchor=\"middle\" fill=\"{}\" "
         "pointer-events=\"none\">{}</text>\n",
         x + w / 2, y + h / 2 + fs * 0.35, fs, st.text, label);
-  }
+  });
 
   for (const Entry& en : legend) {
     const KindStyle st = style_of(en.kind);
-    out += fmt::format(
+    out.put(
         "<rect class=\"legend\" x=\"{:.0f}\" y=\"{:.0f}\" width=\"18\" height=\"14\" fill=\"{}\"/>"
         "<text x=\"{:.0f}\" y=\"{:.0f}\" font-size=\"12\">{}</text>\n",
         en.x, en.y - 11, st.fill, en.x + 24, en.y, xml_escape(st.legend));
   }
-  out += "</svg>\n";
-  return out;
+  out.raw("</svg>\n");
+  out.flush();
 }
+
+std::string gantt_svg(const Timeline& t, const Metrics& m) {
+  StringSink out;
+  write_gantt_svg(TimelineView(t), m, out);
+  return std::move(out.text);
+}
+
 
 namespace {
-
-// Writes all of `contents` to `fd`, then closes it; every write and the close are checked. Returns 0,
-// or the errno of the first failure (the descriptor is closed either way).
-int write_all_and_close(int fd, const std::string& contents) {
-  int err = 0;
-  for (std::size_t done = 0; done < contents.size();) {
-    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      err = n < 0 ? errno : EIO;
-      break;
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  if (::close(fd) != 0 && err == 0 && errno != EINTR) err = errno;
-  return err;
-}
 
 std::string parent_folder(const std::string& path) {
   const std::size_t slash = path.find_last_of('/');
@@ -426,34 +470,80 @@ void check_output_path(const std::string& path, const std::string& flag) {
   ::unlink(probe.c_str());
 }
 
+namespace {
+
+// The file write_file_atomic fills: a temporary file beside the path, renamed over it by commit(), or
+// (an existing device, FIFO or socket) the path itself, written in place. Destroyed uncommitted, it
+// closes and removes the temporary file. Every write and the close are checked.
+class AtomicFile : public TextSink {
+ public:
+  explicit AtomicFile(const std::string& path) : path_(path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+      throw UsageError("cannot write '" + path + "': it is a folder; give the path of a file (in that folder or "
+                       "elsewhere)");
+    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+      // A device (/dev/stdout, /dev/full), FIFO or socket: written in place. Renaming a temporary file
+      // over it would replace the device node with a regular file.
+      fd_ = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NOCTTY);
+      if (fd_ < 0) fail("cannot open it for writing", errno);
+      return;
+    }
+    tmp_ = path + ".tmp." + std::to_string(static_cast<long>(::getpid()));
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd_ < 0) fail("cannot create the temporary file '" + tmp_ + "' beside it (is the folder writable?)", errno);
+  }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  ~AtomicFile() override {
+    if (fd_ >= 0) ::close(fd_);
+    if (!tmp_.empty()) std::remove(tmp_.c_str());
+  }
+
+  void write(std::string_view bytes) override {
+    for (std::size_t done = 0; done < bytes.size();) {
+      const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) written_failed(n < 0 ? errno : EIO);
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
+  void commit() {
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0 && errno != EINTR) written_failed(errno);
+    if (tmp_.empty()) return;
+    if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+      const int err = errno;
+      fail("renaming '" + tmp_ + "' over it failed", err);  // the destructor removes the temporary file
+    }
+    tmp_.clear();
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what, int err) const {
+    throw std::runtime_error(fmt::format("cannot write '{}': {}: {}", path_, what, std::strerror(err)));
+  }
+  [[noreturn]] void written_failed(int err) const {
+    fail(tmp_.empty() ? std::string("writing failed") : "writing the temporary file '" + tmp_ + "' failed", err);
+  }
+
+  std::string path_;
+  std::string tmp_;  // empty: written in place, or renamed
+  int fd_ = -1;
+};
+
+}  // namespace
+
+void write_file_atomic(const std::string& path, const std::function<void(TextSink&)>& produce) {
+  AtomicFile file(path);
+  produce(file);
+  file.commit();
+}
+
 void write_file_atomic(const std::string& path, const std::string& contents) {
-  auto fail = [&](const std::string& what, int err) {
-    throw std::runtime_error(fmt::format("cannot write '{}': {}: {}", path, what, std::strerror(err)));
-  };
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
-    throw UsageError("cannot write '" + path + "': it is a folder; give the path of a file (in that folder or "
-                     "elsewhere)");
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
-    // A device (/dev/stdout, /dev/full), FIFO or socket: written in place. Renaming a temporary file over
-    // it would replace the device node with a regular file.
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NOCTTY);
-    if (fd < 0) fail("cannot open it for writing", errno);
-    if (const int err = write_all_and_close(fd, contents)) fail("writing failed", err);
-    return;
-  }
-  const std::string tmp = path + ".tmp." + std::to_string(static_cast<long>(::getpid()));
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-  if (fd < 0) fail("cannot create the temporary file '" + tmp + "' beside it (is the folder writable?)", errno);
-  if (const int err = write_all_and_close(fd, contents)) {
-    std::remove(tmp.c_str());
-    fail("writing the temporary file '" + tmp + "' failed", err);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    fail("renaming '" + tmp + "' over it failed", err);
-  }
+  write_file_atomic(path, [&](TextSink& out) { out.write(contents); });
 }
 
 }  // namespace pipetrain

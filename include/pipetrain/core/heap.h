@@ -65,7 +65,8 @@ struct HeapParts {
 
 // One rank's largest predicted heap growth in a step, with its parts at that moment.
 struct HeapPeak : HeapParts {
-  int position = -1;  // index in the rank's lowered list of the action after which the peak is first reached
+  int position = -1;  // index in the rank's walked list (heap_walk's lowered one, or the schedule's own
+                      // when no transfer carries bytes) of the action after which the peak is first reached
   Action after;       // that action (meaningless when position < 0: the rank has no actions)
 };
 
@@ -79,7 +80,9 @@ struct HeapWalk {
 // Throws UsageError if the cost model does not fit the schedule or the options are negative.
 HeapWalk heap_walk(const Schedule& schedule, const CostModel& costs, const HeapOptions& options = {});
 
-// Per rank, the peak of activations + gradients + transfers over heap_walk's samples.
+// Per rank, the peak of activations + gradients + transfers over heap_walk's samples, found without
+// keeping them; without skip routes and with every message 0 the walk skips lowering (its transfers would
+// add nothing), so memory stays a few bytes per rank beyond the schedule.
 std::vector<HeapPeak> predict_heap(const Schedule& schedule, const CostModel& costs, const HeapOptions& options = {});
 
 }  // namespace pipetrain

@@ -12,6 +12,8 @@
 // Pure function; any thread may call it.
 #pragma once
 
+#include <vector>
+
 #include "pipetrain/core/cost.h"
 #include "pipetrain/core/schedule.h"
 #include "pipetrain/core/timeline.h"
@@ -32,5 +34,37 @@ SimResult simulate(const Schedule& schedule, const CostModel& costs);
 // and one rank per token plus a byte per (stage, micro-batch), so planners and large p x m runs need
 // little besides the schedule itself. Same errors as simulate().
 Metrics simulate_metrics(const Schedule& schedule, const CostModel& costs);
+
+struct CompactSimResult;
+
+// The simulator's timeline in compact form: per rank the start of each of its actions other than
+// transfers, in the rank's order (8 bytes per action where a TimedAction takes 48); ends are recomputed
+// as the simulator computed them (start + duration). by_start runs the simulation again to learn the
+// order it ran the events in (ties are drawn in that order), holding only the events not yet final. The
+// writers (timeline.h) draw it as they draw simulate()'s Timeline, with the same output. It reads the
+// schedule it was made from, which must outlive it.
+class SimTimeline : public TimelineEvents {
+ public:
+  SimTimeline(const Schedule& schedule, const CostModel& costs);
+  const Timeline& header() const override { return header_; }
+  void by_rank(const Visit& visit) const override;
+  void by_start(const Visit& visit) const override;
+  void in_order(const Visit& visit) const override { by_rank(visit); }  // each rank's in its own order
+
+ private:
+  friend CompactSimResult simulate_compact(const Schedule& schedule, const CostModel& costs);
+  Timeline header_;  // no events
+  const Schedule* schedule_;
+  CostModel costs_;
+  std::vector<std::vector<double>> start_;  // [rank][k]: start of the rank's k-th action that is not a transfer
+};
+
+struct CompactSimResult {
+  SimTimeline timeline;
+  Metrics metrics;  // as simulate() gives them
+};
+
+// simulate() with the timeline kept compact (for drawing large p x m). Same errors as simulate().
+CompactSimResult simulate_compact(const Schedule& schedule, const CostModel& costs);
 
 }  // namespace pipetrain

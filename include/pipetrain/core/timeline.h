@@ -9,8 +9,10 @@
 //   bubble_fraction = 1 - sum_r busy_r / (p * makespan)
 #pragma once
 
+#include <functional>
 #include <iosfwd>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "pipetrain/core/action.h"
@@ -55,6 +57,67 @@ struct Metrics {
 // F and backward events; peak_memory is left 0 (the simulator fills it from its cost model).
 Metrics compute_metrics(const Timeline& t);
 
+// Where the streamed writers below put their text: a file (AtomicFile), a string (StringSink), a stream.
+class TextSink {
+ public:
+  virtual ~TextSink() = default;
+  virtual void write(std::string_view bytes) = 0;
+};
+
+class StringSink : public TextSink {
+ public:
+  void write(std::string_view bytes) override { text.append(bytes); }
+  std::string text;
+};
+
+class OstreamSink : public TextSink {
+ public:
+  explicit OstreamSink(std::ostream& out) : out_(out) {}
+  void write(std::string_view bytes) override;
+
+ private:
+  std::ostream& out_;
+};
+
+// A timeline's events as the writers read them, without requiring them held as TimedActions: a measured
+// Timeline (TimelineView) or the simulator's compact form (simulate.h's SimTimeline), which keeps a start
+// time and an order per action instead of a 48-byte TimedAction. Events must pass the checks of
+// compute_metrics (ranks in range, finite times, end >= start); TimelineView checks them.
+class TimelineEvents {
+ public:
+  virtual ~TimelineEvents() = default;
+  using Visit = std::function<void(const TimedAction&)>;
+  // The titles' fields (schedule, ranks, microbatches, total_microbatches, virtual_stages, unit); its
+  // `events` are not read.
+  virtual const Timeline& header() const = 0;
+  // Every event, rank 0's first, each rank's in start order (ties by end, then the order they were made).
+  virtual void by_rank(const Visit& visit) const = 0;
+  // Every event in start order across ranks (ties by end, then the order they were made).
+  virtual void by_start(const Visit& visit) const = 0;
+  // Every event, each rank's in the order they were made (ranks may interleave).
+  virtual void in_order(const Visit& visit) const = 0;
+};
+
+// A Timeline's events (checked as compute_metrics checks them; UsageError naming the bad event). The
+// orders are index arrays built on demand, 8 bytes per event.
+class TimelineView : public TimelineEvents {
+ public:
+  explicit TimelineView(const Timeline& t);
+  const Timeline& header() const override { return t_; }
+  void by_rank(const Visit& visit) const override;
+  void by_start(const Visit& visit) const override;
+  void in_order(const Visit& visit) const override;
+
+ private:
+  const Timeline& t_;
+};
+
+// The streamed writers: what chrome_trace_json, gantt_svg and ascii_gantt return, written to `out` in
+// pieces of at most 64 KiB as the events are visited, so the whole text is never held.
+void write_chrome_trace(const TimelineEvents& t, TextSink& out);
+void write_gantt_svg(const TimelineEvents& t, const Metrics& m, TextSink& out);
+void write_ascii_gantt(const TimelineEvents& t, TextSink& out, double chars_per_unit = 2.0);
+
 // Chrome trace JSON ("traceEvents"; opens in Perfetto and chrome://tracing): one track per rank, one
 // complete ("X") slice per action, named in the action's text form, with the kind as category.
 // Times are converted to microseconds from `t.unit` ("units" are drawn as milliseconds).
@@ -71,6 +134,12 @@ std::string gantt_svg(const Timeline& t, const Metrics& m);
 // device node). Throws UsageError for a folder, std::runtime_error naming the path and the system's
 // reason ("No space left on device") for any failed step.
 void write_file_atomic(const std::string& path, const std::string& contents);
+
+// write_file_atomic for text made in pieces: `produce` writes to the sink, which passes every piece
+// straight to the temporary file beside `path` (or to the device written in place); the temporary file
+// is renamed over `path` once `produce` returns, and removed if it or a write throws, so a failure never
+// leaves a half-written file. Same errors as write_file_atomic; what `produce` throws is rethrown.
+void write_file_atomic(const std::string& path, const std::function<void(TextSink&)>& produce);
 
 // Checks, before any work starts, that an output flag's `path` can be written: refuses (UsageError
 // naming `flag`, the path and the fix) a folder, a path ending in '/', a path whose folder does not exist,
