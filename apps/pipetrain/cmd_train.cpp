@@ -180,11 +180,11 @@ void print_outputs(const TrainFlags& f, PipelineRank& rank, const Transport& tra
               << sample.second << "\n";
   }
   if (!f.trace.empty()) {
-    write_file_atomic(f.trace, chrome_trace_json(rep.timeline));
+    write_file_atomic(f.trace, [&](TextSink& out) { write_chrome_trace(TimelineView(rep.timeline), out); });
     std::cout << "measured trace written to " << f.trace << "\n";
   }
   if (!f.svg.empty()) {
-    write_file_atomic(f.svg, gantt_svg(rep.timeline, rep.measured));
+    write_file_atomic(f.svg, [&](TextSink& out) { write_gantt_svg(TimelineView(rep.timeline), rep.measured, out); });
     std::cout << "measured timeline written to " << f.svg << "\n";
   }
   if (!f.log.empty()) std::cout << "per-step log written to " << f.log << "\n";

@@ -637,7 +637,8 @@ PYBIND11_MODULE(_pipetrain, m) {
   m.def("gantt_svg", [](const Timeline& t, std::optional<Metrics> metrics) { return gantt_svg(t, metrics ? *metrics : compute_metrics(t)); },
         py::arg("timeline"), py::arg("metrics") = py::none(), "SVG Gantt chart text (metrics default: from the events).");
   m.def("ascii_gantt", &ascii_gantt, py::arg("timeline"), py::arg("chars_per_unit") = 2.0, "A plain-text Gantt chart, one line per rank.");
-  m.def("write_file", &write_file_atomic, py::arg("path"), py::arg("contents"), "Writes text to a file atomically.");
+  m.def("write_file", [](const std::string& path, const std::string& contents) { write_file_atomic(path, contents); },
+        py::arg("path"), py::arg("contents"), "Writes text to a file atomically.");
 
   // ---- heap model ----
   py::class_<HeapPeak>(m, "HeapPeak", "One rank's largest predicted heap growth in a step, in its three parts.")
@@ -645,7 +646,7 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_readonly("gradients", &HeapPeak::gradients)
       .def_readonly("transfers", &HeapPeak::transfers)
       .def_property_readonly("total", &HeapPeak::total)
-      .def_readonly("position", &HeapPeak::position, "index in the rank's lowered list after which the peak is reached; -1: none")
+      .def_readonly("position", &HeapPeak::position, "index in the rank's walked list (lowered where transfers carry bytes) after which the peak is reached; -1: none")
       .def_property_readonly("after", [](const HeapPeak& h) { return h.position < 0 ? std::string() : to_string(h.after); })
       .def("__repr__", [](const HeapPeak& h) {
         auto f = [](double v) { return py::repr(py::float_(v)).cast<std::string>(); };
