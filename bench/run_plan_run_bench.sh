@@ -15,6 +15,8 @@
 # BASELINE=DIR (a folder holding another build's pipetrain and pipetrain-torch, e.g. main's build/): every
 # profile, plan and run is made with both builds, "before" (BASELINE) and "after" (BUILD), the two runs of
 # each plan kind one after the other in every round, and the table gets a build column.
+# "profile after / before": the same profile taken again after all the runs, its layers' forward and
+# backward time over the first one's: the machine's own drift while the bench ran.
 # "step - compute": the step's time beyond its busiest stage's compute (measured: step_ms - the largest
 # busy_ms; predicted: time_ms - the largest stage_time_ms x m): the all-reduce, the optimizer step, the
 # bubble and the waits.
@@ -80,6 +82,18 @@ for round in $(seq "$ROUNDS"); do
     done
   done
 done
+# The same profile again after the runs: how far the machine's own speed moved while the bench ran (a
+# prediction cannot be closer to a run than the machine is to itself).
+for R in 2 4; do
+  T=$((CORES / R > 0 ? CORES / R : 1))
+  for b in "${LABELS[@]}"; do
+    wait_quiet >"$OUT/raw/profile-$b-r$R-end.busy"
+    concurrent=()
+    ((${PROFILE_CONCURRENT:-1})) && concurrent=(--concurrent "$R")
+    "$BINS/$b/pipetrain" profile "${MODEL[@]}" --microbatch-size "$MB" --repeats "$REPEATS" \
+      --threads "$T" "${concurrent[@]}" --out "$OUT/raw/profile-$b-r$R-end.json" >"$OUT/raw/profile-$b-r$R-end.txt" 2>&1
+  done
+done
 python3 - "$OUT" "$CORES" "$ROUNDS" "${LABELS[@]}" <<'PY'
 import json, os, re, statistics as st, sys
 out, cores, rounds, labels = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
@@ -88,8 +102,12 @@ rows = ["| ranks | plan | " + ("build | " if len(labels) > 1 else "") +
         "stages x replicas, schedule, m, balance | threads per rank | predicted ms | "
         "measured ms: median of rounds (per-round medians) | measured / predicted | "
         "step - compute ms: predicted, measured | CPUs busy before (%) | "
-        "compute measured / predicted | cores the run got |",
-        "|---|---|" + ("---|" if len(labels) > 1 else "") + "---|---|---|---|---|---|---|---|---|"]
+        "compute measured / predicted | cores the run got | profile after the runs / before |",
+        "|---|---|" + ("---|" if len(labels) > 1 else "") + "---|---|---|---|---|---|---|---|---|---|"]
+
+def compute_ms(path):  # a profile's forward + backward over all layers, per micro-batch
+    layers = json.load(open(path))["layers"]
+    return sum(l["forward_ms"] + l["backward_ms"] for l in layers)
 blas = ""
 for r in (2, 4):
   for kind in ("chosen", "pipeline"):
@@ -124,7 +142,8 @@ for r in (2, 4):
         rows.append(f"| {r} | {kind} | {build}{desc} | {threads[1] if threads else '?'} | {plan['time_ms']:.1f} | "
                     f"{med:.1f} ({', '.join(f'{x:.1f}' for x in meds)}) | {med / plan['time_ms']:.2f}{note} | "
                     f"{plan['time_ms'] - max(predicted_busy):.1f}, {st.median(rest):.1f} | "
-                    f"{', '.join(busy)} | {st.median(comp):.2f} | {', '.join(f'{x:.2f}' for x in got)} |")
+                    f"{', '.join(busy)} | {st.median(comp):.2f} | {', '.join(f'{x:.2f}' for x in got)} | "
+                    f"{compute_ms(os.path.join(raw, f'profile-{b}-r{r}-end.json')) / compute_ms(os.path.join(raw, f'profile-{b}-r{r}.json')):.2f} |")
 rows.append("")
 rows.append(f"BLAS: {blas}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; cores: {cores}")
 open(os.path.join(out, "summary.md"), "w").write("\n".join(rows) + "\n")
