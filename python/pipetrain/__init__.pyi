@@ -66,6 +66,7 @@ class StageCost:
     gradient_b: float
     gradient_w: float
     message: float
+    w_held: float
     def __init__(self, f: float = ..., b: float = ..., w: float = ..., activation: float = ...,
                  gradient_b: float = ..., gradient_w: float = ..., message: float = ...) -> None: ...
 

@@ -478,6 +478,9 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_readwrite("gradient_b", &StageCost::gradient_b)
       .def_readwrite("gradient_w", &StageCost::gradient_w)
       .def_readwrite("message", &StageCost::message)
+      .def_readwrite("w_held", &StageCost::w_held,
+                     "heap model: what a micro-batch holds between its B and its W; < 0: activation x (1 - "
+                     "b_release_fraction)")
       .def("__repr__", [](const StageCost& c) {
         auto f = [](double v) { return py::repr(py::float_(v)).cast<std::string>(); };
         return "StageCost(f=" + f(c.f) + ", b=" + f(c.b) + ", w=" + f(c.w) + ", activation=" + f(c.activation) + ")";

@@ -67,6 +67,11 @@ void CostModel::check(int stages) const {
         msg << "stage " << s << " has " << name << " = " << x << ": memory amounts must be finite and >= 0";
         throw UsageError(msg.str());
       }
+    if (!std::isfinite(c.w_held)) {
+      std::ostringstream msg;
+      msg << "stage " << s << " has w_held = " << c.w_held << ": give a finite amount (< 0: not measured)";
+      throw UsageError(msg.str());
+    }
   }
   if (bad(comm)) throw UsageError("communication cost " + std::to_string(comm) + " must be finite and >= 0");
   if (!boundary_comm.empty() && static_cast<int>(boundary_comm.size()) != stages - 1)

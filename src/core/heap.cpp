@@ -18,6 +18,16 @@ HeapOptions HeapOptions::reference() { return HeapOptions{0, 0}; }
 
 namespace {
 
+// A compute action's change of the rank's activation bytes: the cost model's, except that a stage with
+// a measured w_held (StageCost) holds exactly that between its B and its W.
+double activation_delta(const CostModel& c, const Action& a) {
+  if (a.kind == ActionKind::B || a.kind == ActionKind::W) {
+    const StageCost& sc = c.stage.at(static_cast<std::size_t>(a.stage));
+    if (sc.w_held >= 0) return a.kind == ActionKind::B ? sc.w_held - sc.activation : -sc.w_held;
+  }
+  return c.memory_delta(a);
+}
+
 using Slot = std::pair<int, int>;  // (stage, micro-batch)
 
 bool has_transfers(const Schedule& s) {
@@ -133,7 +143,7 @@ class RankWalk {
   void backward(const Action& a) {
     const Slot slot{a.stage, a.index};
     consume(posted_grad_, slot);
-    act_ += c_.memory_delta(a);
+    act_ += activation_delta(c_, a);
     add_gradients(a.stage, true, a.kind == ActionKind::BW);
     // The slot's received input and output gradient go with its backward.
     if (auto it = held_.find(slot); it != held_.end()) {
@@ -165,7 +175,7 @@ class RankWalk {
     switch (a.kind) {
       case ActionKind::F:
         consume(posted_input_, slot);
-        act_ += c_.memory_delta(a);
+        act_ += activation_delta(c_, a);
         for (const SkipToken& t : skip_makes(s_, a))  // a skip to a stage on this rank is held from here
           if (!t.grad && s_.rank_of(skip_user_stage(s_, t), t.micro) == rank_)
             act_ += s_.skips[static_cast<std::size_t>(t.route)].size;
@@ -173,7 +183,7 @@ class RankWalk {
       case ActionKind::B:
       case ActionKind::BW: backward(a); break;
       case ActionKind::W:
-        act_ += c_.memory_delta(a);
+        act_ += activation_delta(c_, a);
         add_gradients(a.stage, false, true);
         release_skips(a.stage);
         break;

@@ -92,6 +92,21 @@ CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, cons
     }
   }
   if (measured && complete && held > 0) costs.b_release_fraction = std::clamp(1.0 - kept_for_w / held, 0.0, 1.0);
+  // The heap model's per-stage figure, where the profile measured what split layers keep (the one
+  // fraction above cannot say that a stage keeps more after B than its forward saved: autograd's split
+  // keeps output gradients for W).
+  if (measured)
+    for (std::size_t s = 0, at = 0; s < balance.size(); ++s) {
+      double w_held = 0;
+      bool known = true;
+      for (int k = 0; k < balance[s]; ++k, ++at) {
+        const LayerProfile& l = prof.layers[at];
+        if (!l.bw_split) continue;
+        if (l.w_held_bytes < 0) known = false;
+        else w_held += l.w_held_bytes * scale;
+      }
+      if (known) costs.stage[s].w_held = w_held;
+    }
   costs.comm = balance.size() > 1
                    ? o.latency_ms + (o.bandwidth_bytes_per_ms > 0 ? boundary / o.bandwidth_bytes_per_ms : 0.0)
                    : 0.0;

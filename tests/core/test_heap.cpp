@@ -5,6 +5,7 @@
 // simulator's activation count; and plan/costs.h fills the model's inputs from a profile.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -220,4 +221,55 @@ TEST(HeapModel, StageCostsFillTheModelFromAProfile) {
   EXPECT_DOUBLE_EQ(c.stage[1].gradient_w, 3000);
   EXPECT_DOUBLE_EQ(c.stage[0].message, 2 * 200);
   EXPECT_DOUBLE_EQ(c.stage[1].message, 2 * 300);
+}
+
+// A stage whose split layers keep more after B than their forward saved (autograd's split keeps output
+// gradients for W): with w_held the heap model holds exactly that between B and W, where the single
+// b_release_fraction (clamped to [0, 1]) could only free something at B. The simulator's activation count
+// does not read w_held.
+TEST(HeapModel, WHeldIsWhatAMicroBatchHoldsBetweenItsBAndItsW) {
+  CostModel c = memory_costs(1);  // activation 4, B frees half
+  const Schedule s = from_csv("0F0,0F1,0B0,0B1,0W0,0W1,0S0\n");
+  EXPECT_EQ(totals(heap_walk(s, c).samples[0]), (std::vector<double>{4, 8, 6, 4, 2, 0, 0}));
+  c.stage[0].w_held = 5;
+  EXPECT_EQ(totals(heap_walk(s, c).samples[0]), (std::vector<double>{4, 8, 9, 10, 5, 0, 0}));
+  EXPECT_DOUBLE_EQ(predict_heap(s, c)[0].activations, 10);
+  EXPECT_EQ(to_string(predict_heap(s, c)[0].after), "0B1");
+  EXPECT_DOUBLE_EQ(simulate(s, c).metrics.per_rank[0].peak_memory, 8);  // the activation count: F's alone
+  // A fused BW frees everything at once, whatever w_held says.
+  EXPECT_EQ(totals(heap_walk(from_csv("0F0,0BW0,0S0\n"), c).samples[0]), (std::vector<double>{4, 0, 0}));
+  c.stage[0].w_held = std::numeric_limits<double>::infinity();
+  EXPECT_THROW(predict_heap(s, c), UsageError);
+}
+
+// stage_costs' w_held: per stage, the measured w_held_bytes of its split layers at the asked micro-batch
+// size (0 where no layer splits); unset (< 0) where a split layer was not measured.
+TEST(HeapModel, StageCostsTakeWHeldFromTheProfile) {
+  Profile p;
+  p.micro_batch_size = 2;
+  for (int k = 0; k < 4; ++k) {
+    LayerProfile l;
+    l.name = "l" + std::to_string(k);
+    l.type = "Block";
+    l.forward_ms = l.backward_ms = 1;
+    l.activation_bytes = 100;
+    l.saved_bytes = 400;
+    l.bw_split = k != 0;
+    if (l.bw_split) {
+      l.input_grad_ms = l.weight_grad_ms = 0.5;
+      l.w_held_bytes = 500;  // more than it saved
+    }
+    p.layers.push_back(l);
+  }
+  StageCostOptions o;
+  o.micro_batch = 4;  // twice the profiled size
+  const CostModel c = stage_costs(p, {1, 3}, o);
+  EXPECT_DOUBLE_EQ(c.stage[0].w_held, 0);  // nothing splits
+  EXPECT_DOUBLE_EQ(c.stage[1].w_held, 2 * 3 * 500);
+  EXPECT_DOUBLE_EQ(c.stage[1].activation, 2 * 3 * 400);
+  // The one fraction: 1 - (3 x min(500, 400)) / (4 x 400), the unsplit layer counted as freed.
+  EXPECT_DOUBLE_EQ(c.b_release_fraction, 0.25);
+  p.layers[2].w_held_bytes = -1;  // not measured
+  const CostModel partial = stage_costs(p, {1, 3}, o);
+  EXPECT_LT(partial.stage[1].w_held, 0);
 }

@@ -23,6 +23,11 @@ struct StageCost {
   double gradient_b = 0.0;  // weight-gradient memory the stage's first B (or BW) of a step makes
   double gradient_w = 0.0;  // weight-gradient memory its first W (or BW) of a step makes
   double message = 0.0;     // one micro-batch's output as sent to the next stage (and its gradient back)
+  // The heap model only: what one micro-batch still holds after its B, for its W (a measured profile's
+  // split layers' w_held_bytes; 0 for a stage none of whose layers split). It may exceed `activation`:
+  // autograd's split keeps output gradients for W. < 0 (the default): activation x (1 -
+  // b_release_fraction), as the simulator's activation count keeps it.
+  double w_held = -1.0;
 };
 
 // The largest time of one action a cost model accepts: the simulator sums many of them, and costs such

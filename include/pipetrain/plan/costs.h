@@ -31,7 +31,8 @@ struct StageCostOptions {
 // or the profile's runtime overhead, b_release_fraction = 1 - (what split layers keep after B for W,
 // w_held_bytes) / (what all layers keep) when the profile measured it for every split layer, else the
 // default. stage_step = the sum of the stage's layers' optimizer_ms where the profile measured any (else
-// empty: the step costs nothing). For the heap model (core/heap.h): gradient_w = the parameter bytes of the stage's split layers,
+// empty: the step costs nothing). For the heap model (core/heap.h): w_held = the w_held_bytes of the
+// stage's split layers (0 without any) where the profile measured them, gradient_w = the parameter bytes of the stage's split layers,
 // gradient_b those of its other layers, message = its last layer's activation_bytes at the micro-batch size.
 // Throws UsageError if the balance does not fit the profile.
 CostModel stage_costs(const Profile& profile, const std::vector<int>& balance, const StageCostOptions& options);
