@@ -131,6 +131,28 @@ TEST(PlanHybrid, PrunedSearchAgreesWithExhaustiveOnSmallCases) {
   EXPECT_GT(copies, 0);  // PipeDream's plan x copies was in the space (R = 4, 6, 8: k = 2, 3, 4)
 }
 
+// Six layers (an embedding, four blocks of 4 MB of parameters, a head) with these forward times and
+// backwards twice as long: the profiles of the PipeDream-copies tests.
+namespace {
+Profile six_layers(const std::vector<double>& forward) {
+  Profile prof;
+  prof.model = "six";
+  prof.micro_batch_size = 2;
+  for (int i = 0; i < 6; ++i) {
+    LayerProfile l;
+    l.name = "l" + std::to_string(i);
+    l.type = i == 0 ? "Embedding" : i == 5 ? "Head" : "Block";
+    l.forward_ms = forward.at(static_cast<std::size_t>(i));
+    l.backward_ms = 2 * l.forward_ms;
+    l.activation_bytes = 4096;
+    l.parameter_bytes = i == 0 ? 256 : i == 5 ? 4096 : 4e6;
+    l.optimizer_bytes = 2 * l.parameter_bytes;
+    prof.layers.push_back(l);
+  }
+  return prof;
+}
+}  // namespace
+
 // PipeDream's plan for fewer ranks x data-parallel copies of it, where it wins: 6 ranks, a slow first
 // layer with few parameters and heavy blocks over a 1 GB/s link. PipeDream's planner on all 6 ranks gives
 // the first layer 3 replicas and every block its own stage (four stages, 3,1,1,1); its plan for 3 ranks
@@ -138,21 +160,7 @@ TEST(PlanHybrid, PrunedSearchAgreesWithExhaustiveOnSmallCases) {
 // stages, less bubble. The search finds it, chooses it over everything it shows, and writes the plan that
 // train --plan runs: the replication as it is (1F1B-RR), m that every replica count divides.
 TEST(PlanHybrid, PipeDreamsPlanTimesCopiesWins) {
-  Profile prof;
-  prof.model = "six";
-  prof.micro_batch_size = 2;
-  const double forward[] = {6, 1, 1, 1, 1, 1};
-  for (int i = 0; i < 6; ++i) {
-    LayerProfile l;
-    l.name = "l" + std::to_string(i);
-    l.type = i == 0 ? "Embedding" : i == 5 ? "Head" : "Block";
-    l.forward_ms = forward[i];
-    l.backward_ms = 2 * forward[i];
-    l.activation_bytes = 4096;
-    l.parameter_bytes = i == 0 ? 256 : i == 5 ? 4096 : 4e6;
-    l.optimizer_bytes = 2 * l.parameter_bytes;
-    prof.layers.push_back(l);
-  }
+  const Profile prof = six_layers({6, 1, 1, 1, 1, 1});
   PlanSearchOptions o;
   o.ranks = 6;
   o.batch_size = 16;
@@ -200,21 +208,7 @@ TEST(PlanHybrid, PipeDreamsPlanTimesCopiesWins) {
 // blocks: PipeDream's plan for 3 ranks is three straight stages, x 2 copies 2,2,2; with only interleaved
 // asked for (no plain 1f1b pipelines), it wins.
 TEST(PlanHybrid, EquallyReplicatedCopiesAreWrittenAsReplicas) {
-  Profile prof;
-  prof.model = "six";
-  prof.micro_batch_size = 2;
-  const double forward[] = {0.05, 1, 1, 1, 1, 0.05};
-  for (int i = 0; i < 6; ++i) {
-    LayerProfile l;
-    l.name = "l" + std::to_string(i);
-    l.type = i == 0 ? "Embedding" : i == 5 ? "Head" : "Block";
-    l.forward_ms = forward[i];
-    l.backward_ms = 2 * forward[i];
-    l.activation_bytes = 4096;
-    l.parameter_bytes = i == 0 ? 256 : i == 5 ? 4096 : 4e6;
-    l.optimizer_bytes = 2 * l.parameter_bytes;
-    prof.layers.push_back(l);
-  }
+  const Profile prof = six_layers({0.05, 1, 1, 1, 1, 0.05});
   PlanSearchOptions o;
   o.ranks = 6;
   o.batch_size = 16;
