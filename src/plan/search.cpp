@@ -30,7 +30,8 @@ bool better_candidate(const PlanCandidate& a, const PlanCandidate& b) {
 
 PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>& balance, const std::string& schedule,
                                  int m, double micro_batch, double bandwidth_bytes_per_ms, double latency_ms,
-                                 double memory_limit_bytes, const std::vector<int>& replication) {
+                                 double memory_limit_bytes, const std::vector<int>& replication,
+                                 const MeasuredAllReduce* measured) {
   PlanCandidate c;
   c.schedule = schedule;
   c.m = m;
@@ -63,7 +64,14 @@ PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>&
     sch = generate(schedule, g);
   } else {
     sch = round_robin(schedule, replication, m);
-    add_stage_step(costs, replica_allreduce_ms(profile, balance, replication, bandwidth_bytes_per_ms, latency_ms));
+    std::vector<double> allreduce = replica_allreduce_ms(profile, balance, replication, bandwidth_bytes_per_ms, latency_ms);
+    if (measured)
+      for (std::size_t s = 0, layer = 0; s < balance.size(); ++s) {
+        double params = 0;
+        for (int k = 0; k < balance[s]; ++k, ++layer) params += profile.layers[layer].parameter_bytes;
+        allreduce[s] = replication[s] > 1 ? measured->ms(params, replication[s]) : 0.0;
+      }
+    add_stage_step(costs, allreduce);
   }
   const Metrics metrics = simulate_metrics(sch, costs);  // the full simulation's metrics, without its timeline
   c.makespan = metrics.makespan;
@@ -639,6 +647,10 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
   // in the runtime) with every replication times `copies`, simulated like the others: its best over the
   // micro-batch counts, per copy the counts asked for rounded up to a multiple of every replica count
   // (equal shares), so the whole schedule's m is copies x that.
+  // The measured all-reduce prices replicas on one level of links, as for the hybrid candidates (their
+  // innermost level; PipeDream's replicas here sit anywhere, so only without --level).
+  std::optional<MeasuredAllReduce> measured;
+  if (!o.allreduce.empty() && links.bw.size() == 1) measured.emplace(o.allreduce, o.allreduce_ranks);
   auto run_replicated = [&](const Plan& plan, int copies) -> std::optional<PlanCandidate> {
     std::vector<int> replication = plan.replication;
     int lcm = 1;
@@ -660,7 +672,7 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
     for (long long mm : totals) {
       PlanCandidate c = simulate_candidate(prof, plan.balance, "1f1b", static_cast<int>(mm),
                                            static_cast<double>(batch) / static_cast<double>(mm), links.bw.back(),
-                                           o.latency_ms, limit, replication);
+                                           o.latency_ms, limit, replication, measured ? &*measured : nullptr);
       c.kind = "pipedream";
       c.solver = "planner";
       c.stages = static_cast<int>(plan.balance.size());

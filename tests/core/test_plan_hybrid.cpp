@@ -259,6 +259,25 @@ TEST(PlanHybrid, TheOptimizerStepCountsInEveryCandidate) {
 // replicas' gradients instead of the links: data parallelism's all-reduce column is the group model at the
 // measured terms, for the whole model's gradients and the loss; the pruned search still agrees with the
 // exhaustive one.
+// PipeDream's replicated stages are priced by the measured all-reduce too, where one is given: in 1F1B-RR
+// the first stage finishes last, so its step's all-reduce adds to the makespan exactly what the measured
+// one costs over the link's.
+TEST(PlanHybrid, AMeasuredAllReducePricesPipeDreamsReplicas) {
+  const Profile prof = six_layers({6, 1, 1, 1, 1, 1});
+  const std::vector<int> balance{2, 4}, replication{3, 1};
+  const std::vector<TransferSample> samples{{1e5, 0.5}, {1e6, 4.0}, {1e7, 60.0}};  // far slower than the link
+  const MeasuredAllReduce measured(samples, 2);
+  const double params = prof.layers[0].parameter_bytes + prof.layers[1].parameter_bytes;
+  const PlanCandidate link = simulate_candidate(prof, balance, "1f1b", 6, 2.0, 1e6, 0.05, 0, replication);
+  const PlanCandidate with = simulate_candidate(prof, balance, "1f1b", 6, 2.0, 1e6, 0.05, 0, replication, &measured);
+  const double by_link = group_allreduce_ms(params, 3, 1e6, 0.05), by_measure = measured.ms(params, 3);
+  ASSERT_GT(by_measure, by_link + 1.0);
+  EXPECT_NEAR(with.makespan - link.makespan, by_measure - by_link, 1e-6);
+  // Unreplicated (one copy of every stage), nothing changes.
+  const PlanCandidate plain = simulate_candidate(prof, balance, "1f1b", 6, 2.0, 1e6, 0.05, 0, {1, 1}, &measured);
+  EXPECT_DOUBLE_EQ(plain.makespan, simulate_candidate(prof, balance, "1f1b", 6, 2.0, 1e6, 0.05, 0, {1, 1}).makespan);
+}
+
 TEST(PlanHybrid, AMeasuredAllReducePricesTheReplicas) {
   std::mt19937 rng(9);
   const Profile prof = random_profile(rng, 6);

@@ -129,10 +129,12 @@ struct PlanSearchResult {
 PlanSearchResult search_plans(const Profile& profile, const PlanSearchOptions& options);
 
 // Simulates one candidate: a straight pipeline, or with `replication` (one count per stage) 1F1B-RR
-// over the replicas, each replicated stage's step carrying the group all-reduce of its parameters' gradients.
+// over the replicas, each replicated stage's step carrying the group all-reduce of its parameters' gradients
+// (from `measured` where given, the all-reduce `pipetrain profile --transport` measured; else the link's).
 PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>& balance, const std::string& schedule,
                                  int m, double micro_batch, double bandwidth_bytes_per_ms, double latency_ms,
-                                 double memory_limit_bytes, const std::vector<int>& replication = {});
+                                 double memory_limit_bytes, const std::vector<int>& replication = {},
+                                 const MeasuredAllReduce* measured = nullptr);
 
 // A plan file: the chosen plan (Plan's fields) with what `train --plan` runs (schedule, micro-batches,
 // batch size), how it was chosen, and optionally PipeDream's plan and UMPIPE's partitions.
