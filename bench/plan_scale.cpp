@@ -127,17 +127,21 @@ void plan_rows(const std::string& name, const Profile& prof, double bandwidth_gb
   }
 }
 
+Schedule generated(const std::string& name, int p, int m, int v) {
+  GeneratorOptions g;
+  g.ranks = p;
+  g.microbatches = m;
+  g.virtual_stages = v;
+  return generate(name, g);
+}
+
 // One simulation case in a child process, so its peak resident memory is its own.
 void simulate_case(const std::string& name, int p, int m, int v) {
   std::fflush(stdout);
   const pid_t pid = fork();
   if (pid == 0) {
-    GeneratorOptions g;
-    g.ranks = p;
-    g.microbatches = m;
-    g.virtual_stages = v;
     double t0 = now_s();
-    const Schedule s = generate(name, g);
+    const Schedule s = generated(name, p, m, v);
     const double gen = now_s() - t0;
     const CostModel costs = CostModel::uniform(s.stages, StageCost{1, 1, 1, 1}, v, 0.1);
     t0 = now_s();
@@ -166,11 +170,7 @@ void output_case(const std::string& name, int p, int m, int v, const std::string
   std::fflush(stdout);
   const pid_t pid = fork();
   if (pid == 0) {
-    GeneratorOptions g;
-    g.ranks = p;
-    g.microbatches = m;
-    g.virtual_stages = v;
-    const Schedule s = generate(name, g);
+    const Schedule s = generated(name, p, m, v);
     const CostModel costs = CostModel::uniform(s.stages, StageCost{1, 1, 1, 1}, v, 0.1);
     const std::string path = dir + "/out." + what;
     const double t0 = now_s();
