@@ -36,14 +36,15 @@ namespace pipetrain::cli {
 namespace {
 
 // This rank's pipeline options from the flags (the balance is a collective over `world`).
-// With --memory, rank 0 gets the profile the heap model predicts from in `profile`.
+// With --memory, rank 0 gets the profile the heap model predicts from in `profile` (none is measured for
+// a run the model does not cover).
 PipelineOptions rank_options(const TrainFlags& f, const std::shared_ptr<Transport>& world, int64_t share,
                              std::optional<Profile>& profile) {
   PipelineOptions o = f.pipe.options(f.model.seed, device_rank(world->name(), world->rank()));
   o.tied = f.model.ties();
   o.variable_shapes = f.model.gpt.variable_length;
   o.layers_per_stage = resolve_balance(f.pipe, f.model, share / std::max(1, f.pipe.microbatches), *world,
-                                       f.memory ? &profile : nullptr);
+                                       f.memory && heap_model_missing(f).empty() ? &profile : nullptr);
   o.data_parallel = f.pipe.replica_group(world);
   o.optimizer.name = f.optimizer;
   o.optimizer.lr = f.lr;

@@ -174,19 +174,21 @@ std::string banner(const TrainFlags& f, const Trainer& trainer, PipelineRank& ra
       describe(runtime_info()));
 }
 
+std::string heap_model_missing(const TrainFlags& f) {
+  if (is_async(f.pipe.schedule)) return "it does not count the weight sets " + f.pipe.schedule + " keeps";
+  if (f.pipe.umpipe_chosen) return "it does not model UMPIPE's unequal micro-batches";
+  if (f.pipe.checkpoint != "never")
+    return "it does not model re-materialisation (--checkpoint " + f.pipe.checkpoint + ")";
+  if (f.pipe.precision != "fp32")
+    return "the profile's bytes are float32's, and the run computes in " + f.pipe.precision;
+  return {};
+}
+
 HeapPrediction predict_run_heap(const TrainFlags& f, const PipelineRank& rank, const PipelineOptions& o,
                                 const std::optional<Profile>& profile) {
   HeapPrediction h;
-  if (!profile)
-    h.missing = "no profile of the model";
-  else if (is_async(f.pipe.schedule))
-    h.missing = "it does not count the weight sets " + f.pipe.schedule + " keeps";
-  else if (f.pipe.umpipe_chosen)
-    h.missing = "it does not model UMPIPE's unequal micro-batches";
-  else if (f.pipe.checkpoint != "never")
-    h.missing = "it does not model re-materialisation (--checkpoint " + f.pipe.checkpoint + ")";
-  else if (f.pipe.precision != "fp32")
-    h.missing = "the profile's bytes are float32's, and the run computes in " + f.pipe.precision;
+  h.missing = heap_model_missing(f);
+  if (h.missing.empty() && !profile) h.missing = "no profile of the model";
   if (!h.missing.empty()) return h;
   try {
     StageCostOptions so;  // the run's largest micro-batch (split_equal gives the first ones the remainder)

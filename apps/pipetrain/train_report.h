@@ -76,6 +76,8 @@ struct HeapPrediction {
   std::vector<HeapPeak> ranks;
   std::string missing;  // why there is no prediction; empty when there is one
 };
+// Why the heap model cannot predict this run (empty: it can); the same on every rank.
+std::string heap_model_missing(const TrainFlags& f);
 HeapPrediction predict_run_heap(const TrainFlags& f, const PipelineRank& rank, const PipelineOptions& o,
                                 const std::optional<Profile>& profile);
 // `heap`: the prediction next to --memory's measurement (null: none asked).
