@@ -199,13 +199,22 @@ Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
 }
 
 
+// 1F1B-RR's m: the whole schedule's; with every stage replicated u times, train --plan runs u copies of
+// m / u each (the plan file's count), which the text says.
+std::string rr_microbatches(const PlanCandidate& c) {
+  const int u = c.replication.front();
+  const bool equal = u > 1 && std::all_of(c.replication.begin(), c.replication.end(), [&](int r) { return r == u; });
+  return equal ? fmt::format("m={} ({} per copy)", c.m, c.m / u) : fmt::format("m={}", c.m);
+}
+
 // One plan's shape in words: "4 stages x 8 replicas, 1f1b v=1 m=16 (time, min-max)".
 std::string shape_text(const PlanCandidate& c) {
   if (!c.replication.empty() && c.copies > 1)
-    return fmt::format("PipeDream's plan for {} ranks x {} copies: {} stages replicated {} (1F1B-RR), m={}",
-                       c.ranks_used / c.copies, c.copies, c.balance.size(), list(c.replication), c.m);
+    return fmt::format("PipeDream's plan for {} ranks x {} copies: {} stages replicated {} (1F1B-RR), {}",
+                       c.ranks_used / c.copies, c.copies, c.balance.size(), list(c.replication), rr_microbatches(c));
   if (!c.replication.empty())
-    return fmt::format("{} stages replicated {} (1F1B-RR), m={}", c.balance.size(), list(c.replication), c.m);
+    return fmt::format("{} stages replicated {} (1F1B-RR), {}", c.balance.size(), list(c.replication),
+                       rr_microbatches(c));
   std::string s = c.stages == 1 ? fmt::format("1 stage x {} replicas", c.replicas)
                                 : fmt::format("{} stages x {} replica{}", c.stages, c.replicas, c.replicas == 1 ? "" : "s");
   s += fmt::format(", {}", c.schedule);
@@ -261,14 +270,14 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
   if (res.data_parallel)
     row(fmt::format("data parallelism ({} replicas, all layers)", res.data_parallel->replicas), *res.data_parallel);
   if (const auto& rr = res.replicated)
-    row(fmt::format("PipeDream's plan as 1F1B-RR m={}", rr->m), *rr);
+    row(fmt::format("PipeDream's plan as 1F1B-RR {}", rr_microbatches(*rr)), *rr);
   // PipeDream's plan for fewer ranks x data-parallel copies of it: the best of the copy counts tried.
   const PlanCandidate* copies = nullptr;
   for (const PlanCandidate& c : res.pipedream_copies)
     if (!copies || better_candidate(c, *copies)) copies = &c;
   if (copies)
-    row(fmt::format("PipeDream's plan for {} ranks x {} copies, 1F1B-RR m={}", copies->ranks_used / copies->copies,
-                    copies->copies, copies->m),
+    row(fmt::format("PipeDream's plan for {} ranks x {} copies, 1F1B-RR {}", copies->ranks_used / copies->copies,
+                    copies->copies, rr_microbatches(*copies)),
         *copies);
   if (const auto& pd = res.pipedream) {
     const double per_batch = pd->time_ms * static_cast<double>(batch) / prof.micro_batch_size;

@@ -145,7 +145,7 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       const CostModel costs = flags->costs(s);
       // The timeline is kept only for what draws it; the table and --json need the metrics alone, which
       // take a fraction of the memory at large p x m.
-      // What draws it gets the compact timeline (12 bytes per action) and writes as it reads it.
+      // What draws it gets the compact timeline (8 bytes per action) and writes as it reads it.
       const bool timeline = !trace->empty() || !svg->empty() || *ascii;
       std::optional<CompactSimResult> drawn;
       SimResult r;

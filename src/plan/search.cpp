@@ -653,8 +653,12 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
   if (!o.allreduce.empty() && links.bw.size() == 1) measured.emplace(o.allreduce, o.allreduce_ranks);
   auto run_replicated = [&](const Plan& plan, int copies) -> std::optional<PlanCandidate> {
     std::vector<int> replication = plan.replication;
-    int lcm = 1;
-    for (int& r : replication) lcm = std::lcm(lcm, r), r *= copies;
+    long long lcm = 1;  // of the replica counts; beyond the mini-batch no micro-batch count can have it
+    for (int& r : replication) {
+      if (lcm <= batch) lcm = std::lcm(lcm, static_cast<long long>(r));
+      r *= copies;
+    }
+    if (lcm > batch) return std::nullopt;
     // Replicated equally (u times), the runtime runs it as u copies of the pipeline (train --plan reads
     // it as --replicas u), which must split the mini-batch evenly.
     const int u = replication.front();
@@ -688,10 +692,9 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
       pd->balance.size() > 1)
     res.replicated = run_replicated(*pd, 1);
 
-  // PipeDream's plan for k = R/d ranks x d copies. Its planner runs for each k tried, on the same links:
-  // the levels given with d taken off the outermost first (each copy keeps the inner, faster links), or
-  // one level of k ranks; k <= pipedream_max_ranks, so no run costs more than one flat run at the cap,
-  // and at most pipedream_copy_plans values of k.
+  // PipeDream's plan for k = R/d ranks x d copies. Its planner runs for each k tried, on one level of k
+  // ranks; k <= pipedream_max_ranks, so no run costs more than one flat run at the cap, and at most
+  // pipedream_copy_plans values of k.
   if (o.hybrid && o.replicated_may_win && o.pipedream_copy_plans > 0) {
     std::vector<int> ks;
     for (int k = 2; k <= std::min(o.pipedream_max_ranks, R / 2); ++k)
@@ -706,21 +709,11 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
     }
     for (auto it = ks.rbegin(); it != ks.rend(); ++it) {  // by d = R / k, ascending
       const int k = *it, d = R / k;
+      // One level of k ranks on the slowest link: round_robin places a stage's d x r_s replicas side by
+      // side, so a copy's ranks spread over the groups of any --level, and every hop is priced at the
+      // slowest link (simulate_candidate) as the planner then sees it.
       PlannerOptions sub = res.pipedream_options;
-      if (o.pipedream.levels.empty()) {
-        sub.levels = {NetworkLevel{k, o.bandwidth_bytes_per_ms * 1e3}};
-      } else {
-        sub.levels = o.pipedream.levels;
-        int left = d;
-        for (auto l = sub.levels.rbegin(); l != sub.levels.rend() && left > 1; ++l) {
-          const int g = std::gcd(left, l->machines);
-          l->machines /= g;
-          left /= g;
-        }
-        sub.levels.erase(std::remove_if(sub.levels.begin(), sub.levels.end(), [](const NetworkLevel& l) { return l.machines == 1; }),
-                         sub.levels.end());
-        if (left != 1 || sub.levels.empty()) continue;  // neither happens for d | R and k >= 2
-      }
+      sub.levels = {NetworkLevel{k, links.bw.back() * 1e3}};
       Plan plan;
       try {
         plan = plan_pipedream(prof, sub);
