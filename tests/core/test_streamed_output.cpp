@@ -275,10 +275,13 @@ TEST_F(StreamedFile, AFailedWriteToADeviceNamesIt) {
 // predict_heap walks the schedule itself when no transfer carries bytes and it has no skips; the result
 // is heap_walk's (which lowers) largest sample, at the same action.
 TEST(PredictHeap, EqualsTheLoweredWalksPeak) {
-  for (const double message : {0.0, 0.5}) {
+  // w_held 2 (more than the activation, as autograd's split keeps) exercises the heap model's own B/W rule.
+  for (const double message : {0.0, 0.5})
+  for (const double w_held : {-1.0, 2.0}) {
     for (const Schedule& s : {one_f_one_b(4, 8), zb_h1(4, 8), interleaved(2, 4, 2), gpipe(3, 4)}) {
-      SCOPED_TRACE(s.name + " message " + std::to_string(message));
+      SCOPED_TRACE(s.name + " message " + std::to_string(message) + " w_held " + std::to_string(w_held));
       CostModel c = CostModel::uniform(s.stages, StageCost{1, 1, 1, 1.5, 0.25, 0.5, message}, s.virtual_stages_per_rank());
+      for (StageCost& sc : c.stage) sc.w_held = w_held;
       for (const HeapOptions& o : {HeapOptions{}, HeapOptions::reference(), HeapOptions{1, 2}}) {
         const HeapWalk walk = heap_walk(s, c, o);
         const std::vector<HeapPeak> peaks = predict_heap(s, c, o);
