@@ -730,9 +730,15 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
     // Until the first byte of the answer arrives, a note every 10 s (a silent listener was 60 s silent).
     WaitNotes notes;
     const auto answer_by = Clock::now() + answer_limit;
-    for (pollfd p{fd_, POLLIN, 0}; Clock::now() < answer_by && ::poll(&p, 1, 1000) == 0;)
-      notes.tick("for " + what_ + " to answer as a pipetrain rendezvous store: another program may listen there",
-                 answer_limit);
+    bool readable = false;
+    for (pollfd p{fd_, POLLIN, 0}; !readable && Clock::now() < answer_by;) {
+      readable = ::poll(&p, 1, 1000) != 0;
+      if (!readable)
+        notes.tick("for " + what_ + " to answer as a pipetrain rendezvous store: another program may listen there",
+                   answer_limit);
+    }
+    // Not a second wait of answer_limit in recv (a silent listener took twice the limit that the message gave).
+    if (!readable) throw std::runtime_error("no answer in time");
     answer = recv_frame(fd_);
   } catch (const std::exception& e) {
     ::close(fd_);

@@ -275,8 +275,12 @@ TEST(CliRendezvous, ALongWaitSaysWhatItWaitsFor) {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   const std::string silent = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(ntohs(a.sin_port)) +
                              " RANK=1 WORLD_SIZE=2 PIPETRAIN_RENDEZVOUS_TIMEOUT=12 ";
+  const auto started = std::chrono::steady_clock::now();
   r = run_command("timeout 120 env " + silent + bin + mlp + " --steps 1");
+  const auto waited = std::chrono::steady_clock::now() - started;
   ::close(fd);
+  // The answer's limit is 30 s here (three of the store's hello rounds); it was waited twice (61 s).
+  EXPECT_LT(waited, std::chrono::seconds(50)) << r.out;
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("to answer as a pipetrain rendezvous store: another program may listen there")) << r.out;
 }
