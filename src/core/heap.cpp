@@ -10,6 +10,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/skip.h"
+#include "pipetrain/core/validate.h"
 
 namespace pipetrain {
 
@@ -247,8 +248,8 @@ void check_heap_inputs(const Schedule& schedule, const CostModel& costs, const H
   if (options.receives_ahead < 0 || options.sends_in_flight < 0)
     throw UsageError("the heap model's receives ahead (" + std::to_string(options.receives_ahead) +
                      ") and sends in flight (" + std::to_string(options.sends_in_flight) + ") must be >= 0");
+  check_ranges(schedule);
   costs.check(schedule.stages);
-  check_skip_routes(schedule);
 }
 
 // Whether the walk needs the lowered schedule: only transfers that carry bytes (a message > 0) and skip

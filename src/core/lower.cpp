@@ -7,6 +7,7 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/simulate.h"
 #include "pipetrain/core/skip.h"
+#include "pipetrain/core/validate.h"
 
 namespace pipetrain {
 
@@ -18,6 +19,7 @@ Schedule strip_communication(const Schedule& schedule) {
 }
 
 Schedule insert_communication(const Schedule& schedule, const CostModel& costs_in) {
+  check_ranges(schedule);
   for (const auto& row : schedule.actions)
     for (const Action& a : row)
       if (is_comm(a.kind))

@@ -9,6 +9,7 @@
 #include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/read_file.h"
 #include "pipetrain/core/skip.h"
+#include "pipetrain/core/validate.h"
 
 namespace pipetrain {
 
@@ -40,6 +41,7 @@ std::string rank_line(const Schedule& s, int rank) {
 }
 
 std::string to_csv(const Schedule& s) {
+  check_ranges(s);
   std::ostringstream out;
   out << "# pipetrain schedule name=" << s.name << " ranks=" << s.ranks << " stages=" << s.stages
       << " microbatches=" << s.microbatches << " microbatches_per_step=" << s.microbatches_per_step
@@ -247,6 +249,7 @@ Schedule from_csv(const std::string& text) {
       }
     }
   }
+  check_ranges(s);  // a header's sizes that its cells exceed, replicas on missing ranks, skips to no stage
   return s;
 }
 

@@ -162,8 +162,8 @@ bool makers_are_owners(const Schedule& s) {
 // token, nothing per action beyond what on_event keeps.
 template <class OnEvent>
 void run_simulation(const Schedule& s, const CostModel& costs, std::vector<double>& skip_at, OnEvent&& on_event) {
+  check_ranges(s);  // sizes, owners, every action's indices and the skip routes: no read out of bounds
   costs.check(s.stages);
-  check_skip_routes(s);
   const double never = std::numeric_limits<double>::infinity();
   skip_at.assign(skip_token_count(s), never);
   const bool with_skips = !s.skips.empty();

@@ -39,14 +39,16 @@ std::string render_grid(const Schedule& s, const std::vector<GridCell>& marked) 
                                            " of " + std::to_string(ncols)
                                      : std::string())
       << ":\n";
-  const std::string label = "rank " + std::to_string(s.ranks - 1) + " ";
+  // The rows as they are (a malformed schedule's `ranks` may disagree with them: this draws its error).
+  const int rows = static_cast<int>(s.actions.size());
+  const std::string label = "rank " + std::to_string(std::max(rows, 1) - 1) + " ";
   out << std::string(label.size() + 1, ' ') << (first > 0 ? "... " : "");
   for (std::size_t c = first; c < last; ++c) {
     std::string num = std::to_string(c);
     out << num << std::string(width - num.size(), ' ');
   }
   out << '\n';
-  for (int r = 0; r < s.ranks; ++r) {
+  for (int r = 0; r < rows; ++r) {
     std::string name = "rank " + std::to_string(r);
     out << name << std::string(label.size() - name.size(), ' ') << (first > 0 ? "... " : "");
     const auto& row = s.actions[static_cast<std::size_t>(r)];
@@ -519,6 +521,27 @@ void check_memory(const Schedule& s, const ValidateOptions& o) {
 }
 
 }  // namespace
+
+void check_ranges(const Schedule& s) {
+  check_structure(s);
+  for (int r = 0; r < s.ranks; ++r) {
+    const auto& row = s.actions[static_cast<std::size_t>(r)];
+    for (int pos = 0; pos < static_cast<int>(row.size()); ++pos) {
+      const Action& a = row[static_cast<std::size_t>(pos)];
+      const int limit = a.kind == ActionKind::Step ? s.steps() : s.microbatches;
+      const bool needs_next = a.kind == ActionKind::SendAct || a.kind == ActionKind::RecvGrad;
+      const bool needs_prev = a.kind == ActionKind::RecvAct || a.kind == ActionKind::SendGrad;
+      if (a.stage >= 0 && a.stage < s.stages && a.index >= 0 && a.index < limit &&
+          (a.peer < 0 ? !(needs_next && a.stage + 1 >= s.stages) && !(needs_prev && a.stage == 0)
+                      : is_comm(a.kind) && a.peer < s.stages))
+        continue;
+      // The first action out of range: validate's own scan names it (and more) with the grid.
+      locate(s);
+      fail(s, to_string(a) + " is out of the schedule's range", {{r, pos}});
+    }
+  }
+  check_skip_routes(s);
+}
 
 void validate(const Schedule& s, const ValidateOptions& o) {
   check_structure(s);

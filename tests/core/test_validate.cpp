@@ -5,6 +5,8 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/lower.h"
+#include "pipetrain/core/heap.h"
+#include "pipetrain/core/simulate.h"
 #include "pipetrain/core/validate.h"
 
 using namespace pipetrain;
@@ -113,4 +115,57 @@ TEST(Validate, GridWindowOnLongSchedules) {
   const std::string grid = render_grid(s, {{1, 100}});
   expect_contains(grid, "steps 88..111 of 129");
   expect_contains(grid, "[" + to_string(s.actions[1][100]) + "]");
+}
+
+// A schedule built by hand (C++ or Python) reaches simulate, lowering, the heap model and the CSV writer
+// without validate(): a default Schedule, an action with a negative micro-batch, rows that disagree with
+// `ranks`, replicas on missing ranks. Each was a segfault or a heap corruption; each is now refused with
+// validate's message.
+TEST(CheckRanges, EveryConsumerRefusesASchedulesOutOfRangeParts) {
+  std::vector<std::pair<std::string, Schedule>> broken;
+  broken.emplace_back("a default Schedule", Schedule{});
+  Schedule negative = gpipe(2, 2);
+  negative.actions[0].push_back(Action{ActionKind::F, 0, -1});
+  broken.emplace_back("micro-batch -1", negative);
+  Schedule rows = one_f_one_b(2, 2);
+  rows.ranks = 3;
+  broken.emplace_back("3 ranks, 2 rows", rows);
+  Schedule past = one_f_one_b(2, 2);
+  past.actions[1].push_back(Action{ActionKind::BW, 1, 7});
+  broken.emplace_back("micro-batch 7 of 2", past);
+  Schedule send = one_f_one_b(2, 2);
+  send.actions[1].insert(send.actions[1].begin(), Action{ActionKind::SendAct, 1, 0});  // to stage 2: none
+  broken.emplace_back("a send past the last stage", send);
+  Schedule replicas = one_f_one_b(2, 2);
+  replicas.stage_replicas = {{0}, {1, 9}};
+  broken.emplace_back("a replica on rank 9", replicas);
+  for (const auto& [what, s] : broken) {
+    SCOPED_TRACE(what);
+    const CostModel costs = CostModel::uniform(std::max(s.stages, 1), StageCost{});
+    EXPECT_THROW(check_ranges(s), ScheduleError);
+    EXPECT_THROW(simulate(s, costs), ScheduleError);
+    EXPECT_THROW(insert_communication(s, costs), ScheduleError);
+    EXPECT_THROW(predict_heap(s, costs), ScheduleError);
+    EXPECT_THROW(to_csv(s), ScheduleError);
+    // The grid that draws the error draws the rows there are.
+    EXPECT_NE(render_grid(s, {{0, 0}}).find("step x rank grid"), std::string::npos);
+  }
+  // What validate() alone refuses (an incomplete schedule) still simulates as written.
+  Schedule incomplete = one_f_one_b(2, 2);
+  incomplete.actions[0].pop_back();
+  EXPECT_NO_THROW(check_ranges(incomplete));
+  EXPECT_THROW(validate(incomplete), ScheduleError);
+}
+
+TEST(CheckRanges, ACsvHeaderItsCellsExceedIsRefusedOnLoading) {
+  const std::string text =
+      "# pipetrain schedule name=x ranks=2 stages=2 microbatches=1 microbatches_per_step=1 synchronous=1 "
+      "stage_rank=0:1\n0F0,0F1,0BW0,0BW1\n1F0,1BW0,1F1,1BW1\n";
+  try {
+    from_csv(text);
+    FAIL() << "accepted";
+  } catch (const ScheduleError& e) {
+    EXPECT_NE(std::string(e.what()).find("micro-batch 1 but the schedule has 1 micro-batches"), std::string::npos)
+        << e.what();
+  }
 }

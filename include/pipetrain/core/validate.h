@@ -33,6 +33,13 @@ struct ValidateOptions {
 
 void validate(const Schedule& schedule, const ValidateOptions& options = {});
 
+// What every consumer of a schedule needs before it reads one (simulate, insert_communication,
+// predict_heap, to_csv call it): sizes that agree (ranks, stages, rows, owners, replicas), every action's
+// stage, micro-batch (or step) and peer in range, and skip routes between existing stages. One pass over
+// the actions; throws ScheduleError as validate() does. It does not check completeness, order or deadlock
+// (validate() does): the simulator reports a deadlock, and an incomplete schedule simulates as written.
+void check_ranges(const Schedule& schedule);
+
 // A cell of the step x rank grid: rank r's action at position `pos` of its list.
 struct GridCell {
   int rank = 0;
