@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -52,6 +53,25 @@ void exec_torch(char** argv, bool needed) {
 
 }  // namespace
 #endif
+
+namespace {
+
+// Exit status 0 only if what the command printed reached its standard output: `schedule --format csv >
+// zb.csv` on a full disk left a cut file and exit 0. A closed pipe (`| head`) is not an error.
+int stdout_written() {
+  std::cout.flush();
+  const bool stream_ok = static_cast<bool>(std::cout);
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0 && !std::ferror(stdout);
+  const int err = errno;
+  if ((stream_ok && flushed) || err == EPIPE) return pipetrain::cli::kExitOk;
+  std::cerr << "pipetrain: error: writing the standard output failed"
+            << (err ? std::string(" (") + std::strerror(err) + ")" : std::string())
+            << ": what was printed is incomplete; is the disk full?\n";
+  return pipetrain::cli::kExitFailure;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace pipetrain::cli;
@@ -150,6 +170,12 @@ int main(int argc, char** argv) {
     }
     std::cerr << "Commands are schedule, simulate, demo, info, launch, train, selftest, profile and plan; run 'pipetrain --help' for usage.\n";
     return kExitUsage;
+  } catch (const pipetrain::UsageError& e) {  // from a flag's own check at parse time (e.g. a --plan file's)
+    std::cerr << "pipetrain: error: " << pipetrain::escape_controls(e.what()) << "\n";
+    return kExitUsage;
+  } catch (const std::exception& e) {
+    std::cerr << "pipetrain: error: " << pipetrain::escape_controls(e.what()) << "\n";
+    return 1;
   }
-  return exit_code;
+  return exit_code == 0 ? stdout_written() : exit_code;
 }

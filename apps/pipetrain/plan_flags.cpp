@@ -103,6 +103,9 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   } catch (const std::exception& e) {  // parse time: report as a usage error (exit 2)
     throw CLI::ValidationError("--plan", e.what());
   }
+  // What follows checks the plan against the flags (CLI::ValidationError) and its schedule's traits
+  // (UsageError, e.g. a hand-edited schedule name): both exit 2 with the message, never an abort.
+  try {
   const PlanReplication rep = apply_plan_replication(*this, plan, path, given);
   const bool unequal = rep.unequal;
   // A plan with v stages per rank (interleaved's chunks, the V shapes' two) lists every stage in its
@@ -150,6 +153,9 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   // The profile's intra-op threads per rank: the times the plan predicts from were measured with them
   // (the default, cores / ranks, may differ and with it every layer's time).
   if (file.threads > 0 && !given("--threads")) threads = file.threads;
+  } catch (const UsageError& e) {
+    throw CLI::ValidationError("--plan", path + ": " + e.what());
+  }
 }
 
 void PipelineFlags::add_umpipe_to(CLI::App& app) {

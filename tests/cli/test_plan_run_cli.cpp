@@ -240,3 +240,24 @@ TEST(PlanRunCli, ProfileConcurrentWritesRankZerosProfile) {
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("--concurrent")) << r.out;
 }
+
+// A plan file whose schedule was edited to a name that does not exist: train said nothing and aborted
+// (exit 134, an uncaught UsageError from the schedule's traits). Now: exit 2 naming the file, the name
+// and the nearest schedule.
+TEST(PlanRunCli, AnEditedScheduleNameIsAUsageError) {
+  const fs::path dir = temp_dir("edited");
+  const fs::path prof = write_profile(dir);
+  const fs::path plan = dir / "plan.json";
+  ASSERT_EQ(run_pipetrain("plan --profile " + prof.string() + " --ranks 2 --no-hybrid --batch-size 8 --schedules zb-v "
+                          "--out " + plan.string()).code, 0);
+  nlohmann::json j = read_json_file(plan);
+  ASSERT_EQ(j.at("schedule"), "zb-v");
+  j["schedule"] = "zb-q";
+  std::ofstream(plan) << j.dump(1);
+  for (const char* extra : {"", " -s 1f1b"}) {
+    const CommandResult r = run_pipetrain("train --plan " + plan.string() + kModel + kRun + extra);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_TRUE(r.has("unknown schedule 'zb-q' (did you mean 'zb-v'?)")) << r.out;
+    EXPECT_TRUE(r.has(plan.string())) << r.out;
+  }
+}
