@@ -181,7 +181,7 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
         if (heap_inputs) print_heap_table(std::cout, heap, policy, !flags->profile.empty());
         if (*ascii) {
           OstreamSink out(std::cout);
-          write_ascii_gantt(drawn->timeline, out);
+          write_ascii_gantt(drawn->timeline, out, ascii_chars_per_unit(drawn->timeline));
         }
         if (!trace->empty()) std::cout << "trace written to " << *trace << "\n";
         if (!svg->empty()) std::cout << "timeline written to " << *svg << "\n";

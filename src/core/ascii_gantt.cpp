@@ -1,14 +1,36 @@
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <string>
 
+#include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
 
 namespace pipetrain {
 
+namespace {
+std::string short_number(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", x);
+  return buf;
+}
+}  // namespace
+
 // Rows are held whole (a byte per column per rank); each rank's boxes are drawn in the order its events
 // were made, a later one over an earlier one where they overlap.
+double ascii_chars_per_unit(const TimelineEvents& events) {
+  double shortest = 0;
+  events.in_order([&](const TimedAction& e) {
+    const double d = e.end - e.start;
+    if (is_compute(e.action.kind) && d > 0 && (shortest == 0 || d < shortest)) shortest = d;
+  });
+  return shortest > 0 ? 2.0 / shortest : 2.0;
+}
+
 void write_ascii_gantt(const TimelineEvents& events, TextSink& out, double chars_per_unit) {
+  if (!(chars_per_unit > 0) || !std::isfinite(chars_per_unit))
+    throw UsageError("a text timeline's characters per time unit must be a finite number > 0, got " +
+                     short_number(chars_per_unit));
   const Timeline& t = events.header();
   double t0 = 0, t1 = 0;
   bool any = false;
@@ -17,6 +39,13 @@ void write_ascii_gantt(const TimelineEvents& events, TextSink& out, double chars
     t1 = any ? std::max(t1, e.end) : e.end;
     any = true;
   });
+  // Costs in small units (us, ns) at 2 characters per unit made rows of gigabytes: beyond the cap, the
+  // scale that fits it.
+  if (any && (t1 - t0) * chars_per_unit > kMaxAsciiColumns) {
+    chars_per_unit = kMaxAsciiColumns / (t1 - t0);
+    out.write("(drawn " + std::to_string(static_cast<long long>(kMaxAsciiColumns)) + " characters wide: " +
+              short_number(chars_per_unit) + " per time unit)\n");
+  }
   const auto col = [&](double x) { return static_cast<std::size_t>(std::llround((x - t0) * chars_per_unit)); };
   const std::size_t width = any ? col(t1) : 0;
   std::vector<std::string> rows(static_cast<std::size_t>(t.ranks), std::string(width, '.'));

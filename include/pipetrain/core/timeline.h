@@ -116,7 +116,13 @@ class TimelineView : public TimelineEvents {
 // pieces of at most 64 KiB as the events are visited, so the whole text is never held.
 void write_chrome_trace(const TimelineEvents& t, TextSink& out);
 void write_gantt_svg(const TimelineEvents& t, const Metrics& m, TextSink& out);
+// chars_per_unit must be finite and > 0 (UsageError otherwise); a row wider than kMaxAsciiColumns is
+// drawn at the scale that makes it that wide, said in a first line.
 void write_ascii_gantt(const TimelineEvents& t, TextSink& out, double chars_per_unit = 2.0);
+constexpr double kMaxAsciiColumns = 100000;
+// The scale that gives the shortest compute action 2 characters (2 for unit costs; costs in ms, us or
+// ns scale alike), as `simulate --ascii` draws.
+double ascii_chars_per_unit(const TimelineEvents& t);
 
 // Chrome trace JSON ("traceEvents"; opens in Perfetto and chrome://tracing): one track per rank, one
 // complete ("X") slice per action, named in the action's text form, with the kind as category.
