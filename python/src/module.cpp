@@ -820,7 +820,7 @@ PYBIND11_MODULE(_pipetrain, m) {
 
   m.def(
       "_costs",
-      [](const Schedule& s, const std::string& cost, double comm, py::object profile, const std::string& balance,
+      [](Schedule s, const std::string& cost, double comm, py::object profile, const std::string& balance,
          const std::string& balance_solver, double microbatch_size, std::optional<double> bandwidth,
          std::optional<double> latency, double skip_bandwidth, bool checked) {
         if (!checked) check_schedule(s);
@@ -874,7 +874,7 @@ PYBIND11_MODULE(_pipetrain, m) {
   // ---- validation and lowering ----
   m.def(
       "validate",
-      [](const Schedule& s, double memory_limit, std::optional<CostModel> costs) {
+      [](Schedule s, double memory_limit, std::optional<CostModel> costs) {
         check_memory_limit(memory_limit);
         ValidateOptions vo = validate_options(memory_limit);
         if (costs) vo.costs = *costs;
@@ -896,8 +896,8 @@ PYBIND11_MODULE(_pipetrain, m) {
       "the costs' `activation` with costs (bytes for stage_costs() of a profile); 0: no limit. Raises "
       "pipetrain.ScheduleError (a ValueError) whose message carries the step x rank grid with the offending cell "
       "marked.");
-  m.def("render_grid", [](const Schedule& s, const std::vector<std::pair<int, int>>& marked) {
-          check_shape(s);
+  m.def("render_grid", [](Schedule s, const std::vector<std::pair<int, int>>& marked) {
+          s.ranks = static_cast<int>(s.actions.size());  // the rows there are (a malformed schedule's ranks may differ)
           std::vector<GridCell> cells;
           for (const auto& [r, p] : marked) {
             if (r < 0 || r >= s.ranks || p < 0 || p >= static_cast<int>(s.actions[static_cast<std::size_t>(r)].size()))
@@ -908,8 +908,9 @@ PYBIND11_MODULE(_pipetrain, m) {
           }
           return render_grid(s, cells);
         }, py::arg("schedule"), py::arg("marked") = std::vector<std::pair<int, int>>{},
-        "The step x rank grid, marking the (rank, position) cells given.");
-  m.def("lower", [](const Schedule& s, std::optional<CostModel> costs) {
+        "The step x rank grid of the action rows there are (also of an invalid schedule), marking the (rank, "
+        "position) cells given; a marked cell outside the rows raises ValueError.");
+  m.def("lower", [](Schedule s, std::optional<CostModel> costs) {  // copies: another thread may change the object
           py::gil_scoped_release nogil;
           check_schedule(s);
           return insert_communication(s, costs.value_or(CostModel{}));
@@ -917,7 +918,7 @@ PYBIND11_MODULE(_pipetrain, m) {
         py::arg("schedule"), py::arg("costs") = py::none(),
         "Inserts the send and receive actions (pipetrain schedule --lower), in an order that cannot deadlock on "
         "blocking transports. costs (default: F = B = W = 1) only decide how early transfers are posted.");
-  m.def("strip_communication", [](const Schedule& s) {
+  m.def("strip_communication", [](Schedule s) {
           py::gil_scoped_release nogil;
           check_schedule(s);
           return strip_communication(s);
@@ -1007,7 +1008,7 @@ PYBIND11_MODULE(_pipetrain, m) {
       });
   m.def(
       "predict_heap",
-      [](const Schedule& s, std::optional<CostModel> costs, bool reference, int receives_ahead, int sends_in_flight) {
+      [](Schedule s, std::optional<CostModel> costs, bool reference, int receives_ahead, int sends_in_flight) {
         if (receives_ahead < 0) throw UsageError("receives_ahead=" + std::to_string(receives_ahead) + " must be >= 0");
         if (sends_in_flight < 0) throw UsageError("sends_in_flight=" + std::to_string(sends_in_flight) + " must be >= 0");
         HeapOptions o = reference ? HeapOptions::reference() : HeapOptions{receives_ahead, sends_in_flight};
@@ -1090,7 +1091,7 @@ PYBIND11_MODULE(_pipetrain, m) {
                py::repr(py::float_(s.result.metrics.bubble_fraction)).cast<std::string>() + ">";
       });
   // checked=True: the caller validated the schedule already (schedule() and _prepare() do).
-  m.def("_simulate", [](const Schedule& s, const CostModel& costs, bool reference, std::optional<ZbExactResult> exact,
+  m.def("_simulate", [](Schedule s, CostModel costs, bool reference, std::optional<ZbExactResult> exact,
                         bool checked) {
           py::gil_scoped_release nogil;
           if (!checked) check_schedule(s);
@@ -1236,6 +1237,7 @@ PYBIND11_MODULE(_pipetrain, m) {
                              const std::string& cost_form, double memory, bool straight_pipeline,
                              bool allow_fewer_machines, double activation_compression, bool weight_stashing) {
           check_transfer_flags(bandwidth, 0, memory);
+          check_nonneg("memory", memory, "no limit");
           check_activation_compression(activation_compression);
           PlannerOptions o;
           o.levels = to_levels(levels);

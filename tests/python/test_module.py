@@ -17,6 +17,7 @@ import unittest
 import warnings
 
 import pipetrain
+import pipetrain.torch  # imports without torch; only its runners need it
 import support
 
 SOURCE = os.environ.get("PIPETRAIN_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -316,6 +317,9 @@ class MalformedSchedules(unittest.TestCase):
                   pipetrain.costs, pipetrain.strip_communication):
             with self.subTest(f=f.__name__), self.assertRaisesRegex(pipetrain.ScheduleError, "0BW1"):
                 f(s)
+        # pipetrain.torch's check (no torch needed): torch_actions(lower=False) handed it to PyTorch unchecked
+        with self.assertRaisesRegex(pipetrain.ScheduleError, "0BW1"):
+            pipetrain.torch.check_runnable(s)
         dup = pipetrain.Schedule.from_csv("0F0,0F0,0BW0\n1F0,1BW0\n")
         with self.assertRaises(pipetrain.ScheduleError):
             pipetrain.simulate(dup)
@@ -332,7 +336,10 @@ class MalformedSchedules(unittest.TestCase):
             "simulate(Schedule())": ("show(lambda: P.simulate(P.Schedule()))", "action rows"),
             "lower(Schedule())": ("show(lambda: P.lower(P.Schedule()))", "action rows"),
             "predict_heap(Schedule())": ("show(lambda: P.predict_heap(P.Schedule()))", "action rows"),
-            "render_grid(Schedule())": ("show(lambda: P.render_grid(P.Schedule(), [(0, 0)]))", "actions has 0 rows"),
+            "render_grid(Schedule())": ("show(lambda: P.render_grid(P.Schedule(), [(0, 0)]))", "marked cell (0, 0)"),
+            "render_grid ranks=12": ("s = P.schedule('1f1b', stages=2, microbatches=2); s.ranks = 12\n"
+                                     "print(P.render_grid(s).count('\\nrank ')); show(lambda: P.render_grid(s, [(5, 0)]))",
+                                     "2\n"),
             "index -1": ("s = P.schedule('1f1b', stages=1, microbatches=1)\n"
                          "rows = s.actions; rows[0][0].index = -1; rows[0][1].index = -1; s.actions = rows\n"
                          "show(lambda: P.simulate(s))", "micro-batch -1"),
@@ -354,6 +361,9 @@ class MalformedSchedules(unittest.TestCase):
         self.assertIn("[0F0]", pipetrain.render_grid(s, [(0, 0)]))
         with self.assertRaisesRegex(ValueError, r"marked cell \(2, 0\)"):
             pipetrain.render_grid(s, [(2, 0)])
+        s.ranks = 3  # inconsistent: the grid shows the rows there are
+        self.assertEqual(pipetrain.render_grid(s, [(1, 1)]).count("\nrank "), 2)
+        self.assertIn("[1BW0]", pipetrain.render_grid(s, [(1, 1)]))
 
     def test_an_incomplete_schedule_still_prints(self):
         s = pipetrain.Schedule.from_csv("0F0,0BW0,0F1\n1F0,1BW0,1F1,1BW1\n")
