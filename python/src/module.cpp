@@ -935,7 +935,14 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def("__repr__", [](const TimedAction& t) {
         return "TimedAction(rank=" + std::to_string(t.rank) + ", action=" + to_string(t.action) + ", start=" +
                py::repr(py::float_(t.start)).cast<std::string>() + ", end=" + py::repr(py::float_(t.end)).cast<std::string>() + ")";
-      });
+      })
+      .def(py::pickle(
+          [](const TimedAction& e) { return py::make_tuple(e.rank, action_state(e.action), e.start, e.end); },
+          [](const py::tuple& t) {
+            if (t.size() != 4) throw std::runtime_error("TimedAction: bad pickled state");
+            return TimedAction{t[0].cast<int>(), action_from_state(t[1].cast<py::tuple>()), t[2].cast<double>(),
+                               t[3].cast<double>()};
+          }));
   py::class_<Timeline>(m, "Timeline", "When each action ran on each rank (simulated or measured).")
       .def(py::init<>())
       .def_readwrite("schedule", &Timeline::schedule)
@@ -960,7 +967,30 @@ PYBIND11_MODULE(_pipetrain, m) {
              }
              return out;
            }, "The events as dicts: rank, action (text), kind, stage, microbatch, start, end.")
-      .def("__len__", [](const Timeline& t) { return t.events.size(); });
+      .def("__len__", [](const Timeline& t) { return t.events.size(); })
+      .def(py::pickle(
+          [](const Timeline& t) {
+            py::list events;
+            for (const TimedAction& e : t.events) events.append(py::make_tuple(e.rank, action_state(e.action), e.start, e.end));
+            return py::make_tuple(t.schedule, t.ranks, t.microbatches, t.total_microbatches, t.virtual_stages, t.unit,
+                                  events);
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 7) throw std::runtime_error("Timeline: bad pickled state");
+            Timeline out;
+            out.schedule = t[0].cast<std::string>();
+            out.ranks = t[1].cast<int>();
+            out.microbatches = t[2].cast<int>();
+            out.total_microbatches = t[3].cast<int>();
+            out.virtual_stages = t[4].cast<int>();
+            out.unit = t[5].cast<std::string>();
+            for (const py::handle& e : t[6]) {
+              const py::tuple x = py::reinterpret_borrow<py::tuple>(e);
+              out.events.push_back(TimedAction{x[0].cast<int>(), action_from_state(x[1].cast<py::tuple>()),
+                                               x[2].cast<double>(), x[3].cast<double>()});
+            }
+            return out;
+          }));
   py::class_<RankMetrics>(m, "RankMetrics", "busy, span, bubble (= span - busy), peak in-flight micro-batches, peak activation memory of one rank")
       .def_readonly("rank", &RankMetrics::rank)
       .def_readonly("busy", &RankMetrics::busy)

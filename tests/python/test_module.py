@@ -526,6 +526,12 @@ class Pickling(unittest.TestCase):
                               back.overhead), (0.5, 2, 3, [1, 2], 0.25, 0.1))
         k = pipetrain.SkipEdge(0, 3, 0.5)
         self.assertEqual(pickle.loads(pickle.dumps(k)), k)
+        timeline = pipetrain.simulate("1f1b", stages=2, microbatches=2, comm=0.5).timeline
+        for back in self.round_trip(timeline):
+            self.assertEqual(back.records(), timeline.records())
+            self.assertEqual((back.schedule, back.ranks, back.microbatches, back.unit),
+                             (timeline.schedule, timeline.ranks, timeline.microbatches, timeline.unit))
+            self.assertEqual(pipetrain.chrome_trace_json(back), pipetrain.chrome_trace_json(timeline))
 
     def test_simulation_and_exact_result(self):
         sim = pipetrain.simulate("zb-auto", stages=2, microbatches=3, memory_limit=2, exact=True, comm=0.5,
