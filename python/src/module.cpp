@@ -1113,6 +1113,7 @@ PYBIND11_MODULE(_pipetrain, m) {
             std::optional<ZbExactResult> exact;
             if (!t[4].is_none()) exact = t[4].cast<ZbExactResult>();
             py::gil_scoped_release nogil;
+            check_schedule(s);  // a pickle is data like any other
             return run_simulation(s, c, policy, exact);
           }))
       .def("__repr__", [](const Simulation& s) {
