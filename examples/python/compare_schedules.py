@@ -21,7 +21,10 @@ def main():
     ap.add_argument("--out", default="schedules", help="folder for the SVG pictures")
     a = ap.parse_args()
 
-    rows = pipetrain.compare(stages=a.stages, microbatches=a.microbatches, cost=a.cost, comm=a.comm)
+    try:
+        rows = pipetrain.compare(stages=a.stages, microbatches=a.microbatches, cost=a.cost, comm=a.comm)
+    except ValueError as e:  # a bad --cost, --comm, --stages or --microbatches (a schedule left out only warns)
+        ap.exit(2, f"error: {e}\n")
     rows.sort(key=lambda r: (r["makespan"], r["peak_memory"]))
     print(f"p={a.stages} m={a.microbatches} cost {a.cost} comm {a.comm}: fastest first")
     print(pipetrain.format_table(rows, ["name", "makespan", "bubble_fraction", "max_bubble", "peak_memory"]))

@@ -16,7 +16,9 @@ ValueError) whose message carries the step x rank grid.
 `pipetrain.torch` hands a schedule to PyTorch's own pipelining runtime (torch.distributed.pipelining).
 """
 
-from typing import Iterable, List, Optional, Sequence, Union
+import os
+import warnings
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from ._pipetrain import (  # noqa: F401  (re-exported)
     Action,
@@ -73,7 +75,29 @@ from . import _pipetrain
 
 __version__ = "0.1.0"
 
-ProfileLike = Union[dict, str]
+ProfileLike = Union[dict, str, "os.PathLike[str]"]
+
+
+def _str_list(value, keyword: str) -> List[str]:
+    """A list of strings given as a list (or any iterable of str); one bare string is refused, not split."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{keyword} must be a list of strings, got the string {value!r}: "
+                        f"wrap it in a list, e.g. {keyword}=[{value!r}]")
+    out = list(value)
+    for item in out:
+        if not isinstance(item, str):
+            raise TypeError(f"{keyword} must be a list of strings, got an item {item!r} ({type(item).__name__})")
+    return out
+
+
+def _int_list(value, keyword: str) -> List[int]:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{keyword} must be a list of integers, got the string {value!r}")
+    return list(value)
 
 
 def schedule(
@@ -96,7 +120,8 @@ def schedule(
     microbatch_size: float = 0.0,
     bandwidth: Optional[float] = None,
     latency: Optional[float] = None,
-) -> Schedule:
+    return_exact: bool = False,
+) -> Union[Schedule, Tuple[Schedule, Optional[ZbExactResult]]]:
     """Builds and validates a schedule, as ``pipetrain schedule --schedule NAME -p STAGES -m MICROBATCHES``.
 
     name: one of schedule_names() (gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-auto, zb-v, v-half, v-min,
@@ -106,12 +131,16 @@ def schedule(
     over stage replicas (gpipe or 1f1b; stages may then be left 0). skips: 'FROM:TO[:SIZE]' routes.
     exact: with zb-auto, the branch-and-bound optimum (exact_nodes search nodes at most).
     cost/comm/profile/...: the costs zb-h2 and zb-auto plan with (see costs()).
-    Raises ValueError (pipetrain.ScheduleError for an invalid schedule, with its grid).
+    return_exact=True returns (schedule, ZbExactResult of the exact search or None): the summary
+    (greedy_makespan, gap_percent, proven, ...) that ``pipetrain schedule --exact`` prints.
+    Raises ValueError (pipetrain.ScheduleError for an invalid schedule, with its grid); TypeError for a
+    string where a list belongs (skips=['0:3'], not skips='0:3').
     """
-    s, _ = _pipetrain._schedule(
-        name, stages, microbatches, virtual, steps, memory_limit, list(replication or []), list(skips or []),
-        exact, exact_nodes, cost, comm, profile, balance, balance_solver, microbatch_size, bandwidth, latency)
-    return s
+    s, found = _pipetrain._schedule(
+        name, stages, microbatches, virtual, steps, memory_limit, _int_list(replication, "replication"),
+        _str_list(skips, "skips"), exact, exact_nodes, cost, comm, profile, balance, balance_solver,
+        microbatch_size, bandwidth, latency)
+    return (s, found) if return_exact else s
 
 
 generate = schedule
@@ -134,9 +163,16 @@ def costs(
     triple per rank or per stage; a rank's triple is split over its v chunks) and comm (time of one transfer),
     or from a profile (dict, JSON text or path) cut into the schedule's stages by balance (uniform,
     parameters, time, memory, type:REGEX or '3,2,2') with balance_solver (min-max or block-partition);
-    bandwidth in GB/s and latency in us (default: the profile's measured transport, else free)."""
+    bandwidth in GB/s and latency in us (default: the profile's measured transport, else free).
+    The schedule is validated first (ScheduleError if it is not a complete, consistent schedule)."""
     return _pipetrain._costs(schedule, cost, comm, profile, balance, balance_solver, microbatch_size, bandwidth,
                              latency, skip_bandwidth)
+
+
+def _checked_costs(schedule: Schedule, **kw) -> CostModel:
+    # costs() for a schedule simulate() has validated already.
+    return _pipetrain._costs(schedule, kw["cost"], kw["comm"], kw["profile"], kw["balance"], kw["balance_solver"],
+                             kw["microbatch_size"], kw["bandwidth"], kw["latency"], kw["skip_bandwidth"], True)
 
 
 def simulate(
@@ -144,15 +180,15 @@ def simulate(
     costs: Optional[CostModel] = None,
     *,
     reference: bool = False,
-    stages: int = 0,
-    microbatches: int = 0,
-    virtual: int = 1,
-    steps: int = 1,
+    stages: Optional[int] = None,
+    microbatches: Optional[int] = None,
+    virtual: Optional[int] = None,
+    steps: Optional[int] = None,
     memory_limit: float = 0.0,
     replication: Optional[Sequence[int]] = None,
     skips: Optional[Iterable[str]] = None,
-    exact: bool = False,
-    exact_nodes: int = 5_000_000,
+    exact: Optional[bool] = None,
+    exact_nodes: Optional[int] = None,
     cost: str = "1:1:1",
     comm: float = 0.0,
     profile: Optional[ProfileLike] = None,
@@ -167,22 +203,50 @@ def simulate(
     (bubble_fraction = 1 - sum(busy) / (p * makespan); max_bubble = max over ranks of span - busy), per-stage
     busy/span/bubble/peak memory and the heap model's per-rank table.
 
-    schedule: a Schedule, or a name built with the keyword arguments as schedule() does. costs: a CostModel,
-    or (None) the one costs() makes from cost/comm/profile/... reference=True predicts the heap of the
-    blocking reference executor. Returns a Simulation (to_dict() is ``simulate --json``'s object; svg(),
-    chrome_trace(), write_svg(path), write_trace(path), table(), ascii()).
+    schedule: a name, built with the keyword arguments as schedule() does, or a Schedule object, handled as
+    ``pipetrain simulate --load FILE``: validated first (with memory_limit, in micro-batches, when > 0),
+    skips added to a copy (the caller's Schedule is left alone). The keywords that only shape a generated
+    schedule (stages, microbatches, virtual, steps, replication, exact, exact_nodes) raise TypeError with a
+    Schedule object, unless they equal what the schedule already has (stages: its ranks; microbatches:
+    per step). costs: a CostModel, or (None) the one costs() makes from cost/comm/profile/...
+    reference=True predicts the heap of the blocking reference executor. Returns a Simulation (to_dict()
+    is ``simulate --json``'s object, with 'exact' after exact=True; svg(), chrome_trace(),
+    write_svg(path), write_trace(path), table(), ascii()).
     """
+    found = None
     if isinstance(schedule, str):
-        schedule = globals()["schedule"](
-            schedule, stages, microbatches, virtual=virtual, steps=steps, memory_limit=memory_limit,
-            replication=replication, skips=skips, exact=exact, exact_nodes=exact_nodes, cost=cost, comm=comm,
+        schedule, found = globals()["schedule"](
+            schedule, 0 if stages is None else stages, 0 if microbatches is None else microbatches,
+            virtual=1 if virtual is None else virtual, steps=1 if steps is None else steps,
+            memory_limit=memory_limit, replication=replication, skips=skips, exact=bool(exact),
+            exact_nodes=5_000_000 if exact_nodes is None else exact_nodes, cost=cost, comm=comm,
             profile=profile, balance=balance, balance_solver=balance_solver, microbatch_size=microbatch_size,
-            bandwidth=bandwidth, latency=latency)
+            bandwidth=bandwidth, latency=latency, return_exact=True)
+    elif isinstance(schedule, Schedule):
+        own = {"stages": schedule.ranks, "microbatches": schedule.microbatches_per_step,
+               "virtual": schedule.virtual_stages, "steps": schedule.steps}
+        given = {"stages": stages, "microbatches": microbatches, "virtual": virtual, "steps": steps}
+        for key, value in given.items():
+            if value is not None and value != own[key]:
+                raise TypeError(f"simulate: {key}={value!r} shapes a generated schedule, but the Schedule object "
+                                f"already fixes it ({key} {own[key]}): drop {key}=, or give a schedule name")
+        if replication is not None:
+            raise TypeError("simulate: replication= applies to a generated schedule, but a Schedule object gives "
+                            "its replicas in stage_replicas: drop replication=, or give a schedule name")
+        if exact or exact_nodes is not None:
+            raise TypeError("simulate: exact= searches zb-auto's schedules, but a Schedule object is already fixed: "
+                            "drop exact=/exact_nodes=, or give the name 'zb-auto'")
+        schedule = _pipetrain._prepare(schedule, memory_limit, _str_list(skips, "skips"))
+    else:
+        raise TypeError(f"simulate: schedule must be a Schedule or a schedule name (str, one of schedule_names()), "
+                        f"got {type(schedule).__name__}")
     if costs is None:
-        costs = globals()["costs"](
+        costs = _checked_costs(
             schedule, cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,
             microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency, skip_bandwidth=skip_bandwidth)
-    return _pipetrain._simulate(schedule, costs, reference)
+    elif not isinstance(costs, CostModel):
+        raise TypeError(f"simulate: costs must be a CostModel or None, got {type(costs).__name__}")
+    return _pipetrain._simulate(schedule, costs, reference, found, True)
 
 
 def compare(
@@ -196,10 +260,27 @@ def compare(
 ) -> List[dict]:
     """Simulates several schedules on the same sizes and costs (default: every name that builds for them)
     and returns one row per schedule: name, makespan, bubble_fraction, max_bubble, peak_memory (the largest
-    rank's activations in micro-batches), ranks. Schedules that refuse the sizes are left out; the
-    asynchronous ones (pipedream, 2bw, spectrain) are left out unless named."""
-    rows = []
+    rank's activations in micro-batches), ranks, virtual. The asynchronous schedules (pipedream, 2bw,
+    spectrain) are left out unless named.
+
+    Bad arguments raise ValueError (a malformed cost, a cost with neither 1, stages nor stages x virtual
+    triples, comm < 0 or not finite, stages, microbatches or virtual < 1). A schedule that cannot be
+    generated for these sizes (e.g. interleaved when microbatches is not a multiple of stages) is left out
+    with a warning (UserWarning) that names it and says why; a named one raises instead."""
+    for key, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"compare: {key}={value!r} must be an integer >= 1")
+    if not isinstance(comm, (int, float)) or not (0 <= comm < float("inf")):
+        raise ValueError(f"compare: comm={comm!r} must be a finite number >= 0 (time of one transfer)")
+    triples = len(parse_stage_costs(cost))  # ValueError naming the cell for a malformed cost
+    if triples not in (1, stages, stages * virtual):
+        raise ValueError(f"compare: cost={cost!r} lists {triples} F:B:W triples but stages is {stages}: give one "
+                         f"triple for every stage, one per stage ({stages}), or one per virtual stage "
+                         f"({stages * virtual})")
     explicit = names is not None
+    if explicit:
+        names = _str_list(names, "names")
+    rows = []
     for name in (names if explicit else schedule_names()):
         traits = schedule_traits(name)
         if not explicit and not traits["synchronous"]:
@@ -207,9 +288,12 @@ def compare(
         v = virtual if traits["virtual_stages"] else 1
         try:
             sim = simulate(name, stages=stages, microbatches=microbatches, virtual=v, cost=cost, comm=comm)
-        except ValueError:
+        except ValueError as e:
             if explicit:
                 raise
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            warnings.warn(f"compare: {name} left out: it cannot be built for stages={stages}, "
+                          f"microbatches={microbatches}, virtual={v}: {reason}", UserWarning, stacklevel=2)
             continue
         rows.append({"name": name, "makespan": sim.makespan, "bubble_fraction": sim.bubble_fraction,
                      "max_bubble": sim.max_bubble, "peak_memory": sim.peak_memory, "ranks": sim.schedule.ranks,
@@ -230,4 +314,4 @@ def format_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None) 
 
 
 __all__ = [n for n in dir() if not n.startswith("_")
-           and n not in ("Iterable", "List", "Optional", "Sequence", "Union", "ProfileLike")]
+           and n not in ("Iterable", "List", "Optional", "Sequence", "Tuple", "Union", "ProfileLike", "os", "warnings")]

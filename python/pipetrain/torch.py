@@ -46,7 +46,9 @@ def _schedules_module():
 def check_runnable(schedule: "pipetrain.Schedule") -> None:
     """Raises ValueError when PyTorch's runtime cannot run `schedule`: several optimizer steps (give one step;
     PyTorch's step() is one synchronous step), asynchronous schedules (pipedream, 2bw, spectrain), replicated
-    stages (1F1B-RR) and skip routes."""
+    stages (1F1B-RR) and skip routes; pipetrain.ScheduleError (a ValueError) when it is not a valid schedule
+    (pipetrain.validate)."""
+    pipetrain.validate(schedule)
     if not schedule.synchronous:
         raise ValueError(f"schedule {schedule.name} steps without a flush (weight versions); PyTorch's runtime runs "
                          "synchronous schedules only: choose a synchronous one (gpipe, 1f1b, zb-*, v-*, interleaved, ...)")

@@ -46,11 +46,116 @@ using namespace pipetrain;
 
 namespace {
 
+// ---- argument checks ---------------------------------------------------------------------------------
+std::string num(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+
+// A number that must be finite and >= 0 (0 often means "none" or "default"; `zero` says which).
+void check_nonneg(const std::string& keyword, double v, const std::string& zero = "") {
+  if (!(v >= 0) || !std::isfinite(v))
+    throw UsageError(keyword + "=" + num(v) + " must be a finite number >= 0" + (zero.empty() ? "" : " (0: " + zero + ")"));
+}
+void check_nonneg(const std::string& keyword, const std::optional<double>& v, const std::string& zero = "") {
+  if (v) check_nonneg(keyword, *v, zero);
+}
+
+// memory_limit: activation memory per rank (0: no limit).
+void check_memory_limit(double memory_limit) { check_nonneg("memory_limit", memory_limit, "no limit"); }
+
+// A path argument: str or any os.PathLike (pathlib.Path), as os.fspath() gives it.
+std::string path_arg(const py::handle& obj, const std::string& keyword) {
+  py::object p;
+  try {
+    p = py::module_::import("os").attr("fspath")(obj);
+  } catch (py::error_already_set&) {
+    throw py::type_error(keyword + " must be a str or an os.PathLike such as pathlib.Path, got " +
+                         py::str(py::type::of(obj).attr("__name__")).cast<std::string>());
+  }
+  if (py::isinstance<py::bytes>(p)) p = p.attr("decode")();
+  const std::string path = p.cast<std::string>();
+  if (path.empty()) throw UsageError(keyword + " is empty: give a file path");
+  return path;
+}
+
+// The structure the writers (to_csv, str, text, rank_line, render_grid) read: one action row per rank,
+// stage owners within the ranks. Cheaper and weaker than validate(): an incomplete schedule still prints.
+void check_shape(const Schedule& s) {
+  auto bad = [&](const std::string& what) {
+    throw ScheduleError("inconsistent schedule '" + s.name + "': " + what + " (pipetrain.validate(schedule) checks everything)");
+  };
+  if (s.ranks < 1) bad("ranks=" + std::to_string(s.ranks) + " must be >= 1");
+  if (s.stages < 1) bad("stages=" + std::to_string(s.stages) + " must be >= 1");
+  if (static_cast<int>(s.actions.size()) != s.ranks)
+    bad("ranks is " + std::to_string(s.ranks) + " but actions has " + std::to_string(s.actions.size()) +
+        " rows: give one row of actions per rank (set ranks and actions together)");
+  if (static_cast<int>(s.stage_rank.size()) != s.stages)
+    bad("stages is " + std::to_string(s.stages) + " but stage_rank has " + std::to_string(s.stage_rank.size()) +
+        " entries: give one owner rank per stage");
+  for (std::size_t st = 0; st < s.stage_rank.size(); ++st)
+    if (s.stage_rank[st] < 0 || s.stage_rank[st] >= s.ranks)
+      bad("stage_rank[" + std::to_string(st) + "] is rank " + std::to_string(s.stage_rank[st]) + " but ranks are 0.." +
+          std::to_string(s.ranks - 1));
+  if (s.replicated() && s.stage_replicas.size() != s.stage_rank.size())
+    bad("stage_replicas has " + std::to_string(s.stage_replicas.size()) + " entries for " + std::to_string(s.stages) +
+        " stages");
+  for (std::size_t st = 0; st < s.stage_replicas.size(); ++st)
+    for (int r : s.stage_replicas[st])
+      if (r < 0 || r >= s.ranks)
+        bad("stage_replicas[" + std::to_string(st) + "] holds rank " + std::to_string(r) + " but ranks are 0.." +
+            std::to_string(s.ranks - 1));
+}
+
+// What the command line does with every schedule it loads: validate (with the memory limit, 0: none).
+// Every binding that consumes a Schedule calls this first; validate() checks the structure before it
+// indexes anything, so a malformed schedule raises ScheduleError instead of crashing.
+void check_schedule(const Schedule& s, double memory_limit = 0) {
+  check_memory_limit(memory_limit);
+  ValidateOptions vo;
+  if (memory_limit > 0) vo.memory_limit = memory_limit;
+  validate(s, vo);
+}
+
+// A list argument given as one string (skips="0:3") would be read character by character.
+void check_not_str(const py::handle& obj, const std::string& keyword, const std::string& what) {
+  if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj))
+    throw py::type_error(keyword + " must be a list of " + what + ", got the string " +
+                         py::repr(obj).cast<std::string>() + ": wrap it in a list, e.g. [" +
+                         py::repr(obj).cast<std::string>() + "]");
+}
+
 // ---- JSON <-> Python (through the json module: exact for numbers, strings, lists and dicts) ----------
 py::object to_python(const nlohmann::json& j) {
   return py::module_::import("json").attr("loads")(j.dump());
 }
-nlohmann::json from_python(const py::handle& obj) {
+
+// The first NaN or infinite number inside a dict/list, as a path such as layers[0].forward_ms ("" if none).
+std::string non_finite_at(const py::handle& obj, const std::string& at) {
+  if (py::isinstance<py::float_>(obj)) {
+    const double v = obj.cast<double>();
+    return std::isfinite(v) ? std::string() : at + " is " + num(v);
+  }
+  if (py::isinstance<py::dict>(obj)) {
+    for (const auto& kv : py::reinterpret_borrow<py::dict>(obj)) {
+      const std::string key = py::str(kv.first).cast<std::string>();
+      const std::string found = non_finite_at(kv.second, at.empty() ? key : at + "." + key);
+      if (!found.empty()) return found;
+    }
+  } else if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
+    std::size_t i = 0;
+    for (const py::handle& item : obj) {
+      const std::string found = non_finite_at(item, at + "[" + std::to_string(i++) + "]");
+      if (!found.empty()) return found;
+    }
+  }
+  return "";
+}
+
+nlohmann::json from_python(const py::handle& obj, const std::string& what = "profile") {
+  const std::string bad = non_finite_at(obj, "");
+  if (!bad.empty()) throw UsageError(what + ": " + bad + ": every number must be finite");
   const std::string text = py::module_::import("json").attr("dumps")(obj).cast<std::string>();
   return nlohmann::json::parse(text);
 }
@@ -64,9 +169,13 @@ Profile to_profile(const py::handle& obj) {
     if (first != std::string::npos && text[first] == '{') return profile_from_json_text(text, "profile");
     return load_profile(text);
   }
-  if (py::hasattr(obj, "__fspath__")) return load_profile(py::str(obj.attr("__fspath__")()).cast<std::string>());
-  throw UsageError("a profile is a dict (the JSON form of docs/PROFILE.md), JSON text or a file path; got " +
-                   py::str(py::type::of(obj)).cast<std::string>());
+  if (py::hasattr(obj, "__fspath__")) return load_profile(path_arg(obj, "profile"));
+  throw py::type_error("profile must be a dict (the JSON form of docs/PROFILE.md), JSON text or a file path; got " +
+                       py::str(py::type::of(obj).attr("__name__")).cast<std::string>());
+}
+std::optional<Profile> to_profile_opt(const py::object& obj) {
+  if (obj.is_none()) return std::nullopt;
+  return to_profile(obj);
 }
 
 ActionKind parse_kind(const std::string& name) {
@@ -83,7 +192,7 @@ ActionKind parse_kind(const std::string& name) {
 struct CostFlags {
   std::string cost = "1:1:1";
   double comm = 0.0;
-  py::object profile = py::none();
+  std::optional<Profile> profile;  // converted from the Python object before the GIL is released
   std::string balance = "time";
   std::string balance_solver = "min-max";
   double microbatch_size = 0;
@@ -92,15 +201,25 @@ struct CostFlags {
   double skip_bandwidth = 0;
 };
 
+// The keywords' ranges, checked before anything is built (NaN compares false: every check is !(x >= 0)).
+void check_cost_flags(const CostFlags& f) {
+  check_nonneg("comm", f.comm);
+  check_nonneg("microbatch_size", f.microbatch_size, "the profile's");
+  check_nonneg("bandwidth", f.bandwidth, "free transfers; None: the profile's measured, else free");
+  check_nonneg("latency", f.latency);
+  check_nonneg("skip_bandwidth", f.skip_bandwidth, "unlimited");
+}
+
 std::pair<double, double> transfer_options(const CostFlags& f, const Profile& p) {
-  if (f.bandwidth.value_or(0) < 0 || f.latency.value_or(0) < 0) throw UsageError("bandwidth and latency must be >= 0");
+  check_nonneg("bandwidth", f.bandwidth, "free transfers; None: the profile's measured, else free");
+  check_nonneg("latency", f.latency);
   if (!f.bandwidth && !f.latency)
     if (const auto t = profile_transfers(p)) return {t->bandwidth_bytes_per_ms, t->latency_ms};
   return {f.bandwidth.value_or(0) * 1e6, f.latency.value_or(0) / 1e3};
 }
 
 CostModel profile_costs(const CostFlags& f, const Profile& p, int total_stages) {
-  if (f.microbatch_size < 0) throw UsageError("microbatch_size must be > 0");
+  check_nonneg("microbatch_size", f.microbatch_size, "the profile's");
   const std::vector<int> b = plan_balance(p, total_stages, f.balance, parse_balance_solver(f.balance_solver));
   StageCostOptions o;
   o.micro_batch = f.microbatch_size > 0 ? f.microbatch_size : p.micro_batch_size;
@@ -109,11 +228,10 @@ CostModel profile_costs(const CostFlags& f, const Profile& p, int total_stages) 
 }
 
 CostModel flag_costs(const CostFlags& f, const Schedule& s) {
-  if (f.skip_bandwidth < 0 || !(f.skip_bandwidth < 1e300))
-    throw UsageError("skip_bandwidth " + std::to_string(f.skip_bandwidth) + " must be finite and >= 0 (0: unlimited)");
+  check_cost_flags(f);
   CostModel c;
-  if (!f.profile.is_none()) {
-    const Profile p = to_profile(f.profile);
+  if (f.profile) {
+    const Profile& p = *f.profile;
     c = profile_costs(f, p, s.stages);
     if (s.replicated()) {
       std::vector<int> counts;
@@ -124,7 +242,6 @@ CostModel flag_costs(const CostFlags& f, const Schedule& s) {
     }
   } else {
     const std::vector<StageCost> given = parse_stage_costs(f.cost);
-    if (f.comm < 0) throw UsageError("comm " + std::to_string(f.comm) + " must be >= 0");
     c = costs_from_triples(s, given, f.comm, "cost");
   }
   c.bandwidth = f.skip_bandwidth;
@@ -159,6 +276,8 @@ Schedule make_schedule(const std::string& name, int stages, int microbatches, in
                        double memory_limit, const std::vector<int>& replication, const std::vector<std::string>& skips,
                        bool exact, long long exact_nodes, const CostFlags& cf, ZbExactResult* found) {
   if (name.empty()) throw UsageError("missing schedule: choose one of " + names_text());
+  check_memory_limit(memory_limit);
+  check_cost_flags(cf);
   Schedule s;
   if (!replication.empty()) {
     if (stages != 0 && stages != static_cast<int>(replication.size()))
@@ -179,8 +298,8 @@ Schedule make_schedule(const std::string& name, int stages, int microbatches, in
   o.memory_limit = memory_limit;
   if (name == "zb-h2" || name == "zb-auto") {
     if (stages < 1) throw UsageError("stages must be >= 1, got " + std::to_string(stages));
-    if (!cf.profile.is_none()) {
-      o.costs = profile_costs(cf, to_profile(cf.profile), stages * virtual_stages);
+    if (cf.profile) {
+      o.costs = profile_costs(cf, *cf.profile, stages * virtual_stages);
     } else {
       o.costs.stage = parse_stage_costs(cf.cost);
       o.costs.comm = cf.comm;
@@ -218,10 +337,13 @@ struct Simulation {
   SimResult result;
   std::vector<HeapPeak> heap;
   HeapOptions policy;
+  std::optional<ZbExactResult> exact;  // simulate('zb-auto', exact=True): the search's result
 };
 
-Simulation run_simulation(const Schedule& s, const CostModel& costs, const HeapOptions& policy) {
+Simulation run_simulation(const Schedule& s, const CostModel& costs, const HeapOptions& policy,
+                          const std::optional<ZbExactResult>& exact = std::nullopt) {
   Simulation out;
+  out.exact = exact;
   out.schedule = s;
   out.costs = costs;
   out.result = simulate(s, costs);
@@ -232,7 +354,30 @@ Simulation run_simulation(const Schedule& s, const CostModel& costs, const HeapO
 
 // The object `pipetrain simulate --json` prints, key for key (core/simulate_json.h).
 nlohmann::json simulation_json(const Simulation& sim) {
-  return pipetrain::simulation_json(sim.schedule, sim.result, sim.heap, sim.policy);
+  nlohmann::json j = pipetrain::simulation_json(sim.schedule, sim.result, sim.heap, sim.policy);
+  if (const auto& f = sim.exact)  // as apps/pipetrain/cmd_simulate.cpp adds it
+    j["exact"] = {{"greedy_makespan", f->greedy_makespan}, {"makespan", f->makespan},
+                  {"gap_percent", f->gap_percent()},        {"proven", f->proven},
+                  {"lower_bound", f->lower_bound},          {"nodes", f->nodes}};
+  return j;
+}
+
+// ascii_gantt with its argument checked: the line width is makespan x chars_per_unit characters.
+std::string checked_ascii(const Timeline& t, double cpu) {
+  if (!(cpu > 0) || !std::isfinite(cpu))
+    throw UsageError("chars_per_unit=" + num(cpu) + " must be a finite number > 0 (characters per time unit), e.g. 2");
+  double t0 = 0, t1 = 0;
+  bool any = false;
+  for (const TimedAction& e : t.events) {
+    t0 = any ? std::min(t0, e.start) : e.start;
+    t1 = any ? std::max(t1, e.end) : e.end;
+    any = true;
+  }
+  const double width = (t1 - t0) * cpu;
+  if (!(width <= 1e6))
+    throw UsageError("chars_per_unit=" + num(cpu) + " makes lines of " + num(width) + " characters (the timeline spans " +
+                     num(t1 - t0) + " time units): give chars_per_unit <= " + num(1e6 / std::max(t1 - t0, 1e-300)));
+  return ascii_gantt(t, cpu);
 }
 
 std::string fixed(double v, int digits) {
@@ -303,25 +448,63 @@ nlohmann::json search_json(const Profile& profile, const PlanSearchResult& r) {
 std::vector<NetworkLevel> to_levels(const py::object& levels) {
   std::vector<NetworkLevel> out;
   if (levels.is_none()) return out;
+  check_not_str(levels, "levels", "'MACHINES:GB/s' strings or (machines, GB/s) pairs");
+  const std::string form = "a level is 'MACHINES:GB/s' or (MACHINES, GB/s) with a whole MACHINES >= 1 and a finite GB/s > 0, "
+                           "e.g. '4:100' or (4, 100.0)";
+  std::size_t i = 0;
   for (const py::handle& item : levels) {
+    const std::string at = "levels[" + std::to_string(i++) + "]=" + py::repr(item).cast<std::string>();
+    double machines = 0, gbps = 0;
     if (py::isinstance<py::str>(item)) {
       const std::string lv = item.cast<std::string>();
       const auto colon = lv.find(':');
       try {
         if (colon == std::string::npos) throw std::invalid_argument(lv);
-        out.push_back(NetworkLevel{std::stoi(lv.substr(0, colon)), std::stod(lv.substr(colon + 1)) * 1e9});
+        std::size_t used = 0;
+        const std::string m_text = lv.substr(0, colon), g_text = lv.substr(colon + 1);
+        machines = std::stod(m_text, &used);
+        if (used != m_text.size()) throw std::invalid_argument(lv);
+        gbps = std::stod(g_text, &used);
+        if (used != g_text.size()) throw std::invalid_argument(lv);
       } catch (const std::exception&) {
-        throw UsageError("level " + lv + " must read MACHINES:GB/s, e.g. 4:100");
+        throw UsageError(at + ": " + form);
       }
     } else {
-      const auto t = item.cast<std::pair<int, double>>();
-      out.push_back(NetworkLevel{t.first, t.second * 1e9});
+      if (!py::isinstance<py::sequence>(item) || py::len(item) != 2) throw py::type_error(at + ": " + form);
+      const py::sequence pair = py::reinterpret_borrow<py::sequence>(item);
+      try {
+        machines = py::float_(pair[0]).cast<double>();
+        gbps = py::float_(pair[1]).cast<double>();
+      } catch (py::error_already_set&) {
+        throw py::type_error(at + ": " + form);
+      }
     }
-    if (out.back().machines < 1 || !(out.back().bandwidth > 0) || !std::isfinite(out.back().bandwidth))
-      throw UsageError("a level needs MACHINES >= 1 and a finite GB/s > 0, e.g. 4:100 or (4, 100.0)");
+    if (!(machines >= 1) || machines != std::floor(machines) || machines > 1e9 || !(gbps > 0) || !std::isfinite(gbps))
+      throw UsageError(at + ": " + form);
+    out.push_back(NetworkLevel{static_cast<int>(machines), gbps * 1e9});
   }
   return out;
 }
+
+// The levels describe the devices a plan is placed on: they must be the ranks planned for (search_plans
+// refuses the same in the core, in the command line's words).
+void check_levels_ranks(const std::vector<NetworkLevel>& levels, int ranks) {
+  if (levels.empty() || planner_devices(levels) == ranks) return;
+  std::string product;
+  for (const NetworkLevel& l : levels) product += (product.empty() ? "" : " x ") + std::to_string(l.machines);
+  throw UsageError("levels describe " + product + " = " + std::to_string(planner_devices(levels)) +
+                   " devices but ranks is " + std::to_string(ranks) + ": give ranks=" +
+                   std::to_string(planner_devices(levels)) + " (the product of the levels' MACHINES), leave ranks out, "
+                   "or give levels whose MACHINES multiply to " + std::to_string(ranks));
+}
+
+// A link's GB/s for the planners: > 0, infinity allowed (free transfers), NaN not.
+void check_link_bandwidth(const std::optional<double>& gbps) {
+  if (gbps && !(*gbps > 0))
+    throw UsageError("bandwidth=" + num(*gbps) + " must be a number of GB/s > 0 (float('inf'): free transfers)");
+}
+
+void check_activation_compression(double c) { check_nonneg("activation_compression", c, "none"); }
 
 void check_transfer_flags(double bandwidth_gbps, double latency_us, double memory_gib) {
   if (!(bandwidth_gbps > 0)) throw UsageError("bandwidth must be > 0 GB/s, got " + std::to_string(bandwidth_gbps));
@@ -340,6 +523,82 @@ std::pair<double, double> plan_transfers(const Profile& prof, std::optional<doub
       us = t->latency_ms * 1e3;
     }
   return {gbps, us};
+}
+
+// ---- pickling (py::pickle; copy.deepcopy goes through it too) ----------------------------------------
+py::tuple action_state(const Action& a) {
+  return py::make_tuple(std::string(kind_name(a.kind)), a.stage, a.index, a.paired, a.peer);
+}
+Action action_from_state(const py::tuple& t) {
+  if (t.size() != 5) throw std::runtime_error("Action: bad pickled state");
+  Action a;
+  a.kind = parse_kind(t[0].cast<std::string>());
+  a.stage = t[1].cast<int>();
+  a.index = t[2].cast<int>();
+  a.paired = t[3].cast<bool>();
+  a.peer = t[4].cast<int>();
+  return a;
+}
+py::tuple stage_cost_state(const StageCost& c) {
+  return py::make_tuple(c.f, c.b, c.w, c.activation, c.gradient_b, c.gradient_w, c.message, c.w_held);
+}
+StageCost stage_cost_from_state(const py::tuple& t) {
+  if (t.size() != 8) throw std::runtime_error("StageCost: bad pickled state");
+  return StageCost{t[0].cast<double>(), t[1].cast<double>(), t[2].cast<double>(), t[3].cast<double>(),
+                   t[4].cast<double>(), t[5].cast<double>(), t[6].cast<double>(), t[7].cast<double>()};
+}
+py::tuple cost_model_state(const CostModel& c) {
+  py::list stages;
+  for (const StageCost& s : c.stage) stages.append(stage_cost_state(s));
+  return py::make_tuple(stages, c.comm, c.boundary_comm, c.step, c.bandwidth, c.stage_step, c.b_release_fraction,
+                        c.overhead);
+}
+CostModel cost_model_from_state(const py::tuple& t) {
+  if (t.size() != 8) throw std::runtime_error("CostModel: bad pickled state");
+  CostModel c;
+  for (const py::handle& s : t[0]) c.stage.push_back(stage_cost_from_state(py::reinterpret_borrow<py::tuple>(s)));
+  c.comm = t[1].cast<double>();
+  c.boundary_comm = t[2].cast<std::vector<double>>();
+  c.step = t[3].cast<double>();
+  c.bandwidth = t[4].cast<double>();
+  c.stage_step = t[5].cast<std::vector<double>>();
+  c.b_release_fraction = t[6].cast<double>();
+  c.overhead = t[7].cast<double>();
+  return c;
+}
+py::tuple schedule_state(const Schedule& s) {
+  py::list rows;
+  for (const auto& row : s.actions) {
+    py::list r;
+    for (const Action& a : row) r.append(action_state(a));
+    rows.append(r);
+  }
+  py::list skips;
+  for (const SkipEdge& k : s.skips) skips.append(py::make_tuple(k.from_stage, k.to_stage, k.size));
+  return py::make_tuple(s.name, s.ranks, s.stages, s.microbatches, s.microbatches_per_step, s.synchronous,
+                        s.stage_rank, s.stage_replicas, rows, skips);
+}
+Schedule schedule_from_state(const py::tuple& t) {
+  if (t.size() != 10) throw std::runtime_error("Schedule: bad pickled state");
+  Schedule s;
+  s.name = t[0].cast<std::string>();
+  s.ranks = t[1].cast<int>();
+  s.stages = t[2].cast<int>();
+  s.microbatches = t[3].cast<int>();
+  s.microbatches_per_step = t[4].cast<int>();
+  s.synchronous = t[5].cast<bool>();
+  s.stage_rank = t[6].cast<std::vector<int>>();
+  s.stage_replicas = t[7].cast<std::vector<std::vector<int>>>();
+  for (const py::handle& row : t[8]) {
+    std::vector<Action> r;
+    for (const py::handle& a : row) r.push_back(action_from_state(py::reinterpret_borrow<py::tuple>(a)));
+    s.actions.push_back(std::move(r));
+  }
+  for (const py::handle& k : t[9]) {
+    const auto e = k.cast<std::tuple<int, int, double>>();
+    s.skips.push_back(SkipEdge{std::get<0>(e), std::get<1>(e), std::get<2>(e)});
+  }
+  return s;
 }
 
 }  // namespace
@@ -367,6 +626,9 @@ PYBIND11_MODULE(_pipetrain, m) {
                      "optimizer step), the (virtual) stage, the micro-batch (the step number for 'S'). Text form "
                      "<stage><KIND><index>, e.g. 2F0; a skip transfer adds @<peer stage>.")
       .def(py::init([](const std::string& kind, int stage, int index, bool paired, int peer) {
+             if (stage < 0) throw UsageError("Action stage=" + std::to_string(stage) + " must be >= 0");
+             if (index < 0) throw UsageError("Action index=" + std::to_string(index) + " must be >= 0 (a micro-batch, or the step for 'S')");
+             if (peer < -1) throw UsageError("Action peer=" + std::to_string(peer) + " must be >= 0, or -1 (the neighbouring stage)");
              Action a;
              a.kind = parse_kind(kind);
              a.stage = stage;
@@ -375,7 +637,8 @@ PYBIND11_MODULE(_pipetrain, m) {
              a.peer = peer;
              return a;
            }),
-           py::arg("kind"), py::arg("stage"), py::arg("index"), py::arg("paired") = false, py::arg("peer") = -1)
+           py::arg("kind"), py::arg("stage"), py::arg("index"), py::arg("paired") = false, py::arg("peer") = -1,
+           "stage and index must be >= 0 (validate() checks them against a schedule's sizes); peer >= -1.")
       .def_static("parse", &parse_action, py::arg("text"), "Parses the text form, e.g. '2F0' or '0SF2@3'.")
       .def_property(
           "kind", [](const Action& a) { return std::string(kind_name(a.kind)); },
@@ -392,7 +655,8 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def(py::self == py::self)
       .def(py::self != py::self)
       .def(py::self < py::self)
-      .def("__hash__", [](const Action& a) { return std::hash<Action>{}(a); });
+      .def("__hash__", [](const Action& a) { return std::hash<Action>{}(a); })
+      .def(py::pickle(&action_state, &action_from_state));
 
   py::class_<SkipEdge>(m, "SkipEdge", "A skip connection: from_stage stashes a tensor of `size` that to_stage pops.")
       .def(py::init([](int from, int to, double size) { return SkipEdge{from, to, size}; }), py::arg("from_stage"),
@@ -402,7 +666,13 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_readwrite("size", &SkipEdge::size)
       .def("__repr__", [](const SkipEdge& k) {
         return "SkipEdge(" + std::to_string(k.from_stage) + ", " + std::to_string(k.to_stage) + ", " + py::repr(py::float_(k.size)).cast<std::string>() + ")";
-      });
+      })
+      .def(py::self == py::self)
+      .def(py::pickle([](const SkipEdge& k) { return py::make_tuple(k.from_stage, k.to_stage, k.size); },
+                      [](const py::tuple& t) {
+                        if (t.size() != 3) throw std::runtime_error("SkipEdge: bad pickled state");
+                        return SkipEdge{t[0].cast<int>(), t[1].cast<int>(), t[2].cast<double>()};
+                      }));
 
   py::class_<Schedule>(m, "Schedule",
                        "Per rank, the ordered list of actions it runs (actions[r]). Made by pipetrain.schedule(), "
@@ -421,12 +691,19 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_readwrite("skips", &Schedule::skips)
       .def_property_readonly("steps", &Schedule::steps, "optimizer steps")
       .def_property_readonly("virtual_stages", &Schedule::virtual_stages_per_rank, "stages per rank")
-      .def("rank_of", py::overload_cast<int>(&Schedule::rank_of, py::const_), py::arg("stage"))
+      .def("rank_of", [](const Schedule& s, int stage) {
+             if (stage < 0 || stage >= static_cast<int>(s.stage_rank.size()))
+               throw py::index_error("rank_of(stage=" + std::to_string(stage) + "): the schedule's stages are 0.." +
+                                     std::to_string(static_cast<int>(s.stage_rank.size()) - 1));
+             return s.rank_of(stage);
+           }, py::arg("stage"), "The rank that owns a stage (0..stages-1; IndexError outside).")
       .def("rank_line", [](const Schedule& s, int r) {
+             check_shape(s);
              if (r < 0 || r >= s.ranks) throw py::index_error("rank " + std::to_string(r) + " of " + std::to_string(s.ranks));
              return rank_line(s, r);
            }, py::arg("rank"), "Rank r's actions as one line of text, one cell per word.")
       .def("text", [](const Schedule& s) {
+             check_shape(s);
              std::string out;
              for (const SkipEdge& k : s.skips)
                out += "skip " + std::to_string(k.from_stage) + " -> " + std::to_string(k.to_stage) + " size " +
@@ -434,10 +711,15 @@ PYBIND11_MODULE(_pipetrain, m) {
              for (int r = 0; r < s.ranks; ++r) out += "rank " + std::to_string(r) + ": " + rank_line(s, r) + "\n";
              return out;
            }, "The text `pipetrain schedule` prints: one line 'rank r: ...' per rank.")
-      .def("to_csv", [](const Schedule& s) { return to_csv(s); }, "pipetrain's CSV form (pipetrain schedule --format csv).")
-      .def_static("from_csv", &from_csv, py::arg("text"), "Parses pipetrain's CSV form.")
-      .def_static("load_csv", &load_csv_file, py::arg("path"), "Reads pipetrain's CSV form from a file.")
+      .def("to_csv", [](const Schedule& s) { check_shape(s); return to_csv(s); },
+           "pipetrain's CSV form (pipetrain schedule --format csv). Not validated (an incomplete schedule prints), "
+           "but an inconsistent one (rows != ranks, owners outside the ranks) raises ScheduleError.")
+      .def_static("from_csv", &from_csv, py::arg("text"),
+                  "Parses pipetrain's CSV form. Not validated here; every function that runs it validates it.")
+      .def_static("load_csv", [](py::object path) { return load_csv_file(path_arg(path, "path")); }, py::arg("path"),
+                  "Reads pipetrain's CSV form from a file (str or os.PathLike).")
       .def("__str__", [](const Schedule& s) {
+        check_shape(s);
         std::string out;
         for (int r = 0; r < s.ranks; ++r) out += "rank " + std::to_string(r) + ": " + rank_line(s, r) + "\n";
         return out;
@@ -448,7 +730,8 @@ PYBIND11_MODULE(_pipetrain, m) {
       })
       .def(py::self == py::self)
       .def("__copy__", [](const Schedule& s) { return s; })
-      .def("__deepcopy__", [](const Schedule& s, py::dict) { return s; }, py::arg("memo"));
+      .def("__deepcopy__", [](const Schedule& s, py::dict) { return s; }, py::arg("memo"))
+      .def(py::pickle(&schedule_state, &schedule_from_state));
 
   m.def("parse_action", &parse_action, py::arg("text"), "Parses one action's text form, e.g. '2F0'.");
   m.def("parse_cell", &parse_cell, py::arg("text"), "Parses one cell: an action, or a pair '(0F7;7BW3)'.");
@@ -463,7 +746,10 @@ PYBIND11_MODULE(_pipetrain, m) {
           d["v_shape"] = t.v_shape;
           return d;
         }, py::arg("name"), "What a schedule name promises (synchronous, split backward, V shape, ...).");
-  m.def("stages_per_rank", &stages_per_rank, py::arg("name"), py::arg("virtual") = 1);
+  m.def("stages_per_rank", [](const std::string& name, int v) {
+          if (v < 1) throw UsageError("virtual=" + std::to_string(v) + " must be >= 1 (stages per rank of the looped schedules)");
+          return stages_per_rank(name, v);
+        }, py::arg("name"), py::arg("virtual") = 1, "Stages each rank holds under the schedule `name` with virtual stages per rank.");
 
   // ---- costs ----
   py::class_<StageCost>(m, "StageCost", "Per-micro-batch costs of one (virtual) stage.")
@@ -484,7 +770,8 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def("__repr__", [](const StageCost& c) {
         auto f = [](double v) { return py::repr(py::float_(v)).cast<std::string>(); };
         return "StageCost(f=" + f(c.f) + ", b=" + f(c.b) + ", w=" + f(c.w) + ", activation=" + f(c.activation) + ")";
-      });
+      })
+      .def(py::pickle(&stage_cost_state, &stage_cost_from_state));
 
   py::class_<CostModel>(m, "CostModel",
                         "Per-stage times and memory, transfer and step times: what the simulator reads. `stage` is a "
@@ -504,7 +791,13 @@ PYBIND11_MODULE(_pipetrain, m) {
            py::arg("stage") = std::vector<StageCost>{}, py::arg("comm") = 0.0, py::arg("step") = 0.0,
            py::arg("bandwidth") = 0.0, py::arg("stage_step") = std::vector<double>{},
            py::arg("b_release_fraction") = 0.5, py::arg("overhead") = 0.0)
-      .def_static("uniform", &CostModel::uniform, py::arg("stages"), py::arg("per_stage") = StageCost{},
+      .def_static("uniform", [](int stages, StageCost per_stage, int virtual_per_rank, double comm) {
+                    if (stages < 1) throw UsageError("CostModel.uniform: stages=" + std::to_string(stages) + " must be >= 1");
+                    if (virtual_per_rank < 1)
+                      throw UsageError("CostModel.uniform: virtual_per_rank=" + std::to_string(virtual_per_rank) + " must be >= 1");
+                    check_nonneg("comm", comm);
+                    return CostModel::uniform(stages, per_stage, virtual_per_rank, comm);
+                  }, py::arg("stages"), py::arg("per_stage") = StageCost{},
                   py::arg("virtual_per_rank") = 1, py::arg("comm") = 0.0,
                   "Every stage costs per_stage, split evenly over virtual_per_rank chunks.")
       .def_readwrite("stage", &CostModel::stage)
@@ -520,21 +813,24 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def("__repr__", [](const CostModel& c) {
         return "<pipetrain.CostModel " + std::to_string(c.stage.size()) + " stages, comm=" +
                py::repr(py::float_(c.comm)).cast<std::string>() + ">";
-      });
+      })
+      .def(py::pickle(&cost_model_state, &cost_model_from_state));
   m.def("parse_stage_costs", &parse_stage_costs, py::arg("text"),
         "Parses 'F:B:W' (all stages) or 'F:B:W,F:B:W,...' (one per stage), as --cost.");
 
   m.def(
       "_costs",
-      [](const Schedule& s, const std::string& cost, double comm, py::object profile, const std::string& balance,
+      [](Schedule s, const std::string& cost, double comm, py::object profile, const std::string& balance,
          const std::string& balance_solver, double microbatch_size, std::optional<double> bandwidth,
-         std::optional<double> latency, double skip_bandwidth) {
-        CostFlags f{cost, comm, std::move(profile), balance, balance_solver, microbatch_size, bandwidth, latency, skip_bandwidth};
+         std::optional<double> latency, double skip_bandwidth, bool checked) {
+        if (!checked) check_schedule(s);
+        CostFlags f{cost, comm, to_profile_opt(profile), balance, balance_solver, microbatch_size, bandwidth, latency, skip_bandwidth};
+        py::gil_scoped_release nogil;
         return flag_costs(f, s);
       },
       py::arg("schedule"), py::arg("cost"), py::arg("comm"), py::arg("profile"), py::arg("balance"),
       py::arg("balance_solver"), py::arg("microbatch_size"), py::arg("bandwidth"), py::arg("latency"),
-      py::arg("skip_bandwidth"));
+      py::arg("skip_bandwidth"), py::arg("checked") = false);
 
   m.def(
       "_schedule",
@@ -543,42 +839,90 @@ PYBIND11_MODULE(_pipetrain, m) {
          const std::string& cost, double comm, py::object profile, const std::string& balance,
          const std::string& balance_solver, double microbatch_size, std::optional<double> bandwidth,
          std::optional<double> latency) {
-        CostFlags f{cost, comm, std::move(profile), balance, balance_solver, microbatch_size, bandwidth, latency, 0.0};
+        CostFlags f{cost, comm, to_profile_opt(profile), balance, balance_solver, microbatch_size, bandwidth, latency, 0.0};
         ZbExactResult found;
-        Schedule s = make_schedule(name, stages, microbatches, virtual_stages, steps, memory_limit, replication, skips,
-                                   exact, exact_nodes, f, exact ? &found : nullptr);
-        py::object summary = py::none();
-        if (exact) summary = py::str(found.summary());
-        return py::make_tuple(s, summary);
+        Schedule s;
+        {
+          py::gil_scoped_release nogil;
+          s = make_schedule(name, stages, microbatches, virtual_stages, steps, memory_limit, replication, skips, exact,
+                            exact_nodes, f, exact ? &found : nullptr);
+        }
+        py::object result = py::none();
+        if (exact) result = py::cast(found);
+        return py::make_tuple(s, result);
       },
       py::arg("name"), py::arg("stages"), py::arg("microbatches"), py::arg("virtual"), py::arg("steps"),
       py::arg("memory_limit"), py::arg("replication"), py::arg("skips"), py::arg("exact"), py::arg("exact_nodes"),
       py::arg("cost"), py::arg("comm"), py::arg("profile"), py::arg("balance"), py::arg("balance_solver"),
       py::arg("microbatch_size"), py::arg("bandwidth"), py::arg("latency"));
 
+  // What the command line does with --load FILE: the skip routes added (to a copy), then validated with
+  // the memory limit.
+  m.def(
+      "_prepare",
+      [](Schedule s, double memory_limit, const std::vector<std::string>& skips) {
+        py::gil_scoped_release nogil;
+        check_memory_limit(memory_limit);
+        if (!skips.empty() && !s.skips.empty())
+          throw UsageError("the schedule already declares skip routes (schedule.skips): drop skips=");
+        add_skips(s, skips);
+        check_schedule(s, memory_limit);
+        return s;
+      },
+      py::arg("schedule"), py::arg("memory_limit"), py::arg("skips"));
+
   // ---- validation and lowering ----
   m.def(
       "validate",
-      [](const Schedule& s, double memory_limit, std::optional<CostModel> costs) {
+      [](Schedule s, double memory_limit, std::optional<CostModel> costs) {
+        check_memory_limit(memory_limit);
         ValidateOptions vo = validate_options(memory_limit);
         if (costs) vo.costs = *costs;
-        validate(s, vo);
+        py::gil_scoped_release nogil;
+        try {
+          validate(s, vo);
+        } catch (const ScheduleError& e) {
+          // The core's message counts in micro-batches; with costs the unit is the costs' activation unit.
+          std::string what = e.what();
+          const std::string mb = " micro-batches of activations";
+          if (costs && what.find(mb) != std::string::npos)
+            what.replace(what.find(mb), mb.size(), " of activations (the costs' activation unit, e.g. bytes)");
+          throw ScheduleError(what);
+        }
       },
       py::arg("schedule"), py::arg("memory_limit") = 0.0, py::arg("costs") = py::none(),
-      "Checks sizes, completeness, order, deadlock freedom and (memory_limit > 0) activation memory per rank in "
-      "micro-batches. Raises pipetrain.ScheduleError (a ValueError) whose message carries the step x rank grid "
-      "with the offending cell marked.");
-  m.def("render_grid", [](const Schedule& s, const std::vector<std::pair<int, int>>& marked) {
+      "Checks sizes, completeness, order, deadlock freedom and (memory_limit > 0) activation memory per rank. "
+      "memory_limit is in micro-batches (one micro-batch of a whole stage = 1) without costs, and in the unit of "
+      "the costs' `activation` with costs (bytes for stage_costs() of a profile); 0: no limit. Raises "
+      "pipetrain.ScheduleError (a ValueError) whose message carries the step x rank grid with the offending cell "
+      "marked.");
+  m.def("render_grid", [](Schedule s, const std::vector<std::pair<int, int>>& marked) {
+          s.ranks = static_cast<int>(s.actions.size());  // the rows there are (a malformed schedule's ranks may differ)
           std::vector<GridCell> cells;
-          for (const auto& [r, p] : marked) cells.push_back(GridCell{r, p});
+          for (const auto& [r, p] : marked) {
+            if (r < 0 || r >= s.ranks || p < 0 || p >= static_cast<int>(s.actions[static_cast<std::size_t>(r)].size()))
+              throw UsageError("render_grid: marked cell (" + std::to_string(r) + ", " + std::to_string(p) +
+                               ") is not in the schedule: give (rank, position) with rank 0.." + std::to_string(s.ranks - 1) +
+                               " and position below that rank's number of actions");
+            cells.push_back(GridCell{r, p});
+          }
           return render_grid(s, cells);
         }, py::arg("schedule"), py::arg("marked") = std::vector<std::pair<int, int>>{},
-        "The step x rank grid, marking the (rank, position) cells given.");
-  m.def("lower", [](const Schedule& s, std::optional<CostModel> costs) { return insert_communication(s, costs.value_or(CostModel{})); },
+        "The step x rank grid of the action rows there are (also of an invalid schedule), marking the (rank, "
+        "position) cells given; a marked cell outside the rows raises ValueError.");
+  m.def("lower", [](Schedule s, std::optional<CostModel> costs) {  // copies: another thread may change the object
+          py::gil_scoped_release nogil;
+          check_schedule(s);
+          return insert_communication(s, costs.value_or(CostModel{}));
+        },
         py::arg("schedule"), py::arg("costs") = py::none(),
         "Inserts the send and receive actions (pipetrain schedule --lower), in an order that cannot deadlock on "
         "blocking transports. costs (default: F = B = W = 1) only decide how early transfers are posted.");
-  m.def("strip_communication", &strip_communication, py::arg("schedule"), "The inverse of lower().");
+  m.def("strip_communication", [](Schedule s) {
+          py::gil_scoped_release nogil;
+          check_schedule(s);
+          return strip_communication(s);
+        }, py::arg("schedule"), "The inverse of lower().");
 
   // ---- timelines, metrics, writers ----
   py::class_<TimedAction>(m, "TimedAction", "One action of a timeline: rank, action, start, end.")
@@ -591,7 +935,14 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def("__repr__", [](const TimedAction& t) {
         return "TimedAction(rank=" + std::to_string(t.rank) + ", action=" + to_string(t.action) + ", start=" +
                py::repr(py::float_(t.start)).cast<std::string>() + ", end=" + py::repr(py::float_(t.end)).cast<std::string>() + ")";
-      });
+      })
+      .def(py::pickle(
+          [](const TimedAction& e) { return py::make_tuple(e.rank, action_state(e.action), e.start, e.end); },
+          [](const py::tuple& t) {
+            if (t.size() != 4) throw std::runtime_error("TimedAction: bad pickled state");
+            return TimedAction{t[0].cast<int>(), action_from_state(t[1].cast<py::tuple>()), t[2].cast<double>(),
+                               t[3].cast<double>()};
+          }));
   py::class_<Timeline>(m, "Timeline", "When each action ran on each rank (simulated or measured).")
       .def(py::init<>())
       .def_readwrite("schedule", &Timeline::schedule)
@@ -616,7 +967,30 @@ PYBIND11_MODULE(_pipetrain, m) {
              }
              return out;
            }, "The events as dicts: rank, action (text), kind, stage, microbatch, start, end.")
-      .def("__len__", [](const Timeline& t) { return t.events.size(); });
+      .def("__len__", [](const Timeline& t) { return t.events.size(); })
+      .def(py::pickle(
+          [](const Timeline& t) {
+            py::list events;
+            for (const TimedAction& e : t.events) events.append(py::make_tuple(e.rank, action_state(e.action), e.start, e.end));
+            return py::make_tuple(t.schedule, t.ranks, t.microbatches, t.total_microbatches, t.virtual_stages, t.unit,
+                                  events);
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 7) throw std::runtime_error("Timeline: bad pickled state");
+            Timeline out;
+            out.schedule = t[0].cast<std::string>();
+            out.ranks = t[1].cast<int>();
+            out.microbatches = t[2].cast<int>();
+            out.total_microbatches = t[3].cast<int>();
+            out.virtual_stages = t[4].cast<int>();
+            out.unit = t[5].cast<std::string>();
+            for (const py::handle& e : t[6]) {
+              const py::tuple x = py::reinterpret_borrow<py::tuple>(e);
+              out.events.push_back(TimedAction{x[0].cast<int>(), action_from_state(x[1].cast<py::tuple>()),
+                                               x[2].cast<double>(), x[3].cast<double>()});
+            }
+            return out;
+          }));
   py::class_<RankMetrics>(m, "RankMetrics", "busy, span, bubble (= span - busy), peak in-flight micro-batches, peak activation memory of one rank")
       .def_readonly("rank", &RankMetrics::rank)
       .def_readonly("busy", &RankMetrics::busy)
@@ -639,9 +1013,15 @@ PYBIND11_MODULE(_pipetrain, m) {
   m.def("chrome_trace_json", &chrome_trace_json, py::arg("timeline"), "Chrome trace JSON text (Perfetto, chrome://tracing).");
   m.def("gantt_svg", [](const Timeline& t, std::optional<Metrics> metrics) { return gantt_svg(t, metrics ? *metrics : compute_metrics(t)); },
         py::arg("timeline"), py::arg("metrics") = py::none(), "SVG Gantt chart text (metrics default: from the events).");
-  m.def("ascii_gantt", &ascii_gantt, py::arg("timeline"), py::arg("chars_per_unit") = 2.0, "A plain-text Gantt chart, one line per rank.");
-  m.def("write_file", [](const std::string& path, const std::string& contents) { write_file_atomic(path, contents); },
-        py::arg("path"), py::arg("contents"), "Writes text to a file atomically.");
+  m.def("ascii_gantt", [](const Timeline& t, double cpu) { return checked_ascii(t, cpu); }, py::arg("timeline"),
+        py::arg("chars_per_unit") = 2.0,
+        "A plain-text Gantt chart, one line per rank (chars_per_unit > 0; lines of at most 1e6 characters).");
+  m.def("write_file", [](py::object path, const std::string& contents) {
+          const std::string p = path_arg(path, "path");
+          check_output_path(p, "path");
+          write_file_atomic(p, contents);
+        },
+        py::arg("path"), py::arg("contents"), "Writes text to a file atomically (path: str or os.PathLike).");
 
   // ---- heap model ----
   py::class_<HeapPeak>(m, "HeapPeak", "One rank's largest predicted heap growth in a step, in its three parts.")
@@ -658,8 +1038,12 @@ PYBIND11_MODULE(_pipetrain, m) {
       });
   m.def(
       "predict_heap",
-      [](const Schedule& s, std::optional<CostModel> costs, bool reference, int receives_ahead, int sends_in_flight) {
+      [](Schedule s, std::optional<CostModel> costs, bool reference, int receives_ahead, int sends_in_flight) {
+        if (receives_ahead < 0) throw UsageError("receives_ahead=" + std::to_string(receives_ahead) + " must be >= 0");
+        if (sends_in_flight < 0) throw UsageError("sends_in_flight=" + std::to_string(sends_in_flight) + " must be >= 0");
         HeapOptions o = reference ? HeapOptions::reference() : HeapOptions{receives_ahead, sends_in_flight};
+        py::gil_scoped_release nogil;
+        check_schedule(s);
         return predict_heap(s, costs.value_or(CostModel::uniform(s.stages, StageCost{}, s.virtual_stages_per_rank())), o);
       },
       py::arg("schedule"), py::arg("costs") = py::none(), py::arg("reference") = false, py::arg("receives_ahead") = 4,
@@ -695,29 +1079,56 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_property_readonly("heap_policy", [](const Simulation& s) {
             return py::dict(py::arg("receives_ahead") = s.policy.receives_ahead, py::arg("sends_in_flight") = s.policy.sends_in_flight);
           })
+      .def_readonly("exact", &Simulation::exact,
+                    "simulate('zb-auto', exact=True): the search's ZbExactResult (greedy_makespan, gap_percent, ...); "
+                    "else None")
       .def("to_dict", [](const Simulation& s) { return to_python(simulation_json(s)); },
-           "The object `pipetrain simulate --json` prints.")
+           "The object `pipetrain simulate --json` prints (with 'exact' after an exact search).")
       .def("table", &simulation_table, "The table `pipetrain simulate` prints.")
       .def("svg", [](const Simulation& s) { return gantt_svg(s.result.timeline, s.result.metrics); }, "SVG Gantt chart text.")
       .def("chrome_trace", [](const Simulation& s) { return chrome_trace_json(s.result.timeline); }, "Chrome trace JSON text.")
-      .def("ascii", [](const Simulation& s, double cpu) { return ascii_gantt(s.result.timeline, cpu); },
-           py::arg("chars_per_unit") = 2.0, "A text timeline, one line per rank.")
-      .def("write_svg", [](const Simulation& s, const std::string& path) {
-             check_output_path(path, "path");
-             write_file_atomic(path, gantt_svg(s.result.timeline, s.result.metrics));
-           }, py::arg("path"))
-      .def("write_trace", [](const Simulation& s, const std::string& path) {
-             check_output_path(path, "path");
-             write_file_atomic(path, chrome_trace_json(s.result.timeline));
-           }, py::arg("path"))
+      .def("ascii", [](const Simulation& s, double cpu) { return checked_ascii(s.result.timeline, cpu); },
+           py::arg("chars_per_unit") = 2.0,
+           "A text timeline, one line per rank (chars_per_unit > 0; lines of at most 1e6 characters).")
+      .def("write_svg", [](const Simulation& s, py::object path) {
+             const std::string p = path_arg(path, "path");
+             check_output_path(p, "path");
+             write_file_atomic(p, gantt_svg(s.result.timeline, s.result.metrics));
+           }, py::arg("path"), "Writes the SVG Gantt chart (path: str or os.PathLike).")
+      .def("write_trace", [](const Simulation& s, py::object path) {
+             const std::string p = path_arg(path, "path");
+             check_output_path(p, "path");
+             write_file_atomic(p, chrome_trace_json(s.result.timeline));
+           }, py::arg("path"), "Writes the Chrome trace (path: str or os.PathLike).")
+      .def(py::pickle(
+          [](const Simulation& s) {  // the inputs: unpickling simulates again (deterministic)
+            return py::make_tuple(schedule_state(s.schedule), cost_model_state(s.costs), s.policy.receives_ahead,
+                                  s.policy.sends_in_flight, s.exact ? py::cast(*s.exact) : py::object(py::none()));
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 5) throw std::runtime_error("Simulation: bad pickled state");
+            const Schedule s = schedule_from_state(t[0].cast<py::tuple>());
+            const CostModel c = cost_model_from_state(t[1].cast<py::tuple>());
+            const HeapOptions policy{t[2].cast<int>(), t[3].cast<int>()};
+            std::optional<ZbExactResult> exact;
+            if (!t[4].is_none()) exact = t[4].cast<ZbExactResult>();
+            py::gil_scoped_release nogil;
+            check_schedule(s);  // a pickle is data like any other
+            return run_simulation(s, c, policy, exact);
+          }))
       .def("__repr__", [](const Simulation& s) {
         return "<pipetrain.Simulation " + s.schedule.name + " p=" + std::to_string(s.schedule.ranks) + " makespan=" +
                py::repr(py::float_(s.result.metrics.makespan)).cast<std::string>() + " bubble_fraction=" +
                py::repr(py::float_(s.result.metrics.bubble_fraction)).cast<std::string>() + ">";
       });
-  m.def("_simulate", [](const Schedule& s, const CostModel& costs, bool reference) {
-          return run_simulation(s, costs, reference ? HeapOptions::reference() : HeapOptions{});
-        }, py::arg("schedule"), py::arg("costs"), py::arg("reference"));
+  // checked=True: the caller validated the schedule already (schedule() and _prepare() do).
+  m.def("_simulate", [](Schedule s, CostModel costs, bool reference, std::optional<ZbExactResult> exact,
+                        bool checked) {
+          py::gil_scoped_release nogil;
+          if (!checked) check_schedule(s);
+          return run_simulation(s, costs, reference ? HeapOptions::reference() : HeapOptions{}, exact);
+        }, py::arg("schedule"), py::arg("costs"), py::arg("reference"), py::arg("exact") = py::none(),
+        py::arg("checked") = false);
 
   // ---- PyTorch's schedule CSV ----
   py::class_<TorchCsvRead>(m, "TorchCsv", "A PyTorch schedule CSV as read: the schedule, the letters, notes.")
@@ -743,13 +1154,14 @@ PYBIND11_MODULE(_pipetrain, m) {
         py::arg("add_steps") = true, py::arg("name") = "torch",
         "Reads PyTorch's schedule CSV (_dump_csv; compute only or with SEND/RECV), current (I, B) or legacy (B, BW) "
         "letters, detected by default. Not validated: call pipetrain.validate(result.schedule).");
-  m.def("load_torch_csv", [read_opts](const std::string& path, const std::string& letters, int stages,
+  m.def("load_torch_csv", [read_opts](py::object path, const std::string& letters, int stages,
                                       const std::vector<int>& stage_rank, bool add_steps, const std::string& name) {
-          return load_torch_csv_file(path, read_opts(letters, stages, stage_rank, add_steps, name));
+          return load_torch_csv_file(path_arg(path, "path"), read_opts(letters, stages, stage_rank, add_steps, name));
         },
         py::arg("path"), py::arg("letters") = "detect", py::arg("stages") = 0, py::arg("stage_rank") = std::vector<int>{},
-        py::arg("add_steps") = true, py::arg("name") = "torch", "from_torch_csv() on a file.");
+        py::arg("add_steps") = true, py::arg("name") = "torch", "from_torch_csv() on a file (str or os.PathLike).");
   m.def("to_torch_csv", [](const Schedule& s, const std::string& letters, bool idle_cells) {
+          check_schedule(s);
           TorchCsvWriteOptions o;
           o.letters = parse_torch_letters(letters);
           o.idle_cells = idle_cells;
@@ -769,12 +1181,31 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_readonly("nodes", &ZbExactResult::nodes)
       .def_readonly("greedy_makespan", &ZbExactResult::greedy_makespan)
       .def_property_readonly("gap_percent", &ZbExactResult::gap_percent)
-      .def("summary", &ZbExactResult::summary);
+      .def("summary", &ZbExactResult::summary)
+      .def(py::pickle(
+          [](const ZbExactResult& r) {
+            return py::make_tuple(schedule_state(r.schedule), r.makespan, r.lower_bound, r.proven, r.nodes,
+                                  r.greedy_makespan);
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 6) throw std::runtime_error("ZbExactResult: bad pickled state");
+            ZbExactResult r;
+            r.schedule = schedule_from_state(t[0].cast<py::tuple>());
+            r.makespan = t[1].cast<double>();
+            r.lower_bound = t[2].cast<double>();
+            r.proven = t[3].cast<bool>();
+            r.nodes = t[4].cast<long long>();
+            r.greedy_makespan = t[5].cast<double>();
+            return r;
+          }));
   m.def("zb_exact", [](int stages, int microbatches, std::optional<CostModel> costs, double memory_limit, long long nodes, int steps) {
+          check_memory_limit(memory_limit);
+          if (stages < 1) throw UsageError("stages=" + std::to_string(stages) + " must be >= 1");
           ZbExactOptions o;
           o.memory_limit = memory_limit;
           o.node_budget = nodes;
           o.steps = steps;
+          py::gil_scoped_release nogil;
           return zb_exact(stages, microbatches, costs.value_or(CostModel::uniform(stages, StageCost{})), o);
         },
         py::arg("stages"), py::arg("microbatches"), py::arg("costs") = py::none(), py::arg("memory_limit") = 0.0,
@@ -783,7 +1214,7 @@ PYBIND11_MODULE(_pipetrain, m) {
         "under the memory limit (0: p micro-batches), and the greedy's gap.");
 
   // ---- profiles, balances ----
-  m.def("load_profile", [](const std::string& path) { return to_python(profile_to_json(load_profile(path))); },
+  m.def("load_profile", [](py::object path) { return to_python(profile_to_json(load_profile(path_arg(path, "path")))); },
         py::arg("path"), "Reads a profile (pipetrain's JSON, or PipeDream's graph text) into its JSON form as a dict.");
   m.def("profile", [](py::object obj) { return to_python(profile_to_json(to_profile(obj))); }, py::arg("profile"),
         "Checks a profile (dict, JSON text or path) and returns its JSON form as a dict.");
@@ -819,6 +1250,8 @@ PYBIND11_MODULE(_pipetrain, m) {
           CostFlags f;
           f.bandwidth = bandwidth;
           f.latency = latency;
+          check_nonneg("microbatch_size", microbatch_size, "the profile's");
+          check_nonneg("overhead", overhead);
           StageCostOptions o;
           o.micro_batch = microbatch_size > 0 ? microbatch_size : p.micro_batch_size;
           std::tie(o.bandwidth_bytes_per_ms, o.latency_ms) = transfer_options(f, p);
@@ -831,12 +1264,17 @@ PYBIND11_MODULE(_pipetrain, m) {
         "(default: the profile's measured ones, else free); microbatch_size 0: the profile's.");
 
   // ---- planners ----
-  m.def("plan_pipedream", [](py::object profile, int ranks, double bandwidth, py::object levels, const std::string& cost_form,
-                             double memory, bool straight_pipeline, bool allow_fewer_machines,
-                             double activation_compression, bool weight_stashing) {
+  m.def("plan_pipedream", [](py::object profile, std::optional<int> ranks_given, double bandwidth, py::object levels,
+                             const std::string& cost_form, double memory, bool straight_pipeline,
+                             bool allow_fewer_machines, double activation_compression, bool weight_stashing) {
           check_transfer_flags(bandwidth, 0, memory);
+          check_nonneg("memory", memory, "no limit");
+          check_activation_compression(activation_compression);
           PlannerOptions o;
           o.levels = to_levels(levels);
+          const int ranks = ranks_given ? *ranks_given : o.levels.empty() ? 2 : planner_devices(o.levels);
+          if (ranks < 1) throw UsageError("ranks=" + std::to_string(ranks) + " must be >= 1");
+          check_levels_ranks(o.levels, ranks);
           if (o.levels.empty()) o.levels.push_back(NetworkLevel{ranks, bandwidth * 1e9});
           o.cost_form = parse_planner_cost_form(cost_form);
           if (memory > 0) o.memory_limit_bytes = memory * 1073741824.0;
@@ -844,14 +1282,21 @@ PYBIND11_MODULE(_pipetrain, m) {
           o.allow_fewer_machines = allow_fewer_machines;
           o.activation_compression = activation_compression;
           o.weight_stashing = weight_stashing;
-          return to_python(plan_to_json(plan_pipedream(to_profile(profile), o)));
+          const Profile prof = to_profile(profile);
+          nlohmann::json j;
+          {
+            py::gil_scoped_release nogil;
+            j = plan_to_json(plan_pipedream(prof, o));
+          }
+          return to_python(j);
         },
-        py::arg("profile"), py::arg("ranks") = 2, py::arg("bandwidth") = 10.0, py::arg("levels") = py::none(),
+        py::arg("profile"), py::arg("ranks") = py::none(), py::arg("bandwidth") = 10.0, py::arg("levels") = py::none(),
         py::arg("cost_form") = "paper", py::arg("memory") = 0.0, py::arg("straight_pipeline") = false,
         py::arg("allow_fewer_machines") = false, py::arg("activation_compression") = 0.0,
         py::arg("weight_stashing") = false,
         "PipeDream's planner: balance and per-stage replication minimising the bottleneck time. bandwidth in GB/s "
-        "(one level of `ranks` devices), or levels innermost first as 'MACHINES:GB/s' strings or (machines, GB/s) "
+        "(one level of `ranks` devices, default 2), or levels innermost first (their MACHINES multiply to ranks; "
+        "ranks left out: that product) as 'MACHINES:GB/s' strings or (machines, GB/s) "
         "pairs; memory in GiB per device (0: no limit). Returns the plan's JSON form (docs/PROFILE.md) as a dict.");
   m.def("search_plans", [](py::object profile, int ranks, std::optional<double> bandwidth, std::optional<double> latency,
                            double memory, long long batch_size, const std::vector<std::string>& schedules,
@@ -861,6 +1306,13 @@ PYBIND11_MODULE(_pipetrain, m) {
                            bool exhaustive) {
           const Profile prof = to_profile(profile);
           if (ranks < 1) throw UsageError("ranks must be >= 1, got " + std::to_string(ranks));
+          if (batch_size < 0)
+            throw UsageError("batch_size=" + std::to_string(batch_size) + " must be >= 0 samples (0: max(8, ranks) x the "
+                             "profile's micro-batch)");
+          check_link_bandwidth(bandwidth);
+          check_nonneg("latency", latency);
+          check_nonneg("memory", memory, "no limit");
+          check_activation_compression(activation_compression);
           for (int mm : microbatch_counts)
             if (mm < 1) throw UsageError("microbatch_counts must be >= 1, got " + std::to_string(mm));
           const auto [gbps, us] = plan_transfers(prof, bandwidth, latency);
@@ -875,6 +1327,7 @@ PYBIND11_MODULE(_pipetrain, m) {
           so.microbatch_counts = microbatch_counts;
           so.balance_kinds = balances;
           so.pipedream.levels = to_levels(levels);
+          check_levels_ranks(so.pipedream.levels, ranks);
           so.pipedream.cost_form = parse_planner_cost_form(cost_form);
           so.pipedream.activation_compression = activation_compression;
           so.replicated_may_win = replicated_may_win;
@@ -887,7 +1340,12 @@ PYBIND11_MODULE(_pipetrain, m) {
             so.allreduce = prof.runtime->allreduce;
             so.allreduce_ranks = prof.runtime->allreduce_ranks;
           }
-          return to_python(search_json(prof, search_plans(prof, so)));
+          nlohmann::json j;
+          {
+            py::gil_scoped_release nogil;
+            j = search_json(prof, search_plans(prof, so));
+          }
+          return to_python(j);
         },
         py::arg("profile"), py::arg("ranks") = 2, py::arg("bandwidth") = py::none(), py::arg("latency") = py::none(),
         py::arg("memory") = 0.0, py::arg("batch_size") = 0,
@@ -913,6 +1371,11 @@ PYBIND11_MODULE(_pipetrain, m) {
           const Profile prof = to_profile(profile);
           if (generations < 1) throw UsageError("generations must be >= 1, got " + std::to_string(generations));
           if (fit != "table" && fit != "affine") throw UsageError("fit must be table or affine, got " + fit);
+          if (samples < 1) throw UsageError("samples=" + std::to_string(samples) + " must be >= 1 (the mini-batch)");
+          check_link_bandwidth(bandwidth);
+          check_nonneg("latency", latency);
+          check_nonneg("memory", memory, "no limit");
+          check_nonneg("overhead", overhead);
           const auto [gbps, us] = plan_transfers(prof, bandwidth, latency);
           UmpipeProfileOptions uo;
           uo.samples = samples;
@@ -922,18 +1385,21 @@ PYBIND11_MODULE(_pipetrain, m) {
           uo.single_size_overhead_ms = overhead;
           uo.rematerialise = rematerialise;
           uo.fit = fit == "affine" ? UmpipeFit::affine : UmpipeFit::table;
-          UmpipeModel um = umpipe_model_from_profile(prof, balance, uo);
-          if (uo.rematerialise) um.stages.back().forward = TimeCurve::constant(0);
+          if (planner != "all" && planner != "equal" && planner != "local-greedy" && planner != "global-dp" && planner != "dgap")
+            throw UsageError("planner " + planner + " is not one of all, equal, local-greedy, global-dp, dgap");
           DgapOptions dg;
           dg.seed = seed;
           dg.generations = generations;
           std::vector<UmpipeResult> results;
+          py::gil_scoped_release nogil;
+          UmpipeModel um = umpipe_model_from_profile(prof, balance, uo);
+          if (uo.rematerialise) um.stages.back().forward = TimeCurve::constant(0);
           if (planner == "all") results = plan_umpipe_all(um, dg);
           else if (planner == "equal") results.push_back(plan_umpipe_equal(um));
           else if (planner == "local-greedy") results.push_back(plan_umpipe_local_greedy(um));
           else if (planner == "global-dp") results.push_back(plan_umpipe_global_dp(um));
           else if (planner == "dgap") results.push_back(plan_umpipe_dgap(um, dg));
-          else throw UsageError("planner " + planner + " is not one of all, equal, local-greedy, global-dp, dgap");
+          py::gil_scoped_acquire gil;
           py::list out;
           for (const UmpipeResult& r : results) {
             nlohmann::json j = umpipe_result_to_json(r);

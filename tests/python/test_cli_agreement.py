@@ -103,6 +103,16 @@ class CliAgreement(unittest.TestCase):
                 _, sim = self.python_case(kw)
                 assert_same(self, cli, sim.to_dict())
 
+    def test_simulate_exact_json_by_name(self):
+        # simulate(name, exact=True).to_dict() carries the search's 'exact' object, as --exact --json does.
+        flags, kw = next(case for case in CASES if "--exact" in case[0])
+        rc, out, err = run_cli("simulate", *flags, "--json")
+        self.assertEqual(rc, 0, err)
+        kw = dict(kw)
+        cli = json.loads(out)
+        self.assertIn("exact", cli)
+        assert_same(self, cli, pipetrain.simulate(kw.pop("name"), **kw).to_dict())
+
     def test_simulate_table(self):
         flags, kw = CASES[1]
         rc, out, err = run_cli("simulate", *flags)

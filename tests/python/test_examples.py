@@ -28,6 +28,13 @@ class Examples(unittest.TestCase):
                 self.assertTrue(os.path.getsize(os.path.join(d, name + ".svg")) > 1000, name)
             self.assertTrue(os.path.exists(os.path.join(d, "index.html")))
 
+    def test_compare_schedules_refuses_a_bad_cost(self):
+        r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "compare_schedules.py"), "--cost", "1:x:1",
+                            "--out", os.devnull], capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stdout + r.stderr)
+        self.assertIn("error: cost 'x' in '1:x:1' is not a number", r.stderr)
+        self.assertNotIn("fastest first", r.stdout)
+
     def test_plan_profile(self):
         with tempfile.TemporaryDirectory() as d:
             out = run("plan_profile.py", "--ranks", "4", "--out", os.path.join(d, "plan.json"))

@@ -3,12 +3,21 @@
 Run from a build tree: PYTHONPATH=build/python python3 -m unittest -v tests/python/test_module.py
 """
 
+import copy
 import json
 import os
+import pathlib
+import pickle
+import subprocess
+import sys
 import tempfile
+import threading
+import time
 import unittest
+import warnings
 
 import pipetrain
+import pipetrain.torch  # imports without torch; only its runners need it
 import support
 
 SOURCE = os.environ.get("PIPETRAIN_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -285,6 +294,347 @@ class Help(unittest.TestCase):
             elif callable(obj) and obj is not pipetrain.generate:
                 self.assertTrue(f"def {name}(" in text, name)
 
+
+
+def vgg16():
+    with open(os.path.join(DATA, "pipedream", "vgg16-graph.txt")) as f:
+        return pipetrain.parse_pipedream_graph(f.read(), micro_batch_size=128)
+
+
+def run_python(code):
+    """Runs code in a fresh interpreter (a crash must fail one test, not kill the suite): (returncode, output)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    return r.returncode, r.stdout + r.stderr
+
+
+class MalformedSchedules(unittest.TestCase):
+    """Every binding that takes a Schedule validates it first, as the command line does with --load."""
+
+    def test_an_incomplete_schedule_is_refused(self):
+        s = pipetrain.Schedule.from_csv("0F0,0BW0,0F1\n1F0,1BW0,1F1,1BW1\n")  # rank 0 never runs 0BW1
+        for f in (pipetrain.simulate, pipetrain.lower, pipetrain.predict_heap, pipetrain.to_torch_csv,
+                  pipetrain.costs, pipetrain.strip_communication):
+            with self.subTest(f=f.__name__), self.assertRaisesRegex(pipetrain.ScheduleError, "0BW1"):
+                f(s)
+        # pipetrain.torch's check (no torch needed): torch_actions(lower=False) handed it to PyTorch unchecked
+        with self.assertRaisesRegex(pipetrain.ScheduleError, "0BW1"):
+            pipetrain.torch.check_runnable(s)
+        dup = pipetrain.Schedule.from_csv("0F0,0F0,0BW0\n1F0,1BW0\n")
+        with self.assertRaises(pipetrain.ScheduleError):
+            pipetrain.simulate(dup)
+
+    def test_malformed_schedules_raise_instead_of_crashing(self):
+        setup = ("import pipetrain as P\n"
+                 "def show(f):\n"
+                 "    try: f(); print('NO ERROR')\n"
+                 "    except (ValueError, IndexError) as e: print(type(e).__name__, str(e).splitlines()[0])\n")
+        replica = ('P.Schedule.from_csv("# pipetrain schedule name=x ranks=2 stages=2 microbatches=2 '
+                   'microbatches_per_step=2 synchronous=1 stage_rank=0:1 stage_replicas=0/9:1\\n'
+                   '0F0,0F1,0BW0,0BW1,0S0\\n1F0,1BW0,1F1,1BW1,1S0\\n")')
+        cases = {
+            "simulate(Schedule())": ("show(lambda: P.simulate(P.Schedule()))", "action rows"),
+            "lower(Schedule())": ("show(lambda: P.lower(P.Schedule()))", "action rows"),
+            "predict_heap(Schedule())": ("show(lambda: P.predict_heap(P.Schedule()))", "action rows"),
+            "render_grid(Schedule())": ("show(lambda: P.render_grid(P.Schedule(), [(0, 0)]))", "marked cell (0, 0)"),
+            "render_grid ranks=12": ("s = P.schedule('1f1b', stages=2, microbatches=2); s.ranks = 12\n"
+                                     "print(P.render_grid(s).count('\\nrank ')); show(lambda: P.render_grid(s, [(5, 0)]))",
+                                     "2\n"),
+            "index -1": ("s = P.schedule('1f1b', stages=1, microbatches=1)\n"
+                         "rows = s.actions; rows[0][0].index = -1; rows[0][1].index = -1; s.actions = rows\n"
+                         "show(lambda: P.simulate(s))", "micro-batch -1"),
+            "Action index -1": ("show(lambda: P.Action('F', 0, -1))", "index=-1"),
+            "ranks=3 to_csv": ("s = P.schedule('1f1b', stages=2, microbatches=2); s.ranks = 3\n"
+                               "show(s.to_csv); show(lambda: str(s)); show(s.text)", "ranks is 3 but actions has 2 rows"),
+            # (from_csv itself may refuse it: the CSV's header is checked where it is read)
+            "replica on rank 9": (f"show(lambda: P.simulate({replica})); show(lambda: P.lower({replica}))",
+                                  "replica on rank 9"),
+        }
+        for name, (code, expected) in cases.items():
+            with self.subTest(case=name):
+                rc, out = run_python(setup + code)
+                self.assertEqual(rc, 0, out)
+                self.assertNotIn("NO ERROR", out)
+                self.assertIn(expected, out)
+
+    def test_render_grid_marks_only_existing_cells(self):
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=2)
+        self.assertIn("[0F0]", pipetrain.render_grid(s, [(0, 0)]))
+        with self.assertRaisesRegex(ValueError, r"marked cell \(2, 0\)"):
+            pipetrain.render_grid(s, [(2, 0)])
+        s.ranks = 3  # inconsistent: the grid shows the rows there are
+        self.assertEqual(pipetrain.render_grid(s, [(1, 1)]).count("\nrank "), 2)
+        self.assertIn("[1BW0]", pipetrain.render_grid(s, [(1, 1)]))
+
+    def test_an_incomplete_schedule_still_prints(self):
+        s = pipetrain.Schedule.from_csv("0F0,0BW0,0F1\n1F0,1BW0,1F1,1BW1\n")
+        self.assertEqual(s.rank_line(0), "0F0 0BW0 0F1")
+        self.assertEqual(pipetrain.Schedule.from_csv(s.to_csv()), s)
+
+    def test_validate_cost_is_small(self):
+        # Not a timing: the validation simulate() adds is one pass (schedule() validated already).
+        s = pipetrain.schedule("1f1b", stages=4, microbatches=8)
+        self.assertEqual(pipetrain.simulate(s).makespan, pipetrain.simulate("1f1b", stages=4, microbatches=8).makespan)
+
+
+class SimulateAScheduleObject(unittest.TestCase):
+    """simulate(Schedule, ...) as `pipetrain simulate --load FILE ...`."""
+
+    def test_memory_limit_is_checked(self):
+        s = pipetrain.schedule("gpipe", stages=4, microbatches=8)
+        with self.assertRaisesRegex(pipetrain.ScheduleError, "above the memory limit 2"):
+            pipetrain.simulate(s, memory_limit=2)
+        self.assertEqual(pipetrain.simulate(s, memory_limit=8).peak_memory, 8)
+
+    def test_skips_apply_to_a_copy(self):
+        s = pipetrain.schedule("gpipe", stages=4, microbatches=8)
+        sim = pipetrain.simulate(s, skips=["0:3:5"], comm=1)
+        # pipetrain simulate --load gpipe.csv --skip 0:3:5 --comm 1: rank 3 peaks at 8 + 8 x 5 = 48
+        self.assertEqual(sim.per_stage[3].peak_memory, 48.0)
+        self.assertEqual(len(sim.schedule.skips), 1)
+        self.assertEqual(s.skips, [])  # the caller's schedule is untouched
+        by_name = pipetrain.simulate("gpipe", stages=4, microbatches=8, skips=["0:3:5"], comm=1)
+        self.assertEqual(by_name.per_stage[3].peak_memory, 48.0)
+
+    def test_generation_keywords_are_refused_unless_they_agree(self):
+        s = pipetrain.schedule("gpipe", stages=4, microbatches=8)
+        for kw in (dict(stages=3), dict(microbatches=4), dict(virtual=2), dict(steps=2), dict(exact=True),
+                   dict(exact_nodes=10), dict(replication=[1, 1, 1, 1])):
+            with self.subTest(kw=kw), self.assertRaisesRegex(TypeError, list(kw)[0]):
+                pipetrain.simulate(s, **kw)
+        same = pipetrain.simulate(s, stages=4, microbatches=8, virtual=1, steps=1)
+        self.assertEqual(same.makespan, pipetrain.simulate(s).makespan)
+
+    def test_not_a_schedule(self):
+        with self.assertRaisesRegex(TypeError, "schedule must be a Schedule or a schedule name.*int"):
+            pipetrain.simulate(5)
+        with self.assertRaisesRegex(TypeError, "costs must be a CostModel"):
+            pipetrain.simulate("1f1b", "1:1:1", stages=2, microbatches=2)
+
+
+class Compare(unittest.TestCase):
+    def test_bad_arguments_raise(self):
+        for kw, pattern in ((dict(cost="1:x:1"), "'x'"), (dict(comm=-1), "comm=-1"),
+                            (dict(comm=float("nan")), "comm=nan"),
+                            (dict(stages=4, microbatches=8, cost="1:1:1,2:2:2"), "2 F:B:W triples"),
+                            (dict(virtual=0), "virtual=0"), (dict(stages=0), "stages=0")):
+            with self.subTest(kw=kw), self.assertRaisesRegex(ValueError, pattern):
+                pipetrain.compare(**kw)
+
+    def test_a_schedule_that_cannot_be_built_is_named_in_a_warning(self):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = pipetrain.compare(stages=4, microbatches=6)
+        names = {r["name"] for r in rows}
+        self.assertNotIn("interleaved", names)
+        self.assertIn("1f1b", names)
+        text = " ".join(str(w.message) for w in caught)
+        self.assertIn("interleaved left out", text)
+        self.assertIn("multiple of the stages", text)
+        with self.assertRaises(ValueError):  # named: raises
+            pipetrain.compare(["interleaved"], stages=4, microbatches=6)
+
+
+class PlannerArguments(unittest.TestCase):
+    def test_levels_must_describe_the_ranks(self):
+        prof = vgg16()
+        with self.assertRaisesRegex(ValueError, r"4 x 4 = 16 devices but ranks is 4: give ranks=16"):
+            pipetrain.plan_pipedream(prof, ranks=4, levels=["4:10", "4:1"])
+        with self.assertRaisesRegex(ValueError, r"16 devices but ranks is 4"):
+            pipetrain.search_plans(prof, ranks=4, levels=["4:10", "4:1"])
+        plan = pipetrain.plan_pipedream(prof, levels=["4:10", "4:1"])  # ranks left out: the product
+        self.assertLessEqual(sum(plan["replication"]), 16)
+        self.assertEqual(plan, pipetrain.plan_pipedream(prof, ranks=16, levels=["4:10", "4:1"]))
+
+    def test_levels_are_whole_machines_in_a_list(self):
+        prof = vgg16()
+        for levels in ([(4.5, 10.0)], ["4.5:10"], ["4:x"], [(0, 10.0)], [(4, float("nan"))]):
+            with self.subTest(levels=levels), self.assertRaisesRegex(ValueError, r"levels\[0\]"):
+                pipetrain.plan_pipedream(prof, ranks=4, levels=levels)
+        with self.assertRaisesRegex(TypeError, "levels must be a list"):
+            pipetrain.search_plans(prof, ranks=4, levels="4:10")
+        self.assertEqual(pipetrain.plan_pipedream(prof, levels=[(4, 10)]),
+                         pipetrain.plan_pipedream(prof, ranks=4, levels=["4:10"]))
+
+    def test_out_of_range_numbers(self):
+        prof = vgg16()
+        with self.assertRaisesRegex(ValueError, "batch_size=-5"):
+            pipetrain.search_plans(prof, ranks=2, batch_size=-5)
+        for f in (pipetrain.search_plans, pipetrain.plan_pipedream):
+            with self.subTest(f=f.__name__), self.assertRaisesRegex(ValueError, "activation_compression=-1"):
+                f(prof, ranks=2, activation_compression=-1)
+        with self.assertRaisesRegex(ValueError, "latency=nan"):
+            pipetrain.search_plans(prof, ranks=2, latency=float("nan"))
+
+
+class NonFiniteNumbers(unittest.TestCase):
+    def test_nan_and_inf_are_refused_by_keyword(self):
+        path = os.path.join(DATA, "pipedream", "vgg16-graph.txt")
+        kw = dict(stages=2, microbatches=4, profile=path)
+        nan, inf = float("nan"), float("inf")
+        cases = [
+            (lambda: pipetrain.simulate("1f1b", bandwidth=nan, **kw), "bandwidth=nan"),
+            (lambda: pipetrain.simulate("1f1b", latency=-1.0, **kw), "latency=-1"),
+            (lambda: pipetrain.simulate("1f1b", microbatch_size=nan, **kw), "microbatch_size=nan"),
+            (lambda: pipetrain.schedule("zb-auto", stages=4, microbatches=8, memory_limit=nan), "memory_limit=nan"),
+            (lambda: pipetrain.schedule("1f1b", stages=4, microbatches=8, memory_limit=inf), "memory_limit=inf"),
+            (lambda: pipetrain.validate(pipetrain.schedule("1f1b", stages=2, microbatches=2), memory_limit=nan),
+             "memory_limit=nan"),
+            (lambda: pipetrain.simulate("1f1b", stages=2, microbatches=2, comm=nan), "comm=nan"),
+            (lambda: pipetrain.stage_costs(path, [20, 19], microbatch_size=nan), "microbatch_size=nan"),
+            (lambda: pipetrain.stage_costs(path, [20, 19], bandwidth=nan), "bandwidth=nan"),
+            (lambda: pipetrain.zb_exact(2, 3, memory_limit=nan), "memory_limit=nan"),
+        ]
+        for f, pattern in cases:
+            with self.subTest(pattern=pattern), self.assertRaisesRegex(ValueError, pattern):
+                f()
+
+    def test_a_profile_dict_with_nan_names_the_field(self):
+        d = small_profile()
+        d["layers"][2]["forward_ms"] = float("nan")
+        with self.assertRaisesRegex(ValueError, r"layers\[2\]\.forward_ms is nan"):
+            pipetrain.profile(d)
+
+
+class Pickling(unittest.TestCase):
+    def round_trip(self, obj):
+        return pickle.loads(pickle.dumps(obj)), copy.deepcopy(obj)
+
+    def test_value_types(self):
+        s = pipetrain.schedule("1f1b", stages=4, microbatches=8, skips=["0:3:0.5"])
+        for back in self.round_trip(s):
+            self.assertEqual(back, s)
+            self.assertEqual(back.to_csv(), s.to_csv())
+        low = pipetrain.lower(pipetrain.schedule("zb-v", stages=2, microbatches=4))
+        self.assertEqual(pickle.loads(pickle.dumps(low)), low)  # transfers, pairs, V stages
+        rr = pipetrain.schedule("1f1b", replication=[2, 1], microbatches=4)
+        self.assertEqual(pickle.loads(pickle.dumps(rr)).stage_replicas, rr.stage_replicas)
+        a = pipetrain.Action("SF", 0, 3, paired=True, peer=2)
+        for back in self.round_trip(a):
+            self.assertEqual((back.kind, back.stage, back.index, back.paired, back.peer), ("SF", 0, 3, True, 2))
+        self.assertEqual(copy.deepcopy(s.actions), s.actions)
+        c = pipetrain.StageCost(1, 2, 3, 4, 5, 6, 7)
+        c.w_held = 0.25
+        for back in self.round_trip(c):
+            self.assertEqual([back.f, back.b, back.w, back.activation, back.gradient_b, back.gradient_w, back.message,
+                              back.w_held], [1, 2, 3, 4, 5, 6, 7, 0.25])
+        m = pipetrain.CostModel([c, pipetrain.StageCost()], comm=0.5, step=2, bandwidth=3, stage_step=[1, 2],
+                                b_release_fraction=0.25, overhead=0.1)
+        for back in self.round_trip(m):
+            self.assertEqual(len(back.stage), 2)
+            self.assertEqual(back.stage[0].w_held, 0.25)
+            self.assertEqual((back.comm, back.step, back.bandwidth, back.stage_step, back.b_release_fraction,
+                              back.overhead), (0.5, 2, 3, [1, 2], 0.25, 0.1))
+        k = pipetrain.SkipEdge(0, 3, 0.5)
+        self.assertEqual(pickle.loads(pickle.dumps(k)), k)
+        timeline = pipetrain.simulate("1f1b", stages=2, microbatches=2, comm=0.5).timeline
+        for back in self.round_trip(timeline):
+            self.assertEqual(back.records(), timeline.records())
+            self.assertEqual((back.schedule, back.ranks, back.microbatches, back.unit),
+                             (timeline.schedule, timeline.ranks, timeline.microbatches, timeline.unit))
+            self.assertEqual(pipetrain.chrome_trace_json(back), pipetrain.chrome_trace_json(timeline))
+
+    def test_simulation_and_exact_result(self):
+        sim = pipetrain.simulate("zb-auto", stages=2, microbatches=3, memory_limit=2, exact=True, comm=0.5,
+                                 reference=True)
+        for back in self.round_trip(sim):
+            self.assertEqual(back.to_dict(), sim.to_dict())
+            self.assertEqual(back.heap_policy, sim.heap_policy)
+            self.assertEqual(back.exact.summary(), sim.exact.summary())
+
+
+class ExactSummary(unittest.TestCase):
+    def test_to_dict_and_schedule_carry_the_search(self):
+        sim = pipetrain.simulate("zb-auto", stages=2, microbatches=3, memory_limit=2, exact=True)
+        r = pipetrain.zb_exact(2, 3, memory_limit=2)
+        d = sim.to_dict()["exact"]
+        self.assertEqual(d["makespan"], r.makespan)
+        self.assertEqual(d["greedy_makespan"], r.greedy_makespan)
+        self.assertAlmostEqual(d["gap_percent"], r.gap_percent)
+        self.assertEqual((d["proven"], d["lower_bound"], d["nodes"]), (r.proven, r.lower_bound, r.nodes))
+        self.assertNotIn("exact", pipetrain.simulate("zb-auto", stages=2, microbatches=3).to_dict())
+        s, found = pipetrain.schedule("zb-auto", stages=2, microbatches=3, memory_limit=2, exact=True,
+                                      return_exact=True)
+        self.assertEqual(found.summary(), r.summary())
+        self.assertEqual(s, r.schedule)
+        self.assertIsNone(pipetrain.schedule("1f1b", stages=2, microbatches=2, return_exact=True)[1])
+
+
+class MemoryUnits(unittest.TestCase):
+    def test_validate_with_costs_speaks_in_the_costs_unit(self):
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=4)
+        costs = pipetrain.stage_costs(small_profile(), [3, 3])
+        with self.assertRaises(pipetrain.ScheduleError) as e:
+            pipetrain.validate(s, memory_limit=3, costs=costs)
+        self.assertNotIn("micro-batches of activations", str(e.exception))
+        self.assertIn("the costs' activation unit", str(e.exception))
+        with self.assertRaisesRegex(pipetrain.ScheduleError, "micro-batches of activations"):
+            pipetrain.validate(s, memory_limit=1)
+        self.assertIn("bytes", pipetrain.validate.__doc__)
+
+
+class Paths(unittest.TestCase):
+    def test_pathlike_everywhere(self):
+        sim = pipetrain.simulate("1f1b", stages=2, microbatches=2)
+        with tempfile.TemporaryDirectory() as d:
+            d = pathlib.Path(d)
+            sim.write_svg(d / "t.svg")
+            sim.write_trace(d / "t.json")
+            self.assertTrue((d / "t.svg").read_text().startswith("<"))
+            self.assertIn("traceEvents", (d / "t.json").read_text())
+            pipetrain.write_file(d / "s.csv", sim.schedule.to_csv())
+            self.assertEqual(pipetrain.Schedule.load_csv(d / "s.csv"), sim.schedule)
+            pipetrain.write_file(d / "t.csv", pipetrain.to_torch_csv(sim.schedule))
+            self.assertEqual(pipetrain.load_torch_csv(d / "t.csv").schedule.ranks, 2)
+            (d / "p.json").write_text(json.dumps(small_profile()))
+            self.assertEqual(len(pipetrain.load_profile(d / "p.json")["layers"]), 6)
+            with self.assertRaisesRegex(ValueError, "path is empty"):
+                sim.write_svg("")
+            with self.assertRaisesRegex(TypeError, "os.PathLike"):
+                sim.write_svg(5)
+
+
+class ClearErrors(unittest.TestCase):
+    def test_each_names_the_keyword_and_value(self):
+        sim = pipetrain.simulate("1f1b", stages=2, microbatches=2)
+        cases = [
+            (lambda: sim.ascii(-1), ValueError, "chars_per_unit=-1"),
+            (lambda: sim.ascii(0), ValueError, "chars_per_unit=0"),
+            (lambda: sim.ascii(float("nan")), ValueError, "chars_per_unit=nan"),
+            (lambda: sim.ascii(1e12), ValueError, "chars_per_unit=1e\\+12 makes lines"),
+            (lambda: pipetrain.ascii_gantt(sim.timeline, 0), ValueError, "chars_per_unit=0"),
+            (lambda: pipetrain.CostModel.uniform(-3), ValueError, "stages=-3"),
+            (lambda: sim.schedule.rank_of(-1), IndexError, r"stage=-1.*0\.\.1"),
+            (lambda: pipetrain.schedule("1f1b", stages=4, microbatches=4, skips="0:3"), TypeError,
+             "skips must be a list of strings"),
+            (lambda: pipetrain.stages_per_rank("interleaved", 0), ValueError, "virtual=0"),
+            (lambda: pipetrain.umpipe(vgg16(), [20, 19], 0), ValueError, "samples=0"),
+        ]
+        for f, kind, pattern in cases:
+            with self.subTest(pattern=pattern), self.assertRaisesRegex(kind, pattern):
+                f()
+        self.assertEqual(sim.ascii(1).count("\n"), 2)
+
+
+class ReleasesTheGil(unittest.TestCase):
+    def test_other_threads_run_during_a_long_call(self):
+        # Behaviour, not a timing: while zb_exact searches (about 0.5 s), this thread keeps running Python.
+        # Holding the GIL, it would get back only after the call ends (a tick or two).
+        started = threading.Event()
+
+        def work():
+            started.set()
+            pipetrain.zb_exact(4, 8, memory_limit=3, nodes=100_000)
+
+        t = threading.Thread(target=work)
+        t.start()
+        started.wait()
+        ticks = 0
+        while t.is_alive():
+            ticks += 1
+            time.sleep(0.001)
+        t.join()
+        self.assertGreater(ticks, 20)
 
 if __name__ == "__main__":
     support.main()
