@@ -63,8 +63,12 @@ struct PlanSearchOptions {
   // unless --bandwidth, --latency or --level is given. Empty: the links' bandwidth and `latency_ms`.
   std::vector<TransferSample> allreduce;
   int allreduce_ranks = 0;
-  bool replicated_may_win = true;  // false: only one pipeline (no replicas, no 1F1B-RR) may be chosen
-  bool hybrid = true;              // false: only straight pipelines over min(ranks, layers) ranks
+  // false (UMPIPE): only one straight pipeline over min(ranks, layers) ranks, one stage each, may be
+  // chosen; the other rows are still simulated and shown, as references (PlanSearchResult::ineligible).
+  bool replicated_may_win = true;
+  // false (--no-hybrid): only pipelines over min(ranks, layers) ranks are searched (with virtual stages
+  // where the schedule has them); PipeDream's plan and data parallelism are references, never chosen.
+  bool hybrid = true;
   bool exhaustive = false;         // simulate every candidate (no pruning): the reference the tests compare with
   // PipeDream's planner is O(L^2 R^2) on one level; above this many ranks (and without levels given) it
   // runs on two levels of the same links, groups of g ranks with g the divisor of R nearest sqrt(R)
