@@ -150,7 +150,9 @@ void add_plan_flags(CLI::App* cmd, const std::shared_ptr<PlanFlags>& f) {
                 "simulate every candidate instead of pruning those whose lower bound cannot win (same choice, slower)");
   cmd->add_option("--top", f->top, "runners-up to show (the best plan of each other shape), default 8");
   cmd->add_option("--microbatch-counts", f->microbatch_counts, "micro-batch counts to consider, default 1 2 4 8 16 32");
-  cmd->add_option("--balances", f->kinds, "balance kinds to consider, default uniform parameters time memory");
+  cmd->add_option("--balances", f->kinds,
+                  "balance kinds to consider, default uniform parameters time memory; a list such as 5,7,7,20 is "
+                  "a balance for the plans of that many stages");
   cmd->add_option("--cost-form", f->cost_form, "PipeDream planner's cost form: paper (default) or reference");
   cmd->add_option("--planner", f->planner,
                   "pipeline (default: balance, schedule and micro-batches), or umpipe: also unequal micro-batches "
@@ -256,6 +258,19 @@ std::string rr_microbatches(const PlanCandidate& c) {
   const int u = c.replication.front();
   const bool equal = u > 1 && std::all_of(c.replication.begin(), c.replication.end(), [&](int r) { return r == u; });
   return equal ? fmt::format("m={} ({} per copy)", c.m, c.m / u) : fmt::format("m={}", c.m);
+}
+
+// A long partition as runs ("3x340,2x2"); short ones as they are.
+std::string partition_text(const std::vector<int>& v) {
+  if (v.size() <= 16) return list(v);
+  std::string s;
+  for (std::size_t i = 0; i < v.size();) {
+    std::size_t j = i;
+    while (j < v.size() && v[j] == v[i]) ++j;
+    s += (s.empty() ? "" : ",") + std::to_string(v[i]) + (j - i > 1 ? "x" + std::to_string(j - i) : "");
+    i = j;
+  }
+  return s;
 }
 
 // One plan's shape in words: "4 stages x 8 replicas, 1f1b v=1 m=16 (time, min-max)".
@@ -426,8 +441,8 @@ nlohmann::json plan_umpipe(const PlanFlags* f, const Profile& prof, const PlanSe
   umpipe["planners"] = nlohmann::json::object();
   for (const UmpipeResult& r : results) umpipe["planners"][r.planner] = umpipe_result_to_json(r);
   for (std::size_t s = 0; s < dgap.plan.forward.size(); ++s)
-    std::cout << fmt::format("  stage {} forward {} | backward {}{}\n", s, list(dgap.plan.forward[s]),
-                             list(dgap.plan.backward[s]),
+    std::cout << fmt::format("  stage {} forward {} | backward {}{}\n", s, partition_text(dgap.plan.forward[s]),
+                             partition_text(dgap.plan.backward[s]),
                              uo.rematerialise && s + 1 == dgap.plan.forward.size()
                                  ? " (the last stage's forward is folded into its backward)"
                                  : "");
