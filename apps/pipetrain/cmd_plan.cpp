@@ -68,18 +68,50 @@ std::string list(const std::vector<int>& v) {
 }
 
 // --level MACHINES:GB/s, innermost first, as PipeDream's planner's network levels (bytes per second).
+// Each field whole: an integer MACHINES >= 1 and a finite GB/s > 0 (no "4.5:100", "4:100abc", "4:100:3"),
+// and the product of the MACHINES at most the most ranks a plan takes.
 std::vector<NetworkLevel> parse_levels(const std::vector<std::string>& levels) {
   std::vector<NetworkLevel> out;
+  long long devices = 1;
+  std::string product;
   for (const std::string& lv : levels) {
+    const std::string shown = excerpt(lv);
     const auto colon = lv.find(':');
+    const std::string machines_text = colon == std::string::npos ? lv : lv.substr(0, colon);
+    const std::string gbps_text = colon == std::string::npos ? "" : lv.substr(colon + 1);
+    auto bad = [&](const std::string& what) {
+      return UsageError(fmt::format("--level {}: {}; write MACHINES:GB/s, an integer MACHINES >= 1 and a finite GB/s > "
+                                    "0, e.g. --level 4:100", shown, what));
+    };
+    if (colon == std::string::npos) throw bad("no ':' between MACHINES and GB/s");
+    long long machines = 0;
+    double gbps = 0;
+    std::size_t used = 0;
     try {
-      if (colon == std::string::npos) throw std::invalid_argument(lv);
-      out.push_back(NetworkLevel{std::stoi(lv.substr(0, colon)), std::stod(lv.substr(colon + 1)) * 1e9});
+      machines = std::stoll(machines_text, &used);
     } catch (const std::exception&) {
-      throw UsageError("--level " + lv + " must read MACHINES:GB/s, e.g. 4:100");
+      used = 0;
     }
-    if (out.back().machines < 1 || !(out.back().bandwidth > 0) || !std::isfinite(out.back().bandwidth))
-      throw UsageError("--level " + lv + " needs MACHINES >= 1 and a finite GB/s > 0, e.g. 4:100");
+    if (machines_text.empty() || used != machines_text.size() || !std::isdigit(static_cast<unsigned char>(machines_text[0])))
+      throw bad("MACHINES '" + excerpt(machines_text) + "' is not a whole number of machines (at most " +
+                std::to_string(kMaxPlanRanks) + ")");
+    if (machines < 1) throw bad(fmt::format("MACHINES is {}", machines));
+    try {
+      gbps = std::stod(gbps_text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (gbps_text.empty() || used != gbps_text.size() || std::isspace(static_cast<unsigned char>(gbps_text[0])))
+      throw bad("GB/s '" + excerpt(gbps_text) + "' is not a number");
+    if (!(gbps > 0) || !std::isfinite(gbps) || !std::isfinite(gbps * 1e9))
+      throw bad(fmt::format("GB/s is {}{}", gbps, std::isfinite(gbps) && gbps > 0 ? " (too large)" : ""));
+    product += (product.empty() ? "" : " x ") + std::to_string(machines);
+    devices = machines > kMaxPlanRanks ? kMaxPlanRanks + 1LL : devices * machines;
+    if (devices > kMaxPlanRanks)
+      throw UsageError(fmt::format("--level: the levels' MACHINES multiply to {} = more than {} devices, the most a "
+                                   "plan takes: give levels whose MACHINES multiply to --ranks",
+                                   product, kMaxPlanRanks));
+    out.push_back(NetworkLevel{static_cast<int>(machines), gbps * 1e9});
   }
   return out;
 }
@@ -118,7 +150,9 @@ void add_plan_flags(CLI::App* cmd, const std::shared_ptr<PlanFlags>& f) {
                 "simulate every candidate instead of pruning those whose lower bound cannot win (same choice, slower)");
   cmd->add_option("--top", f->top, "runners-up to show (the best plan of each other shape), default 8");
   cmd->add_option("--microbatch-counts", f->microbatch_counts, "micro-batch counts to consider, default 1 2 4 8 16 32");
-  cmd->add_option("--balances", f->kinds, "balance kinds to consider, default uniform parameters time memory");
+  cmd->add_option("--balances", f->kinds,
+                  "balance kinds to consider, default uniform parameters time memory; a list such as 5,7,7,20 is "
+                  "a balance for the plans of that many stages");
   cmd->add_option("--cost-form", f->cost_form, "PipeDream planner's cost form: paper (default) or reference");
   cmd->add_option("--planner", f->planner,
                   "pipeline (default: balance, schedule and micro-batches), or umpipe: also unequal micro-batches "
@@ -135,7 +169,9 @@ void add_plan_flags(CLI::App* cmd, const std::shared_ptr<PlanFlags>& f) {
   cmd->add_flag("--no-rematerialise", f->no_rematerialise,
                "umpipe: plan as if the backward kept the forward's activations (a planning study: train --plan refuses "
                "such partitions, since the runtime re-materialises every backward chunk)");
-  cmd->add_option("--out", f->out, "write the plan JSON here (pipetrain train --plan FILE runs it)");
+  cmd->add_option("--out", f->out,
+                  "write the plan JSON here (pipetrain train --plan FILE runs it); when no candidate fits --memory, "
+                  "the fastest is written all the same, with \"fits_memory_limit\": false and a warning, for inspection");
 }
 
 void check_plan_flags(const PlanFlags* f, const CLI::App* cmd) {
@@ -152,6 +188,17 @@ void check_plan_flags(const PlanFlags* f, const CLI::App* cmd) {
                      "128), got " + std::to_string(f->pipedream_batch));
   if (!std::isfinite(f->bandwidth_gbps))
     throw UsageError("--bandwidth must be a finite number of GB/s, got " + fmt::format("{}", f->bandwidth_gbps));
+  if (!std::isfinite(f->latency_us) || f->latency_us > 1e9)
+    throw UsageError(fmt::format("--latency must be at most 1e9 us (1000 s per transfer), got {:g}", f->latency_us));
+  if (cmd->get_option("--batch-size")->count() > 0 && f->batch_size < 1)
+    throw UsageError(fmt::format("--batch-size must be >= 1 (samples per mini-batch), got {}; leave it out for the "
+                                 "default, max(8, ranks) x the profile's micro-batch size", f->batch_size));
+  if (!(f->activation_compression >= 0) || !std::isfinite(f->activation_compression))
+    throw UsageError(fmt::format("--activation-compression must be a finite ratio > 0 (PipeDream's "
+                                 "--activation_compression_ratio), or 0 for none; got {:g}", f->activation_compression));
+  if (!(f->overhead_ms >= 0) || !std::isfinite(f->overhead_ms) || f->overhead_ms > 1e9)
+    throw UsageError(fmt::format("--overhead must be a finite number of ms >= 0 (per layer and pass, for layers "
+                                 "measured at one size only), got {:g}", f->overhead_ms));
 }
 
 // A measured profile whose fit found no bandwidth term (latency only) gives an infinite bandwidth:
@@ -165,6 +212,12 @@ std::string bandwidth_text(double gbps) {
 // transport in it sets the transfers unless --bandwidth or --latency is given.
 Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
   Profile prof = load_profile(f->profile);
+  // A PipeDream graph file does not record the batch size it was profiled at: read at 1, its activations
+  // and throughput are that many times off (VGG-16's file: 128x).
+  if (prof.source.rfind("pipedream graph", 0) == 0 && f->pipedream_batch == 0)
+    std::cerr << "pipetrain plan: warning: " << f->profile << " is a PipeDream graph file, read as profiled at batch "
+              << "size 1 (its format does not record one): give --pipedream-batch N, the batch size it was profiled "
+              << "at (VGG-16's: 128), or its memory and throughput are N times off\n";
   if (f->pipedream_batch > 0 || f->pipedream_states) {
     const std::string flag = f->pipedream_batch > 0 ? "--pipedream-batch" : "--pipedream-states";
     if (prof.source.rfind("pipedream graph", 0) != 0)
@@ -207,6 +260,19 @@ std::string rr_microbatches(const PlanCandidate& c) {
   return equal ? fmt::format("m={} ({} per copy)", c.m, c.m / u) : fmt::format("m={}", c.m);
 }
 
+// A long partition as runs ("3x340,2x2"); short ones as they are.
+std::string partition_text(const std::vector<int>& v) {
+  if (v.size() <= 16) return list(v);
+  std::string s;
+  for (std::size_t i = 0; i < v.size();) {
+    std::size_t j = i;
+    while (j < v.size() && v[j] == v[i]) ++j;
+    s += (s.empty() ? "" : ",") + std::to_string(v[i]) + (j - i > 1 ? "x" + std::to_string(j - i) : "");
+    i = j;
+  }
+  return s;
+}
+
 // One plan's shape in words: "4 stages x 8 replicas, 1f1b v=1 m=16 (time, min-max)".
 std::string shape_text(const PlanCandidate& c) {
   if (!c.replication.empty() && c.copies > 1)
@@ -236,24 +302,34 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
                            f->levels.empty() ? bandwidth_text(f->bandwidth_gbps)
                                              : fmt::format("{} level{}", f->levels.size(), f->levels.size() > 1 ? "s" : ""),
                            limit > 0 ? fmt::format("{} GiB per rank", f->memory_gib) : "no memory limit", batch);
-  std::cout << fmt::format("  searched {} candidates, simulated {} (the others' lower bound could not beat the best)\n",
-                           res.considered, res.candidates.size());
+  if (f->exhaustive || static_cast<int64_t>(res.candidates.size()) >= res.considered)
+    std::cout << fmt::format("  searched {} candidates, simulated every one{}\n", res.considered,
+                             f->exhaustive ? " (--exhaustive)" : "");
+  else
+    std::cout << fmt::format("  searched {} candidates, simulated {} (the others' lower bound could not beat the best)\n",
+                             res.considered, res.candidates.size());
   std::cout << fmt::format("  {:<48} {:>6} {:>14} {:>12} {:>8} {:>10}  {}\n", "", "ranks", "ms/mini-batch", "samples/s",
                            "bubble", "peak GiB", "balance");
+  // Rows the options do not let be chosen (--no-hybrid, UMPIPE, 1F1B-RR without 1f1b) are references,
+  // marked as such; the chosen plan is the best of the others.
   auto row = [&](const std::string& name, const PlanCandidate& c) {
-    std::cout << fmt::format("  {:<48} {:>6} {:>14.2f} {:>12.1f} {:>8.3f} {:>10.3f}  {}{}\n", name, c.ranks_used,
+    const std::string why_not = res.ineligible(c);
+    std::cout << fmt::format("  {:<48} {:>6} {:>14.2f} {:>12.1f} {:>8.3f} {:>10.3f}  {}{}{}\n", name, c.ranks_used,
                              c.makespan, c.makespan > 0 ? 1e3 * static_cast<double>(batch) / c.makespan : 0.0, c.bubble,
-                             c.peak_bytes / 1073741824.0, list(c.balance), c.fits ? "" : "  (over the memory limit)");
+                             c.peak_bytes / 1073741824.0, list(c.balance), c.fits ? "" : "  (over the memory limit)",
+                             why_not.empty() ? "" : "  (not eligible: " + why_not + ")");
   };
   row("chosen: " + shape_text(top), top);
-  if (res.best_straight.makespan != top.makespan || res.best_straight.balance != top.balance)
-    row("best straight: " + shape_text(res.best_straight), res.best_straight);
+  const bool straight_row = res.best_straight.makespan != top.makespan || res.best_straight.balance != top.balance;
+  if (straight_row) row("best straight: " + shape_text(res.best_straight), res.best_straight);
+  auto same_shape = [](const PlanCandidate& a, const PlanCandidate& b) {
+    return a.stages == b.stages && a.replicas == b.replicas && a.schedule == b.schedule &&
+           a.virtual_stages == b.virtual_stages && a.replication == b.replication;
+  };
   // Runners-up: the best simulated plan of each other (stages, replicas, schedule) shape.
   std::vector<const PlanCandidate*> others;
   for (const PlanCandidate& c : res.candidates) {
-    if (c.stages == top.stages && c.replicas == top.replicas && c.schedule == top.schedule &&
-        c.virtual_stages == top.virtual_stages && c.replication == top.replication)
-      continue;
+    if (same_shape(c, top) || (straight_row && same_shape(c, res.best_straight))) continue;  // shown above
     auto same = std::find_if(others.begin(), others.end(), [&](const PlanCandidate* o) {
       return o->stages == c.stages && o->replicas == c.replicas && o->schedule == c.schedule &&
              o->virtual_stages == c.virtual_stages && o->replication == c.replication;
@@ -295,9 +371,13 @@ void print_plans(const PlanFlags* f, const Profile& prof, const PlanSearchResult
                               "or a smaller --batch-size); the fastest of them ({:.2f} ms, {:.1f} samples/s",
                               res.candidates.size(), f->memory_gib, top.makespan,
                               1e3 * static_cast<double>(batch) / top.makespan)
-                : fmt::format("  why: fastest{} of the {} simulated ({:.2f} ms, {:.1f} samples/s",
+                : fmt::format("  why: fastest{} of the {} simulated{} ({:.2f} ms, {:.1f} samples/s",
                               limit > 0 ? fmt::format(" within {} GiB per rank", f->memory_gib) : "",
-                              res.candidates.size(), top.makespan, 1e3 * static_cast<double>(batch) / top.makespan);
+                              res.candidates.size(),
+                              !res.hybrid || !res.replicated_may_win
+                                  ? fmt::format(" that {} allows", res.replicated_may_win ? "--no-hybrid" : "UMPIPE")
+                                  : "",
+                              top.makespan, 1e3 * static_cast<double>(batch) / top.makespan);
   why += fmt::format(", bubble {:.3f}, peak {:.3f} GiB per rank", top.bubble, top.peak_bytes / 1073741824.0);
   if (top.replicas > 1) why += fmt::format(", all-reduce {:.2f} ms", top.allreduce_ms);
   why += ")";
@@ -361,15 +441,43 @@ nlohmann::json plan_umpipe(const PlanFlags* f, const Profile& prof, const PlanSe
   umpipe["planners"] = nlohmann::json::object();
   for (const UmpipeResult& r : results) umpipe["planners"][r.planner] = umpipe_result_to_json(r);
   for (std::size_t s = 0; s < dgap.plan.forward.size(); ++s)
-    std::cout << fmt::format("  stage {} forward {} | backward {}{}\n", s, list(dgap.plan.forward[s]),
-                             list(dgap.plan.backward[s]),
+    std::cout << fmt::format("  stage {} forward {} | backward {}{}\n", s, partition_text(dgap.plan.forward[s]),
+                             partition_text(dgap.plan.backward[s]),
                              uo.rematerialise && s + 1 == dgap.plan.forward.size()
                                  ? " (the last stage's forward is folded into its backward)"
                                  : "");
-  if (uo.rematerialise)
+  // What the file offers: the straight pipeline chosen above (train --plan FILE --umpipe off) and each
+  // planner's partitions (--umpipe NAME); train runs dgap's unless told otherwise. The fastest of them
+  // goes in the file and the output, with what to pass for it when it is not the default.
+  const UmpipeResult* quickest = &results.front();
+  for (const UmpipeResult& r : results)
+    if (r.step_ms < quickest->step_ms) quickest = &r;
+  const bool straight_wins = uo.rematerialise && best.makespan < quickest->step_ms;
+  const std::string fastest = !uo.rematerialise || straight_wins ? "off" : quickest->planner;
+  const double fastest_ms = fastest == "off" ? best.makespan : quickest->step_ms;
+  umpipe["runs_by_default"] = "dgap";
+  umpipe["fastest"] = fastest;
+  umpipe["fastest_ms"] = fastest_ms;
+  umpipe["straight_pipeline_ms"] = best.makespan;
+  umpipe["note"] = fastest == "dgap"
+                       ? "train --plan runs the dgap partitions by default, the fastest this file offers"
+                       : fmt::format("train --plan runs the dgap partitions by default ({:.3f} ms predicted), but the "
+                                     "fastest this file offers is {} ({:.3f} ms): pass --umpipe {}",
+                                     dgap.step_ms, fastest == "off" ? "the straight pipeline" : fastest + "'s partitions",
+                                     fastest_ms, fastest);
+  if (uo.rematerialise) {
     std::cout << "  re-materialised: every backward chunk recomputes its forward (the runtime's way); train "
                  "--plan FILE runs the dgap partitions, --umpipe equal|local-greedy|global-dp another planner's, "
-                 "--umpipe off the straight pipeline above\n";
+                 "--umpipe off the straight pipeline chosen above\n";
+    if (fastest == "dgap")
+      std::cout << fmt::format("  runs by default: dgap ({:.3f} ms), the fastest the file offers (the straight pipeline "
+                               "chosen above: {:.2f} ms)\n", dgap.step_ms, best.makespan);
+    else
+      std::cout << fmt::format("  runs by default: dgap ({:.3f} ms predicted), SLOWER than {} ({:.2f} ms): run it with "
+                               "train --plan FILE --umpipe {}\n", dgap.step_ms,
+                               fastest == "off" ? "the straight pipeline chosen above" : fastest + "'s partitions",
+                               fastest_ms, fastest);
+  }
   else
     std::cout << "  planned without re-materialisation (--no-rematerialise): a planning study only; the runtime "
                  "re-materialises, so train --plan refuses these partitions (run it with --umpipe off)\n";
@@ -388,7 +496,9 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       "  pipetrain profile --model gpt --microbatch-size 8 --out gpt.json\n"
       "  pipetrain plan --profile gpt.json --ranks 4 --batch-size 64 --out plan.json\n"
       "  pipetrain train --plan plan.json --batch-size 64\n"
-      "  pipetrain plan --profile vgg16.txt --ranks 8 --bandwidth 1.25 --memory 16   # PipeDream's profile");
+      "  pipetrain plan --profile data/pipedream/vgg16-graph.txt --pipedream-batch 128 --ranks 8 --bandwidth 1.25 "
+      "--memory 16\n"
+      "      # PipeDream's graph file: --pipedream-batch gives the batch size it was profiled at (VGG-16's: 128)");
   cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("plan", [&] {
       check_plan_flags(f.get(), cmd);
@@ -422,7 +532,16 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         PlanFile file = plan_file_for(prof, res);
         file.umpipe = umpipe;
         write_plan_file(f->out, file);
-        std::cout << "plan written to " << f->out << " (run it with pipetrain train --plan " << f->out << ")\n";
+        const PlanCandidate& top = res.chosen();
+        const std::string fastest = umpipe.is_object() ? umpipe.value("fastest", std::string("dgap")) : "dgap";
+        if (top.fits)
+          std::cout << "plan written to " << f->out << " (run it with pipetrain train --plan " << f->out
+                    << (fastest == "dgap" ? std::string() : " --umpipe " + fastest) << ")\n";
+        else  // written for inspection; its "fits_memory_limit" says false
+          std::cout << fmt::format("plan written to {}, but it does NOT fit {} GiB per rank (its peak: {:.3f} GiB per "
+                                   "rank), and a run of it would need that much: raise --memory, give more --ranks or "
+                                   "a smaller --batch-size, and plan again\n",
+                                   f->out, f->memory_gib, top.peak_bytes / 1073741824.0);
       }
       return 0;
     });

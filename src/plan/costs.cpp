@@ -45,11 +45,17 @@ double layer_time_at(const LayerProfile& l, int b0, double b, bool forward) {
   return std::max(0.0, a + c * b);
 }
 
+double transfer_ms(double bytes, double bandwidth_bytes_per_ms, double latency_ms) {
+  const bool free_bytes = !(bandwidth_bytes_per_ms > 0) || std::isinf(bandwidth_bytes_per_ms);
+  return latency_ms + (free_bytes ? 0.0 : bytes / bandwidth_bytes_per_ms);
+}
+
 CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, const StageCostOptions& o) {
   check_balance(balance, static_cast<int>(prof.layers.size()));
   const double scale = o.micro_batch / prof.micro_batch_size;
   CostModel costs;
   double boundary = 0;
+  std::vector<double> cut_bytes;  // per boundary: what crosses it (its stage's last layer's output)
   std::size_t layer = 0;
   for (std::size_t s = 0; s < balance.size(); ++s) {
     StageCost sc{0, 0, 0, 0};
@@ -64,7 +70,10 @@ CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, cons
       // Weight gradients (heap model): a split layer's come with W, the others' with B.
       (l.bw_split ? sc.gradient_w : sc.gradient_b) += l.parameter_bytes;
       if (k + 1 == balance[s]) sc.message = l.activation_bytes * scale;
-      if (k + 1 == balance[s] && s + 1 < balance.size()) boundary = std::max(boundary, l.activation_bytes * scale);
+      if (k + 1 == balance[s] && s + 1 < balance.size()) {
+        boundary = std::max(boundary, l.activation_bytes * scale);
+        cut_bytes.push_back(l.activation_bytes * scale);
+      }
     }
     costs.stage.push_back(sc);
   }
@@ -107,9 +116,11 @@ CostModel stage_costs(const Profile& prof, const std::vector<int>& balance, cons
       }
       if (known) costs.stage[s].w_held = w_held;
     }
-  costs.comm = balance.size() > 1
-                   ? o.latency_ms + (o.bandwidth_bytes_per_ms > 0 ? boundary / o.bandwidth_bytes_per_ms : 0.0)
-                   : 0.0;
+  // One transfer time per cut, from the bytes that cross it (what the plan search prices, so simulate
+  // --profile reproduces a plan's time); `comm`, the largest, is what the lowered schedules' explicit
+  // send/receive actions and transfers between non-neighbouring stages cost.
+  costs.comm = balance.size() > 1 ? transfer_ms(boundary, o.bandwidth_bytes_per_ms, o.latency_ms) : 0.0;
+  for (double bytes : cut_bytes) costs.boundary_comm.push_back(transfer_ms(bytes, o.bandwidth_bytes_per_ms, o.latency_ms));
   costs.overhead = o.overhead_ms ? *o.overhead_ms : prof.runtime ? prof.runtime->overhead_ms : 0.0;
   return costs;
 }

@@ -322,8 +322,19 @@ PlannerCostForm parse_planner_cost_form(const std::string& name) {
 const char* to_string(PlannerCostForm form) { return form == PlannerCostForm::paper ? "paper" : "reference"; }
 
 int planner_devices(const std::vector<NetworkLevel>& levels) {
-  long n = 1;
-  for (const NetworkLevel& l : levels) n *= l.machines;
+  std::string product;
+  for (const NetworkLevel& l : levels) product += (product.empty() ? "" : " x ") + std::to_string(l.machines);
+  long long n = 1;
+  for (const NetworkLevel& l : levels) {
+    if (l.machines < 1)
+      throw UsageError(fmt::format("the network levels {} have a level of {} machines: give at least 1", product,
+                                   l.machines));
+    n *= l.machines;  // at most kMaxLevelDevices x INT_MAX: no overflow
+    if (n > kMaxLevelDevices)
+      throw UsageError(fmt::format("the network levels describe {} = more than {} devices, the most a plan takes: give "
+                                   "levels whose MACHINES multiply to the devices planned for",
+                                   product, kMaxLevelDevices));
+  }
   return static_cast<int>(n);
 }
 
@@ -495,7 +506,7 @@ json plan_to_json(const Plan& p) {
                   {"allow_fewer_machines", p.options.allow_fewer_machines},
                   {"activation_compression", p.options.activation_compression},
                   {"weight_stashing", p.options.weight_stashing}};
-  return json{{"format", kPlanFormat},
+  json j{{"format", kPlanFormat},
               {"version", kPlanVersion},
               {"planner", "pipedream"},
               {"model", p.model},
@@ -510,6 +521,8 @@ json plan_to_json(const Plan& p) {
               {"data_parallel_time_ms", finite_or_null(p.data_parallel_time_ms)},
               {"speedup_over_data_parallel", finite_or_null(p.speedup)},
               {"data_parallel_fits", p.data_parallel_fits}};
+  if (p.stage_in_flight.empty()) j.erase("stage_in_flight");  // not recorded (a plan file's synchronous plan)
+  return j;
 }
 
 Plan plan_from_json(const json& j, const std::string& origin) {
@@ -546,8 +559,8 @@ Plan plan_from_json(const json& j, const std::string& origin) {
       array_of<double>(need(j, origin, "the top level", "stage_time_ms"), origin, "stage_time_ms", stages);
   p.stage_memory_bytes =
       array_of<double>(need(j, origin, "the top level", "stage_memory_bytes"), origin, "stage_memory_bytes", stages);
-  p.stage_in_flight =
-      array_of<int>(need(j, origin, "the top level", "stage_in_flight"), origin, "stage_in_flight", stages);
+  if (j.contains("stage_in_flight"))  // optional: a plan file's synchronous top level has none
+    p.stage_in_flight = array_of<int>(j["stage_in_flight"], origin, "stage_in_flight", stages);
   p.time_ms = number_or_inf(need(j, origin, "the top level", "time_ms"), origin, "time_ms");
   p.data_parallel_time_ms =
       number_or_inf(need(j, origin, "the top level", "data_parallel_time_ms"), origin, "data_parallel_time_ms");

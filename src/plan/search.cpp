@@ -41,19 +41,7 @@ PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>&
   so.micro_batch = micro_batch;
   so.bandwidth_bytes_per_ms = bandwidth_bytes_per_ms;
   so.latency_ms = latency_ms;
-  CostModel costs = stage_costs(profile, balance, so);
-  // Each cut's transfer carries that cut's bytes (stage_costs's one `comm` is the largest of them).
-  {
-    const double scale = micro_batch / profile.micro_batch_size;
-    std::size_t layer = 0;
-    for (std::size_t s = 0; s + 1 < balance.size(); ++s) {
-      layer += static_cast<std::size_t>(balance[s]);
-      const double bytes = profile.layers[layer - 1].activation_bytes * scale;
-      costs.boundary_comm.push_back(latency_ms + (bandwidth_bytes_per_ms > 0 && !std::isinf(bandwidth_bytes_per_ms)
-                                                      ? bytes / bandwidth_bytes_per_ms
-                                                      : 0.0));
-    }
-  }
+  CostModel costs = stage_costs(profile, balance, so);  // each cut's transfer carries that cut's bytes
   const std::vector<double> static_bytes = stage_static_bytes(profile, balance);
   Schedule sch;
   if (replication.empty()) {
@@ -76,17 +64,52 @@ PlanCandidate simulate_candidate(const Profile& profile, const std::vector<int>&
   const Metrics metrics = simulate_metrics(sch, costs);  // the full simulation's metrics, without its timeline
   c.makespan = metrics.makespan;
   c.bubble = metrics.bubble_fraction;
+  c.stage_peak_bytes.assign(balance.size(), 0.0);
   for (int rank = 0; rank < sch.ranks; ++rank) {
     const int stage = sch.first_stage_of(rank);
     const double bytes =
         static_bytes[static_cast<std::size_t>(stage)] + metrics.per_rank[static_cast<std::size_t>(rank)].peak_memory;
     c.peak_bytes = std::max(c.peak_bytes, bytes);
+    double& at = c.stage_peak_bytes[static_cast<std::size_t>(stage)];
+    at = std::max(at, bytes);
   }
   c.fits = memory_limit_bytes <= 0 || c.peak_bytes <= memory_limit_bytes;
   return c;
 }
 
 namespace {
+
+bool is_balance_list(const std::string& kind) { return !kind.empty() && std::isdigit(static_cast<unsigned char>(kind[0])); }
+
+// A balance given as a list must fit the profile and a stage count the search lays out: with
+// --no-hybrid, min(ranks, layers) x a virtual count (1, --virtual-counts, 2 for the V shapes); else any
+// count up to min(ranks, layers) x that.
+void check_balance_lists(const Profile& profile, const PlanSearchOptions& o) {
+  const int layers = static_cast<int>(profile.layers.size()), straight = std::min(o.ranks, layers);
+  for (const std::string& kind : o.balance_kinds) {
+    if (!is_balance_list(kind)) continue;
+    const std::vector<int> balance = parse_balance(kind);
+    check_balance(balance, layers);
+    const int n = static_cast<int>(balance.size());
+    std::vector<int> vs{1, 2};
+    vs.insert(vs.end(), o.virtual_counts.begin(), o.virtual_counts.end());
+    bool fits = false;
+    std::string counts;
+    for (int v : vs) {
+      if (v < 1 || static_cast<long long>(straight) * v > layers) continue;
+      if (counts.find(std::to_string(straight * v)) == std::string::npos)
+        counts += (counts.empty() ? "" : ", ") + std::to_string(straight * v);
+      fits = fits || (o.hybrid ? n % v == 0 && n / v <= straight : n == straight * v);
+    }
+    if (!fits)
+      throw UsageError(fmt::format(
+          "--balances {} lists {} stages, but {} plans for {} ranks have {} stages{}: give one layer count per stage "
+          "of those{}", excerpt(kind), n, o.hybrid ? "the" : "--no-hybrid's", o.ranks,
+          o.hybrid ? fmt::format("at most {}", straight) : counts,
+          o.hybrid ? " (x the virtual counts)" : "",
+          o.hybrid ? "" : ", or drop --no-hybrid (shorter pipelines, with replicas, may use it)"));
+  }
+}
 
 void check_search_options(const Profile& profile, const PlanSearchOptions& o) {
   if (o.ranks < 1 || o.ranks > kMaxPlanRanks)
@@ -106,6 +129,7 @@ void check_search_options(const Profile& profile, const PlanSearchOptions& o) {
     if (v < 1) throw UsageError(fmt::format("virtual stage counts must be >= 1, got {}", v));
   if (o.schedules.empty()) throw UsageError("no schedule to consider: give --schedules, e.g. --schedules 1f1b");
   for (const std::string& name : o.schedules) schedule_traits(name);  // unknown names: UsageError listing them
+  check_balance_lists(profile, o);
   const int layers = static_cast<int>(profile.layers.size());
   if (!o.hybrid && o.ranks > layers)
     throw UsageError(fmt::format("{} ranks but the profile has {} layers: a straight pipeline needs --ranks <= {} "
@@ -194,6 +218,10 @@ class Search {
     for (const std::string& kind : o_.balance_kinds)
       for (const char* solver : {"min-max", "block-partition"}) {
         if (kind == "uniform" && solver != std::string("min-max")) continue;
+        // A balance given as a list (--balances 5,7,7,20) is for its own stage count only (checked once,
+        // check_search_options): the plans with other stage counts do without it.
+        if (is_balance_list(kind) && (solver != std::string("min-max") || parse_balance(kind).size() != std::size_t(S)))
+          continue;
         BalanceEntry e{kind, solver, {}, {}};
         try {
           e.balance = plan_balance(prof_, S, kind, parse_balance_solver(solver));
@@ -310,7 +338,7 @@ class Search {
                                                global_rank(c.replicas_inner, p, c.d, r1, j)));
       const double bytes = prof_.layers[static_cast<std::size_t>(be.end[static_cast<std::size_t>(s)] - 1)].activation_bytes * scale;
       const double bw = links_.bw[static_cast<std::size_t>(level)];
-      costs.boundary_comm[static_cast<std::size_t>(s)] = o_.latency_ms + (std::isinf(bw) ? 0.0 : bytes / bw);
+      costs.boundary_comm[static_cast<std::size_t>(s)] = transfer_ms(bytes, bw, o_.latency_ms);  // as stage_costs
     }
     std::vector<double> allreduce;  // per stage; empty for one replica
     if (c.d > 1) {
@@ -360,6 +388,10 @@ class Search {
       out.peak_bytes = std::max(out.peak_bytes, rank_static[static_cast<std::size_t>(r)] +
                                                     m.per_rank[static_cast<std::size_t>(r)].peak_memory);
       out.allreduce_ms = std::max(out.allreduce_ms, rank_step[static_cast<std::size_t>(r)]);
+    }
+    for (int s = 0; s < S; ++s) {
+      const auto r = static_cast<std::size_t>(rank_in_pipeline(lay.shape, p, s));
+      out.stage_peak_bytes.push_back(rank_static[r] + m.per_rank[r].peak_memory);
     }
     out.fits = o_.memory_limit_bytes <= 0 || out.peak_bytes <= o_.memory_limit_bytes;
     return out;
@@ -458,6 +490,11 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
                      "give the layers their times");
   PlanSearchResult res;
   const int R = o.ranks, L = static_cast<int>(prof.layers.size());
+  res.hybrid = o.hybrid;
+  res.replicated_may_win = o.replicated_may_win;
+  res.rr_schedule = std::find(o.schedules.begin(), o.schedules.end(), "1f1b") != o.schedules.end();
+  res.straight_stages = std::min(R, L);
+  res.memory_limit_bytes = o.memory_limit_bytes;
   const int64_t batch = o.batch_size > 0 ? o.batch_size : static_cast<int64_t>(std::max(8, R)) * prof.micro_batch_size;
   res.batch_size = batch;
   const double limit = o.memory_limit_bytes;
@@ -575,7 +612,7 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
   });
   if (!all) throw UsageError("no candidate could be laid out: check --schedules and --microbatch-counts");
   res.best = *all;
-  res.best_straight = single ? *single : *all;
+  res.best_straight = single ? *single : *all;  // UMPIPE without one: refused below (nothing eligible)
 
   // The baselines the output shows, simulated whatever the pruning did.
   {  // uniform balance, 1f1b, one pipeline over min(R, L) ranks, its best m
@@ -601,6 +638,22 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
       const PlanCandidate& pc = run(i);
       if (!res.data_parallel || better_candidate(pc, *res.data_parallel)) res.data_parallel = pc;
     }
+  }
+  if (!(o.hybrid && o.replicated_may_win)) {
+    // A reference only (--no-hybrid, UMPIPE: outside the space searched): the same data-parallel
+    // candidate, simulated on its own; one stage runs every synchronous schedule as the same loop.
+    long long d = std::min<long long>(R, batch);
+    while (batch % d != 0) --d;
+    const int m1 = *std::min_element(o.microbatch_counts.begin(), o.microbatch_counts.end());
+    const Layout lay{"gpipe", 1, 1, m1, 1, Shape::straight, false};
+    if (m1 <= batch / d && search.valid(lay)) {
+      Cand c;
+      c.d = static_cast<int>(d);
+      c.n = static_cast<int>(batch / d);
+      res.data_parallel = search.simulate(c, lay, BalanceEntry{"uniform", "min-max", {L}, {L}});
+    }
+  }
+  {
     if (res.data_parallel) {
       res.data_parallel_ms = res.data_parallel->makespan;
       res.data_parallel_bytes = res.data_parallel->peak_bytes;
@@ -727,22 +780,36 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
       }
     }
   }
-  // The chosen plan is the best of everything simulated: the search's optimum and every baseline shown.
-  if (!o.replicated_may_win) res.best = res.best_straight;
-  for (const std::optional<PlanCandidate>* x : {&res.uniform_1f1b, &res.data_parallel})
-    if (*x && better_candidate(**x, res.best) && (o.replicated_may_win || (*x)->replicas == 1)) res.best = **x;
-  if (res.replicated && o.replicated_may_win && better_candidate(*res.replicated, res.best)) {
-    res.best = *res.replicated;
-    res.chose_replicated = true;
-  }
-  for (const PlanCandidate& c : res.pipedream_copies)
-    if (o.replicated_may_win && better_candidate(c, res.best)) {
-      res.best = c;
-      res.chose_replicated = true;
-    }
+  // The chosen plan is the best of every row the output shows (the simulated candidates and every
+  // baseline) that the options let be chosen: `train --plan` runs it from the file.
+  std::optional<PlanCandidate> chosen;
+  auto consider = [&](const PlanCandidate& c) {
+    if (res.eligible(c) && (!chosen || better_candidate(c, *chosen))) chosen = c;
+  };
+  for (const PlanCandidate& c : res.candidates) consider(c);
+  for (const std::optional<PlanCandidate>* x : {&res.uniform_1f1b, &res.data_parallel, &res.replicated})
+    if (*x) consider(**x);
+  for (const PlanCandidate& c : res.pipedream_copies) consider(c);
+  if (!chosen)
+    throw UsageError(o.replicated_may_win
+                         ? "no candidate the options allow could be laid out: check --schedules and --microbatch-counts"
+                         : "UMPIPE cuts one straight pipeline (one stage per rank), but no such candidate could be laid "
+                           "out: add a schedule without virtual stages to --schedules, e.g. --schedules gpipe");
+  res.best = *chosen;
+  res.chose_replicated = !res.best.replication.empty();
   for (const std::optional<PlanCandidate>* x : {&res.uniform_1f1b})
     if (*x && better_candidate(**x, res.best_straight)) res.best_straight = **x;
   return res;
+}
+
+std::string PlanSearchResult::ineligible(const PlanCandidate& c) const {
+  const bool rr = !c.replication.empty();
+  if (!replicated_may_win && (rr || c.replicas > 1 || c.stages != straight_stages || c.virtual_stages > 1))
+    return fmt::format("UMPIPE cuts one straight pipeline over {} ranks, one stage each", straight_stages);
+  if (!hybrid && (rr || c.replicas > 1 || c.stages != straight_stages))
+    return fmt::format("--no-hybrid: one pipeline over {} ranks only", straight_stages);
+  if (rr && !rr_schedule) return "1F1B-RR runs 1f1b, which --schedules leaves out";
+  return {};
 }
 
 namespace {
@@ -767,20 +834,28 @@ PlanFile plan_file_for(const Profile& prof, const PlanSearchResult& res) {
   chosen.model = prof.model;
   chosen.layers = static_cast<int>(prof.layers.size());
   chosen.options = res.pipedream_options;
+  // Searched with every replication 1 (--no-hybrid, UMPIPE): PipeDream's --straight_pipeline.
+  chosen.options.straight_pipeline = !(res.hybrid && res.replicated_may_win);
   chosen.balance = top.balance;
   // d copies of one pipeline: every stage replicated d times (train --plan runs them as --replicas d).
   chosen.replication = top.replication.empty() ? std::vector<int>(top.balance.size(), std::max(1, top.replicas))
                                                : top.replication;
   chosen.time_ms = top.makespan;
-  chosen.data_parallel_time_ms = res.data_parallel_ms;
-  chosen.speedup = top.makespan > 0 ? res.data_parallel_ms / top.makespan : 0;
-  chosen.data_parallel_fits = res.data_parallel_fits;
+  // Data parallelism as simulated (null in the file where it could not be: no micro-batch count fits).
+  const double inf = std::numeric_limits<double>::infinity();
+  chosen.data_parallel_time_ms = res.data_parallel ? res.data_parallel_ms : inf;
+  chosen.speedup = res.data_parallel && top.makespan > 0 ? res.data_parallel_ms / top.makespan : inf;
+  chosen.data_parallel_fits = res.data_parallel ? res.data_parallel_fits : false;
   // Per stage: compute per micro-batch (F + B + W from the simulator's costs) and static bytes.
   StageCostOptions so;
   so.micro_batch = (top.samples > 0 ? top.samples : static_cast<double>(res.batch_size)) / top.m;
   for (const StageCost& c : stage_costs(prof, top.balance, so).stage) chosen.stage_time_ms.push_back(c.f + c.b + c.w);
-  chosen.stage_memory_bytes = stage_static_bytes(prof, top.balance);
-  chosen.stage_in_flight.assign(top.balance.size(), 1);
+  // Per stage: the simulated peak of the rank holding it (what the chosen row prints as its peak); the
+  // static bytes where the candidate has no per-stage peaks. No stage_in_flight (plan_file_to_json drops
+  // it): PipeDream's count of mini-batches in flight does not describe a synchronous schedule, and nothing
+  // reads it from the top level.
+  chosen.stage_memory_bytes = top.stage_peak_bytes.size() == top.balance.size() ? top.stage_peak_bytes
+                                                                                : stage_static_bytes(prof, top.balance);
   f.schedule = top.schedule;
   f.microbatches = equal_copies_microbatches(top);
   f.virtual_stages = std::max(1, top.virtual_stages);
@@ -790,6 +865,8 @@ PlanFile plan_file_for(const Profile& prof, const PlanSearchResult& res) {
   f.balance_kind = top.kind;
   f.balance_solver = top.solver;
   f.predicted_bubble_fraction = top.bubble;
+  f.predicted_peak_bytes = top.peak_bytes;
+  if (res.memory_limit_bytes > 0) f.fits_memory_limit = top.fits;
   f.pipedream = res.pipedream;
   if (res.replicated) {  // how train --plan-use pipedream runs it: synchronous 1F1B-RR with this m
     f.pipedream_schedule = "1f1b";
@@ -810,6 +887,8 @@ nlohmann::json plan_file_to_json(const PlanFile& f) {
   if (!f.balance_kind.empty()) j["balance_kind"] = f.balance_kind;
   if (!f.balance_solver.empty()) j["balance_solver"] = f.balance_solver;
   if (!f.schedule.empty()) j["predicted_bubble_fraction"] = f.predicted_bubble_fraction;
+  if (f.predicted_peak_bytes > 0) j["predicted_peak_bytes"] = f.predicted_peak_bytes;
+  if (f.fits_memory_limit) j["fits_memory_limit"] = *f.fits_memory_limit;
   if (f.pipedream) {
     j["pipedream"] = plan_to_json(*f.pipedream);
     if (!f.pipedream_schedule.empty()) {
@@ -884,6 +963,13 @@ PlanFile plan_file_from_json(const nlohmann::json& j, const std::string& origin)
     }
   if (j.contains("predicted_bubble_fraction") && j["predicted_bubble_fraction"].is_number())
     f.predicted_bubble_fraction = j["predicted_bubble_fraction"].get<double>();
+  if (j.contains("predicted_peak_bytes") && j["predicted_peak_bytes"].is_number())
+    f.predicted_peak_bytes = j["predicted_peak_bytes"].get<double>();
+  if (j.contains("fits_memory_limit")) {
+    if (!j["fits_memory_limit"].is_boolean())
+      file_fail(origin, "fits_memory_limit", j["fits_memory_limit"], "write true or false");
+    f.fits_memory_limit = j["fits_memory_limit"].get<bool>();
+  }
   if (j.contains("pipedream")) {
     const nlohmann::json& pd = j["pipedream"];
     f.pipedream = plan_from_json(pd, origin + " (pipedream)");

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <sstream>
+#include <vector>
 
 #include "run_command.h"
 
@@ -319,4 +321,196 @@ TEST(PlanCli, TheFrontHandsTorchCommandsOn) {
   r = run_pipetrain("simulate -s 1f1b -p 4 -m 8");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("makespan 33.000")) << r.out;  // (m + p - 1) (F + B + W) at unit costs
+}
+
+namespace {
+
+// The table's rows: (the row's text, its ms/mini-batch).
+std::vector<std::pair<std::string, double>> table_rows(const std::string& out) {
+  std::vector<std::pair<std::string, double>> rows;
+  const std::regex re(R"(^  (\S[^\n]*?)\s+[0-9]+\s+([0-9]+\.[0-9]{2})\s+[0-9]+\.[0-9]\s+[0-9.]+\s+[0-9.]+  [0-9,]+[^\n]*$)");
+  std::istringstream in(out);
+  std::string line;
+  std::smatch m;
+  while (std::getline(in, line))
+    if (std::regex_match(line, m, re)) rows.emplace_back(line, std::stod(m[2]));
+  return rows;
+}
+
+// The chosen row is never slower than a row the options let be chosen (those not marked "not eligible").
+void expect_chosen_is_fastest_eligible(const std::string& out) {
+  const auto rows = table_rows(out);
+  ASSERT_FALSE(rows.empty()) << out;
+  ASSERT_NE(rows.front().first.find("chosen:"), std::string::npos) << out;
+  EXPECT_EQ(rows.front().first.find("not eligible"), std::string::npos) << out;
+  for (const auto& [row, ms] : rows)
+    if (row.find("not eligible") == std::string::npos) {
+      EXPECT_LE(rows.front().second, ms) << row << "\n" << out;
+    }
+}
+
+const std::string kToy = R"({"format": "pipetrain-profile", "version": 3, "model": "toy", "micro_batch_size": 8,
+  "threads": 1, "source": "hand", "layers": [
+  {"name": "0:Embedding", "type": "Embedding", "forward_ms": 0.184, "backward_ms": 0.224, "input_grad_ms": 0.019,
+   "weight_grad_ms": 0.169, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 20480,
+   "optimizer_bytes": 40960, "saved_bytes": 66752, "w_held_bytes": 67024, "optimizer_ms": 0.035},
+  {"name": "1:Block", "type": "Block", "forward_ms": 1.016, "backward_ms": 1.551, "input_grad_ms": 1.876,
+   "weight_grad_ms": 0.429, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
+   "optimizer_bytes": 101632, "saved_bytes": 1342016, "w_held_bytes": 1269520, "optimizer_ms": 0.06},
+  {"name": "2:Block", "type": "Block", "forward_ms": 0.943, "backward_ms": 1.3, "input_grad_ms": 1.682,
+   "weight_grad_ms": 0.384, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
+   "optimizer_bytes": 101632, "saved_bytes": 1341392, "w_held_bytes": 1270400, "optimizer_ms": 0.07},
+  {"name": "3:Block", "type": "Block", "forward_ms": 0.955, "backward_ms": 1.589, "input_grad_ms": 1.767,
+   "weight_grad_ms": 0.396, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
+   "optimizer_bytes": 101632, "saved_bytes": 1342640, "w_held_bytes": 1269664, "optimizer_ms": 0.084},
+  {"name": "4:Block", "type": "Block", "forward_ms": 1.034, "backward_ms": 1.459, "input_grad_ms": 1.872,
+   "weight_grad_ms": 0.549, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
+   "optimizer_bytes": 101632, "saved_bytes": 1342384, "w_held_bytes": 1270320, "optimizer_ms": 0.107},
+  {"name": "5:Head", "type": "Head", "forward_ms": 0.242, "backward_ms": 0.307, "input_grad_ms": 0.229,
+   "weight_grad_ms": 0.148, "bw_split": true, "activation_bytes": 196608, "parameter_bytes": 12544,
+   "optimizer_bytes": 25088, "saved_bytes": 269088, "w_held_bytes": 334752, "optimizer_ms": 0.03}]})";
+
+}  // namespace
+
+// The tester's --planner umpipe case (a 6-layer profile on 2 ranks): an interleaved pipeline and data
+// parallelism are faster than every straight pipeline, but UMPIPE cuts one, so they are marked, and the
+// chosen row is the fastest straight one. dgap's partitions (train --plan's default) are slower than
+// it: plan says so, the file's umpipe section names the fastest ("off"), and the invitation to run
+// the file passes --umpipe off.
+TEST(PlanCli, UmpipeChoosesAmongTheRowsItCanRunAndSaysWhichIsFastest) {
+  const fs::path dir = temp_dir("umpipe-choice");
+  std::ofstream(dir / "toy.json") << kToy;
+  const CommandResult r = run_pipetrain("plan --profile " + (dir / "toy.json").string() + " --ranks 2 --batch-size 16 "
+                                        "--planner umpipe --generations 20 --out " + (dir / "u.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  expect_chosen_is_fastest_eligible(r.out);
+  EXPECT_TRUE(r.has("(not eligible: UMPIPE cuts one straight pipeline over 2 ranks, one stage each)")) << r.out;
+  bool faster_marked = false;
+  const auto rows = table_rows(r.out);
+  for (const auto& [row, ms] : rows) faster_marked = faster_marked || (ms < rows.front().second && row.find("not eligible") != std::string::npos);
+  EXPECT_TRUE(faster_marked) << "the interleaved row is faster, and marked\n" << r.out;
+  EXPECT_TRUE(r.has("runs by default: dgap")) << r.out;
+  EXPECT_TRUE(r.has("SLOWER than the straight pipeline chosen above")) << r.out;
+  EXPECT_TRUE(r.has("--umpipe off)")) << r.out;
+  const nlohmann::json plan = read_json_file(dir / "u.json");
+  EXPECT_EQ(plan.at("balance").size(), 2u);
+  EXPECT_FALSE(plan.contains("virtual_stages"));
+  EXPECT_EQ(plan.at("umpipe").at("fastest"), "off");
+  EXPECT_EQ(plan.at("umpipe").at("runs_by_default"), "dgap");
+  EXPECT_NEAR(plan.at("umpipe").at("straight_pipeline_ms").get<double>(), plan.at("time_ms").get<double>(), 1e-9);
+  EXPECT_LT(plan.at("time_ms").get<double>(), plan.at("umpipe").at("planners").at("dgap").at("step_ms").get<double>());
+  fs::remove_all(dir);
+}
+
+// The tester's --no-hybrid --schedules gpipe case on VGG-16 x 4 ranks: PipeDream's 1F1B-RR plan and data
+// parallelism are faster but marked not eligible; the chosen and written plan is one gpipe pipeline over
+// the 4 ranks, with straight_pipeline true and data parallelism's simulated time (not 0).
+TEST(PlanCli, NoHybridNeverChoosesAReplicatedPlan) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  const fs::path dir = temp_dir("no-hybrid");
+  const CommandResult r = run_pipetrain("plan --profile " + vgg.string() + " --pipedream-batch 128 --ranks 4 "
+                                        "--bandwidth 1.25 --no-hybrid --schedules gpipe --out " + (dir / "p2.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  expect_chosen_is_fastest_eligible(r.out);
+  EXPECT_TRUE(r.has("chosen: 4 stages x 1 replica, gpipe")) << r.out;
+  EXPECT_TRUE(r.has("(not eligible: --no-hybrid: one pipeline over 4 ranks only)")) << r.out;
+  const nlohmann::json plan = read_json_file(dir / "p2.json");
+  EXPECT_EQ(plan.at("replication"), nlohmann::json::array({1, 1, 1, 1}));
+  EXPECT_EQ(plan.at("schedule"), "gpipe");
+  EXPECT_TRUE(plan.at("options").at("straight_pipeline").get<bool>());
+  EXPECT_GT(plan.at("data_parallel_time_ms").get<double>(), 0.0);
+  EXPECT_NEAR(plan.at("speedup_over_data_parallel").get<double>(),
+              plan.at("data_parallel_time_ms").get<double>() / plan.at("time_ms").get<double>(), 1e-9);
+  EXPECT_FALSE(plan.contains("stage_in_flight"));
+  EXPECT_TRUE(plan.at("pipedream").contains("stage_in_flight"));
+  // Replicas allowed but only gpipe asked for: 1F1B-RR (it runs 1f1b) is a reference too.
+  const CommandResult g = run_pipetrain("plan --profile " + vgg.string() + " --pipedream-batch 128 --ranks 4 "
+                                        "--bandwidth 1.25 --schedules gpipe");
+  ASSERT_EQ(g.code, 0) << g.out;
+  expect_chosen_is_fastest_eligible(g.out);
+  EXPECT_TRUE(g.has("(not eligible: 1F1B-RR runs 1f1b, which --schedules leaves out)")) << g.out;
+  fs::remove_all(dir);
+}
+
+// plan's predicted time for a pipeline is what simulate --profile gives for the same schedule, balance,
+// m and micro-batch size: both price each cut by its own bytes (VGG-16's cuts differ by 8x).
+TEST(PlanCli, PlanAndSimulateAgreeOnAPlansTime) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  const CommandResult p = run_pipetrain("plan --profile " + vgg.string() + " --pipedream-batch 128 --ranks 4 "
+                                        "--bandwidth 1.25 --latency 0 --no-hybrid --schedules 1f1b --balances 5,7,7,20 "
+                                        "--microbatch-counts 32");
+  ASSERT_EQ(p.code, 0) << p.out;
+  const double planned = row_time(p.out, "chosen: 4 stages");
+  ASSERT_GT(planned, 0) << p.out;
+  const CommandResult s = run_pipetrain("simulate -s 1f1b -p 4 -m 32 --profile " + vgg.string() +
+                                        " --pipedream-batch 128 --microbatch-size 32 --bandwidth 1.25 --latency 0 "
+                                        "--balance 5,7,7,20 --json");
+  ASSERT_EQ(s.code, 0) << s.out;
+  const double simulated = nlohmann::json::parse(s.out.substr(s.out.find('{'))).at("makespan").get<double>();
+  EXPECT_NEAR(planned, simulated, 0.006) << p.out << "\n" << s.out;  // the table rounds to 0.01 ms
+}
+
+// Bad plan flags exit 2 naming the value and the fix: --level read whole (no prefixes) with a device
+// product the search takes, --activation-compression, --batch-size, --overhead and --latency in range.
+TEST(PlanCli, BadPlanFlagsNameTheValueAndTheFormat) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  const std::string base = "plan --profile " + vgg.string() + " --pipedream-batch 128 ";
+  struct Case {
+    std::string args, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"--level 4.5:100", "--level 4.5:100: MACHINES '4.5' is not a whole number"},
+           {"--level 4:100abc", "--level 4:100abc: GB/s '100abc' is not a number; write MACHINES:GB/s"},
+           {"--level 4:100:3", "--level 4:100:3: GB/s '100:3' is not a number"},
+           {"--level 4", "no ':' between MACHINES and GB/s"},
+           {"--level 0:100", "MACHINES is 0"},
+           {"--level 4:0", "GB/s is 0"},
+           {"--level 3:100 --level 1431655766:1 --ranks 2", "3 x 1431655766 = more than 1048576 devices"},
+           {"--level 65536:1 --level 65536:1", "65536 x 65536 = more than 1048576 devices"},
+           {"--level 2147483647:1 --level 2:1", "2147483647 = more than 1048576 devices"},
+           {"--level 4:100 --level 2:10 --ranks 4", "--level describes 4 x 2 = 8 devices but --ranks is 4"},
+           {"--activation-compression -1", "--activation-compression must be a finite ratio > 0"},
+           {"--batch-size 0", "--batch-size must be >= 1 (samples per mini-batch), got 0"},
+           {"--batch-size -5", "got -5"},
+           {"--planner umpipe --overhead -1", "--overhead must be a finite number of ms >= 0"},
+           {"--latency 1e308", "--latency must be at most 1e9 us"},
+           {"--ranks 4 --no-hybrid --balances 4,35", "or drop --no-hybrid"},
+       }) {
+    const CommandResult r = run_pipetrain(base + c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
+    EXPECT_TRUE(r.has(c.message)) << c.args << "\n" << r.out;
+    EXPECT_FALSE(r.has("latency_ms")) << c.args << "\n" << r.out;  // no internal field names
+  }
+  // A balance list with replicas allowed applies to its own stage count (it used to fail on one stage).
+  const CommandResult b = run_pipetrain(base + "--ranks 4 --bandwidth 1.25 --balances 5,7,7,20");
+  EXPECT_EQ(b.code, 0) << b.out;
+  EXPECT_TRUE(b.has("5,7,7,20")) << b.out;
+}
+
+// A plan that fits no memory limit is written for inspection, said not to fit (with its peak), and not
+// offered to train --plan; --exhaustive says every candidate was simulated; a PipeDream graph file
+// without --pipedream-batch gets a warning.
+TEST(PlanCli, NoFitExhaustiveAndGraphBatchAreSaidPlainly) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  const fs::path dir = temp_dir("nofit");
+  const std::string base = "plan --profile " + vgg.string() + " --pipedream-batch 128 --ranks 4 --bandwidth 1.25 ";
+  CommandResult r = run_pipetrain(base + "--memory 0.5 --out " + (dir / "nofit.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("but it does NOT fit 0.5 GiB per rank (its peak: ")) << r.out;
+  EXPECT_FALSE(r.has("(run it with pipetrain train --plan")) << r.out;
+  const nlohmann::json plan = read_json_file(dir / "nofit.json");
+  EXPECT_FALSE(plan.at("fits_memory_limit").get<bool>());
+  EXPECT_GT(plan.at("predicted_peak_bytes").get<double>(), 0.5 * 1073741824.0);
+  r = run_pipetrain(base + "--memory 30 --out " + (dir / "fits.json").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("(run it with pipetrain train --plan")) << r.out;
+  EXPECT_TRUE(read_json_file(dir / "fits.json").at("fits_memory_limit").get<bool>());
+  r = run_pipetrain(base + "--exhaustive --microbatch-counts 4");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("simulated every one (--exhaustive)")) << r.out;
+  EXPECT_FALSE(r.has("lower bound could not beat")) << r.out;
+  r = run_pipetrain("plan --profile " + vgg.string() + " --ranks 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("give --pipedream-batch N")) << r.out;
+  fs::remove_all(dir);
 }

@@ -6,6 +6,7 @@
 // simulation equals the full one, and per-boundary transfer times.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -13,6 +14,8 @@
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
 #include "pipetrain/core/simulate.h"
+#include "pipetrain/plan/balance.h"
+#include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/search.h"
 #include "shared_data.h"
 
@@ -44,16 +47,19 @@ bool same_choice(const PlanCandidate& a, const PlanCandidate& b) {
   return a.fits == b.fits && std::abs(a.makespan - b.makespan) <= 1e-9 * std::max(1.0, b.makespan);
 }
 
+// The chosen plan may be chosen, and no row that may be is better (the rows that may not are references).
 void expect_never_worse(const PlanSearchResult& r) {
   const PlanCandidate& best = r.chosen();
+  EXPECT_TRUE(r.eligible(best)) << r.ineligible(best);
   for (const PlanCandidate& c : r.candidates)
-    EXPECT_FALSE(better_candidate(c, best)) << c.schedule << " p=" << c.stages << " d=" << c.replicas << " m=" << c.m;
+    EXPECT_FALSE(r.eligible(c) && better_candidate(c, best))
+        << c.schedule << " p=" << c.stages << " d=" << c.replicas << " m=" << c.m;
   for (const auto* x : {&r.uniform_1f1b, &r.data_parallel, &r.replicated})
     if (*x) {
-      EXPECT_FALSE(better_candidate(**x, best)) << (*x)->schedule;
+      EXPECT_FALSE(r.eligible(**x) && better_candidate(**x, best)) << (*x)->schedule;
     }
   for (const PlanCandidate& c : r.pipedream_copies)
-    EXPECT_FALSE(better_candidate(c, best)) << "PipeDream's plan x " << c.copies << " copies, m=" << c.m;
+    EXPECT_FALSE(r.eligible(c) && better_candidate(c, best)) << "PipeDream's plan x " << c.copies << " copies, m=" << c.m;
 }
 
 // PipeDream's plan x d copies as the search holds it: the planner's plan for R/d ranks with every
@@ -205,8 +211,9 @@ TEST(PlanHybrid, PipeDreamsPlanTimesCopiesWins) {
 // Replicated equally (u times every stage), a plan runs as u copies of the pipeline (train --plan reads it
 // as --replicas u), each with its own micro-batches: the file records m / u of them, which is the same
 // schedule (RoundRobin.ReplicationTimesDIsDCopiesOfThePipeline). Light first and last layers, heavy
-// blocks: PipeDream's plan for 3 ranks is three straight stages, x 2 copies 2,2,2; with only interleaved
-// asked for (no plain 1f1b pipelines), it wins.
+// blocks: PipeDream's plan for 3 ranks is three straight stages, x 2 copies 2,2,2, the fastest row with
+// only interleaved asked for; but 1F1B-RR runs 1f1b, which that leaves out, so it is a reference there,
+// not chosen, and the writer is checked on a result that chose it.
 TEST(PlanHybrid, EquallyReplicatedCopiesAreWrittenAsReplicas) {
   const Profile prof = six_layers({0.05, 1, 1, 1, 1, 0.05});
   PlanSearchOptions o;
@@ -214,11 +221,19 @@ TEST(PlanHybrid, EquallyReplicatedCopiesAreWrittenAsReplicas) {
   o.batch_size = 16;
   o.bandwidth_bytes_per_ms = 1e6;
   o.schedules = {"interleaved"};
-  const PlanSearchResult r = search_plans(prof, o);
+  PlanSearchResult r = search_plans(prof, o);
+  expect_never_worse(r);
+  EXPECT_TRUE(r.chosen().replication.empty());
+  EXPECT_FALSE(r.chose_replicated);
+  const auto copies = std::min_element(r.pipedream_copies.begin(), r.pipedream_copies.end(), better_candidate);
+  ASSERT_NE(copies, r.pipedream_copies.end());
+  EXPECT_TRUE(better_candidate(*copies, r.chosen()));  // faster, but not eligible
+  EXPECT_NE(r.ineligible(*copies).find("1f1b"), std::string::npos) << r.ineligible(*copies);
+  r.best = *copies;
+  r.chose_replicated = true;
   const PlanCandidate& c = r.chosen();
   ASSERT_EQ(c.copies, 2);
   EXPECT_EQ(c.replication, (std::vector<int>{2, 2, 2}));
-  expect_never_worse(r);
   const PlanFile f = plan_file_for(prof, r);
   EXPECT_EQ(f.plan.replication, (std::vector<int>{2, 2, 2}));
   EXPECT_EQ(f.schedule, "1f1b");
@@ -440,4 +455,306 @@ TEST(PlanHybrid, PlanFilesWithVirtualStagesRoundTrip) {
   nlohmann::json odd = j;
   odd["virtual_stages"] = 3;  // does not divide the four stages
   EXPECT_THROW(plan_file_from_json(odd, "odd.json"), UsageError);
+}
+
+// The chosen row is the best of the rows the options let be chosen, in every mode: hybrid (all), one
+// pipeline over all ranks (--no-hybrid), UMPIPE's one straight pipeline (replicated_may_win false), and
+// schedule lists without 1f1b (no 1F1B-RR); and it is of the kind the mode allows. Random profiles on 2
+// to 6 ranks; across them some row that may not be chosen is faster (the restriction is real).
+TEST(PlanHybrid, ChosenIsTheBestEligibleRowInEveryMode) {
+  std::mt19937 rng(11);
+  int faster_references = 0;
+  for (int trial = 0; trial < 6; ++trial) {
+    const Profile prof = random_profile(rng, 4 + trial % 3);
+    const int L = static_cast<int>(prof.layers.size());
+    for (int ranks : {2, 4, 6}) {
+      for (int mode = 0; mode < 4; ++mode) {
+        PlanSearchOptions o;
+        o.ranks = ranks;
+        o.batch_size = 24;
+        o.bandwidth_bytes_per_ms = 1e6;
+        o.microbatch_counts = {1, 4, 8};
+        if (mode == 1) {
+          if (ranks > L) continue;
+          o.hybrid = false;
+        }
+        if (mode == 2) o.replicated_may_win = false;
+        if (mode == 3) o.schedules = {"gpipe", "interleaved"};
+        const PlanSearchResult r = search_plans(prof, o);
+        SCOPED_TRACE("trial " + std::to_string(trial) + " ranks " + std::to_string(ranks) + " mode " + std::to_string(mode));
+        expect_never_worse(r);
+        const PlanCandidate& c = r.chosen();
+        const int straight = std::min(ranks, L);
+        if (mode == 1 || mode == 2) {
+          EXPECT_TRUE(c.replication.empty());
+          EXPECT_EQ(c.replicas, 1);
+          EXPECT_EQ(c.stages, straight);
+        }
+        if (mode == 2) {
+          EXPECT_EQ(c.virtual_stages, 1);
+          EXPECT_TRUE(same_choice(c, r.best_straight));  // what UMPIPE cuts
+        }
+        if (mode == 3) {
+          EXPECT_TRUE(c.replication.empty());  // 1F1B-RR runs 1f1b
+        }
+        for (const PlanCandidate& x : r.candidates) faster_references += !r.eligible(x) && better_candidate(x, c);
+      }
+    }
+  }
+  EXPECT_GT(faster_references, 0);
+}
+
+// The tester's case for UMPIPE: a 6-layer profile on 2 ranks, where an interleaved pipeline and data
+// parallelism are faster than every straight one. The chosen row is the fastest straight pipeline (what
+// UMPIPE cuts, and what train --plan runs from the file), the faster rows are marked, not chosen.
+TEST(PlanHybrid, UmpipeChoosesTheBestStraightPipelineAndMarksTheRest) {
+  const Profile prof = profile_from_json_text(R"({"format": "pipetrain-profile", "version": 3, "model": "toy",
+    "micro_batch_size": 8, "threads": 1, "source": "hand", "layers": [
+    {"name": "0:Embedding", "type": "Embedding", "forward_ms": 0.184, "backward_ms": 0.224, "input_grad_ms": 0.019,
+     "weight_grad_ms": 0.169, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 20480,
+     "optimizer_bytes": 40960, "saved_bytes": 66752, "w_held_bytes": 67024, "optimizer_ms": 0.035},
+    {"name": "1:Block", "type": "Block", "forward_ms": 1.016, "backward_ms": 1.551, "input_grad_ms": 1.876,
+     "weight_grad_ms": 0.429, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
+     "optimizer_bytes": 101632, "saved_bytes": 1342016, "w_held_bytes": 1269520, "optimizer_ms": 0.06},
+    {"name": "2:Block", "type": "Block", "forward_ms": 0.943, "backward_ms": 1.3, "input_grad_ms": 1.682,
+     "weight_grad_ms": 0.384, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
+     "optimizer_bytes": 101632, "saved_bytes": 1341392, "w_held_bytes": 1270400, "optimizer_ms": 0.07},
+    {"name": "3:Block", "type": "Block", "forward_ms": 0.955, "backward_ms": 1.589, "input_grad_ms": 1.767,
+     "weight_grad_ms": 0.396, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
+     "optimizer_bytes": 101632, "saved_bytes": 1342640, "w_held_bytes": 1269664, "optimizer_ms": 0.084},
+    {"name": "4:Block", "type": "Block", "forward_ms": 1.034, "backward_ms": 1.459, "input_grad_ms": 1.872,
+     "weight_grad_ms": 0.549, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
+     "optimizer_bytes": 101632, "saved_bytes": 1342384, "w_held_bytes": 1270320, "optimizer_ms": 0.107},
+    {"name": "5:Head", "type": "Head", "forward_ms": 0.242, "backward_ms": 0.307, "input_grad_ms": 0.229,
+     "weight_grad_ms": 0.148, "bw_split": true, "activation_bytes": 196608, "parameter_bytes": 12544,
+     "optimizer_bytes": 25088, "saved_bytes": 269088, "w_held_bytes": 334752, "optimizer_ms": 0.03}]})",
+                                              "toy");
+  PlanSearchOptions o;
+  o.ranks = 2;
+  o.batch_size = 16;
+  o.replicated_may_win = false;
+  const PlanSearchResult r = search_plans(prof, o);
+  expect_never_worse(r);
+  const PlanCandidate& c = r.chosen();
+  EXPECT_EQ(c.stages, 2);
+  EXPECT_EQ(c.virtual_stages, 1);
+  EXPECT_EQ(c.replicas, 1);
+  bool looped_faster = false;
+  for (const PlanCandidate& x : r.candidates)
+    if (x.virtual_stages > 1 && better_candidate(x, c)) {
+      looped_faster = true;
+      EXPECT_NE(r.ineligible(x).find("UMPIPE"), std::string::npos) << r.ineligible(x);
+    }
+  EXPECT_TRUE(looped_faster);  // the tester's interleaved v=2 row
+  ASSERT_TRUE(r.data_parallel.has_value());  // shown as a reference, not chosen
+  EXPECT_FALSE(r.eligible(*r.data_parallel));
+  // With replicas allowed the same search may choose what UMPIPE may not.
+  o.replicated_may_win = true;
+  const PlanSearchResult all = search_plans(prof, o);
+  expect_never_worse(all);
+  EXPECT_TRUE(better_candidate(all.chosen(), c));
+}
+
+// --no-hybrid on VGG-16 x 4 ranks at 1.25 GB/s (the tester's case): PipeDream's plan as 1F1B-RR (2 stages
+// replicated 3,1) is the fastest row but a reference; the chosen plan is one pipeline over the 4 ranks,
+// and its file says so (straight_pipeline) with data parallelism as simulated (not 0 ms). Without
+// --no-hybrid but with only gpipe asked for, 1F1B-RR (which runs 1f1b) is not chosen either.
+TEST(PlanHybrid, NoHybridAndSchedulesWithout1f1bNeverChooseReplicatedPlans) {
+  PipeDreamOptions po;
+  po.micro_batch_size = 128;
+  const Profile vgg = load_pipedream_graph(pipetrain::testing::vgg16_path(), po);
+  PlanSearchOptions o;
+  o.ranks = 4;
+  o.bandwidth_bytes_per_ms = 1.25e6;
+  o.hybrid = false;
+  o.schedules = {"gpipe"};
+  const PlanSearchResult r = search_plans(vgg, o);
+  expect_never_worse(r);
+  const PlanCandidate& c = r.chosen();
+  EXPECT_FALSE(r.chose_replicated);
+  EXPECT_TRUE(c.replication.empty());
+  EXPECT_EQ(c.stages, 4);
+  EXPECT_EQ(c.replicas, 1);
+  EXPECT_EQ(c.schedule, "gpipe");
+  ASSERT_TRUE(r.replicated.has_value());
+  EXPECT_TRUE(better_candidate(*r.replicated, c));  // faster, but not eligible
+  EXPECT_NE(r.ineligible(*r.replicated).find("--no-hybrid"), std::string::npos);
+  ASSERT_TRUE(r.data_parallel.has_value());
+  EXPECT_FALSE(r.eligible(*r.data_parallel));
+  const PlanFile f = plan_file_for(vgg, r);
+  EXPECT_EQ(f.plan.replication, (std::vector<int>{1, 1, 1, 1}));
+  EXPECT_EQ(f.schedule, "gpipe");
+  EXPECT_TRUE(f.plan.options.straight_pipeline);
+  EXPECT_DOUBLE_EQ(f.plan.data_parallel_time_ms, r.data_parallel->makespan);
+  EXPECT_GT(f.plan.data_parallel_time_ms, 0.0);
+  EXPECT_DOUBLE_EQ(f.plan.speedup, r.data_parallel->makespan / c.makespan);
+  EXPECT_EQ(f.plan.data_parallel_fits, r.data_parallel->fits);
+
+  PlanSearchOptions gpipe_only = o;
+  gpipe_only.hybrid = true;
+  const PlanSearchResult g = search_plans(vgg, gpipe_only);
+  expect_never_worse(g);
+  EXPECT_TRUE(g.chosen().replication.empty());
+  ASSERT_TRUE(g.replicated.has_value());
+  EXPECT_NE(g.ineligible(*g.replicated).find("1f1b"), std::string::npos) << g.ineligible(*g.replicated);
+  EXPECT_FALSE(plan_file_for(vgg, g).plan.options.straight_pipeline);  // replicas were allowed
+}
+
+// The plan's predicted time is what simulating its schedule with stage_costs gives (what simulate
+// --profile runs): every cut's transfer carries its own bytes in both. VGG-16 x 4 ranks (5,7,7,20, 1f1b,
+// m = 32 at 1.25 GB/s: the tester's 5332.36 ms, which simulate gave as 5754.85 when every transfer cost
+// the largest cut), and three layers whose cuts carry 1 KB and 40 MB.
+TEST(PlanHybrid, PlanTimeIsSimulatesTimeForTheSamePlan) {
+  PipeDreamOptions po;
+  po.micro_batch_size = 128;
+  const Profile vgg = load_pipedream_graph(pipetrain::testing::vgg16_path(), po);
+  Profile skew;
+  skew.model = "skew";
+  skew.micro_batch_size = 4;
+  for (double bytes : {1e3, 4e7, 5e5}) {
+    LayerProfile l;
+    l.name = "l" + std::to_string(skew.layers.size());
+    l.type = "Linear";
+    l.forward_ms = 2;
+    l.backward_ms = 4;
+    l.activation_bytes = bytes;
+    l.parameter_bytes = 1e6;
+    l.optimizer_bytes = 2e6;
+    skew.layers.push_back(l);
+  }
+  struct Case {
+    const Profile* prof;
+    std::string balance, schedule;
+    int m;
+    double latency_ms;
+  };
+  for (const Case& k : {Case{&vgg, "5,7,7,20", "1f1b", 32, 0.0}, Case{&vgg, "5,7,7,20", "gpipe", 8, 0.05},
+                        Case{&skew, "1,1,1", "1f1b", 4, 0.0}, Case{&skew, "1,1,1", "gpipe", 2, 0.05}}) {
+    SCOPED_TRACE(k.prof->model + " " + k.schedule);
+    const std::vector<int> balance = parse_balance(k.balance);
+    const int p = static_cast<int>(balance.size());
+    PlanSearchOptions o;
+    o.ranks = p;
+    o.bandwidth_bytes_per_ms = 1.25e6;
+    o.latency_ms = k.latency_ms;
+    o.hybrid = false;
+    o.schedules = {k.schedule};
+    o.balance_kinds = {k.balance};
+    o.microbatch_counts = {k.m};
+    const PlanSearchResult r = search_plans(*k.prof, o);
+    ASSERT_EQ(r.chosen().balance, balance);
+    StageCostOptions so;
+    so.micro_batch = static_cast<double>(r.batch_size) / k.m;
+    so.bandwidth_bytes_per_ms = o.bandwidth_bytes_per_ms;
+    so.latency_ms = o.latency_ms;
+    const CostModel costs = stage_costs(*k.prof, balance, so);
+    ASSERT_EQ(costs.boundary_comm.size(), balance.size() - 1);
+    GeneratorOptions g;
+    g.ranks = p;
+    g.microbatches = k.m;
+    const double simulated = simulate(generate(k.schedule, g), costs).metrics.makespan;
+    EXPECT_NEAR(r.chosen().makespan, simulated, 1e-9 * simulated);
+    // and the one-transfer-time model (every cut at the largest) is really different here
+    CostModel flat = costs;
+    flat.boundary_comm.clear();
+    EXPECT_GT(simulate(generate(k.schedule, g), flat).metrics.makespan, simulated * (1 + 1e-6));
+  }
+  // stage_costs' per-cut times: latency + that cut's bytes / bandwidth; comm the largest.
+  StageCostOptions so;
+  so.micro_batch = 8;  // twice the profiled size: twice the bytes
+  so.bandwidth_bytes_per_ms = 1e6;
+  so.latency_ms = 0.5;
+  const CostModel c = stage_costs(skew, {1, 1, 1}, so);
+  ASSERT_EQ(c.boundary_comm.size(), 2u);
+  EXPECT_DOUBLE_EQ(c.boundary_comm[0], 0.5 + 2e3 / 1e6);
+  EXPECT_DOUBLE_EQ(c.boundary_comm[1], 0.5 + 8e7 / 1e6);
+  EXPECT_DOUBLE_EQ(c.comm, c.boundary_comm[1]);
+  EXPECT_TRUE(stage_costs(skew, {3}, so).boundary_comm.empty());  // nothing crosses
+}
+
+// Network levels whose machines multiply past the most ranks a plan takes are refused naming the
+// product (the product was cast to int: 3 x 1431655766 planned as 2 devices, 65536 x 65536 as 0).
+TEST(PlanHybrid, LevelProductsBeyondTheRankLimitAreRefused) {
+  EXPECT_EQ(planner_devices({NetworkLevel{4, 1e9}, NetworkLevel{2, 1e9}}), 8);
+  for (const std::vector<NetworkLevel>& levels :
+       {std::vector<NetworkLevel>{{3, 1e11}, {1431655766, 1e9}}, std::vector<NetworkLevel>{{2147483647, 1e9}, {2, 1e9}},
+        std::vector<NetworkLevel>{{65536, 1e9}, {65536, 1e9}}}) {
+    std::string e;
+    try {
+      planner_devices(levels);
+    } catch (const UsageError& x) {
+      e = x.what();
+    }
+    EXPECT_NE(e.find(std::to_string(levels[0].machines) + " x " + std::to_string(levels[1].machines)), std::string::npos) << e;
+    EXPECT_NE(e.find(std::to_string(kMaxPlanRanks)), std::string::npos) << e;
+    std::mt19937 rng(3);
+    PlanSearchOptions o;
+    o.ranks = 2;
+    o.pipedream.levels = levels;
+    EXPECT_THROW(search_plans(random_profile(rng, 4), o), UsageError);
+  }
+}
+
+// A balance given as a list applies to its own stage count: with replicas allowed the other counts do
+// without it (it used to fail on one stage: "lists 4 stages but 1 are needed"); --no-hybrid with another
+// count is refused naming the counts it lays out.
+TEST(PlanHybrid, BalanceListsApplyToTheirOwnStageCount) {
+  std::mt19937 rng(4);
+  const Profile prof = random_profile(rng, 8);
+  PlanSearchOptions o;
+  o.ranks = 4;
+  o.balance_kinds = {"2,2,2,2"};
+  const PlanSearchResult r = search_plans(prof, o);
+  for (const PlanCandidate& c : r.candidates) EXPECT_EQ(c.balance, (std::vector<int>{2, 2, 2, 2}));
+  expect_never_worse(r);
+  o.hybrid = false;
+  o.balance_kinds = {"4,4"};
+  try {
+    search_plans(prof, o);
+    ADD_FAILURE() << "a 2-stage balance for one pipeline over 4 ranks was taken";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("--balances 4,4 lists 2 stages"), std::string::npos) << m;
+    EXPECT_NE(m.find("drop --no-hybrid"), std::string::npos) << m;
+  }
+  o.balance_kinds = {"4,4,4"};  // 12 layers for 8: the balance's own check
+  EXPECT_THROW(search_plans(prof, o), UsageError);
+}
+
+// The plan file's top level: stage_memory_bytes are the simulated peaks of the ranks (the largest is the
+// chosen row's peak), no stage_in_flight (the PipeDream section keeps its own), and a plan that fits no
+// memory limit says so (fits_memory_limit false, its peak), through a write and a read.
+TEST(PlanHybrid, PlanFileRecordsPeaksAndWhetherItFits) {
+  PipeDreamOptions po;
+  po.micro_batch_size = 128;
+  const Profile vgg = load_pipedream_graph(pipetrain::testing::vgg16_path(), po);
+  PlanSearchOptions o;
+  o.ranks = 4;
+  o.bandwidth_bytes_per_ms = 1.25e6;
+  const PlanSearchResult r = search_plans(vgg, o);
+  const PlanFile f = plan_file_for(vgg, r);
+  ASSERT_EQ(f.plan.stage_memory_bytes.size(), f.plan.balance.size());
+  EXPECT_DOUBLE_EQ(*std::max_element(f.plan.stage_memory_bytes.begin(), f.plan.stage_memory_bytes.end()),
+                   r.chosen().peak_bytes);
+  const std::vector<double> statics = stage_static_bytes(vgg, f.plan.balance);
+  for (std::size_t s = 0; s < statics.size(); ++s) EXPECT_GT(f.plan.stage_memory_bytes[s], statics[s]);
+  const nlohmann::json j = plan_file_to_json(f);
+  EXPECT_FALSE(j.contains("stage_in_flight"));
+  ASSERT_TRUE(j.contains("pipedream"));
+  EXPECT_TRUE(j["pipedream"].contains("stage_in_flight"));
+  EXPECT_FALSE(j.contains("fits_memory_limit"));  // no limit
+  EXPECT_DOUBLE_EQ(j["predicted_peak_bytes"].get<double>(), r.chosen().peak_bytes);
+
+  o.memory_limit_bytes = 0.5 * 1073741824.0;  // nothing fits half a GiB
+  const PlanSearchResult tight = search_plans(vgg, o);
+  EXPECT_FALSE(tight.chosen().fits);
+  const PlanFile nofit = plan_file_for(vgg, tight);
+  const PlanFile back = plan_file_from_json(plan_file_to_json(nofit), "nofit.json");
+  ASSERT_TRUE(back.fits_memory_limit.has_value());
+  EXPECT_FALSE(*back.fits_memory_limit);
+  EXPECT_DOUBLE_EQ(back.predicted_peak_bytes, tight.chosen().peak_bytes);
+  EXPECT_TRUE(back.plan.stage_in_flight.empty());
+  nlohmann::json bad = plan_file_to_json(nofit);
+  bad["fits_memory_limit"] = "no";
+  EXPECT_THROW(plan_file_from_json(bad, "bad.json"), UsageError);
 }

@@ -26,8 +26,10 @@ struct StageCostOptions {
 
 // Costs of the stages a balance cuts the profile into: F = sum of forward times, B and W = each layer's
 // backward split in its measured B:W proportion (all B for layers without a split), activation = the
-// bytes a micro-batch keeps (sum of the stage's layers' held_bytes), comm = latency + the largest
-// boundary activation / bandwidth (the cost model has one transfer time), overhead = options.overhead_ms
+// bytes a micro-batch keeps (sum of the stage's layers' held_bytes), boundary_comm[s] = latency + the
+// bytes crossing cut s (stage s's last layer's activation_bytes at the micro-batch size) / bandwidth, one
+// per cut (the plan search prices its candidates' transfers the same way), comm = the largest of them
+// (what explicit send/receive actions cost), overhead = options.overhead_ms
 // or the profile's runtime overhead, b_release_fraction = 1 - (what split layers keep after B for W,
 // w_held_bytes) / (what all layers keep) when the profile measured it for every split layer, else the
 // default. stage_step = the sum of the stage's layers' optimizer_ms where the profile measured any (else
@@ -36,6 +38,9 @@ struct StageCostOptions {
 // gradient_b those of its other layers, message = its last layer's activation_bytes at the micro-batch size.
 // Throws UsageError if the balance does not fit the profile.
 CostModel stage_costs(const Profile& profile, const std::vector<int>& balance, const StageCostOptions& options);
+
+// One transfer of `bytes`: latency + bytes / bandwidth; a bandwidth <= 0 or infinite makes the bytes free.
+double transfer_ms(double bytes, double bandwidth_bytes_per_ms, double latency_ms);
 
 // The transfer options a measured profile gives: its runtime's latency and bandwidth (an unlimited one
 // as the largest double, so checks for a finite bandwidth > 0 pass). Profiles without runtime costs:

@@ -79,7 +79,10 @@ struct PlannerOptions {
 // memory limit <= 0, compression < 0 or not finite.
 void check_planner_options(const PlannerOptions& options);
 
-// The number of devices the levels describe (the product of their machines).
+// The most devices network levels may describe (search.h's kMaxPlanRanks is the same bound).
+inline constexpr int kMaxLevelDevices = 1 << 20;
+// The number of devices the levels describe (the product of their machines). Throws UsageError for a
+// level with machines < 1 or a product beyond kMaxLevelDevices (naming the product).
 int planner_devices(const std::vector<NetworkLevel>& levels);
 
 struct Plan {
@@ -90,7 +93,7 @@ struct Plan {
   std::vector<int> replication;            // devices per stage; the sum is the devices used
   std::vector<double> stage_time_ms;       // the stage's cost term at level 0 over the outer replications
   std::vector<double> stage_memory_bytes;  // per device, by the paper form's memory model (either form)
-  std::vector<int> stage_in_flight;        // n above: mini-batches a replica holds at once
+  std::vector<int> stage_in_flight;        // n above: mini-batches a replica holds at once (optional in a file)
   double time_ms = 0;                      // predicted time per mini-batch: the bottleneck term
   double data_parallel_time_ms = 0;        // one stage on every device, same cost form, memory not checked
   double speedup = 0;                      // data_parallel_time_ms / time_ms

@@ -40,7 +40,7 @@
 namespace pipetrain {
 
 // The largest rank count the search takes (and the message that refuses more names it).
-inline constexpr int kMaxPlanRanks = 1 << 20;
+inline constexpr int kMaxPlanRanks = kMaxLevelDevices;
 
 struct PlanSearchOptions {
   int ranks = 2;
@@ -63,8 +63,12 @@ struct PlanSearchOptions {
   // unless --bandwidth, --latency or --level is given. Empty: the links' bandwidth and `latency_ms`.
   std::vector<TransferSample> allreduce;
   int allreduce_ranks = 0;
-  bool replicated_may_win = true;  // false: only one pipeline (no replicas, no 1F1B-RR) may be chosen
-  bool hybrid = true;              // false: only straight pipelines over min(ranks, layers) ranks
+  // false (UMPIPE): only one straight pipeline over min(ranks, layers) ranks, one stage each, may be
+  // chosen; the other rows are still simulated and shown, as references (PlanSearchResult::ineligible).
+  bool replicated_may_win = true;
+  // false (--no-hybrid): only pipelines over min(ranks, layers) ranks are searched (with virtual stages
+  // where the schedule has them); PipeDream's plan and data parallelism are references, never chosen.
+  bool hybrid = true;
   bool exhaustive = false;         // simulate every candidate (no pruning): the reference the tests compare with
   // PipeDream's planner is O(L^2 R^2) on one level; above this many ranks (and without levels given) it
   // runs on two levels of the same links, groups of g ranks with g the divisor of R nearest sqrt(R)
@@ -95,6 +99,9 @@ struct PlanCandidate {
   double samples = 0;      // samples per replica and step (the slowest replica's share)
   double allreduce_ms = 0; // the largest per-rank gradient all-reduce over the replicas
   std::string placement;   // with levels: "pipeline-inner" or "replicas-inner"; else empty
+  // Per (virtual) stage: the simulated peak bytes of the rank holding it (static + activations; for a
+  // replicated stage, the most of its replicas): the plan file's stage_memory_bytes.
+  std::vector<double> stage_peak_bytes;
 };
 
 // Faster first; candidates within the memory limit before those over it; ties: fewer micro-batches.
@@ -104,7 +111,7 @@ struct PlanSearchResult {
   int64_t batch_size = 0;                    // the mini-batch planned for
   std::vector<PlanCandidate> candidates;     // every candidate simulated (the pruned ones are not)
   int64_t considered = 0;                    // candidates in the search space (simulated + pruned)
-  PlanCandidate best;                        // the chosen plan: never worse than any candidate here
+  PlanCandidate best;  // the chosen plan: never worse than any eligible candidate or baseline here
   PlanCandidate best_straight;  // the best single pipeline over min(R, L) ranks, one stage each (what UMPIPE cuts)
   std::optional<PlanCandidate> uniform_1f1b;  // the baseline: uniform balance, 1f1b, min(R, L) stages, its best m
   // Data parallelism: p = 1 on min(ranks, batch) replicas, one micro-batch, as simulated (the whole
@@ -122,6 +129,16 @@ struct PlanSearchResult {
   std::vector<Plan> pipedream_copy_plans;
   bool chose_replicated = false;             // `best` is PipeDream's plan as 1F1B-RR (best.copies: how many)
   const PlanCandidate& chosen() const { return best; }
+
+  // What the options let be chosen (every other row is a reference): replicas, shorter pipelines and
+  // 1F1B-RR only with `hybrid` and `replicated_may_win`; 1F1B-RR only with 1f1b among the schedules;
+  // without `replicated_may_win` (UMPIPE) one stage per rank over `straight_stages` ranks.
+  bool hybrid = true, replicated_may_win = true, rr_schedule = true;
+  int straight_stages = 0;  // min(ranks, layers)
+  double memory_limit_bytes = 0;  // per rank; 0: none
+  // Empty when `c` may be chosen; else why not, in words ("--no-hybrid: ...").
+  std::string ineligible(const PlanCandidate& c) const;
+  bool eligible(const PlanCandidate& c) const { return ineligible(c).empty(); }
 };
 
 // Throws UsageError for impossible options (no candidate, ranks < 1 or > kMaxPlanRanks, a profile without
@@ -148,6 +165,10 @@ struct PlanFile {
   int threads = 0;                 // intra-op threads per rank the profile measured with; 0: not recorded
   std::string balance_kind, balance_solver;
   double predicted_bubble_fraction = 0;
+  // The chosen plan's simulated peak bytes per rank, and whether it fits the memory limit the plan was
+  // made for (written as "fits_memory_limit" only with a limit; absent: no limit or not recorded).
+  double predicted_peak_bytes = 0;
+  std::optional<bool> fits_memory_limit;
   std::optional<Plan> pipedream;   // the PipeDream planner's plan
   std::string pipedream_schedule;  // how train --plan-use pipedream runs it (synchronous 1F1B-RR)
   int pipedream_microbatches = 0;
