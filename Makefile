@@ -38,7 +38,7 @@ build: deps
 demo: build
 	mkdir -p $(BUILD_DIR)/demo
 	./$(BUILD_DIR)/pipetrain train --log $(BUILD_DIR)/demo/train-log.jsonl --svg $(BUILD_DIR)/demo/train-timeline.svg \
-	  --trace $(BUILD_DIR)/demo/train-trace.json --save $(BUILD_DIR)/demo/checkpoint
+	  --trace $(BUILD_DIR)/demo/train-trace.json --save $(BUILD_DIR)/demo/checkpoint --overwrite
 	./$(BUILD_DIR)/pipetrain demo --out $(BUILD_DIR)/demo
 
 test: build

@@ -20,7 +20,13 @@
 
 namespace pipetrain::cli {
 
+bool ScheduleFlags::given(const char* flag) const {
+  const CLI::Option* o = app ? app->get_option_no_throw(flag) : nullptr;
+  return o && o->count() > 0;
+}
+
 void ScheduleFlags::add_to(CLI::App& app) {
+  this->app = &app;
   std::string names;
   for (const auto& n : schedule_names()) names += (names.empty() ? "" : ", ") + n;
   app.add_option("--schedule,-s", schedule, "schedule to generate: " + names);
@@ -65,6 +71,13 @@ void ScheduleFlags::add_to(CLI::App& app) {
 }
 
 Schedule ScheduleFlags::build() const {
+  // Values that read as "not given" and flags that did nothing, which ran without a word.
+  if (memory_limit < 0)
+    throw UsageError("--memory-limit must be >= 0 (0: no limit), got " + std::to_string(memory_limit));
+  if (given("--microbatch-size") && !(microbatch_size > 0))
+    throw UsageError("--microbatch-size must be > 0 (or not given: the profile's), got " + std::to_string(microbatch_size));
+  if (!profile.empty() && given("--cost"))
+    throw UsageError("--cost and --profile both give the stages' costs (--profile's were used): drop one");
   Schedule s;
   if (!load.empty()) {
     if (!replication.empty())
@@ -73,6 +86,15 @@ Schedule ScheduleFlags::build() const {
     if (!schedule.empty())
       throw UsageError("give either --schedule " + schedule + " or --load " + load + ", not both");
     s = load_csv_file(load);
+    // The file gives its own sizes; flags that would generate them must agree (they were ignored).
+    const std::pair<const char*, std::pair<int, int>> sizes[] = {{"--stages", {stages, s.ranks}},
+                                                                  {"--microbatches", {microbatches, s.microbatches_per_step}},
+                                                                  {"--steps", {steps, s.steps()}},
+                                                                  {"--virtual", {virtual_stages, s.virtual_stages_per_rank()}}};
+    for (const auto& [flag, v] : sizes)
+      if (given(flag) && v.first != v.second)
+        throw UsageError(std::string(flag) + " " + std::to_string(v.first) + " but " + load + " has " +
+                         std::to_string(v.second) + ": drop " + flag + ", the file gives it");
   } else {
     if (schedule.empty()) {
       std::string names;
@@ -124,6 +146,9 @@ Schedule ScheduleFlags::build() const {
 }
 
 void ScheduleFlags::add_skips(Schedule& s) const {
+  if (skips.empty() && s.skips.empty() && given("--skip-bandwidth"))
+    throw UsageError("--skip-bandwidth prices skip transfers, and this schedule has no skip routes: add --skip "
+                     "FROM:TO[:SIZE], or drop --skip-bandwidth");
   if (skips.empty()) return;
   if (!s.skips.empty())
     throw UsageError("--load " + load + " already declares skip routes (skips= in its header): drop --skip");

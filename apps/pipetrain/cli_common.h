@@ -45,6 +45,8 @@ struct ScheduleFlags {
   CLI::Option* pipedream_batch_option = nullptr;  // tells "not given" from "0"
   CLI::Option* bandwidth_option = nullptr;        // --bandwidth or --latency given: they win over the
   CLI::Option* latency_option = nullptr;          // profile's measured runtime costs
+  const CLI::App* app = nullptr;                  // set by add_to: which flags the command line gave
+  bool given(const char* flag) const;
   // Transfer bandwidth (bytes/ms) and latency (ms) for profile `p`: --bandwidth and --latency when either
   // is given, else the profile's measured runtime costs (pipetrain profile --transport), else free.
   std::pair<double, double> transfer_options(const Profile& p) const;

@@ -85,8 +85,22 @@ TrainerOptions trainer_options(const TrainFlags& f, const LrSchedule& lr) {
 // with the path and the reason instead of ending with "written" over a log cut mid-line.
 class LogFile {
  public:
-  LogFile(const std::string& path, bool append) : path_(path) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0644);
+  // `resumed_at` > 0: a run resumed at that step appends, after dropping the lines of later steps (a run
+  // stopped after its last checkpoint logged them; they are trained again now) and a last line cut short.
+  LogFile(const std::string& path, int resumed_at) : path_(path) {
+    if (resumed_at > 0) drop_lines_after(resumed_at);
+    std::error_code ec;
+    if (std::filesystem::is_fifo(path, ec)) {
+      // Opening a FIFO that nobody reads blocked the run before its first step, silently.
+      fd_ = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+      if (fd_ < 0 && errno == ENXIO) {
+        errno = ENXIO;
+        fail("it is a FIFO that no program reads (start its reader first)");
+      }
+      if (fd_ >= 0) ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
+    } else {
+      fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (resumed_at > 0 ? O_APPEND : O_TRUNC), 0644);
+    }
     if (fd_ < 0) fail("cannot open it");
   }
   LogFile(const LogFile&) = delete;
@@ -116,6 +130,25 @@ class LogFile {
     const int err = errno ? errno : EIO;
     throw std::runtime_error("--log " + path_ + ": " + what + ": " + std::strerror(err) +
                              (err == ENOSPC || err == EDQUOT ? " (the disk is full: free space or log elsewhere)" : ""));
+  }
+  void drop_lines_after(int step) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(path_, ec)) return;  // a FIFO or /dev/stdout: nothing to rewrite
+    std::ifstream in(path_, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), {});
+    std::string kept;
+    std::size_t at = 0;
+    while (at < text.size()) {
+      const std::size_t end = text.find('\n', at);
+      if (end == std::string::npos) break;  // cut short (a crash, a full disk): not a line
+      const std::string line = text.substr(at, end - at);
+      at = end + 1;
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.contains("step") && j["step"].is_number() && j["step"].get<double>() > step) continue;
+      kept += line + "\n";
+    }
+    if (kept.size() == text.size()) return;
+    write_file_atomic(path_, kept);
   }
   std::string path_;
   int fd_ = -1;
@@ -230,7 +263,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   trainer.prepare();
   total = trainer.total();
   if (leader && !f.log.empty()) {
-    out.log = std::make_unique<LogFile>(f.log, trainer.start() > 0);
+    out.log = std::make_unique<LogFile>(f.log, trainer.start());
   }
   if (leader) {
     std::cout << banner(f, trainer, rank, *transport, o.threads) << std::flush;
@@ -288,6 +321,9 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
   cmd->add_option("--eval-batch", f->eval_batch, "samples per evaluation forward pass, default 4 x batch size");
   cmd->add_option("--save", f->save, "write a checkpoint to this folder at the end (and every --save-every steps)");
   cmd->add_option("--save-every", f->save_every, "also checkpoint every K steps; default 0 (only at the end)");
+  cmd->add_flag("--overwrite", f->overwrite,
+                "let --save replace a checkpoint that this run does not resume from (without it, such a run is "
+                "refused before it trains: a forgotten --resume lost the checkpoint at the first save)");
   cmd->add_flag("--save-on-interrupt", f->save_on_interrupt,
                 "on SIGINT or SIGTERM (Ctrl-C), write one more checkpoint at the step reached before stopping; "
                 "without it the last complete checkpoint is kept as it is");
@@ -380,6 +416,15 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   if (f->pipe.plan_batch_size > 0 && cmd->get_option("--batch-size")->count() == 0)
     f->batch_size = f->pipe.plan_batch_size;
   f->model.prepare();
+  // Flags that ran without a word and changed nothing (their siblings are refused).
+  if (cmd->get_option("--layers")->count() > 0 && f->model.layers == 0)
+    throw UsageError("--layers must be >= 1, got 0 (it built the default depth): give the layers, or drop --layers");
+  if (cmd->get_option("--momentum")->count() > 0 && f->optimizer != "sgd")
+    throw UsageError("--momentum is SGD's; --optimizer " + f->optimizer + " has fixed betas (0.9, 0.999): drop "
+                     "--momentum, or use --optimizer sgd");
+  if (cmd->get_option("--data-dir")->count() > 0 && f->model.data != "fashion-mnist")
+    throw UsageError("--data-dir is the folder of Fashion-MNIST's files, and this run trains on --data " +
+                     f->model.data + ": drop --data-dir");
   f->pipe.prepare_umpipe(*cmd, f->batch_size);  // a plan's UMPIPE partitions: schedule gpipe, checked here
   // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
   const bool one_per_step = schedule_traits(f->pipe.schedule).one_microbatch_per_step;
@@ -410,7 +455,15 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
                                                     : static_cast<int>(f->pipe.replication_counts().size()),
                       f->rank_memory * 1073741824.0);
   if (!f->model.layerwise()) f->model.factory()();  // the gpt is not built here: its ranks build their own layers
-  check_balance_flags(f->pipe, f->model);
+  try {
+    check_balance_flags(f->pipe, f->model);
+  } catch (const UsageError& e) {
+    if (f->pipe.plan_file.empty() || cmd->get_option("--balance")->count() > 0) throw;
+    // The balance came from the plan: say so (a plan made for another model read "balance 6 sums to 6
+    // but the model has 4 layers" with no word of the plan).
+    throw UsageError("--plan " + f->pipe.plan_file + " (its balance): " + e.what() +
+                     ": make a plan from this model's profile (pipetrain profile with the same model flags)");
+  }
   if (f->pipe.replicas < 1) throw UsageError("--replicas must be >= 1, got " + std::to_string(f->pipe.replicas));
   if (f->pipe.plan_use != "pipeline" && f->pipe.plan_file.empty())
     throw UsageError("--plan-use " + f->pipe.plan_use + " picks a part of a plan file: pass --plan FILE too");
@@ -445,9 +498,82 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   check_pipeline_options(o, o.replication.empty() ? f->pipe.stages : f->pipe.world_size());
 }
 
+// The same file or folder (both may not exist yet).
+bool same_path(const std::filesystem::path& a, const std::filesystem::path& b) {
+  std::error_code ec;
+  if (std::filesystem::equivalent(a, b, ec) && !ec) return true;
+  return std::filesystem::weakly_canonical(std::filesystem::absolute(a), ec) ==
+         std::filesystem::weakly_canonical(std::filesystem::absolute(b), ec);
+}
+
+// Whether `p` is `dir` or lies under it.
+bool inside(const std::filesystem::path& p, const std::filesystem::path& dir) {
+  std::error_code ec;
+  const auto d = std::filesystem::weakly_canonical(std::filesystem::absolute(dir), ec);
+  for (auto q = std::filesystem::weakly_canonical(std::filesystem::absolute(p), ec); !q.empty(); q = q.parent_path()) {
+    if (q == d) return true;
+    if (q == q.parent_path()) break;
+  }
+  return false;
+}
+
+// What train writes may not be what it reads, or a checkpoint folder, or another of its outputs: `--log
+// my.txt` with `--text my.txt` replaced the training text, `--log ck/manifest.json` ruined the only
+// checkpoint, `--log x --trace x` kept only the trace; each ran to the end and exited 0.
+void check_paths_apart(const TrainFlags& f, const CLI::App* cmd) {
+  for (const char* flag : {"--save", "--resume", "--log", "--trace", "--svg", "--text", "--plan", "--profile",
+                           "--data-dir", "--config"}) {
+    const CLI::Option* o = cmd->get_option_no_throw(flag);
+    if (o && o->count() > 0 && o->as<std::string>().empty())
+      throw UsageError(std::string(flag) + " was given an empty name (an unset shell variable?): give a path, or "
+                       "drop " + flag);
+  }
+  const std::vector<std::pair<const char*, std::string>> outputs{{"--log", f.log}, {"--trace", f.trace}, {"--svg", f.svg}};
+  const std::vector<std::pair<const char*, std::string>> files{
+      {"--text", f.model.text_file}, {"--plan", f.pipe.plan_file}, {"--profile", f.pipe.profile_file}, {"--config", f.config}};
+  std::vector<std::pair<const char*, std::string>> folders{{"--save", f.save}, {"--resume", f.resume}};
+  if (f.model.data == "fashion-mnist") folders.emplace_back("--data-dir", f.model.data_dir);
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [flag, path] = outputs[i];
+    if (path.empty() || path.rfind("/dev/", 0) == 0) continue;  // /dev/stdout, /dev/null: not files of the run's
+    for (std::size_t k = i + 1; k < outputs.size(); ++k)
+      if (!outputs[k].second.empty() && same_path(path, outputs[k].second))
+        throw UsageError(std::string(flag) + " and " + outputs[k].first + " both write " + path +
+                         ": one would replace the other; give each its own file");
+    for (const auto& [in_flag, in_path] : files)
+      if (!in_path.empty() && same_path(path, in_path))
+        throw UsageError(std::string(flag) + " " + path + " is the file " + in_flag + " reads: writing it would "
+                         "replace it; write " + flag + " elsewhere");
+    for (const auto& [dir_flag, dir] : folders)
+      if (!dir.empty() && inside(path, dir))
+        throw UsageError(std::string(flag) + " " + path + " lies in the " + dir_flag + " folder " + dir +
+                         (std::string(dir_flag) == "--data-dir" ? ", which holds the data"
+                                                                 : ", which holds a checkpoint and nothing else") +
+                         ": write " + flag + " elsewhere");
+  }
+}
+
 // --save is ours to write and --resume matches this run's model, data and optimizer.
-void check_checkpoint_flags(TrainFlags* f) {
-  if (!f->save.empty()) f->save = prepare_checkpoint_dir(f->save, "--save");  // before any step
+void check_checkpoint_flags(TrainFlags* f, const CLI::App* cmd) {
+  check_paths_apart(*f, cmd);
+  if (!f->save.empty()) {
+    f->save = prepare_checkpoint_dir(f->save, "--save");  // before any step
+    // A checkpoint there that this run does not continue: its first save would replace it (the classic
+    // loss: a restart without --resume).
+    const std::filesystem::path manifest = std::filesystem::path(f->save) / "manifest.json";
+    std::error_code ec;
+    if (!f->overwrite && std::filesystem::is_regular_file(manifest, ec) &&
+        (f->resume.empty() || !same_path(f->save, f->resume))) {
+      std::string at;
+      try {
+        at = " at step " + std::to_string(read_checkpoint(f->save).at("step").get<int>());
+      } catch (const std::exception&) {
+      }
+      throw UsageError("--save " + f->save + " holds a checkpoint" + at + " that this run does not resume from: "
+                       "its first save would replace it. Continue it with --resume " + f->save +
+                       ", save to another folder, or give --overwrite to replace it");
+    }
+  }
   if (!f->resume.empty()) {
     const nlohmann::json manifest = read_checkpoint(f->resume);
     const nlohmann::json saved = manifest.value("run", nlohmann::json());
@@ -455,8 +581,14 @@ void check_checkpoint_flags(TrainFlags* f) {
       throw UsageError("checkpoint " + f->resume + " has no run description (its manifest.json lacks a \"run\" object): "
                        "it was not written by pipetrain train, so its model and data cannot be checked; resume it from "
                        "your own program with load_checkpoint");
-    const nlohmann::json now = run_json(*f, 0);
-    std::vector<std::string> diffs = run_differences(saved, now, {"model", "data"});
+    nlohmann::json now = run_json(*f, 0);
+    nlohmann::json then = saved;
+    // A text recorded by its content (checkpoints from before recorded only its path) matches by content.
+    if (then["data"].is_object() && then["data"].contains("file_fnv1a") && now["data"].contains("file_fnv1a")) {
+      then["data"].erase("file");
+      now["data"].erase("file");
+    }
+    std::vector<std::string> diffs = run_differences(then, now, {"model", "data"});
     for (const auto& d : run_differences({{"optimizer", {{"name", saved.value("optimizer", nlohmann::json::object())
                                                                           .value("name", std::string())}}}},
                                          {{"optimizer", {{"name", f->optimizer}}}}, {"optimizer"}))
@@ -466,6 +598,22 @@ void check_checkpoint_flags(TrainFlags* f) {
       for (const auto& d : diffs) msg += "\n  " + d;
       throw UsageError(msg + "\npass the flags it was saved with (see its manifest.json), or start without --resume");
     }
+    // Synthetic data is drawn from the seed: another seed is another data set, not a continuation.
+    if (f->model.data == "synthetic" && saved.contains("seed") && saved["seed"] != nlohmann::json(f->model.seed))
+      throw UsageError("checkpoint " + f->resume + " was trained with --seed " + saved["seed"].dump() +
+                       ", and --data synthetic draws its samples from the seed: resuming with --seed " +
+                       std::to_string(f->model.seed) + " would train on other data. Pass --seed " +
+                       saved["seed"].dump() + ", or start without --resume");
+    // Without --steps or --epochs, the run the checkpoint belongs to: its length (and with it the
+    // learning-rate schedule's), not the default 600 steps.
+    const bool length_given = cmd->get_option("--steps")->count() > 0 || cmd->get_option("--epochs")->count() > 0;
+    const int saved_steps = saved.value("steps", 0);
+    if (!length_given && saved_steps > 0) f->steps = saved_steps;
+    // A run already past its end is refused here, before any rank starts (exit 2 every time).
+    const int at = manifest.value("step", 0);
+    if (f->steps > 0 && at >= f->steps)
+      throw UsageError("checkpoint " + f->resume + " is at step " + std::to_string(at) + " and the run has " +
+                       std::to_string(f->steps) + " steps: give more than " + std::to_string(at) + " steps (--steps)");
   }
 }
 
@@ -480,7 +628,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
     exit_code = guarded("train", [&] {
       check_run_flags(f.get(), cmd);
       check_pipeline_flags(f.get(), cmd);
-      check_checkpoint_flags(f.get());
+      check_checkpoint_flags(f.get(), cmd);
       StopSignalScope stop_signals;  // process-wide (a launcher parent installs its own while it runs)
       return run_ranks(f->pipe, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) { return train_rank(*f, t); });
     });

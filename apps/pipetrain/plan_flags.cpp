@@ -160,8 +160,9 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
 
 void PipelineFlags::add_umpipe_to(CLI::App& app) {
   app.add_option("--umpipe", umpipe,
-                 "with a plan from pipetrain plan --planner umpipe: whose unequal micro-batches per stage to run, dgap "
-                 "(the default), equal, local-greedy or global-dp; off runs the plan as a normal pipeline");
+                 "with a plan from pipetrain plan --planner umpipe: whose unequal micro-batches per stage to run, dgap, "
+                 "equal, local-greedy or global-dp; off runs the plan as a normal pipeline; default: the fastest "
+                 "of these the file records");
 }
 
 void PipelineFlags::prepare_umpipe(const CLI::App& app, int64_t batch_size) {
@@ -178,7 +179,10 @@ void PipelineFlags::prepare_umpipe(const CLI::App& app, int64_t batch_size) {
     throw UsageError("--plan " + plan_file + " has no UMPIPE partitions: make it with pipetrain plan --planner umpipe, "
                      "or drop --umpipe");
   }
-  const std::string name = umpipe == "auto" ? "dgap" : umpipe;
+  // By default the fastest the file offers (pipetrain plan records it; files from before: dgap's), which
+  // may be the straight pipeline ("off").
+  const std::string name = umpipe != "auto" ? umpipe : umpipe_section.value("fastest", std::string("dgap"));
+  if (name == "off") return;
   nlohmann::json chosen;
   const nlohmann::json& all = umpipe_section.contains("planners") ? umpipe_section["planners"] : nlohmann::json();
   if (all.is_object() && all.contains(name))

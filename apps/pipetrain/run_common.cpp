@@ -31,7 +31,7 @@ namespace pipetrain::cli {
 
 void PipelineFlags::add_to(CLI::App& app) {
   stages_option = app.add_option("--stages,-p", stages, "pipeline stages = ranks, default 2");
-  app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-auto, zb-v, v-half, v-min, interleaved-zb, looped-bfs, or "
+  app.add_option("--schedule,-s", schedule, "gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-auto, zb-v, v-half, v-min, dualpipev, interleaved-zb, looped-bfs, or "
                  "the asynchronous pipedream, 2bw, spectrain; "
                  "default 1f1b");
   app.add_option("--microbatches,-m", microbatches, "micro-batches per step, default 4");
@@ -64,7 +64,8 @@ void PipelineFlags::add_to(CLI::App& app) {
   app.add_option_function<std::string>(
       "--plan", [this, &app](const std::string& path) { apply_plan(path, app); },
       "a plan from pipetrain plan: its balance, schedule, micro-batch count, replication (copies of the pipeline, "
-      "or PipeDream's per stage), placement, mini-batch and threads per rank (flags given here win)");
+      "or PipeDream's per stage), placement, mini-batch and threads per rank (--schedule, --microbatches, --balance, "
+      "--batch-size and --threads given here win; --stages and replication flags must agree with the file)");
   app.add_option("--profile", profile_file,
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
   app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
@@ -330,6 +331,17 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
                                       ? " (--stages <= " + std::to_string(kMaxLocalRanks) + ")"
                                       : "") +
                      ", or start the ranks on several hosts with torchrun or mpirun");
+  }
+  // Under a launcher that started several processes, each would run the whole pipeline on its own
+  // threads: WORLD_SIZE complete runs writing the same --save and --log (pipetrain launch -n 2 -- ...
+  // --transport local did).
+  if (t == "local" && launched()) {
+    const char* ws = std::getenv("WORLD_SIZE");
+    if (!ws) ws = std::getenv("OMPI_COMM_WORLD_SIZE");
+    if (ws && std::atoi(ws) > 1)
+      throw UsageError(std::string("--transport local runs every rank as a thread of one process, but a launcher "
+                                   "started this one as one of WORLD_SIZE=") + ws + " processes: use --transport shm, "
+                       "gloo or mpi (or auto) under a launcher, or run pipetrain train --transport local without one");
   }
   if (t == "local") {
     auto transports = make_local_transports(world);

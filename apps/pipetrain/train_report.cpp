@@ -151,7 +151,7 @@ std::string banner(const TrainFlags& f, const Trainer& trainer, PipelineRank& ra
   const int warmup = lr_schedule(f).warmup_steps(trainer.total());
   return fmt::format(
       "pipetrain train: {}\n  {} over {} ({} threads per rank), schedule {}, m={}, batch {}, balance {}, "
-      "re-materialisation {}\n  optimizer {} lr {} ({}{}), clip {}, {} steps{}{}\n  {}",
+      "re-materialisation {}{}\n  optimizer {} lr {} ({}{}), clip {}, {} steps{}{}\n  {}",
       f.model.describe(),
       f.pipe.replicas > 1 ? fmt::format("{} stages x {} replicas{}", f.pipe.stages, f.pipe.replicas,
                                         f.pipe.placement == "replicas-inner" && f.pipe.stages > 1
@@ -165,7 +165,8 @@ std::string banner(const TrainFlags& f, const Trainer& trainer, PipelineRank& ra
       async ? fmt::format("{} (weights: {}{})", f.pipe.schedule, to_string(rank.weight_policy()),
                           schedule_traits(f.pipe.schedule).one_microbatch_per_step ? ", a step per micro-batch" : "")
             : f.pipe.schedule,
-      f.pipe.microbatches, f.batch_size, comma_list(rank.balance()), f.pipe.checkpoint, f.optimizer, f.lr,
+      f.pipe.microbatches, f.batch_size, comma_list(rank.balance()), f.pipe.checkpoint,
+      f.pipe.precision == "fp32" ? "" : ", precision " + f.pipe.precision, f.optimizer, f.lr,
       f.lr_schedule, warmup > 0 ? fmt::format(", warm-up {}", warmup) : "", f.clip, trainer.total(),
       trainer.train_size() > 0
           ? fmt::format(" ({:.2f} epochs)", static_cast<double>(trainer.total()) * f.batch_size / trainer.train_size())

@@ -40,6 +40,7 @@ struct TrainFlags {
   std::string save, resume;
   int save_every = 0;
   bool save_on_interrupt = false;  // SIGINT/SIGTERM: write one more checkpoint (at the step reached) before stopping
+  bool overwrite = false;          // --save may replace a checkpoint this run did not resume from
   int sample = 300;          // characters to generate at the end (text data)
   double temperature = 0.8;
   std::string trace, svg, log, config;

@@ -74,13 +74,15 @@ class StageCost:
 class CostModel:
     stage: List[StageCost]
     comm: float
+    boundary_comm: List[float]
     step: float
     bandwidth: float
     stage_step: List[float]
     b_release_fraction: float
     overhead: float
     def __init__(self, stage: Sequence[StageCost] = ..., comm: float = ..., step: float = ..., bandwidth: float = ...,
-                 stage_step: Sequence[float] = ..., b_release_fraction: float = ..., overhead: float = ...) -> None: ...
+                 stage_step: Sequence[float] = ..., b_release_fraction: float = ..., overhead: float = ...,
+                 boundary_comm: Sequence[float] = ...) -> None: ...
     @staticmethod
     def uniform(stages: int, per_stage: StageCost = ..., virtual_per_rank: int = ..., comm: float = ...) -> CostModel: ...
     def duration(self, action: Action) -> float: ...

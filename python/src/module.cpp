@@ -777,10 +777,12 @@ PYBIND11_MODULE(_pipetrain, m) {
                         "Per-stage times and memory, transfer and step times: what the simulator reads. `stage` is a "
                         "copy: assign a whole list to change it.")
       .def(py::init([](std::vector<StageCost> stage, double comm, double step, double bandwidth,
-                       std::vector<double> stage_step, double b_release_fraction, double overhead) {
+                       std::vector<double> stage_step, double b_release_fraction, double overhead,
+                       std::vector<double> boundary_comm) {
              CostModel c;
              c.stage = std::move(stage);
              c.comm = comm;
+             c.boundary_comm = std::move(boundary_comm);
              c.step = step;
              c.bandwidth = bandwidth;
              c.stage_step = std::move(stage_step);
@@ -790,7 +792,8 @@ PYBIND11_MODULE(_pipetrain, m) {
            }),
            py::arg("stage") = std::vector<StageCost>{}, py::arg("comm") = 0.0, py::arg("step") = 0.0,
            py::arg("bandwidth") = 0.0, py::arg("stage_step") = std::vector<double>{},
-           py::arg("b_release_fraction") = 0.5, py::arg("overhead") = 0.0)
+           py::arg("b_release_fraction") = 0.5, py::arg("overhead") = 0.0,
+           py::arg("boundary_comm") = std::vector<double>{})
       .def_static("uniform", [](int stages, StageCost per_stage, int virtual_per_rank, double comm) {
                     if (stages < 1) throw UsageError("CostModel.uniform: stages=" + std::to_string(stages) + " must be >= 1");
                     if (virtual_per_rank < 1)
@@ -802,6 +805,9 @@ PYBIND11_MODULE(_pipetrain, m) {
                   "Every stage costs per_stage, split evenly over virtual_per_rank chunks.")
       .def_readwrite("stage", &CostModel::stage)
       .def_readwrite("comm", &CostModel::comm, "time of one transfer between ranks")
+      .def_readwrite("boundary_comm", &CostModel::boundary_comm,
+                     "per stage boundary (stages - 1 entries): the time of one transfer across it, as stage_costs "
+                     "and the plan search price each cut by its own bytes; empty: every transfer costs comm")
       .def_readwrite("step", &CostModel::step, "time of an optimizer step")
       .def_readwrite("bandwidth", &CostModel::bandwidth, "memory units per time unit of a skip transfer; 0 unlimited")
       .def_readwrite("stage_step", &CostModel::stage_step)

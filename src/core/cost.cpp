@@ -52,6 +52,11 @@ void CostModel::check(int stages) const {
     throw UsageError("the cost model has " + std::to_string(stage.size()) + " stage entries but the schedule has " +
                      std::to_string(stages) + " stages: give one F:B:W triple, or one per stage");
   auto bad = [](double x) { return !std::isfinite(x) || x < 0 || x > kMaxActionCost; };
+  auto num = [](double x) {  // %g: std::to_string printed 1e308 as 309 digits
+    std::ostringstream o;
+    o << x;
+    return o.str();
+  };
   for (std::size_t s = 0; s < stage.size(); ++s) {
     const StageCost& c = stage[s];
     if (bad(c.f) || bad(c.b) || bad(c.w) || !std::isfinite(c.activation) || c.activation < 0) {
@@ -73,7 +78,7 @@ void CostModel::check(int stages) const {
       throw UsageError(msg.str());
     }
   }
-  if (bad(comm)) throw UsageError("communication cost " + std::to_string(comm) + " must be finite and >= 0");
+  if (bad(comm)) throw UsageError("communication cost " + num(comm) + " must be finite, >= 0 and at most 1e12");
   if (!boundary_comm.empty() && static_cast<int>(boundary_comm.size()) != stages - 1)
     throw UsageError("the cost model has " + std::to_string(boundary_comm.size()) + " per-boundary transfer times but "
                      "the schedule has " + std::to_string(stages) + " stages: give one per boundary (" +
@@ -81,22 +86,22 @@ void CostModel::check(int stages) const {
   for (std::size_t s = 0; s < boundary_comm.size(); ++s)
     if (bad(boundary_comm[s]))
       throw UsageError("the transfer time across boundary " + std::to_string(s) + " (stage " + std::to_string(s) +
-                       " to " + std::to_string(s + 1) + "), " + std::to_string(boundary_comm[s]) +
+                       " to " + std::to_string(s + 1) + "), " + num(boundary_comm[s]) +
                        ", must be finite and >= 0");
   if (bad(bandwidth))
-    throw UsageError("skip bandwidth " + std::to_string(bandwidth) + " must be finite and >= 0 (0: unlimited)");
+    throw UsageError("skip bandwidth " + num(bandwidth) + " must be finite and >= 0 (0: unlimited)");
   if (bad(overhead))
-    throw UsageError("per-action overhead " + std::to_string(overhead) + " must be finite, >= 0 and at most 1e12");
-  if (bad(step)) throw UsageError("step cost " + std::to_string(step) + " must be finite and >= 0");
+    throw UsageError("per-action overhead " + num(overhead) + " must be finite, >= 0 and at most 1e12");
+  if (bad(step)) throw UsageError("step cost " + num(step) + " must be finite, >= 0 and at most 1e12");
   if (!stage_step.empty() && static_cast<int>(stage_step.size()) != stages)
     throw UsageError("the cost model has " + std::to_string(stage_step.size()) + " per-stage step costs but the "
                      "schedule has " + std::to_string(stages) + " stages");
   for (std::size_t s = 0; s < stage_step.size(); ++s)
     if (bad(stage_step[s]))
-      throw UsageError("stage " + std::to_string(s) + "'s step cost " + std::to_string(stage_step[s]) +
+      throw UsageError("stage " + std::to_string(s) + "'s step cost " + num(stage_step[s]) +
                        " must be finite and >= 0");
   if (!(b_release_fraction >= 0 && b_release_fraction <= 1))
-    throw UsageError("b_release_fraction " + std::to_string(b_release_fraction) + " must lie in [0, 1]");
+    throw UsageError("b_release_fraction " + num(b_release_fraction) + " must lie in [0, 1]");
 }
 
 namespace {

@@ -389,14 +389,13 @@ TEST(PlanCli, UmpipeChoosesAmongTheRowsItCanRunAndSaysWhichIsFastest) {
   const auto rows = table_rows(r.out);
   for (const auto& [row, ms] : rows) faster_marked = faster_marked || (ms < rows.front().second && row.find("not eligible") != std::string::npos);
   EXPECT_TRUE(faster_marked) << "the interleaved row is faster, and marked\n" << r.out;
-  EXPECT_TRUE(r.has("runs by default: dgap")) << r.out;
-  EXPECT_TRUE(r.has("SLOWER than the straight pipeline chosen above")) << r.out;
-  EXPECT_TRUE(r.has("--umpipe off)")) << r.out;
+  // The straight pipeline is faster than every planner's partitions: train --plan runs it by default.
+  EXPECT_TRUE(r.has("runs by default: the straight pipeline chosen above")) << r.out;
   const nlohmann::json plan = read_json_file(dir / "u.json");
   EXPECT_EQ(plan.at("balance").size(), 2u);
   EXPECT_FALSE(plan.contains("virtual_stages"));
   EXPECT_EQ(plan.at("umpipe").at("fastest"), "off");
-  EXPECT_EQ(plan.at("umpipe").at("runs_by_default"), "dgap");
+  EXPECT_EQ(plan.at("umpipe").at("runs_by_default"), "off");
   EXPECT_NEAR(plan.at("umpipe").at("straight_pipeline_ms").get<double>(), plan.at("time_ms").get<double>(), 1e-9);
   EXPECT_LT(plan.at("time_ms").get<double>(), plan.at("umpipe").at("planners").at("dgap").at("step_ms").get<double>());
   fs::remove_all(dir);

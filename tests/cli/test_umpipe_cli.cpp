@@ -56,7 +56,7 @@ TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
   std::map<std::string, std::vector<double>> runs;
   for (const std::string name : {"equal", "dgap", "global-dp"}) {
     const fs::path log = dir / (name + ".jsonl");
-    r = run_pipetrain("train" + common + log.string() + (name == "dgap" ? "" : " --umpipe " + name));
+    r = run_pipetrain("train" + common + log.string() + " --umpipe " + name);
     ASSERT_EQ(r.code, 0) << name << "\n" << r.out;
     EXPECT_TRUE(r.has("2 stages over gloo")) << r.out;
     EXPECT_TRUE(r.has("UMPIPE: the " + name + " partitions")) << r.out;
@@ -68,6 +68,15 @@ TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
     for (std::size_t k = 0; k < 3; ++k)
       EXPECT_NEAR(runs[name][k], runs["equal"][k], 1e-4 * std::abs(runs["equal"][k])) << name << ", step " << k + 1;
 
+  // Without --umpipe: the fastest the file offers, which plan recorded (the straight pipeline: "off").
+  const std::string fastest = j["umpipe"].at("fastest");
+  EXPECT_EQ(j["umpipe"].at("runs_by_default"), fastest);
+  r = run_pipetrain("train --transport local --plan " + plan + kModel + " --batch-size 16 --steps 1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  if (fastest == "off")
+    EXPECT_FALSE(r.has("UMPIPE:")) << r.out;
+  else
+    EXPECT_TRUE(r.has("UMPIPE: the " + fastest + " partitions")) << r.out;
   // --umpipe off runs the same plan as a straight pipeline (its schedule and m).
   r = run_pipetrain("train --transport local --plan " + plan + kModel + " --batch-size 16 --steps 1 --umpipe off");
   ASSERT_EQ(r.code, 0) << r.out;

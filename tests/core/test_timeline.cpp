@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -531,6 +532,33 @@ TEST_F(WriteFileAtomic, FolderTargetIsRefusedAndLeftUntouched) {
   }
   EXPECT_EQ(entries(), std::vector<std::string>{"is_a_dir"});
   EXPECT_TRUE(fs::is_directory(target / "child"));
+}
+
+}  // namespace
+}  // namespace pipetrain
+
+namespace pipetrain {
+namespace {
+
+// Costs in ns drew 2 characters per ns: rows of gigabytes (simulate --ascii with --cost 1e9:1e9:1e9 never
+// finished). simulate's scale gives the shortest action 2 characters; any row is at most kMaxAsciiColumns.
+TEST(AsciiGantt, TheScaleFollowsTheCostUnitAndRowsAreBounded) {
+  Timeline t = one_f_one_b();
+  EXPECT_DOUBLE_EQ(ascii_chars_per_unit(TimelineView(t)), 2.0);  // F = 1: as before
+  EXPECT_EQ(ascii_gantt(t, ascii_chars_per_unit(TimelineView(t))), ascii_gantt(t));
+  for (TimedAction& e : t.events) {
+    e.start *= 1e9;
+    e.end *= 1e9;
+  }
+  const double scale = ascii_chars_per_unit(TimelineView(t));
+  EXPECT_DOUBLE_EQ(scale, 2e-9);
+  Timeline unit = one_f_one_b();
+  EXPECT_EQ(ascii_gantt(t, scale), ascii_gantt(unit));  // the same drawing at the unit's scale
+  // At 2 characters per ns: capped, and said.
+  const std::string capped = ascii_gantt(t, 2.0);
+  EXPECT_EQ(capped.rfind("(drawn 100000 characters wide", 0), 0u) << capped.substr(0, 80);
+  EXPECT_LT(capped.size(), 3 * 100100u);
+  for (double bad : {0.0, -1.0, std::nan("")}) EXPECT_THROW(ascii_gantt(t, bad), UsageError);
 }
 
 }  // namespace

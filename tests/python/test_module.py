@@ -240,6 +240,20 @@ class Planning(unittest.TestCase):
         sim = pipetrain.simulate("1f1b", stages=2, microbatches=4, profile=small_profile(), balance="3,3")
         self.assertAlmostEqual(sim.per_stage[0].busy, 4 * ((1 + 2 + 3) + (2 + 4 + 6)))
 
+    def test_stage_costs_price_each_cut_by_its_own_bytes(self):
+        # VGG-16's cuts carry very different activations: each boundary gets its own transfer time, the
+        # largest is `comm`, and a CostModel built with them simulates the same as the one stage_costs gave.
+        path = os.path.join(DATA, "pipedream", "vgg16-graph.txt")
+        c = pipetrain.stage_costs(path, [5, 7, 7, 20], bandwidth=1.25, latency=0)
+        self.assertEqual(len(c.boundary_comm), 3)
+        self.assertAlmostEqual(max(c.boundary_comm), c.comm)
+        self.assertGreater(max(c.boundary_comm), 2 * min(c.boundary_comm))
+        same = pipetrain.CostModel(stage=c.stage, comm=c.comm, boundary_comm=c.boundary_comm)
+        flat = pipetrain.CostModel(stage=c.stage, comm=c.comm)
+        s = pipetrain.schedule("1f1b", stages=4, microbatches=8)
+        self.assertAlmostEqual(pipetrain.simulate(s, costs=same).makespan, pipetrain.simulate(s, costs=c).makespan)
+        self.assertLess(pipetrain.simulate(s, costs=same).makespan, pipetrain.simulate(s, costs=flat).makespan)
+
     def test_pipedream_planner_on_vgg16(self):
         path = os.path.join(DATA, "pipedream", "vgg16-graph.txt")
         plan = pipetrain.plan_pipedream(path, ranks=4, bandwidth=1.25)
