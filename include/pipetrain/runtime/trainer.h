@@ -35,6 +35,8 @@ namespace pipetrain {
 // Learning rate of step k (0-based) of `total`: linear warm-up over warmup_steps(total) steps, then
 // constant, or a cosine or linear decay to a tenth of the peak at the last step. A pure function of k,
 // so a resumed run continues the same schedule.
+class CheckpointDirLock;  // checkpoint.h
+
 struct LrSchedule {
   double peak = 3e-3;
   std::string kind = "cosine";  // constant | cosine | linear
@@ -64,7 +66,9 @@ struct TrainerOptions {
   int eval_every = -1;           // steps between evaluations; -1: ten per run; 0: none
   int64_t eval_samples = 0;      // held-out samples per evaluation; 0: all
   int64_t eval_batch = 0;        // samples per evaluation call; 0: 4 x batch_size
-  std::string save_dir;          // checkpoints (checkpoint.h); empty: none
+  std::string save_dir;          // checkpoints (checkpoint.h); empty: none. World rank 0 holds its run
+                                 // lock (CheckpointDirLock) from prepare() until the Trainer is destroyed:
+                                 // prepare() refuses (UsageError, every rank) a folder another run saves to
   int save_every = 0;            // steps between checkpoints; 0: only at the end
   bool save_on_interrupt = false;  // a stop writes one more checkpoint at the step reached
   std::string resume_dir;        // continue from this checkpoint
@@ -177,6 +181,7 @@ class Trainer {
   bool prepared_ = false;
   int total_ = 0, start_ = 0;
   int64_t train_size_ = 0, eval_size_ = 0;
+  std::shared_ptr<CheckpointDirLock> save_lock_;  // world rank 0's, with a save_dir
 };
 
 // Samples `n` tokens from a language model one at a time: the first stage's rank gives `context`
