@@ -79,8 +79,14 @@ struct TrainerOptions {
   bool stage_times = false;      // per step, each stage's busy time, the pipeline's span and each rank's
                                  // memory (one more all-reduce per call; StepRecord::busy_ms, pass_ms,
                                  // heap_growth_mib, device_peak_allocated_mib)
-  // Polled at the start of every call: a signal number (or any non-zero code) asks the run to stop.
-  // The ranks agree (one all-reduce), so they all stop after the same step.
+  // Polled at the start of every call and once after the last: a signal number (or any non-zero code)
+  // asks the run to stop. The ranks agree (one all-reduce), so they all stop after the same step. A call
+  // is not cut short: an asynchronous call (steps_per_call steps, up to kMaxStepsPerCall) finishes
+  // first, so a stop takes effect within one call's time (bound it with steps_per_call). Where the
+  // request came during the run's last call, the run still ends with stopped_by set (after the end's
+  // checkpoint). Call boundaries are never chosen by time: an asynchronous pipeline drains at each, so
+  // moving them changes the losses (a run cut into calls of 10 steps differs from one call of 40 from
+  // step 11 on).
   std::function<int()> stop_requested;
 };
 
