@@ -29,12 +29,15 @@
 // that name is taken, DIR.partial when none is free) and fails naming that folder and what is in DIR, so
 // the run's training is never lost (resume from DIR.step-N).
 // A run holds DIR's run lock (CheckpointDirLock: an flock on DIR.pipetrain-lock, released when the
-// process ends, however it ends) from start-up to its end, so a second run saving to the same DIR is
+// process ends, however it ends: a killed run leaves the file, which blocks no one) from start-up to its end, so a second run saving to the same DIR is
 // refused at start-up, naming the other run's process; each save also holds the marker's lock. "." and "..",
 // symbolic links and files are refused. prepare_checkpoint_dir runs these checks (and creates the parent
 // folders, probing that DIR.partial can be made) before training, so a bad path is found before the first
-// step, not at the first save. A failed save (full disk, no permission) removes what it wrote and keeps
-// DIR. A tensor holding NaN or infinity is never saved (NonFiniteError: the run diverged).
+// step, not at the first save. A failed save (full disk, no permission) keeps DIR and removes what it
+// wrote: each rank its own files, and the leader, after giving them 2 s, what is left of the names a save
+// writes (a transport stops a rank whose peer failed: shm's and gloo's watchdogs _Exit it). When the
+// leader itself is stopped first, the marked DIR.partial stays, and the next save clears it. A tensor
+// holding NaN or infinity is never saved (NonFiniteError: the run diverged).
 //
 // Loading checks the manifest (JSON nested at most 64 deep; types and ranges of every field; each layer
 // file must be the plain name layer-NNNNN.pt inside DIR: no path, no "..", no symlink, a regular file)
