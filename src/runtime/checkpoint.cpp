@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -323,11 +324,15 @@ class MarkerLock {
   int fd_ = -1;
 };
 
-// After a failed save: each rank removes the files it wrote. Only the leader removes the marker it made,
-// and only once the folder holds nothing else, so the folder cannot vanish while another rank has yet to
-// write (that rank would then fail with "No such file or directory" instead of the first rank's error),
-// and a file another rank could not remove (it was killed) stays in a marked folder, which the next save
-// proves its own and clears. The leader gives the others a moment to remove theirs after the abort.
+// After a failed save: each rank removes the files it wrote, if it still runs: a transport stops a
+// process whose peer aborted (shm's and gloo's watchdogs _Exit it), often before it gets here. So the
+// leader gives the others a moment (2 s) to remove theirs, so that the folder cannot vanish while another
+// rank has yet to write (that rank would then fail with "No such file or directory" instead of the first
+// rank's error); then it removes what is left of what a save writes (layer files, manifest, their .tmp
+// forms: the folder is marked ours, so only those names can be a save's), the marker and the folder. A
+// folder that then still holds something else stays, marked; the next save proves it its own and clears
+// it. Where the leader itself is stopped first (another rank failed), the marked folder stays for the
+// next save likewise; DIR, the previous checkpoint, is untouched either way.
 void remove_partial_share(const fs::path& partial, const std::vector<fs::path>& written, bool leader) {
   std::error_code ec;
   for (const auto& f : written) {
@@ -342,6 +347,9 @@ void remove_partial_share(const fs::path& partial, const std::vector<fs::path>& 
     return left.empty() || (left.size() == 1 && left[0] == kPartialMarker);
   };
   for (int waited_ms = 0; waited_ms < 2000 && !only_marker_left(); waited_ms += 10) ::usleep(10 * 1000);
+  if (!only_marker_left() && foreign_in_partial(partial).empty())  // the stopped ranks' files
+    for (const std::string& n : names_in(partial))
+      if (n != kPartialMarker) fs::remove(partial / n, ec);
   if (only_marker_left()) {
     fs::remove(partial / kPartialMarker, ec);
     ::rmdir(partial.c_str());
@@ -349,12 +357,41 @@ void remove_partial_share(const fs::path& partial, const std::vector<fs::path>& 
 }
 
 enum class Recover { No, Yes };
+
+// Why DIR itself may not be replaced by a save (empty when it may): a symbolic link, a file, or a folder
+// holding anything that is not a checkpoint's (see above). `current` is DIR's manifest, if any.
+std::string target_blocker(const fs::path& final_dir, const std::optional<FoundManifest>& current,
+                           const std::string& flag) {
+  std::error_code ec;
+  const std::string d = final_dir.string();
+  if (fs::is_symlink(final_dir, ec))
+    return flag + " " + d + " is a symbolic link: name the real folder (a save replaces the folder, which would "
+           "replace the link)";
+  if (fs::exists(final_dir, ec) && !fs::is_directory(final_dir, ec))
+    return flag + " " + d + " is a file, not a folder: name a folder (it is created)";
+  if (fs::is_directory(final_dir, ec) && !is_empty_dir(final_dir)) {
+    if (!current)
+      return flag + " " + d + " is a folder that is not a pipetrain checkpoint (no pipetrain manifest.json) and is "
+             "not empty (it holds " + name_list(names_in(final_dir)) + "); a save replaces the whole folder: name a "
+             "new or empty folder, or an existing checkpoint";
+    const std::vector<std::string> foreign = foreign_in_checkpoint(final_dir, current->json);
+    if (!foreign.empty())
+      return flag + " " + d + " is a pipetrain checkpoint that also holds " + name_list(foreign) +
+             ", which the checkpoint does not list; a save replaces the whole folder: move " +
+             (foreign.size() == 1 ? "it" : "them") + " out of " + d + ", or save elsewhere";
+  }
+  return std::string();
+}
+
 // The checks that keep a save from touching what is not ours (see above). With Recover::Yes (the
 // leader, at save time) it also clears what it proved ours: a failed save's marked DIR.partial, the
 // previous checkpoint a stop left in DIR.partial or DIR.old, and finishes a two-rename swap that a stop
 // interrupted (no DIR, a complete DIR.partial that replaced DIR.old).
-void check_save_target(const fs::path& final_dir, const fs::path& partial, const fs::path& old,
-                       const std::string& flag, Recover recover) {
+// Returns why DIR itself may not be replaced (target_blocker; empty when it may): Recover::No throws it
+// as a UsageError; Recover::Yes returns it, so that the save can still keep the new checkpoint elsewhere
+// (a file that appeared in DIR during the run must not cost the run its training).
+std::string check_save_target(const fs::path& final_dir, const fs::path& partial, const fs::path& old,
+                              const std::string& flag, Recover recover) {
   std::error_code ec;
   const std::string d = final_dir.string();
   // A stop between the fallback's two renames: no DIR, the new checkpoint complete in DIR.partial
@@ -364,29 +401,15 @@ void check_save_target(const fs::path& final_dir, const fs::path& partial, const
     const std::optional<FoundManifest> newer = find_manifest(partial), older = find_manifest(old);
     if (replaced(newer, older) && foreign_in_checkpoint(partial, newer->json).empty() &&
         foreign_in_checkpoint(old, older->json).empty()) {
-      if (recover == Recover::No) return;  // provably ours; the save finishes it
+      if (recover == Recover::No) return std::string();  // provably ours; the save finishes it
       fs::rename(partial, final_dir);
       fsync_dir(final_dir.parent_path());
       remove_checkpoint(old, older->json);
     }
   }
-  if (fs::is_symlink(final_dir, ec))
-    throw UsageError(flag + " " + d + " is a symbolic link: name the real folder (a save replaces the folder, which "
-                     "would replace the link)");
-  if (fs::exists(final_dir, ec) && !fs::is_directory(final_dir, ec))
-    throw UsageError(flag + " " + d + " is a file, not a folder: name a folder (it is created)");
   const std::optional<FoundManifest> current = find_manifest(final_dir);
-  if (fs::is_directory(final_dir, ec) && !is_empty_dir(final_dir)) {
-    if (!current)
-      throw UsageError(flag + " " + d + " is a folder that is not a pipetrain checkpoint (no pipetrain manifest.json) "
-                       "and is not empty; a save replaces the whole folder: name a new or empty folder, or an "
-                       "existing checkpoint");
-    const std::vector<std::string> foreign = foreign_in_checkpoint(final_dir, current->json);
-    if (!foreign.empty())
-      throw UsageError(flag + " " + d + " is a pipetrain checkpoint that also holds " + name_list(foreign) +
-                       ", which the checkpoint does not list; a save replaces the whole folder: move " +
-                       (foreign.size() == 1 ? "it" : "them") + " out of " + d + ", or save elsewhere");
-  }
+  const std::string blocker = target_blocker(final_dir, current, flag);
+  if (!blocker.empty() && recover == Recover::No) throw UsageError(blocker);
   if (fs::exists(fs::symlink_status(partial, ec))) {
     const std::optional<FoundManifest> left = find_manifest(partial);
     const bool marked = fs::is_regular_file(fs::symlink_status(partial / kPartialMarker, ec));
@@ -425,6 +448,7 @@ void check_save_target(const fs::path& final_dir, const fs::path& partial, const
         foreign_in_checkpoint(old, previous->json).empty())
       remove_checkpoint(old, previous->json);  // the fallback's leftover: DIR replaced it
   }
+  return blocker;
 }
 
 // The checkpoint in DIR.partial (complete, manifest written) takes DIR's place, and only then is the
@@ -461,6 +485,30 @@ void swap_in(const fs::path& partial, const fs::path& final_dir, const fs::path&
   else ::rmdir(old.c_str());
 }
 
+// A complete, unmarked DIR.partial that may not replace DIR: renamed to DIR.step-N (or DIR.step-N-2 ...,
+// never over an existing name), so that the next save's DIR.partial does not meet it; where no such name
+// is free (or the rename fails) it stays in DIR.partial. Returns where it is.
+fs::path keep_aside(const fs::path& partial, const std::string& dir, int step) {
+  for (int k = 1; k <= 9; ++k) {
+    const fs::path to(dir + ".step-" + std::to_string(step) + (k > 1 ? "-" + std::to_string(k) : ""));
+    if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) {
+      try {
+        fsync_dir(to.parent_path());
+      } catch (const std::exception&) {
+      }
+      return to;
+    }
+    if (errno == EEXIST) continue;
+    if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) {  // no RENAME_NOREPLACE: check, then rename
+      std::error_code ec;
+      if (fs::exists(fs::symlink_status(to, ec))) continue;
+      if (::rename(partial.c_str(), to.c_str()) == 0) return to;
+    }
+    break;
+  }
+  return partial;
+}
+
 std::string kind_of(const nlohmann::json& j) { return j.is_null() ? "absent" : short_json(j); }
 
 void diff(const nlohmann::json& a, const nlohmann::json& b, const std::string& path, std::vector<std::string>& out) {
@@ -488,10 +536,124 @@ std::vector<std::string> run_differences(const nlohmann::json& saved, const nloh
   return out;
 }
 
+namespace {
+
+constexpr const char* kLockHeader = "pipetrain run lock";
+
+// The lock file's text (at most 512 bytes): what its holder wrote, for the other run's message.
+std::string read_lock_text(int fd) {
+  char buf[512] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+}
+
+// "pid 123 on host" from a holder's text; "another process" when it wrote none (yet).
+std::string holder_of(const std::string& text) {
+  const std::string head = std::string(kLockHeader) + ": ";
+  if (text.rfind(head, 0) != 0) return "another process";
+  std::string who = text.substr(head.size());
+  while (!who.empty() && (who.back() == '\n' || who.back() == '\r')) who.pop_back();
+  for (char& c : who)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  return who.empty() ? "another process" : who.substr(0, 200);
+}
+
+UsageError locked_error(const std::string& flag, const std::string& dir, const std::string& path,
+                        const std::string& text) {
+  return UsageError(flag + " " + dir + ": another run is saving to " + dir + " (" + holder_of(text) +
+                    " holds its lock " + path + "): wait for that run to end or stop it, or save elsewhere");
+}
+
+UsageError foreign_lock_error(const std::string& flag, const std::string& dir, const std::string& path) {
+  return UsageError(flag + " " + dir + ": " + path + " exists and was not written by pipetrain (a run saving to " +
+                    dir + " locks that file): move it away, or save elsewhere");
+}
+
+std::string host_name() {
+  char h[256] = {};
+  if (::gethostname(h, sizeof h - 1) != 0) return "this host";
+  return h;
+}
+
+}  // namespace
+
+CheckpointDirLock::CheckpointDirLock(const std::string& dir_text, const std::string& flag) {
+  const std::string dir = normalised_dir(dir_text, flag);
+  path_ = dir + ".pipetrain-lock";
+  std::error_code ec;
+  fs::create_directories(fs::absolute(fs::path(dir)).parent_path(), ec);
+  // Lock, then check that the name still refers to the locked file: a holder removes the file while it
+  // holds the lock, so a lock taken on a removed file is retried on the new one.
+  for (int attempt = 0;; ++attempt) {
+    const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0644);
+    if (fd < 0) {
+      const int err = errno;
+      throw UsageError(flag + " " + dir + ": cannot create its lock file " + path_ + " (" + errno_text(err) +
+                       (err == ELOOP ? ": a symbolic link" : "") + "): pick a writable place");
+    }
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw foreign_lock_error(flag, dir, path_);
+    }
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      const std::string text = read_lock_text(fd);
+      ::close(fd);
+      if (err == EWOULDBLOCK) throw locked_error(flag, dir, path_, text);
+      throw UsageError(flag + " " + dir + ": cannot lock " + path_ + " (" + errno_text(err) + "): this file system "
+                       "has no flock; save to a local folder");
+    }
+    struct stat now {};
+    if (::stat(path_.c_str(), &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino) {
+      const std::string text = read_lock_text(fd);
+      if (!text.empty() && text.rfind(kLockHeader, 0) != 0) {  // a user's file of that name: not ours to write
+        ::close(fd);
+        throw foreign_lock_error(flag, dir, path_);
+      }
+      const std::string mine = std::string(kLockHeader) + ": pid " + std::to_string(::getpid()) + " on " + host_name() + "\n";
+      if (::ftruncate(fd, 0) == 0 && ::pwrite(fd, mine.data(), mine.size(), 0) < 0) {
+        // The text is only for messages: the flock is the lock.
+      }
+      fd_ = fd;
+      return;
+    }
+    ::close(fd);
+    if (attempt >= 100)
+      throw UsageError(flag + " " + dir + ": cannot lock " + path_ + ": it keeps being replaced (another run is "
+                       "starting or ending there?): try again, or save elsewhere");
+  }
+}
+
+CheckpointDirLock::~CheckpointDirLock() {
+  if (fd_ < 0) return;
+  // Removed while held (the constructor's check makes a waiting taker retry on a new file), then released.
+  struct stat st {}, now {};
+  if (::fstat(fd_, &st) == 0 && ::stat(path_.c_str(), &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino)
+    ::unlink(path_.c_str());
+  ::close(fd_);
+}
+
+void check_checkpoint_dir_unlocked(const std::string& dir_text, const std::string& flag) {
+  const std::string dir = normalised_dir(dir_text, flag);
+  const std::string path = dir + ".pipetrain-lock";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return;  // no lock file (or not ours to open): CheckpointDirLock says more when it is taken
+  if (::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    const std::string text = read_lock_text(fd);
+    ::close(fd);
+    throw locked_error(flag, dir, path, text);
+  }
+  ::close(fd);
+}
+
 std::string prepare_checkpoint_dir(const std::string& dir_text, const std::string& flag) {
   const std::string dir = normalised_dir(dir_text, flag);
   const fs::path final_dir(dir), partial(dir + ".partial"), old(dir + ".old");
   check_save_target(final_dir, partial, old, flag, Recover::No);
+  // The ranks a launcher started run this too, while their rank 0 may hold the lock already: only a
+  // process that no launcher started probes (the run's rank 0 refuses a held lock when it takes it).
+  if (!std::getenv("RANK") && !std::getenv("OMPI_COMM_WORLD_RANK")) check_checkpoint_dir_unlocked(dir, flag);
   const fs::path parent = fs::absolute(final_dir).parent_path();
   std::error_code ec;
   fs::create_directories(parent, ec);
@@ -516,6 +678,7 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
   const bool leader = transport.rank() == 0;
   std::string dir;
   MarkerLock lock;  // the leader's, from the marker's creation until the swap
+  std::string blocked;  // the leader's: why DIR may not be replaced (empty: it may)
   std::optional<FoundManifest> previous;
   // Rank 0 prepares the folder; the others wait for it (and learn of its failure through the abort).
   if (leader) {
@@ -529,8 +692,10 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
                          "): store byte strings as arrays of numbers");
       }
       const fs::path final_dir(dir), partial(dir + ".partial"), old(dir + ".old");
-      check_save_target(final_dir, partial, old, "checkpoint folder", Recover::Yes);
-      previous = find_manifest(final_dir);
+      blocked = check_save_target(final_dir, partial, old, "checkpoint folder", Recover::Yes);
+      // DIR cannot be replaced (a file appeared in it during the run): the save still writes the whole
+      // checkpoint, then keeps it beside DIR (keep_aside) instead of losing the run's training.
+      if (blocked.empty()) previous = find_manifest(final_dir);
       // mkdir, not create_directories: a folder that appeared since the check (another run's save) is
       // not ours to write into.
       if (::mkdir(partial.c_str(), 0755) != 0) {
@@ -615,6 +780,16 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
         write_durable(written.back(), text.data(), text.size());
         fs::remove(partial / kPartialMarker);
         fsync_dir(partial);
+        // Checked again at the swap: a file may have appeared in DIR while the layers were written.
+        if (blocked.empty()) blocked = target_blocker(final_dir, find_manifest(final_dir), "checkpoint folder");
+        if (!blocked.empty()) {
+          const fs::path kept = keep_aside(partial, dir, rank.step());
+          swapped = true;  // complete and unmarked: none of it is removed
+          throw UsageError(
+              "the checkpoint at step " + std::to_string(rank.step()) + " is complete in " + kept.string() +
+              " but did not replace " + dir + ": " + blocked + ". Nothing was deleted; continue from it with --resume " +
+              kept.string());
+        }
         swap_in(partial, final_dir, old, previous);
         swapped = true;
       } catch (const std::exception& e) {

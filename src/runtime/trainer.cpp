@@ -102,8 +102,19 @@ Trainer::Trainer(PipelineRank& rank, std::shared_ptr<Transport> world, std::shar
 
 void Trainer::prepare() {
   if (prepared_) return;
+  // Rank 0 leads the saves: it holds the save folder's run lock for the whole run, so a second run saving
+  // there is refused now, before it trains (every rank learns of it in the collective below).
+  std::string lock_error;
+  if (!o_.save_dir.empty() && world_->rank() == 0 && !save_lock_) {
+    try {
+      save_lock_ = std::make_shared<CheckpointDirLock>(o_.save_dir);
+    } catch (const UsageError& e) {
+      lock_error = e.what();
+    }
+  }
   // Rank 0 holds stage 0, so it has the data; it tells the others the sizes of the splits.
-  torch::Tensor sizes = torch::zeros({2}, torch::kDouble);
+  torch::Tensor sizes = torch::zeros({3}, torch::kDouble);
+  sizes[2] = lock_error.empty() ? 0.0 : 1.0;
   if (world_->rank() == 0) {
     sizes[0] = static_cast<double>(data_->train_size);
     sizes[1] = static_cast<double>(data_->eval_batch ? data_->eval_size : 0);
@@ -111,6 +122,13 @@ void Trainer::prepare() {
   world_->all_reduce_sum(sizes);
   train_size_ = static_cast<int64_t>(sizes[0].item<double>());
   eval_size_ = static_cast<int64_t>(sizes[1].item<double>());
+  if (sizes[2].item<double>() > 0) {
+    if (!lock_error.empty()) throw UsageError(lock_error);
+    // The other ranks name the other run too where they see the lock file (one host, a shared mount).
+    check_checkpoint_dir_unlocked(o_.save_dir);
+    throw UsageError("checkpoint folder " + o_.save_dir + ": rank 0 could not lock it (another run is saving there; "
+                     "rank 0 names it)");
+  }
   total_ = o_.steps;
   if (total_ == 0) {
     if (!(o_.epochs > 0)) throw UsageError("give the run's steps (--steps), or its epochs (--epochs, a positive number)");
@@ -307,6 +325,10 @@ TrainResult Trainer::run() {
         save(step + 1, r);
     }
   }
+  // A stop asked for during the last call is reported too (an asynchronous call may hold all the run's
+  // steps, so the vote before each call never saw it): the run says it was stopped, after the end's
+  // checkpoint. One more collective, after the last step: the steps and their losses are unchanged.
+  if (const int code = agreed_stop(*world_, o_.stop_requested ? o_.stop_requested() : 0)) r.stopped_by = code;
   return r;
 }
 

@@ -283,8 +283,13 @@ TEST(Checkpoint, SaveRefusesWhatIsNotOurs) {
     ranks.train(1);
     return error_of([&] { ranks.save(where.string()); });
   };
+  // The save is not put in its place, but the run's training is not lost: it is kept beside it.
   std::string err = refused_save(dir);
   EXPECT_NE(err.find("is a folder that is not a pipetrain checkpoint"), std::string::npos) << err;
+  EXPECT_NE(err.find("thesis.txt"), std::string::npos) << err;
+  EXPECT_NE(err.find("complete in " + dir.string() + ".step-1"), std::string::npos) << err;
+  EXPECT_EQ(read_checkpoint(dir.string() + ".step-1").at("step"), 1);
+  fs::remove_all(dir.string() + ".step-1");
   EXPECT_NE(error_of([&] { prepare_checkpoint_dir(dir.string()); }).find("not a pipetrain checkpoint"), std::string::npos);
   std::ifstream in(dir / "thesis.txt");
   std::string text;
@@ -428,6 +433,10 @@ TEST(Checkpoint, SaveRefusesACheckpointFolderHoldingOtherFiles) {
   EXPECT_TRUE(fs::exists(dir / "results" / "r.txt"));
   EXPECT_EQ(read_checkpoint(dir.string()).at("step"), 1);
   EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
+  // The new checkpoint (step 2) is kept beside DIR, complete, and named in the error.
+  EXPECT_NE(err.find("complete in " + dir.string() + ".step-2"), std::string::npos) << err;
+  EXPECT_EQ(read_checkpoint(dir.string() + ".step-2").at("step"), 2);
+  fs::remove_all(dir.string() + ".step-2");
   fs::remove_all(dir);
 }
 

@@ -8,7 +8,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
 #include <filesystem>
 #include <mutex>
 #include <set>
@@ -360,4 +366,222 @@ TEST(Trainer, TwoCopiesOfAPipelineTrainOnTheirHalvesOfEachBatch) {
     for (std::size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(torch::equal(a[k], b[k])) << "stage " << stage << " tensor " << k;
   }
   for (const auto& r : results) EXPECT_EQ(r.reached, 3);
+}
+
+namespace {
+
+// The message of what `f` throws ("" when it does not throw).
+template <class F>
+std::string thrown(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void write_text(const fs::path& p, const std::string& text) {
+  std::FILE* f = std::fopen(p.c_str(), "w");
+  ASSERT_NE(f, nullptr) << p;
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+}
+
+void remove_with_siblings(const fs::path& dir) {
+  for (const char* tail : {"", ".partial", ".old", ".pipetrain-lock", ".step-4", ".step-6", ".step-6-2"})
+    fs::remove_all(dir.string() + tail);
+}
+
+}  // namespace
+
+// A file that appears in the --save folder during the run (a log written there, a user's notes): the
+// save cannot replace the folder (it never deletes what it did not write), but the run's training is
+// not lost: the complete checkpoint is kept as DIR.step-N, the error names it and the file, and a run
+// resumes from it.
+TEST(Trainer, AFileThatAppearsInTheSaveFolderDoesNotLoseTheCheckpoint) {
+  const fs::path dir = fresh_dir("foreign");
+  remove_with_siblings(dir);
+  TrainerOptions to;
+  to.steps = 4;
+  to.batch_size = kBatch;
+  to.eval_every = 0;
+  to.save_dir = dir.string();
+  to.run_description = [](int steps) { return nlohmann::json{{"test", "trainer"}, {"steps", steps}}; };
+  auto transports = make_local_transports(2);
+  auto model = make_model();
+  const TrainData d = data();
+  const std::string error = thrown([&] {
+    run_on_threads(
+        2,
+        [&](int r) {
+          PipelineRank rank(model, ce, transports[static_cast<std::size_t>(r)], options());
+          TrainerCallbacks cb;
+          if (r == 0)
+            cb.on_step = [&](const StepRecord& s) {
+              if (s.step == 2) {  // during the run, before the end's save
+                fs::create_directories(dir);
+                write_text(dir / "train.jsonl", "{}\n");
+              }
+            };
+          auto t = transports[static_cast<std::size_t>(r)];
+          Trainer(rank, t, t, &d, to, cb).run();
+        },
+        [&](int r) { transports[static_cast<std::size_t>(r)]->abort("rank " + std::to_string(r) + " failed"); });
+  });
+  const fs::path kept = dir.string() + ".step-4";
+  EXPECT_NE(error.find(kept.string()), std::string::npos) << error;
+  EXPECT_NE(error.find("train.jsonl"), std::string::npos) << error;
+  EXPECT_NE(error.find("--resume " + kept.string()), std::string::npos) << error;
+  EXPECT_EQ(read_checkpoint(kept.string()).at("step").get<int>(), 4);
+  EXPECT_TRUE(fs::exists(dir / "train.jsonl"));  // untouched
+  EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
+
+  TrainerOptions more = to;
+  more.steps = 6;
+  more.resume_dir = kept.string();
+  more.save_dir = kept.string();
+  const TrainerRun resumed = run_trainer(2, more);
+  EXPECT_EQ(resumed.result.start, 4);
+  EXPECT_EQ(read_checkpoint(kept.string()).at("step").get<int>(), 6);
+  remove_with_siblings(dir);
+}
+
+// The same when the save folder is a checkpoint (a resumed run saving over it) and a user's file
+// appears in it: the old checkpoint and the file stay as they were, the new one is kept beside it (under
+// the next free name when DIR.step-N is taken).
+TEST(Trainer, ANoteAddedToTheCheckpointFolderKeepsBothCheckpoints) {
+  const fs::path dir = fresh_dir("notes");
+  remove_with_siblings(dir);
+  TrainerOptions to;
+  to.steps = 4;
+  to.batch_size = kBatch;
+  to.eval_every = 0;
+  to.save_dir = dir.string();
+  to.run_description = [](int steps) { return nlohmann::json{{"test", "trainer"}, {"steps", steps}}; };
+  run_trainer(2, to);
+  write_text(dir / "notes.txt", "mine\n");
+  fs::create_directories(dir.string() + ".step-6");  // taken: the next free name is used
+  TrainerOptions more = to;
+  more.steps = 6;
+  more.resume_dir = dir.string();
+  const std::string error = thrown([&] { run_trainer(2, more); });
+  const fs::path kept = dir.string() + ".step-6-2";
+  EXPECT_NE(error.find(kept.string()), std::string::npos) << error;
+  EXPECT_NE(error.find("notes.txt"), std::string::npos) << error;
+  EXPECT_EQ(read_checkpoint(kept.string()).at("step").get<int>(), 6);
+  EXPECT_EQ(read_checkpoint(dir.string()).at("step").get<int>(), 4);
+  EXPECT_TRUE(fs::exists(dir / "notes.txt"));
+  EXPECT_TRUE(fs::is_empty(dir.string() + ".step-6"));
+  remove_with_siblings(dir);
+}
+
+// A run holds its save folder's lock from prepare() to its end: a second run saving there is refused
+// before it trains, with the holder's pid; once the holder is gone (released, or killed: the kernel
+// drops an flock with its process) the folder is free again.
+TEST(CheckpointDirLock, ASecondHolderIsRefusedWithThePidAndAKilledHolderDoesNotBlock) {
+  const fs::path dir = fresh_dir("lock");
+  remove_with_siblings(dir);
+  {
+    CheckpointDirLock held(dir.string(), "--save");
+    const std::string error = thrown([&] { CheckpointDirLock again(dir.string(), "--save"); });
+    EXPECT_NE(error.find("another run is saving to " + dir.string()), std::string::npos) << error;
+    EXPECT_NE(error.find("pid " + std::to_string(::getpid())), std::string::npos) << error;
+    EXPECT_NE(thrown([&] { check_checkpoint_dir_unlocked(dir.string()); }), "");
+    EXPECT_NE(thrown([&] { prepare_checkpoint_dir(dir.string(), "--save"); }), "");
+  }
+  EXPECT_EQ(thrown([&] { CheckpointDirLock again(dir.string()); }), "");  // released
+  EXPECT_FALSE(fs::exists(dir.string() + ".pipetrain-lock"));              // and removed
+
+  // A holder killed with SIGKILL: its lock file stays, its lock does not.
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      CheckpointDirLock held(dir.string());
+      (void)!::write(ready[1], "x", 1);
+      for (;;) ::pause();
+    } catch (...) {
+    }
+    ::_exit(3);
+  }
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  const std::string error = thrown([&] { CheckpointDirLock again(dir.string()); });
+  EXPECT_NE(error.find("pid " + std::to_string(child)), std::string::npos) << error;
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ::close(ready[0]);
+  ::close(ready[1]);
+  EXPECT_TRUE(fs::exists(dir.string() + ".pipetrain-lock"));  // stale
+  EXPECT_EQ(thrown([&] { CheckpointDirLock again(dir.string()); }), "");
+
+  // A user's own file of that name is neither written nor taken.
+  write_text(dir.string() + ".pipetrain-lock", "my notes\n");
+  EXPECT_NE(thrown([&] { CheckpointDirLock again(dir.string()); }).find("not written by pipetrain"), std::string::npos);
+  std::ifstream in(dir.string() + ".pipetrain-lock");
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "my notes");
+  remove_with_siblings(dir);
+}
+
+TEST(Trainer, ASecondRunSavingToTheSameFolderIsRefusedBeforeItTrains) {
+  const fs::path dir = fresh_dir("second");
+  remove_with_siblings(dir);
+  CheckpointDirLock other(dir.string());  // "the first run"
+  TrainerOptions to;
+  to.steps = 4;
+  to.batch_size = kBatch;
+  to.eval_every = 0;
+  to.save_dir = dir.string();
+  std::atomic<int> steps{0};
+  const std::string error = thrown([&] {
+    auto transports = make_local_transports(2);
+    auto model = make_model();
+    const TrainData d = data();
+    run_on_threads(2, [&](int r) {
+      PipelineRank rank(model, ce, transports[static_cast<std::size_t>(r)], options());
+      TrainerCallbacks cb;
+      cb.on_step = [&](const StepRecord&) { ++steps; };
+      auto t = transports[static_cast<std::size_t>(r)];
+      Trainer(rank, t, t, &d, to, cb).run();
+    });
+  });
+  EXPECT_NE(error.find("another run is saving to " + dir.string()), std::string::npos) << error;
+  EXPECT_NE(error.find("pid " + std::to_string(::getpid())), std::string::npos) << error;
+  EXPECT_EQ(steps.load(), 0);
+  EXPECT_FALSE(fs::exists(dir));
+  remove_with_siblings(dir);
+}
+
+// A stop asked for during an asynchronous call that holds the rest of the run (the vote before each
+// call never sees it) is still reported: the run ends as stopped, after the end's checkpoint.
+TEST(Trainer, AStopDuringTheLastAsynchronousCallIsReported) {
+  const fs::path dir = fresh_dir("async-stop");
+  remove_with_siblings(dir);
+  TrainerOptions to;
+  to.steps = 6;
+  to.batch_size = kBatch;
+  to.eval_every = 0;
+  to.save_dir = dir.string();
+  to.save_on_interrupt = true;
+  std::atomic<int> calls{0};
+  to.stop_requested = [&calls] { return calls.fetch_add(1) >= 2 ? 15 : 0; };  // after the call began
+  int total = 6;
+  const LrSchedule lr = to.lr;
+  PipelineOptions po = options("pipedream");
+  po.microbatches = 1;
+  const TrainerRun run = run_trainer(2, to, po, [&](int, PipelineOptions& o) {
+    o.learning_rate = [lr, &total](int k) { return lr.at(k, total); };
+  });
+  EXPECT_EQ(run.result.last.steps, 6);  // one call
+  EXPECT_EQ(run.result.stopped_by, 15);
+  EXPECT_EQ(run.all[1].stopped_by, 15);
+  EXPECT_EQ(run.result.reached, 6);
+  EXPECT_EQ(read_checkpoint(dir.string()).at("step").get<int>(), 6);
+  remove_with_siblings(dir);
 }

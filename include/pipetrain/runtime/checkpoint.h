@@ -24,11 +24,20 @@
 //    a copy of some checkpoint placed there is not ours;
 //  - DIR.old: only the checkpoint that DIR (or a complete DIR.partial, after a stop between the
 //    fallback's two renames: the save finishes that swap) replaced. A user's DIR.old is never touched.
-// A second run saving to the same DIR at the same time is told so (the marker's lock). "." and "..",
+// A DIR that stops being ours during the run (a user's notes.txt appears in it) is not replaced: the
+// save still writes the whole new checkpoint, keeps it as DIR.step-N (N its step; DIR.step-N-2 ... when
+// that name is taken, DIR.partial when none is free) and fails naming that folder and what is in DIR, so
+// the run's training is never lost (resume from DIR.step-N).
+// A run holds DIR's run lock (CheckpointDirLock: an flock on DIR.pipetrain-lock, released when the
+// process ends, however it ends: a killed run leaves the file, which blocks no one) from start-up to its end, so a second run saving to the same DIR is
+// refused at start-up, naming the other run's process; each save also holds the marker's lock. "." and "..",
 // symbolic links and files are refused. prepare_checkpoint_dir runs these checks (and creates the parent
 // folders, probing that DIR.partial can be made) before training, so a bad path is found before the first
-// step, not at the first save. A failed save (full disk, no permission) removes what it wrote and keeps
-// DIR. A tensor holding NaN or infinity is never saved (NonFiniteError: the run diverged).
+// step, not at the first save. A failed save (full disk, no permission) keeps DIR and removes what it
+// wrote: each rank its own files, and the leader, after giving them 2 s, what is left of the names a save
+// writes (a transport stops a rank whose peer failed: shm's and gloo's watchdogs _Exit it). When the
+// leader itself is stopped first, the marked DIR.partial stays, and the next save clears it. A tensor
+// holding NaN or infinity is never saved (NonFiniteError: the run diverged).
 //
 // Loading checks the manifest (JSON nested at most 64 deep; types and ranges of every field; each layer
 // file must be the plain name layer-NNNNN.pt inside DIR: no path, no "..", no symlink, a regular file)
@@ -52,9 +61,36 @@ namespace pipetrain {
 
 // Checks a checkpoint folder we will write later (see the file comment) and returns it normalised
 // (trailing slashes removed). Creates the parent folders; probes by creating and removing DIR.partial.
+// In a process that no launcher started (no RANK or OMPI_COMM_WORLD_RANK in the environment: the ranks
+// a launcher starts run it too, while their rank 0 may hold the lock already) it also refuses a DIR
+// whose run lock another run holds (check_checkpoint_dir_unlocked).
 // Throws UsageError naming `flag` (a command-line flag such as "--save", or by default the words
 // "checkpoint folder"), the path and the fix. Call it before training.
 std::string prepare_checkpoint_dir(const std::string& dir, const std::string& flag = "checkpoint folder");
+
+// The run-long lock on a checkpoint folder: one process of a run (the one that leads its saves: world
+// rank 0) holds it from start-up to the end, so that a second run saving to the same DIR is refused
+// before it trains. An exclusive flock on the file DIR.pipetrain-lock beside DIR (created; it holds the
+// holder's pid and host for the other run's message, and is removed on release). The kernel releases
+// the flock when the process ends, however (SIGKILL too): a stale file never blocks. Needs DIR's parent
+// folder on a file system with flock (a shared mount's flock must reach every host that runs a leader).
+class CheckpointDirLock {
+ public:
+  // Takes the lock, or throws UsageError naming `flag`, DIR and the other run (its pid and host).
+  explicit CheckpointDirLock(const std::string& dir, const std::string& flag = "checkpoint folder");
+  ~CheckpointDirLock();
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+// Throws the UsageError CheckpointDirLock would when another process holds DIR's run lock now; takes
+// nothing (a shared probe, released at once).
+void check_checkpoint_dir_unlocked(const std::string& dir, const std::string& flag = "checkpoint folder");
 
 // Collective: every rank of the pipeline calls it. `run` is stored as the manifest's "run" object (it
 // must be valid UTF-8 JSON: store byte strings as arrays of numbers). Refuses (UsageError, on every rank)

@@ -35,6 +35,8 @@ namespace pipetrain {
 // Learning rate of step k (0-based) of `total`: linear warm-up over warmup_steps(total) steps, then
 // constant, or a cosine or linear decay to a tenth of the peak at the last step. A pure function of k,
 // so a resumed run continues the same schedule.
+class CheckpointDirLock;  // checkpoint.h
+
 struct LrSchedule {
   double peak = 3e-3;
   std::string kind = "cosine";  // constant | cosine | linear
@@ -64,7 +66,9 @@ struct TrainerOptions {
   int eval_every = -1;           // steps between evaluations; -1: ten per run; 0: none
   int64_t eval_samples = 0;      // held-out samples per evaluation; 0: all
   int64_t eval_batch = 0;        // samples per evaluation call; 0: 4 x batch_size
-  std::string save_dir;          // checkpoints (checkpoint.h); empty: none
+  std::string save_dir;          // checkpoints (checkpoint.h); empty: none. World rank 0 holds its run
+                                 // lock (CheckpointDirLock) from prepare() until the Trainer is destroyed:
+                                 // prepare() refuses (UsageError, every rank) a folder another run saves to
   int save_every = 0;            // steps between checkpoints; 0: only at the end
   bool save_on_interrupt = false;  // a stop writes one more checkpoint at the step reached
   std::string resume_dir;        // continue from this checkpoint
@@ -75,8 +79,14 @@ struct TrainerOptions {
   bool stage_times = false;      // per step, each stage's busy time, the pipeline's span and each rank's
                                  // memory (one more all-reduce per call; StepRecord::busy_ms, pass_ms,
                                  // heap_growth_mib, device_peak_allocated_mib)
-  // Polled at the start of every call: a signal number (or any non-zero code) asks the run to stop.
-  // The ranks agree (one all-reduce), so they all stop after the same step.
+  // Polled at the start of every call and once after the last: a signal number (or any non-zero code)
+  // asks the run to stop. The ranks agree (one all-reduce), so they all stop after the same step. A call
+  // is not cut short: an asynchronous call (steps_per_call steps, up to kMaxStepsPerCall) finishes
+  // first, so a stop takes effect within one call's time (bound it with steps_per_call). Where the
+  // request came during the run's last call, the run still ends with stopped_by set (after the end's
+  // checkpoint). Call boundaries are never chosen by time: an asynchronous pipeline drains at each, so
+  // moving them changes the losses (a run cut into calls of 10 steps differs from one call of 40 from
+  // step 11 on).
   std::function<int()> stop_requested;
 };
 
@@ -177,6 +187,7 @@ class Trainer {
   bool prepared_ = false;
   int total_ = 0, start_ = 0;
   int64_t train_size_ = 0, eval_size_ = 0;
+  std::shared_ptr<CheckpointDirLock> save_lock_;  // world rank 0's, with a save_dir
 };
 
 // Samples `n` tokens from a language model one at a time: the first stage's rank gives `context`
