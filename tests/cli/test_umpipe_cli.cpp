@@ -82,12 +82,13 @@ TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_FALSE(r.has("UMPIPE:")) << r.out;
 
-  // Refusals, before any rank starts.
+  // Refusals of a planner's partitions, before any rank starts (named: the default may be the straight
+  // pipeline, which these flags do not contradict).
   for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
-           {" --batch-size 12", "cuts mini-batches of 16 samples (its UMPIPE partitions) but --batch-size is 12"},
-           {" --batch-size 16 --schedule 1f1b", "not --schedule 1f1b"},
+           {" --umpipe dgap --batch-size 12", "cuts mini-batches of 16 samples (its UMPIPE partitions) but --batch-size is 12"},
+           {" --umpipe dgap --batch-size 16 --schedule 1f1b", "not --schedule 1f1b"},
            {" --batch-size 16 --umpipe best", "unknown --umpipe 'best'"},
-           {" --batch-size 16 --balance " + other, "planned for balance " + balance + ", not --balance " + other},
+           {" --umpipe dgap --batch-size 16 --balance " + other, "planned for balance " + balance + ", not --balance " + other},
        }) {
     r = run_pipetrain("train --transport local --plan " + plan + kModel + args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.out;

@@ -23,4 +23,15 @@ run my_trainer
 run tied_transformer
 run skips_zbv
 run two_inputs
+# A planning-only project: find_package(pipetrain COMPONENTS core) with LibTorch and MPI out of reach.
+mkdir -p "$work/core"
+printf '%s\n' 'cmake_minimum_required(VERSION 3.25)' 'project(core_only LANGUAGES CXX)' \
+  'set(CMAKE_CXX_STANDARD 17)' 'find_package(pipetrain REQUIRED COMPONENTS core)' \
+  "add_executable(compare_schedules \"$examples/compare_schedules.cpp\")" \
+  'target_link_libraries(compare_schedules PRIVATE pipetrain::core)' >"$work/core/CMakeLists.txt"
+cmake -S "$work/core" -B "$work/core/build" -DCMAKE_PREFIX_PATH="$work/prefix" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON >/dev/null
+cmake --build "$work/core/build" -j2
+echo "== compare_schedules (core only, no LibTorch found)"
+"$work/core/build/compare_schedules" >/dev/null || { echo "core-only compare_schedules failed" >&2; exit 1; }
 echo "examples built against the installed package and ran"
