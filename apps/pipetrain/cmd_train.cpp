@@ -277,7 +277,10 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
     if (leader) {
       const std::string name = sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "signal " + std::to_string(sig);
       out.progress->note(fmt::format("stopped by {} after step {} of {}", name, r.reached, r.total));
-      if (!f.save.empty() && r.last_saved > 0)
+      if (!f.save.empty() && r.last_saved > 0 && r.last_saved >= r.total)
+        std::cout << "the run is complete: the checkpoint in " << f.save << " is at its last step, " << r.last_saved
+                  << "\n" << std::flush;
+      else if (!f.save.empty() && r.last_saved > 0)
         std::cout << "the checkpoint in " << f.save << " is at step " << r.last_saved << "; continue with --resume "
                   << f.save << "\n" << std::flush;
     }

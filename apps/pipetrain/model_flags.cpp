@@ -249,7 +249,16 @@ std::unique_ptr<zoo::Dataset> ModelFlags::dataset() const {
     if (model == "mlp") return zoo::make_synthetic_classes(64, mlp.classes, seed + 1);
     throw UsageError("--data synthetic is for the gpt and the mlp: use --data fashion-mnist with --model " + model);
   }
-  if (data == "fashion-mnist") return zoo::make_fashion_mnist(data_dir, seed + 1);
+  if (data == "fashion-mnist") {
+    auto d = zoo::make_fashion_mnist(data_dir, seed + 1);
+    // The zoo's image models take 28 x 28 (a 32 x 32 file failed in the first forward, naming a matmul).
+    const auto sizes = d->eval_batch(0, 1).input.sizes();
+    if (sizes.size() != 4 || sizes[2] != 28 || sizes[3] != 28)
+      throw UsageError("--data-dir " + data_dir + " holds images of " + std::to_string(sizes.back()) + " x " +
+                       std::to_string(sizes[sizes.size() - 2]) + " pixels, and Fashion-MNIST's (what --model " + model +
+                       " takes) are 28 x 28: give the folder of Fashion-MNIST's four IDX files");
+    return d;
+  }
   if (!text_) throw std::logic_error("ModelFlags::prepare() was not called");
   if (gpt.variable_length) return zoo::make_text_lines(*text_, data == "kjv" ? "kjv" : text_file, gpt.seq_len, seed + 1);
   return zoo::make_text(*text_, data == "kjv" ? "kjv" : text_file, gpt.seq_len, seed + 1);

@@ -151,11 +151,6 @@ Split load_split(const std::string& dir, const std::string& prefix) {
   } catch (const UsageError& e) {
     throw UsageError(std::string(e.what()) + " (Fashion-MNIST: " + kInstallFix + ")");
   }
-  // The models' first layers take 28 x 28 (a 32 x 32 file failed in the first forward, naming a matmul).
-  if (s.images.size(1) != 28 || s.images.size(2) != 28)
-    throw UsageError(images_path + " holds " + std::to_string(s.images.size(1)) + " x " +
-                     std::to_string(s.images.size(2)) + " images, and Fashion-MNIST's are 28 x 28: the file is not "
-                     "Fashion-MNIST; " + kInstallFix);
   if (s.images.size(0) != s.labels.size(0))
     throw UsageError(images_path + " holds " + std::to_string(s.images.size(0)) + " images but " + labels_path +
                      " holds " + std::to_string(s.labels.size(0)) + " labels: the files do not belong together; " +

@@ -198,7 +198,7 @@ TEST(PlanRunCli, PipeDreamsPlanTimesCopiesRuns) {
   ASSERT_EQ(j.at("replication"), nlohmann::json::array({4, 2})) << j.dump(1);
   EXPECT_EQ(j.at("microbatches").get<int>() % 4, 0) << j.dump(1);
   std::tie(j, t) = round_trip(dir, write_profile(dir, 1, 4e6, {0.05, 1, 1, 1, 1, 0.05}, 256),
-                              "--ranks 6 --batch-size 16 --bandwidth 1 --schedules interleaved");
+                              "--ranks 6 --batch-size 16 --bandwidth 1 --schedules 1f1b --microbatch-counts 8");
   ASSERT_EQ(j.at("replication"), nlohmann::json::array({2, 2, 2})) << j.dump(1);
   EXPECT_EQ(j.at("schedule"), "1f1b") << j.dump(1);
   EXPECT_TRUE(t.has("3 stages x 2 replicas")) << t.out;

@@ -107,10 +107,18 @@ TEST(UmpipeCli, PlansWithoutRematerialisationOrPartitionsAreRefused) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("planned without re-materialisation")) << r.out;
   EXPECT_EQ(read_json_file(dir / "study.json")["umpipe"].at("rematerialise"), false);
-  r = run_pipetrain("train --transport local --plan " + (dir / "study.json").string() + kModel + " --batch-size 16");
+  // Its partitions, named, are refused; by default the file runs its straight pipeline (the fastest it
+  // offers that the runtime can run).
+  EXPECT_EQ(read_json_file(dir / "study.json")["umpipe"].at("fastest"), "off");
+  r = run_pipetrain("train --transport local --plan " + (dir / "study.json").string() + kModel +
+                    " --batch-size 16 --umpipe dgap");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("planned without re-materialisation")) << r.out;
   EXPECT_TRUE(r.has("--umpipe off")) << r.out;
+  r = run_pipetrain("train --transport local --plan " + (dir / "study.json").string() + kModel +
+                    " --batch-size 16 --steps 1");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_FALSE(r.has("UMPIPE:")) << r.out;
 
   r = run_pipetrain("plan --profile " + profile + " --ranks 2 --batch-size 16 --out " + (dir / "plain.json").string());
   ASSERT_EQ(r.code, 0) << r.out;

@@ -244,7 +244,7 @@ class Planning(unittest.TestCase):
         # VGG-16's cuts carry very different activations: each boundary gets its own transfer time, the
         # largest is `comm`, and a CostModel built with them simulates the same as the one stage_costs gave.
         path = os.path.join(DATA, "pipedream", "vgg16-graph.txt")
-        c = pipetrain.stage_costs(path, [5, 7, 7, 20], bandwidth=1.25, latency=0)
+        c = pipetrain.stage_costs(path, [3, 9, 12, 15], bandwidth=1.25, latency=0)
         self.assertEqual(len(c.boundary_comm), 3)
         self.assertAlmostEqual(max(c.boundary_comm), c.comm)
         self.assertGreater(max(c.boundary_comm), 2 * min(c.boundary_comm))
