@@ -508,27 +508,8 @@ TEST(PlanHybrid, ChosenIsTheBestEligibleRowInEveryMode) {
 // parallelism are faster than every straight one. The chosen row is the fastest straight pipeline (what
 // UMPIPE cuts, and what train --plan runs from the file), the faster rows are marked, not chosen.
 TEST(PlanHybrid, UmpipeChoosesTheBestStraightPipelineAndMarksTheRest) {
-  const Profile prof = profile_from_json_text(R"({"format": "pipetrain-profile", "version": 3, "model": "toy",
-    "micro_batch_size": 8, "threads": 1, "source": "hand", "layers": [
-    {"name": "0:Embedding", "type": "Embedding", "forward_ms": 0.184, "backward_ms": 0.224, "input_grad_ms": 0.019,
-     "weight_grad_ms": 0.169, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 20480,
-     "optimizer_bytes": 40960, "saved_bytes": 66752, "w_held_bytes": 67024, "optimizer_ms": 0.035},
-    {"name": "1:Block", "type": "Block", "forward_ms": 1.016, "backward_ms": 1.551, "input_grad_ms": 1.876,
-     "weight_grad_ms": 0.429, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
-     "optimizer_bytes": 101632, "saved_bytes": 1342016, "w_held_bytes": 1269520, "optimizer_ms": 0.06},
-    {"name": "2:Block", "type": "Block", "forward_ms": 0.943, "backward_ms": 1.3, "input_grad_ms": 1.682,
-     "weight_grad_ms": 0.384, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
-     "optimizer_bytes": 101632, "saved_bytes": 1341392, "w_held_bytes": 1270400, "optimizer_ms": 0.07},
-    {"name": "3:Block", "type": "Block", "forward_ms": 0.955, "backward_ms": 1.589, "input_grad_ms": 1.767,
-     "weight_grad_ms": 0.396, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
-     "optimizer_bytes": 101632, "saved_bytes": 1342640, "w_held_bytes": 1269664, "optimizer_ms": 0.084},
-    {"name": "4:Block", "type": "Block", "forward_ms": 1.034, "backward_ms": 1.459, "input_grad_ms": 1.872,
-     "weight_grad_ms": 0.549, "bw_split": true, "activation_bytes": 65536, "parameter_bytes": 50816,
-     "optimizer_bytes": 101632, "saved_bytes": 1342384, "w_held_bytes": 1270320, "optimizer_ms": 0.107},
-    {"name": "5:Head", "type": "Head", "forward_ms": 0.242, "backward_ms": 0.307, "input_grad_ms": 0.229,
-     "weight_grad_ms": 0.148, "bw_split": true, "activation_bytes": 196608, "parameter_bytes": 12544,
-     "optimizer_bytes": 25088, "saved_bytes": 269088, "w_held_bytes": 334752, "optimizer_ms": 0.03}]})",
-                                              "toy");
+  // tests/data/toy-gpt6-profile.json: a 6-layer gpt profile (tests/cli uses it too).
+  const Profile prof = load_profile(std::string(PIPETRAIN_SOURCE_DIR) + "/tests/data/toy-gpt6-profile.json");
   PlanSearchOptions o;
   o.ranks = 2;
   o.batch_size = 16;
