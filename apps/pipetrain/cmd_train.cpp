@@ -501,19 +501,26 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   check_pipeline_options(o, o.replication.empty() ? f->pipe.stages : f->pipe.world_size());
 }
 
+// `p` with links and dots resolved as far as it exists (lexically where it cannot be resolved).
+std::filesystem::path resolved(const std::filesystem::path& p) {
+  std::error_code ec;
+  const std::filesystem::path abs = std::filesystem::absolute(p, ec);
+  if (ec) return p.lexically_normal();
+  const std::filesystem::path r = std::filesystem::weakly_canonical(abs, ec);
+  return ec ? abs.lexically_normal() : r;
+}
+
 // The same file or folder (both may not exist yet).
 bool same_path(const std::filesystem::path& a, const std::filesystem::path& b) {
   std::error_code ec;
   if (std::filesystem::equivalent(a, b, ec) && !ec) return true;
-  return std::filesystem::weakly_canonical(std::filesystem::absolute(a), ec) ==
-         std::filesystem::weakly_canonical(std::filesystem::absolute(b), ec);
+  return resolved(a) == resolved(b);
 }
 
 // Whether `p` is `dir` or lies under it.
 bool inside(const std::filesystem::path& p, const std::filesystem::path& dir) {
-  std::error_code ec;
-  const auto d = std::filesystem::weakly_canonical(std::filesystem::absolute(dir), ec);
-  for (auto q = std::filesystem::weakly_canonical(std::filesystem::absolute(p), ec); !q.empty(); q = q.parent_path()) {
+  const auto d = resolved(dir);
+  for (auto q = resolved(p); !q.empty(); q = q.parent_path()) {
     if (q == d) return true;
     if (q == q.parent_path()) break;
   }
