@@ -23,6 +23,13 @@ using namespace pipetrain;
 
 namespace {
 
+// PipeDream's VGG-16 graph read at the batch it was profiled at (128), as the tester's cases use it.
+Profile vgg16_at_batch_128() {
+  PipeDreamOptions po;
+  po.micro_batch_size = 128;
+  return load_pipedream_graph(pipetrain::testing::vgg16_path(), po);
+}
+
 Profile random_profile(std::mt19937& rng, int layers) {
   std::uniform_real_distribution<double> t(0.2, 4.0), bytes(1e4, 4e6), params(1e5, 8e6);
   Profile p;
@@ -325,9 +332,7 @@ TEST(PlanHybrid, AMeasuredAllReducePricesTheReplicas) {
 }
 
 TEST(PlanHybrid, MoreRanksThanLayersGiveReplicatedPlansBetterThanTheBaselines) {
-  PipeDreamOptions po;
-  po.micro_batch_size = 128;
-  const Profile vgg = load_pipedream_graph(pipetrain::testing::vgg16_path(), po);
+  const Profile vgg = vgg16_at_batch_128();
   for (int ranks : {39, 256}) {
     PlanSearchOptions o;
     o.ranks = ranks;
@@ -541,9 +546,7 @@ TEST(PlanHybrid, UmpipeChoosesTheBestStraightPipelineAndMarksTheRest) {
 // and its file says so (straight_pipeline) with data parallelism as simulated (not 0 ms). Without
 // --no-hybrid but with only gpipe asked for, 1F1B-RR (which runs 1f1b) is not chosen either.
 TEST(PlanHybrid, NoHybridAndSchedulesWithout1f1bNeverChooseReplicatedPlans) {
-  PipeDreamOptions po;
-  po.micro_batch_size = 128;
-  const Profile vgg = load_pipedream_graph(pipetrain::testing::vgg16_path(), po);
+  const Profile vgg = vgg16_at_batch_128();
   PlanSearchOptions o;
   o.ranks = 4;
   o.bandwidth_bytes_per_ms = 1.25e6;
@@ -586,9 +589,7 @@ TEST(PlanHybrid, NoHybridAndSchedulesWithout1f1bNeverChooseReplicatedPlans) {
 // m = 32 at 1.25 GB/s: the tester's 5332.36 ms, which simulate gave as 5754.85 when every transfer cost
 // the largest cut), and three layers whose cuts carry 1 KB and 40 MB.
 TEST(PlanHybrid, PlanTimeIsSimulatesTimeForTheSamePlan) {
-  PipeDreamOptions po;
-  po.micro_batch_size = 128;
-  const Profile vgg = load_pipedream_graph(pipetrain::testing::vgg16_path(), po);
+  const Profile vgg = vgg16_at_batch_128();
   Profile skew;
   skew.model = "skew";
   skew.micro_batch_size = 4;
@@ -706,9 +707,7 @@ TEST(PlanHybrid, BalanceListsApplyToTheirOwnStageCount) {
 // chosen row's peak), no stage_in_flight (the PipeDream section keeps its own), and a plan that fits no
 // memory limit says so (fits_memory_limit false, its peak), through a write and a read.
 TEST(PlanHybrid, PlanFileRecordsPeaksAndWhetherItFits) {
-  PipeDreamOptions po;
-  po.micro_batch_size = 128;
-  const Profile vgg = load_pipedream_graph(pipetrain::testing::vgg16_path(), po);
+  const Profile vgg = vgg16_at_batch_128();
   PlanSearchOptions o;
   o.ranks = 4;
   o.bandwidth_bytes_per_ms = 1.25e6;

@@ -370,6 +370,17 @@ TEST(Trainer, TwoCopiesOfAPipelineTrainOnTheirHalvesOfEachBatch) {
 
 namespace {
 
+// A run of `steps` steps saving to `dir` (checkpoint-folder tests): no evaluation, the test's run description.
+TrainerOptions saving_to(const fs::path& dir, int steps) {
+  TrainerOptions to;
+  to.steps = steps;
+  to.batch_size = kBatch;
+  to.eval_every = 0;
+  to.save_dir = dir.string();
+  to.run_description = [](int n) { return nlohmann::json{{"test", "trainer"}, {"steps", n}}; };
+  return to;
+}
+
 // The message of what `f` throws ("" when it does not throw).
 template <class F>
 std::string thrown(F&& f) {
@@ -402,12 +413,7 @@ void remove_with_siblings(const fs::path& dir) {
 TEST(Trainer, AFileThatAppearsInTheSaveFolderDoesNotLoseTheCheckpoint) {
   const fs::path dir = fresh_dir("foreign");
   remove_with_siblings(dir);
-  TrainerOptions to;
-  to.steps = 4;
-  to.batch_size = kBatch;
-  to.eval_every = 0;
-  to.save_dir = dir.string();
-  to.run_description = [](int steps) { return nlohmann::json{{"test", "trainer"}, {"steps", steps}}; };
+  TrainerOptions to = saving_to(dir, 4);
   auto transports = make_local_transports(2);
   auto model = make_model();
   const TrainData d = data();
@@ -453,12 +459,7 @@ TEST(Trainer, AFileThatAppearsInTheSaveFolderDoesNotLoseTheCheckpoint) {
 TEST(Trainer, ANoteAddedToTheCheckpointFolderKeepsBothCheckpoints) {
   const fs::path dir = fresh_dir("notes");
   remove_with_siblings(dir);
-  TrainerOptions to;
-  to.steps = 4;
-  to.batch_size = kBatch;
-  to.eval_every = 0;
-  to.save_dir = dir.string();
-  to.run_description = [](int steps) { return nlohmann::json{{"test", "trainer"}, {"steps", steps}}; };
+  TrainerOptions to = saving_to(dir, 4);
   run_trainer(2, to);
   write_text(dir / "notes.txt", "mine\n");
   fs::create_directories(dir.string() + ".step-6");  // taken: the next free name is used
@@ -533,11 +534,7 @@ TEST(Trainer, ASecondRunSavingToTheSameFolderIsRefusedBeforeItTrains) {
   const fs::path dir = fresh_dir("second");
   remove_with_siblings(dir);
   CheckpointDirLock other(dir.string());  // "the first run"
-  TrainerOptions to;
-  to.steps = 4;
-  to.batch_size = kBatch;
-  to.eval_every = 0;
-  to.save_dir = dir.string();
+  TrainerOptions to = saving_to(dir, 4);
   std::atomic<int> steps{0};
   const std::string error = thrown([&] {
     auto transports = make_local_transports(2);
@@ -563,11 +560,7 @@ TEST(Trainer, ASecondRunSavingToTheSameFolderIsRefusedBeforeItTrains) {
 TEST(Trainer, AStopDuringTheLastAsynchronousCallIsReported) {
   const fs::path dir = fresh_dir("async-stop");
   remove_with_siblings(dir);
-  TrainerOptions to;
-  to.steps = 6;
-  to.batch_size = kBatch;
-  to.eval_every = 0;
-  to.save_dir = dir.string();
+  TrainerOptions to = saving_to(dir, 6);
   to.save_on_interrupt = true;
   std::atomic<int> calls{0};
   to.stop_requested = [&calls] { return calls.fetch_add(1) >= 2 ? 15 : 0; };  // after the call began
