@@ -225,6 +225,23 @@ void print_outputs(const TrainFlags& f, PipelineRank& rank, const Transport& tra
   if (!f.save.empty()) std::cout << "checkpoint written to " << f.save << "\n";
 }
 
+// A plan whose profile measured another of the zoo's models (pipetrain profile names it as describe()
+// does: architecture, " on ", data) still runs, as its balance may be reused on purpose; but its
+// prediction is for that model, so the run says so. Profiles from elsewhere (PipeDream's graphs) carry
+// other names and are not compared.
+void warn_if_plan_is_for_another_model(const std::string& plan_file, const std::string& plan_model,
+                                       const std::string& run_model) {
+  const auto architecture = [](const std::string& d) { return d.substr(0, d.find(" on ")); };
+  bool ours = false;
+  for (const char* prefix : {"gpt: ", "mlp: ", "cnn (", "resnet: ", "unet: "})
+    ours = ours || plan_model.rfind(prefix, 0) == 0;
+  if (plan_file.empty() || !ours || architecture(plan_model) == architecture(run_model)) return;
+  std::cerr << "warning: --plan " << plan_file << " was made from a profile of another model (" << architecture(plan_model)
+            << ") than this run's (" << architecture(run_model)
+            << "): its balance runs, but its predicted time is not this model's; profile this model with the "
+               "same flags (pipetrain profile) and plan again\n";
+}
+
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   check_same_settings(f, *world);
   world = f.pipe.placed_world(world);  // a plan's replicas-inner placement: the world in pipeline-inner order
@@ -234,6 +251,7 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   const std::shared_ptr<Transport> transport = f.pipe.pipeline_group(world);
   const int64_t share = f.batch_size / f.pipe.replicas;  // samples per copy and step
   const bool leader = world->rank() == 0;
+  if (leader) warn_if_plan_is_for_another_model(f.pipe.plan_file, f.pipe.plan_model, f.model.describe());
   std::optional<Profile> profile;  // rank 0, with --memory: what the heap model predicts from
   PipelineOptions o = rank_options(f, world, share, profile);
   const LrSchedule lr = lr_schedule(f);
@@ -428,6 +446,11 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   if (cmd->get_option("--data-dir")->count() > 0 && f->model.data != "fashion-mnist")
     throw UsageError("--data-dir is the folder of Fashion-MNIST's files, and this run trains on --data " +
                      f->model.data + ": drop --data-dir");
+  if (f->model.data == "synthetic")  // random samples have no held-out split: these evaluated nothing
+    for (const char* flag : {"--eval-every", "--eval-samples", "--eval-batch"})
+      if (cmd->get_option(flag)->count() > 0 && !(std::string(flag) == "--eval-every" && f->eval_every == 0))
+        throw UsageError(std::string(flag) + " evaluates on the data's held-out split, and --data synthetic has no "
+                         "held-out split (nothing would be evaluated): drop " + flag + ", or train on kjv, text or fashion-mnist");
   f->pipe.prepare_umpipe(*cmd, f->batch_size);  // a plan's UMPIPE partitions: schedule gpipe, checked here
   // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
   const bool one_per_step = schedule_traits(f->pipe.schedule).one_microbatch_per_step;

@@ -40,24 +40,35 @@ void ModelFlags::add_to(CLI::App& app) {
                  "gpt, fashion-mnist for the others");
   app.add_option("--text", text_file, "train the gpt on this text file (character level)");
   app.add_option("--data-dir", data_dir, "folder of the Fashion-MNIST IDX files (plain or .gz)");
-  app.add_option("--layers", layers,
-                 "gpt: transformer blocks (the model has layers+2 pipeline layers, default 4); mlp: Linear layers "
-                 "(default 4)");
-  app.add_option("--d-model", gpt.d_model, "gpt width, default 128");
-  app.add_option("--heads", gpt.heads, "gpt attention heads, default 4");
-  vocab_option = app.add_option("--vocab", gpt.vocab, "gpt vocabulary with synthetic data (text data sets it), default 96");
-  app.add_option("--seq-len", gpt.seq_len, "gpt context length, default 64");
-  app.add_option("--dropout", gpt.dropout, "gpt dropout, default 0");
+  const auto for_models = [this](CLI::Option* option, std::vector<std::string> models) {
+    model_options_.emplace_back(option, std::move(models));
+    return option;
+  };
+  for_models(app.add_option("--layers", layers,
+                            "gpt: transformer blocks (the model has layers+2 pipeline layers, default 4); mlp: Linear "
+                            "layers (default 4)"),
+             {"gpt", "mlp"});
+  for_models(app.add_option("--d-model", gpt.d_model, "gpt width, default 128"), {"gpt"});
+  for_models(app.add_option("--heads", gpt.heads, "gpt attention heads, default 4"), {"gpt"});
+  vocab_option = for_models(
+      app.add_option("--vocab", gpt.vocab, "gpt vocabulary with synthetic data (text data sets it), default 96"), {"gpt"});
+  for_models(app.add_option("--seq-len", gpt.seq_len, "gpt context length, default 64"), {"gpt"});
+  for_models(app.add_option("--dropout", gpt.dropout, "gpt dropout, default 0"), {"gpt"});
   app.add_flag("--tie-embeddings", gpt.tie_embeddings,
                "gpt: the output head's weight is the token embedding (one weight, a copy on each stage that "
                "holds it, gradients summed at every step; synchronous schedules)");
   app.add_flag("--variable-length", gpt.variable_length,
                "gpt on text: samples are lines (verses) of differing length, padded with a mask that travels with "
                "the activations; each micro-batch is trimmed to its longest line");
-  app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)");
-  app.add_option("--width", cnn.width, "cnn channels of the first group (VGG-16: 64), resnet stem width; default 8 / 16");
-  app.add_option("--blocks", resnet.blocks, "resnet residual blocks per stage, default 2");
-  app.add_option("--depth", unet.depth, "unet levels (each halves the image and has a skip), default 2");
+  hidden_option_ = for_models(
+      app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)"),
+      {"mlp", "cnn"});
+  width_option_ = for_models(
+      app.add_option("--width", cnn.width, "cnn channels of the first group (VGG-16: 64), resnet stem width; default 8 / 16"),
+      {"cnn", "resnet", "unet"});
+  for_models(app.add_option("--blocks", resnet.blocks, "resnet residual blocks per stage, default 2"), {"resnet"});
+  for_models(app.add_option("--depth", unet.depth, "unet levels (each halves the image and has a skip), default 2"),
+             {"unet"});
   app.add_option("--seed", seed, "seed for the model, the data order and dropout, 0 to 2^64-1; default 0")
       ->check(CLI::Validator(
           [](std::string& v) -> std::string {
@@ -92,8 +103,19 @@ void ModelFlags::prepare() {
   if (gpt.tie_embeddings && model != "gpt")
     throw UsageError("--tie-embeddings ties the gpt's token embedding and output head; the " + model +
                      " has no embedding: drop --tie-embeddings");
-  if (cnn.width != zoo::CnnConfig{}.width) resnet.width = unet.width = cnn.width;
-  if (mlp.hidden != zoo::MlpConfig{}.hidden) cnn.hidden = mlp.hidden;
+  // A flag of another model changed nothing: refused, as a user who wrote it expects it to count.
+  for (const auto& [option, models] : model_options_)
+    if (option->count() > 0 && std::find(models.begin(), models.end(), model) == models.end()) {
+      std::string which;
+      for (std::size_t i = 0; i < models.size(); ++i)
+        which += (i == 0 ? "" : i + 1 == models.size() ? " and " : ", ") + ("--model " + models[i]);
+      throw UsageError(option->get_name() + " " + option->as<std::string>() + " is for " + which + ", not --model " +
+                       model + ": drop " + option->get_name() + " (" + model + " takes none)");
+    }
+  // --width and --hidden are one flag for several models, each with its own default: a value given counts
+  // (whether or not it equals the cnn's or mlp's default; --model resnet --width 8 built width 16).
+  if (width_option_ && width_option_->count() > 0) resnet.width = unet.width = cnn.width;
+  if (hidden_option_ && hidden_option_->count() > 0) cnn.hidden = mlp.hidden;
   if (layers < 0) throw UsageError("--layers must be >= 1, got " + std::to_string(layers));
   gpt.layers = layers > 0 ? layers : zoo::GptConfig{}.layers;
   mlp.layers = layers > 0 ? layers : zoo::MlpConfig{}.layers;

@@ -145,6 +145,7 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   // The mini-batch the plan was made for (train uses it unless --batch-size is given): its prediction is
   // for that many samples per step, split evenly over its replicas.
   plan_batch_size = file.batch_size;
+  plan_model = plan.model;
   if (plan_use != "pipedream") {
     umpipe_section = file.umpipe;
     // Where the copies' ranks go (with --level the plan chose it); pipeline-inner when not recorded.

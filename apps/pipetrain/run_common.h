@@ -65,6 +65,10 @@ struct ModelFlags {
   nlohmann::json data_json() const;
 
  private:
+  // The options that only some models take (refused with another --model) and the two shared ones.
+  std::vector<std::pair<CLI::Option*, std::vector<std::string>>> model_options_;
+  CLI::Option* width_option_ = nullptr;
+  CLI::Option* hidden_option_ = nullptr;
   std::shared_ptr<const std::string> text_;  // the corpus, for text data
   std::string vocabulary_;
 };
@@ -123,6 +127,7 @@ struct PipelineFlags {
   // picks the partitions and checks the run against them.
   nlohmann::json umpipe_section;  // the plan's "umpipe" object; null when it has none
   int64_t plan_batch_size = 0;    // the plan's "batch_size" (0: none)
+  std::string plan_model;         // the plan's "model": its profile's description of the model measured
   std::vector<int> plan_balance;  // the plan's balance
   std::string umpipe = "auto";    // --umpipe: auto (dgap when the plan has partitions), off, equal, local-greedy, global-dp, dgap
   std::shared_ptr<const UmpipeResult> umpipe_chosen;  // after prepare_umpipe: the partitions to run, or null

@@ -91,6 +91,16 @@ const std::vector<Row> kRows = {
     {"train --temperature 0", {"--temperature"}},
     {"train --save-every 5", {"--save-every", "--save"}},
     {"train --lr-schedule cosin", {"cosin", "constant, cosine or linear"}},
+    // train: another model's flags and evaluation without a held-out split changed nothing (B)
+    {"train --model mlp --data synthetic --d-model 64", {"--d-model 64", "--model gpt", "not --model mlp"}},
+    {"train --model mlp --data synthetic --heads 2", {"--heads 2", "not --model mlp"}},
+    {"train --model cnn --layers 3", {"--layers 3", "--model gpt and --model mlp", "not --model cnn"}},
+    {"train --width 16", {"--width 16", "--model cnn, --model resnet and --model unet", "not --model gpt"}},
+    {"train --model resnet --hidden 64", {"--hidden 64", "not --model resnet"}},
+    {"train --model mlp --data synthetic --depth 3", {"--depth 3", "--model unet"}},
+    {"train --model cnn --blocks 3", {"--blocks 3", "--model resnet"}},
+    {"train --data synthetic --eval-every 5", {"--eval-every", "no held-out split"}},
+    {"train --data synthetic --eval-samples 64", {"--eval-samples", "no held-out split"}},
     // train: the fix for too many stages is more layers (D)
     {"train --transport local --stages 4 --schedule interleaved --virtual 2", {"--layers 6", "8 stages"}, {"--stages <= 6"}},
     {"train --transport local --model mlp --data synthetic --stages 6", {"--layers 6"}},

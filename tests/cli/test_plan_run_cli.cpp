@@ -261,3 +261,32 @@ TEST(PlanRunCli, AnEditedScheduleNameIsAUsageError) {
     EXPECT_TRUE(r.has(plan.string())) << r.out;
   }
 }
+
+// A plan whose profile measured another of the zoo's models runs (its balance may be reused on purpose),
+// and rank 0 says once that its prediction is for that model; the same model's plan runs without a word.
+TEST(PlanRunCli, APlanForAnotherModelRunsWithOneWarning) {
+  const fs::path dir = temp_dir("othermodel");
+  const fs::path profile = write_profile(dir);
+  for (const auto& [measured, warned] : {std::pair<std::string, bool>{"gpt: 4 blocks, d_model 64, 2 heads, vocab 32, "
+                                                                      "context 16 on synthetic data", true},
+                                         {"gpt: 4 blocks, d_model 32, 2 heads, vocab 32, context 16 on synthetic data",
+                                          false}}) {
+    nlohmann::json j = read_json_file(profile);
+    j["model"] = measured;
+    std::ofstream(profile) << j.dump(2);
+    const fs::path plan = dir / "plan.json";
+    CommandResult r = run_pipetrain("plan --profile " + profile.string() + " --ranks 2 --out " + plan.string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    // Two processes over shared memory: the warning comes from rank 0 only, not from each process.
+    r = run_pipetrain("train --plan " + plan.string() + kModel +
+                      " --transport shm --steps 1 --progress quiet --eval-every 0 --sample 0");
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string warning = "was made from a profile of another model (gpt: 4 blocks, d_model 64";
+    EXPECT_EQ(r.has(warning), warned) << r.out;
+    if (warned) {
+      EXPECT_EQ(r.out.find(warning), r.out.rfind(warning)) << "printed more than once:\n" << r.out;
+      EXPECT_TRUE(r.has("this run's (gpt: 4 blocks, d_model 32, 2 heads, vocab 32, context 16)")) << r.out;
+    }
+  }
+  fs::remove_all(dir);
+}

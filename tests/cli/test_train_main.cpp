@@ -174,6 +174,19 @@ TEST(TrainMain, MlpOnFashionMnistLearns) {
   EXPECT_TRUE(r.has("Fashion-MNIST")) << r.out;
 }
 
+// --width and --hidden serve several models with their own defaults: the value given is the one built,
+// also where it equals another model's default (--model resnet --width 8 built width 16).
+TEST(TrainMain, SharedModelFlagsBuildTheValueGiven) {
+  if (!fs::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist not installed";
+  const std::string run = "train --transport local --steps 1 --batch-size 4 --eval-every 0 --progress quiet ";
+  CommandResult r = run_pipetrain(run + "--model resnet --width 8");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("resnet: 3 stages x 2 blocks, width 8 ")) << r.out;
+  r = run_pipetrain(run + "--model cnn --hidden 256");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("width 8, fc 256 ")) << r.out;
+}
+
 TEST(TrainMain, ResumeAfterACrashGivesBitwiseTheSameLosses) {
   if (!bible_installed()) GTEST_SKIP() << "bible-kjv not installed";
   const fs::path dir = temp_dir("resume");
