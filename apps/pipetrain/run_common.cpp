@@ -316,6 +316,9 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
   if (t == "nccl" && flags.device.rfind("cuda", 0) != 0)
     throw UsageError("--transport nccl moves CUDA tensors, but --device is " + flags.device +
                      ": use --device cuda (each rank on its own GPU), or --transport shm, gloo or mpi for CPU ranks");
+  // A device this build or host lacks: one message before any rank starts (selftest said it from rank 1
+  // only, after starting the ranks).
+  if (flags.device != "cpu") (void)device_of_flag(flags.device, 0);
   // Ranks this process starts itself (threads, or processes through the launcher) are bounded by what
   // one host serves; the message names the user's flags, not the launcher's -n.
   if ((t == "local" || (!launched() && t != "mpi")) && world > kMaxLocalRanks) {

@@ -151,5 +151,10 @@ TEST(TrainCli, BadInputExitsTwo) {
     const Result r = run(bin + " train --transport local --device cuda" + small);
     EXPECT_EQ(r.code, 2) << r.out;
     EXPECT_TRUE(r.has("this LibTorch has no CUDA device")) << r.out;
+    // selftest says it once, before starting its ranks (it said it from rank 1, after starting them).
+    const Result s = run(bin + " selftest --stages 2 --device cuda");
+    EXPECT_EQ(s.code, 2) << s.out;
+    EXPECT_TRUE(s.has("pipetrain selftest: error: --device cuda: this LibTorch has no CUDA device")) << s.out;
+    EXPECT_FALSE(s.has("[rank")) << s.out;
   }
 }
