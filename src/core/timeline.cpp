@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -430,6 +431,27 @@ std::string parent_folder(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+// The file a chain of symbolic links at `path` ends at (existing or not: a dangling link's target is
+// created); `path` itself when it is no link. Relative links are read from their own folder.
+std::string link_target(const std::string& path) {
+  std::string at = path;
+  for (int hops = 0; hops < 40; ++hops) {  // as the kernel's limit, so a loop ends (open then fails: ELOOP)
+    struct stat st {};
+    if (::lstat(at.c_str(), &st) != 0 || !S_ISLNK(st.st_mode)) return at;
+    std::string to(static_cast<std::size_t>(PATH_MAX), '\0');
+    const ssize_t n = ::readlink(at.c_str(), to.data(), to.size());
+    if (n <= 0) return at;
+    to.resize(static_cast<std::size_t>(n));
+    const std::size_t slash = at.rfind('/');
+    at = to.front() == '/' || slash == std::string::npos ? to : at.substr(0, slash + 1) + to;
+  }
+  return path;
+}
+
+}  // namespace
+
 void check_output_path(const std::string& path, const std::string& flag) {
   if (path.empty()) return;
   const std::string shown = flag + " " + excerpt(path, 200);
@@ -447,7 +469,7 @@ void check_output_path(const std::string& path, const std::string& flag) {
     throw UsageError(fmt::format("{} cannot be written ({}): choose another path", shown, std::strerror(errno)));
   if (path.back() == '/')
     throw UsageError(shown + " names a folder that does not exist: give a file path, without the final '/'");
-  const std::string parent = parent_folder(path);
+  const std::string parent = parent_folder(link_target(path));  // a dangling link's file is made where it points
   if (::stat(parent.c_str(), &st) != 0)
     throw UsageError(fmt::format("{}: the folder '{}' does not exist ({}): create it first (mkdir -p {}) or "
                                  "choose another path",
@@ -459,7 +481,7 @@ void check_output_path(const std::string& path, const std::string& flag) {
   // process's and this call's own: every rank of a run checks its flags at the same moment, and with the
   // target's own name a rank whose create came second failed with "File exists".
   static std::atomic<unsigned> probes{0};
-  const std::string probe = path + ".probe-" + std::to_string(static_cast<long>(::getpid())) + "-" +
+  const std::string probe = parent + "/.pipetrain-probe-" + std::to_string(static_cast<long>(::getpid())) + "-" +
                             std::to_string(probes++);
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0)
@@ -477,7 +499,7 @@ namespace {
 // closes and removes the temporary file. Every write and the close are checked.
 class AtomicFile : public TextSink {
  public:
-  explicit AtomicFile(const std::string& path) : path_(path) {
+  explicit AtomicFile(const std::string& path) : path_(path), target_(link_target(path)) {
     struct stat st {};
     if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
       throw UsageError("cannot write '" + path + "': it is a folder; give the path of a file (in that folder or "
@@ -489,9 +511,13 @@ class AtomicFile : public TextSink {
       if (fd_ < 0) fail("cannot open it for writing", errno);
       return;
     }
-    tmp_ = path + ".tmp." + std::to_string(static_cast<long>(::getpid()));
+    // A symbolic link stays one: the file it points to is replaced (a rename over the link itself put a
+    // regular file in its place), with its temporary file beside that file.
+    tmp_ = target_ + ".tmp." + std::to_string(static_cast<long>(::getpid()));
     fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
     if (fd_ < 0) fail("cannot create the temporary file '" + tmp_ + "' beside it (is the folder writable?)", errno);
+    // A file replaced keeps its permissions (a rename gave it the new file's: 0666 less the umask).
+    if (::stat(target_.c_str(), &st) == 0 && S_ISREG(st.st_mode)) (void)::fchmod(fd_, st.st_mode & 07777);
   }
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -514,7 +540,7 @@ class AtomicFile : public TextSink {
     fd_ = -1;
     if (::close(fd) != 0 && errno != EINTR) written_failed(errno);
     if (tmp_.empty()) return;
-    if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    if (std::rename(tmp_.c_str(), target_.c_str()) != 0) {
       const int err = errno;
       fail("renaming '" + tmp_ + "' over it failed", err);  // the destructor removes the temporary file
     }
@@ -530,7 +556,8 @@ class AtomicFile : public TextSink {
   }
 
   std::string path_;
-  std::string tmp_;  // empty: written in place, or renamed
+  std::string target_;  // path_, or the file its symbolic links end at
+  std::string tmp_;     // empty: written in place, or renamed
   int fd_ = -1;
 };
 

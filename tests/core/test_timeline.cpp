@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -516,6 +517,30 @@ TEST_F(WriteFileAtomic, MissingDirectoryThrowsAndLeavesNothing) {
   }
   EXPECT_FALSE(fs::exists(dir_ / "missing"));
   EXPECT_TRUE(entries().empty());
+}
+
+// A symbolic link stays a link (a rename over it had put a regular file in its place and left its target
+// stale), relative and dangling ones included; a file replaced keeps its permissions.
+TEST_F(WriteFileAtomic, LinksStayLinksAndFilesKeepTheirMode) {
+  fs::create_directories(dir_ / "real");
+  const fs::path file = dir_ / "real" / "log.jsonl";
+  write_file_atomic(file.string(), "old\n");
+  fs::create_symlink("real/log.jsonl", dir_ / "link.jsonl");  // relative to the link's folder
+  write_file_atomic((dir_ / "link.jsonl").string(), "new\n");
+  EXPECT_TRUE(fs::is_symlink(dir_ / "link.jsonl"));
+  EXPECT_EQ(read(file), "new\n");
+  fs::create_symlink(dir_ / "real" / "later.svg", dir_ / "dangling.svg");  // absolute, to a file not yet there
+  write_file_atomic((dir_ / "dangling.svg").string(), "<svg/>");
+  EXPECT_TRUE(fs::is_symlink(dir_ / "dangling.svg"));
+  EXPECT_EQ(read(dir_ / "real" / "later.svg"), "<svg/>");
+  fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);  // 0640
+  write_file_atomic(file.string(), "again\n");
+  EXPECT_EQ(fs::status(file).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  std::vector<std::string> real;
+  for (const auto& e : fs::directory_iterator(dir_ / "real")) real.push_back(e.path().filename().string());
+  std::sort(real.begin(), real.end());
+  EXPECT_EQ(real, (std::vector<std::string>{"later.svg", "log.jsonl"}));  // no temporary file left
 }
 
 // A folder as the target is a usage error naming the path and the fix (issue 23; it was a failed rename
