@@ -83,9 +83,14 @@ struct Result {
 Result run_rank(const std::shared_ptr<pipetrain::Transport>& t, int rounds, int steps, int m, int64_t batch) {
   std::vector<Variant> variants = make_variants(t, m);
   const pipetrain::zoo::GptConfig c;
-  torch::manual_seed(2);  // every rank draws the same batches
-  const torch::Tensor ids = torch::randint(c.vocab, {batch, c.seq_len}, torch::kLong);
-  const torch::Tensor target = torch::randint(c.vocab, {batch, c.seq_len}, torch::kLong);
+  torch::Tensor ids, target;
+  {  // every rank draws the same batches; under the lock, as ranks that are threads build their models under
+     // it from the same default generator (a draw between another rank's seed and its weights untied them)
+    std::lock_guard<std::mutex> lock(pipetrain::default_generator_mutex());
+    torch::manual_seed(2);
+    ids = torch::randint(c.vocab, {batch, c.seq_len}, torch::kLong);
+    target = torch::randint(c.vocab, {batch, c.seq_len}, torch::kLong);
+  }
   const torch::Tensor mask = torch::ones({batch, c.seq_len}, torch::kBool);
   for (int r = 0; r < rounds + 1; ++r)  // round 0 warms up
     for (Variant& v : variants)

@@ -150,6 +150,11 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       if (f->threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(f->threads));
       if (f->threads > 0) at::set_num_threads(f->threads);
       f->model.prepare();
+      if (const std::string b = f->model.bundle_layers(); !b.empty())
+        throw UsageError("pipetrain profile times layers that take and return one tensor, and " + b +
+                         " (bundles): it cannot measure this model. Train it balanced by layer counts or parameters "
+                         "(train --balance uniform, the default, or parameters), and plan from a profile of a model "
+                         "of one-tensor layers");
       const int threads = at::get_num_threads();  // the pipeline below runs one thread per rank
       if (!f->transport.empty() || f->concurrent > 1) {
         // Ranks of the transport (shm for --concurrent alone): the runtime's costs over two of them, then

@@ -24,6 +24,7 @@
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
+#include "pipetrain/plan/search.h"
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/info.h"
 #include "pipetrain/runtime/launch.h"
@@ -225,21 +226,23 @@ void print_outputs(const TrainFlags& f, PipelineRank& rank, const Transport& tra
   if (!f.save.empty()) std::cout << "checkpoint written to " << f.save << "\n";
 }
 
-// A plan whose profile measured another of the zoo's models (pipetrain profile names it as describe()
-// does: architecture, " on ", data) still runs, as its balance may be reused on purpose; but its
-// prediction is for that model, so the run says so. Profiles from elsewhere (PipeDream's graphs) carry
+// A --plan or --profile whose profile measured another of the zoo's models (pipetrain profile names it as
+// describe() does: architecture, " on ", data) still runs, as its balance may be reused on purpose; but
+// its times are that model's, so the run says so. Profiles from elsewhere (PipeDream's graphs) carry
 // other names and are not compared.
-void warn_if_plan_is_for_another_model(const std::string& plan_file, const std::string& plan_model,
+void warn_if_profiled_on_another_model(const std::string& flag, const std::string& file, const std::string& measured,
                                        const std::string& run_model) {
   const auto architecture = [](const std::string& d) { return d.substr(0, d.find(" on ")); };
   bool ours = false;
   for (const char* prefix : {"gpt: ", "mlp: ", "cnn (", "resnet: ", "unet: "})
-    ours = ours || plan_model.rfind(prefix, 0) == 0;
-  if (plan_file.empty() || !ours || architecture(plan_model) == architecture(run_model)) return;
-  std::cerr << "warning: --plan " << plan_file << " was made from a profile of another model (" << architecture(plan_model)
-            << ") than this run's (" << architecture(run_model)
-            << "): its balance runs, but its predicted time is not this model's; profile this model with the "
-               "same flags (pipetrain profile) and plan again\n";
+    ours = ours || measured.rfind(prefix, 0) == 0;
+  if (file.empty() || !ours || architecture(measured) == architecture(run_model)) return;
+  std::cerr << "warning: " << flag << " " << file << " was made from a profile of another model ("
+            << architecture(measured) << ") than this run's (" << architecture(run_model) << "): its "
+            << (flag == "--plan" ? "balance runs, but its predicted time is not this model's"
+                                 : "times balance the stages, but they are not this model's")
+            << "; profile this model with the same flags (pipetrain profile)"
+            << (flag == "--plan" ? " and plan again" : "") << "\n";
 }
 
 int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
@@ -251,7 +254,23 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   const std::shared_ptr<Transport> transport = f.pipe.pipeline_group(world);
   const int64_t share = f.batch_size / f.pipe.replicas;  // samples per copy and step
   const bool leader = world->rank() == 0;
-  if (leader) warn_if_plan_is_for_another_model(f.pipe.plan_file, f.pipe.plan_model, f.model.describe());
+  if (leader) {
+    warn_if_profiled_on_another_model("--plan", f.pipe.plan_file, f.pipe.plan_model, f.model.describe());
+    if (!f.pipe.plan_file.empty() && f.pipe.plan_use == "pipeline") {
+      // pipetrain plan writes a plan that fits no rank's --memory for inspection, and says so; a run of it
+      // says so again, as it needs that much memory per rank.
+      const PlanFile file = read_plan_file(f.pipe.plan_file);
+      if (file.fits_memory_limit && !*file.fits_memory_limit)
+        std::cerr << fmt::format("warning: --plan {} does not fit the memory per rank it was planned for (its "
+                                 "\"fits_memory_limit\" is false; predicted peak {:.3f} GiB per rank): this run may "
+                                 "run out of memory; plan again with more --ranks, a higher --memory or a smaller "
+                                 "--batch-size\n",
+                                 f.pipe.plan_file, file.predicted_peak_bytes / 1073741824.0);
+    }
+    if (!f.pipe.profile_file.empty())
+      warn_if_profiled_on_another_model("--profile", f.pipe.profile_file, load_profile(f.pipe.profile_file).model,
+                                        f.model.describe());
+  }
   std::optional<Profile> profile;  // rank 0, with --memory: what the heap model predicts from
   PipelineOptions o = rank_options(f, world, share, profile);
   const LrSchedule lr = lr_schedule(f);
@@ -329,7 +348,8 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
   cmd->add_option("--warmup", f->warmup, "linear warm-up steps; default 5% of the steps, at most 100");
   cmd->add_option("--momentum", f->momentum, "SGD momentum, default 0.9");
   cmd->add_option("--weight-decay", f->weight_decay, "weight decay, default 0");
-  cmd->add_option("--clip", f->clip, "clip gradients to this global norm; 0 = off; default 1");
+  cmd->add_option("--clip", f->clip, "clip gradients to this global norm (pipedream and spectrain: each stage to it by its own "
+                                   "norm); 0 = off; default 1");
   cmd->add_option("--nonfinite", f->nonfinite,
                   "a step whose loss or gradient norm is NaN or infinite (the run diverged): stop (the run ends with "
                   "exit 1 before that step's update; no checkpoint is written after it), skip (that step's update is "
@@ -368,9 +388,11 @@ void add_train_flags(CLI::App* cmd, const std::shared_ptr<TrainFlags>& f) {
                   "asynchronous schedules: steps the pipeline runs between drains; default 0 = up to the next "
                   "evaluation or checkpoint, at most 256");
   cmd->add_option("--rank-memory", f->rank_memory,
-                  "memory one rank may use, in GiB: a model and batch whose rank needs more are refused before "
-                  "training (the gpt's ranks build only their own layers, so more --stages fit a larger gpt); "
-                  "default: only this host's memory (or cgroup limit) is checked");
+                  "memory one rank may use, in GiB: a model and batch whose rank needs more than a lower bound "
+                  "(its share of the 4-byte parameters and one layer's activations of a micro-batch; gradients, "
+                  "optimizer state and micro-batches in flight come on top: --memory measures them) are refused "
+                  "before training (the gpt's ranks build only their own layers, so more --stages fit a larger "
+                  "gpt); default: only this host's memory (or cgroup limit) is checked");
   cmd->add_flag("--memory", f->memory,
                 "measure each rank's peak heap growth during a step (activations, buffers, gradients; on a GPU "
                 "whose LibTorch reports it, the GPU's), next to the heap model's prediction from a profile "
@@ -388,7 +410,7 @@ constexpr const char* kTrainExamples =
       "  pipetrain train --model mlp --stages 4 --schedule pipedream --epochs 1  # asynchronous, weight stashing\n"
       "  pipetrain train --model mlp --stages 4 --schedule 2bw --microbatches 4 --epochs 1\n"
       "  pipetrain train --text my.txt --layers 6 --steps 1000 --save ckpt --save-every 100\n"
-      "  pipetrain train --resume ckpt --steps 2000 --stages 4   # continue, regrouped into 4 stages\n"
+      "  pipetrain train --resume ckpt --text my.txt --layers 6 --steps 2000 --stages 4  # continue, in 4 stages\n"
       "  pipetrain train --config flags.json --lr 1e-3         # flags from a file, one overridden\n"
       "  pipetrain launch -n 2 -- pipetrain train --stages 2 --transport gloo\n"
       "  mpirun -n 2 pipetrain train --stages 2 --transport mpi";
@@ -446,6 +468,12 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   if (cmd->get_option("--data-dir")->count() > 0 && f->model.data != "fashion-mnist")
     throw UsageError("--data-dir is the folder of Fashion-MNIST's files, and this run trains on --data " +
                      f->model.data + ": drop --data-dir");
+  if (!(f->model.model == "gpt" && f->model.is_text()))  // generation needs the gpt and a text's characters
+    for (const char* flag : {"--sample", "--temperature"})
+      if (cmd->get_option(flag)->count() > 0 && !(std::string(flag) == "--sample" && f->sample == 0))
+        throw UsageError(std::string(flag) + " is for the gpt trained on a text (it generates characters at the end), "
+                         "and this run trains --model " + f->model.model + " on --data " + f->model.data +
+                         ": drop " + flag);
   if (f->model.data == "synthetic")  // random samples have no held-out split: these evaluated nothing
     for (const char* flag : {"--eval-every", "--eval-samples", "--eval-batch"})
       if (cmd->get_option(flag)->count() > 0 && !(std::string(flag) == "--eval-every" && f->eval_every == 0))

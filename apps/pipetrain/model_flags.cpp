@@ -263,6 +263,12 @@ std::vector<int> ModelFlags::choose_balance(int stages, const std::string& kind,
   return pipetrain::choose_balance(factory()(), stages, kind, solver);
 }
 
+std::string ModelFlags::bundle_layers() const {
+  if (model == "unet") return "the unet's layers pass its skips";
+  if (model == "gpt" && gpt.variable_length) return "with --variable-length the gpt's layers pass the padding mask";
+  return {};
+}
+
 LossFn ModelFlags::loss() const { return zoo::cross_entropy; }
 
 std::unique_ptr<zoo::Dataset> ModelFlags::dataset() const {

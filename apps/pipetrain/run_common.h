@@ -60,6 +60,9 @@ struct ModelFlags {
   std::unique_ptr<zoo::Dataset> dataset() const;
   std::string describe() const;
   bool is_text() const { return data == "kjv" || data == "text"; }
+  // Why the model's layers pass bundles (runtime/bundle.h) that the profiler cannot time, e.g. "the unet's
+  // layers pass its skips"; empty when they pass one tensor.
+  std::string bundle_layers() const;
   // The model and data as JSON, for checkpoint manifests: what must match to resume.
   nlohmann::json model_json() const;
   nlohmann::json data_json() const;

@@ -172,12 +172,18 @@ std::string banner(const TrainFlags& f, const Trainer& trainer, PipelineRank& ra
           ? fmt::format(" ({:.2f} epochs)", static_cast<double>(trainer.total()) * f.batch_size / trainer.train_size())
           : "",
       trainer.start() > 0 ? fmt::format(", resuming at step {} from {}", trainer.start(), f.resume) : "",
-      describe(runtime_info()));
+      [&] {  // the ranks' intra-op threads (the executor sets them at each call), not LibTorch's default
+        RuntimeInfo info = runtime_info();
+        info.intra_op_threads = threads;
+        return describe(info);
+      }());
 }
 
 std::string heap_model_missing(const TrainFlags& f) {
   if (is_async(f.pipe.schedule)) return "it does not count the weight sets " + f.pipe.schedule + " keeps";
   if (f.pipe.umpipe_chosen) return "it does not model UMPIPE's unequal micro-batches";
+  if (const std::string b = f.model.bundle_layers(); !b.empty())  // the profiler times one-tensor layers
+    return "the profiler does not measure layers that pass bundles, and " + b;
   if (f.pipe.checkpoint != "never")
     return "it does not model re-materialisation (--checkpoint " + f.pipe.checkpoint + ")";
   if (f.pipe.precision != "fp32")

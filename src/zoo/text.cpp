@@ -16,6 +16,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <fmt/format.h>
+
 #include "pipetrain/core/error.h"
 #include "pipetrain/zoo/data.h"
 #include "seeded.h"
@@ -65,10 +67,15 @@ class Text : public Dataset {
       throw UsageError("text '" + name_ + "' has " + std::to_string(train_chars_) +
                        " training characters, fewer than one window of --seq-len + 1 = " + std::to_string(seq_len + 1) +
                        ": use a longer text or a smaller --seq-len");
-    if (eval_chars_ > 0 && eval_chars_ < seq_len + 1)
-      throw UsageError("text '" + name_ + "' holds out " + std::to_string(eval_chars_) +
-                       " characters, fewer than one window of --seq-len + 1 = " + std::to_string(seq_len + 1) +
-                       ": use a longer text, a smaller --seq-len, or hold out more (or nothing)");
+    if (eval_chars_ > 0 && eval_chars_ < seq_len + 1) {
+      // The fix in numbers: the text that holds out one window at this fraction, or the context that fits.
+      const auto needed = static_cast<int64_t>(std::ceil(static_cast<double>(seq_len + 1) / eval_fraction));
+      throw UsageError("text '" + name_ + "' holds out " + std::to_string(eval_chars_) + " of its " +
+                       std::to_string(length) + " characters (" + fmt::format("{:g}", 100 * eval_fraction) +
+                       "%) for evaluation, fewer than one window of --seq-len + 1 = " + std::to_string(seq_len + 1) +
+                       ": use a text of at least " + std::to_string(needed) + " characters" +
+                       (eval_chars_ >= 2 ? ", or --seq-len " + std::to_string(eval_chars_ - 1) + " or less" : ""));
+    }
   }
 
   std::string name() const override { return name_; }

@@ -101,6 +101,10 @@ const std::vector<Row> kRows = {
     {"train --model cnn --blocks 3", {"--blocks 3", "--model resnet"}},
     {"train --data synthetic --eval-every 5", {"--eval-every", "no held-out split"}},
     {"train --data synthetic --eval-samples 64", {"--eval-samples", "no held-out split"}},
+    {"profile --model unet", {"--balance uniform, the default, or parameters", "the unet's layers pass its skips"}},
+    {"profile --variable-length", {"cannot measure this model", "padding mask"}},
+    {"train --data synthetic --sample 50", {"--sample", "generates characters", "--data synthetic"}},
+    {"train --model mlp --data synthetic --temperature 0.5", {"--temperature", "--model mlp"}},
     // train: the fix for too many stages is more layers (D)
     {"train --transport local --stages 4 --schedule interleaved --virtual 2", {"--layers 6", "8 stages"}, {"--stages <= 6"}},
     {"train --transport local --model mlp --data synthetic --stages 6", {"--layers 6"}},

@@ -118,3 +118,15 @@ TEST(VariableLengthCli, TiedGptOnVersesTrainsTheSameOverGlooAsInProcess) {
   EXPECT_TRUE(r.has("drop --variable-length")) << r.out;
   fs::remove_all(dir);
 }
+
+// --memory on a model whose layers pass bundles (the unet's skips): the heap model says why it has no
+// prediction, and the run trains (it stopped with exit 2, advising a --balance the run already had).
+TEST(UNetCli, MemoryWithoutAPredictionStillTrains) {
+  if (!fs::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "dataset-fashion-mnist not installed";
+  const CommandResult r = run_pipetrain(
+      "train --transport local --model unet --width 2 --stages 2 --steps 1 --batch-size 8 --eval-every 0 --memory "
+      "--progress quiet");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("heap model: no prediction: the profiler does not measure layers that pass bundles, and the "
+                    "unet's layers pass its skips")) << r.out;
+}

@@ -143,6 +143,7 @@ TEST(PlanRunCli, ThePlansThreadsAreTheRuns) {
   auto [j, t] = round_trip(dir, write_profile(dir, 2), "--ranks 2 --no-hybrid --batch-size 8 --schedules 1f1b");
   EXPECT_EQ(j.at("threads"), 2);
   EXPECT_TRUE(t.has("(2 threads per rank)")) << t.out;
+  EXPECT_TRUE(t.has(", 2 intra-op thread(s),")) << t.out;  // the banner's LibTorch line: the ranks', not the default
   // --threads on the command line wins.
   const CommandResult r = run_pipetrain("train --plan " + (dir / "plan.json").string() + kModel + kRun + " --threads 1");
   EXPECT_EQ(r.code, 0) << r.out;
@@ -262,8 +263,9 @@ TEST(PlanRunCli, AnEditedScheduleNameIsAUsageError) {
   }
 }
 
-// A plan whose profile measured another of the zoo's models runs (its balance may be reused on purpose),
-// and rank 0 says once that its prediction is for that model; the same model's plan runs without a word.
+// A plan (or a --profile) whose profile measured another of the zoo's models runs (its balance may be
+// reused on purpose), and rank 0 says once that its times are that model's; the same model's runs
+// without a word.
 TEST(PlanRunCli, APlanForAnotherModelRunsWithOneWarning) {
   const fs::path dir = temp_dir("othermodel");
   const fs::path profile = write_profile(dir);
@@ -287,6 +289,26 @@ TEST(PlanRunCli, APlanForAnotherModelRunsWithOneWarning) {
       EXPECT_EQ(r.out.find(warning), r.out.rfind(warning)) << "printed more than once:\n" << r.out;
       EXPECT_TRUE(r.has("this run's (gpt: 4 blocks, d_model 32, 2 heads, vocab 32, context 16)")) << r.out;
     }
+    // The profile itself, balancing by its times: the same warning, naming --profile.
+    r = run_pipetrain("train --profile " + profile.string() + " --balance time --stages 2" + kModel + kRun);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(r.has("warning: --profile " + profile.string() + " " + warning.substr(0, 10)), warned) << r.out;
   }
+  fs::remove_all(dir);
+}
+
+// A plan written although it fits no rank's --memory (for inspection) still runs when asked, and says
+// that it was planned not to fit.
+TEST(PlanRunCli, APlanThatDoesNotFitItsMemoryWarnsWhenRun) {
+  const fs::path dir = temp_dir("nofit");
+  const fs::path profile = write_profile(dir), plan = dir / "plan.json";
+  CommandResult r = run_pipetrain("plan --profile " + profile.string() + " --ranks 2 --memory 0.000001 --out " +
+                                  plan.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_FALSE(read_json_file(plan).at("fits_memory_limit").get<bool>()) << r.out;
+  r = run_pipetrain("train --plan " + plan.string() + kModel + kRun);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("warning: --plan " + plan.string() + " does not fit the memory per rank it was planned for"))
+      << r.out;
   fs::remove_all(dir);
 }

@@ -572,7 +572,10 @@ TEST(Zoo, TextRejectsBadArguments) {
   EXPECT_THROW_WITH(zoo::make_text("abcdef", "t", 0, 0), "--seq-len 0");
   EXPECT_THROW_WITH(zoo::make_text("abcdef", "t", 2, 0, 1.0), "must lie in [0, 1)");
   EXPECT_THROW_WITH(zoo::make_text("abc", "t", 4, 0, 0.0), "fewer than one window");
-  EXPECT_THROW_WITH(zoo::make_text(std::string(100, 'a'), "t", 20, 0, 0.1), "holds out 10 characters");
+  // The fix in numbers: 210 characters hold out 21 = --seq-len 20 + 1; or a context of 9 fits the 10 held out.
+  EXPECT_THROW_WITH(zoo::make_text(std::string(100, 'a'), "t", 20, 0, 0.1),
+                    "holds out 10 of its 100 characters (10%) for evaluation, fewer than one window of --seq-len + 1 = "
+                    "21: use a text of at least 210 characters, or --seq-len 9 or less");
 }
 
 TEST(Zoo, TextFiles) {
