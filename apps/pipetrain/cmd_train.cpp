@@ -410,7 +410,7 @@ constexpr const char* kTrainExamples =
       "  pipetrain train --model mlp --stages 4 --schedule pipedream --epochs 1  # asynchronous, weight stashing\n"
       "  pipetrain train --model mlp --stages 4 --schedule 2bw --microbatches 4 --epochs 1\n"
       "  pipetrain train --text my.txt --layers 6 --steps 1000 --save ckpt --save-every 100\n"
-      "  pipetrain train --resume ckpt --text my.txt --layers 6 --steps 2000 --stages 4  # continue, in 4 stages\n"
+      "  pipetrain train --resume ckpt --steps 2000 --stages 4   # continue (its model and data), in 4 stages\n"
       "  pipetrain train --config flags.json --lr 1e-3         # flags from a file, one overridden\n"
       "  pipetrain launch -n 2 -- pipetrain train --stages 2 --transport gloo\n"
       "  mpirun -n 2 pipetrain train --stages 2 --transport mpi";
@@ -615,6 +615,67 @@ void check_paths_apart(const TrainFlags& f, const CLI::App* cmd) {
 }
 
 // --save is ours to write and --resume matches this run's model, data and optimizer.
+// --resume DIR without the model and data flags the checkpoint was trained with: they come from its
+// manifest (the help's `train --resume ckpt --steps 2000 --stages 4` was refused for the default model).
+// Flags given still win, and check_checkpoint_flags refuses them where they disagree with the checkpoint.
+// Runs before the model flags are prepared.
+void adopt_checkpoint_model(TrainFlags* f, const CLI::App* cmd) {
+  if (f->resume.empty()) return;
+  nlohmann::json saved;
+  try {
+    saved = read_checkpoint(f->resume).value("run", nlohmann::json());
+  } catch (const std::exception&) {
+    return;  // check_checkpoint_flags reports the folder's problem with the fix
+  }
+  if (!saved.is_object()) return;
+  const auto given = [cmd](const char* flag) { return cmd->get_option(flag)->count() > 0; };
+  const nlohmann::json m = saved.value("model", nlohmann::json::object());
+  const nlohmann::json d = saved.value("data", nlohmann::json::object());
+  ModelFlags& mf = f->model;
+  if (!given("--model") && m.contains("name") && m["name"].is_string()) mf.model = m["name"].get<std::string>();
+  if (!m.contains("name") || m["name"] != mf.model) return;  // another model asked for: compared, and refused
+  // Each recorded number or switch where its flag is not given (the model's own fields only).
+  const auto take = [&](const char* flag, const char* key, auto& field) {
+    if (!given(flag) && m.contains(key) && !m[key].is_null()) field = m[key].get<std::decay_t<decltype(field)>>();
+  };
+  if (mf.model == "gpt") {
+    if (!given("--layers") && m.contains("layers")) mf.layers = m["layers"].get<int>();
+    take("--d-model", "d_model", mf.gpt.d_model);
+    take("--heads", "heads", mf.gpt.heads);
+    take("--seq-len", "seq_len", mf.gpt.seq_len);
+    take("--dropout", "dropout", mf.gpt.dropout);
+    if (!given("--tie-embeddings")) mf.gpt.tie_embeddings = m.value("tie_embeddings", false);
+    if (!given("--variable-length")) mf.gpt.variable_length = m.value("variable_length", false);
+  } else if (mf.model == "mlp") {
+    if (!given("--layers") && m.contains("layers")) mf.layers = m["layers"].get<int>();
+    take("--hidden", "hidden", mf.mlp.hidden);
+  } else if (mf.model == "cnn") {
+    take("--width", "width", mf.cnn.width);
+    take("--hidden", "hidden", mf.cnn.hidden);
+  } else if (mf.model == "resnet") {
+    take("--width", "width", mf.resnet.width);
+    take("--blocks", "blocks", mf.resnet.blocks);
+  } else if (mf.model == "unet") {
+    take("--width", "width", mf.unet.width);
+    take("--depth", "depth", mf.unet.depth);
+  }
+  if (!given("--data") && !given("--text") && d.contains("name") && d["name"].is_string()) {
+    mf.data = d["name"].get<std::string>();
+    if (mf.data == "text") {  // the text it trained on, where the checkpoint recorded its name as text
+      if (!d.contains("file") || !d["file"].is_string())
+        throw UsageError("checkpoint " + f->resume + " was trained on a text whose name it cannot give back: pass "
+                         "--text FILE (the same text)");
+      mf.text_file = d["file"].get<std::string>();
+    }
+  }
+  if (mf.data == "synthetic" && mf.model == "gpt") take("--vocab", "vocab", mf.gpt.vocab);
+  // The synthetic data and the data order come from the seed; the optimizer's state is its own.
+  if (!given("--seed") && saved.contains("seed") && saved["seed"].is_number_unsigned()) mf.seed = saved["seed"].get<uint64_t>();
+  if (!given("--optimizer") && saved.contains("optimizer") && saved["optimizer"].is_object() &&
+      saved["optimizer"].contains("name") && saved["optimizer"]["name"].is_string())
+    f->optimizer = saved["optimizer"]["name"].get<std::string>();
+}
+
 void check_checkpoint_flags(TrainFlags* f, const CLI::App* cmd) {
   check_paths_apart(*f, cmd);
   if (!f->save.empty()) {
@@ -688,6 +749,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
   cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("train", [&] {
       check_run_flags(f.get(), cmd);
+      adopt_checkpoint_model(f.get(), cmd);
       check_pipeline_flags(f.get(), cmd);
       check_checkpoint_flags(f.get(), cmd);
       StopSignalScope stop_signals;  // process-wide (a launcher parent installs its own while it runs)

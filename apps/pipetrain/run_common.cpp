@@ -373,7 +373,11 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
            std::to_string(flags.stages) + (flags.replicas > 1 ? " x --replicas " + std::to_string(flags.replicas) : "") +
            (flags.replication.empty() ? "" : " replicated " + flags.replication + " (their sum)") + ": launch " +
            std::to_string(world) + " ranks" +
-           (flags.replication.empty() ? " or pass --stages " + std::to_string(started) : "");
+           // --stages S x --replicas R needs S x R ranks: the stages that fit, where R divides the count.
+           (!flags.replication.empty() || started % std::max(1, flags.replicas) != 0 ||
+                    started / std::max(1, flags.replicas) == flags.stages
+                ? std::string()
+                : " or pass --stages " + std::to_string(started / std::max(1, flags.replicas)));
   };
   // The launcher's world size, checked before the rendezvous: every rank refuses it on its own (exit 2),
   // rather than the first to check aborting the others (exit 1 there).

@@ -6,7 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <iostream>
+#include <sstream>
+#include <string_view>
+#include <vector>
 
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
@@ -118,30 +122,104 @@ std::string rank_label(const Schedule& s, int rank) {
   return fmt::format("rank {} (stage {} replica {})", rank, st, std::find(reps.begin(), reps.end(), rank) - reps.begin());
 }
 
+namespace {
+
+uint64_t fnv1a(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
+
+// A file's bytes as a hash ("" when it cannot be read: the run reports that itself, later).
+std::string content_hash(const std::string& path) {
+  if (path.empty()) return {};
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return {};
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return fmt::format("{:016x}", fnv1a(bytes.str()));
+}
+
+}  // namespace
+
 // Ranks started by hand (torchrun, mpirun, RANK=... by hand) with different settings would wait for
-// each other in different collectives: a hang (--log on one rank only adds collectives to every step).
-// So the first collective of a run compares a hash of every setting that shapes the run's collectives
-// and model; output files count only by whether they are given, so each rank may name its own.
+// each other in different collectives (a hang: --log on one rank only adds collectives to every step),
+// or silently train a mixture (ranks resuming different checkpoints, balancing by different profiles).
+// So the first collective of a run compares a hash of each setting that shapes the run's collectives
+// and model, and names the ones that differ; output files count only by whether they are given, so each
+// rank may name its own; the files read (--resume's manifest, --profile) count by their content, so
+// each rank may read its own copy.
 void check_same_settings(const TrainFlags& f, Transport& world) {
-  nlohmann::json j = run_json(f, 0);
   const PipelineFlags& p = f.pipe;
-  j["pipeline"] = {p.stages, p.replicas, p.virtual_stages, p.balance, p.balance_solver, p.checkpoint,
-                   p.replication, p.plan_use, !p.plan_file.empty(), !p.profile_file.empty(), p.placement};
-  j["run"] = {f.steps, f.epochs, f.eval_every, f.eval_samples, f.eval_batch, f.save_every, f.sample,
-              f.save_on_interrupt, f.memory, f.steps_per_call, f.vertical_sync, f.no_stash, !f.save.empty(),
-              !f.resume.empty(), !f.log.empty(), !f.trace.empty(), !f.svg.empty()};
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a
-  for (const unsigned char c : j.dump()) h = (h ^ c) * 0x100000001b3ULL;
-  const int n = world.world_size();
-  torch::Tensor t = torch::zeros({n, 2}, torch::kDouble);  // two 32-bit halves: exact in a double
-  t[world.rank()][0] = static_cast<double>(h >> 32);
-  t[world.rank()][1] = static_cast<double>(h & 0xffffffffULL);
-  world.all_reduce_sum(t);
-  for (int r = 1; r < n; ++r)
-    if (!torch::equal(t[r], t[0]))
-      throw UsageError("rank " + std::to_string(r) + " was started with other settings than rank 0 (model, data, "
-                       "schedule, steps, or which of --log/--trace/--svg/--save are given): start every rank with "
-                       "the same flags; only output file names may differ");
+  // name -> value, the same names on every rank whatever its flags (the model's and data's keys vary
+  // with the model: each counts as one setting; "asynchronous" repeats flags of `run` below).
+  nlohmann::json settings = nlohmann::json::object();
+  const nlohmann::json described = run_json(f, 0);  // named: items() of a temporary would outlive it
+  for (const auto& [key, value] : described.items()) {
+    if (key == "optimizer")
+      for (const auto& [k, v] : value.items()) settings["optimizer " + k] = v;
+    else if (key == "model")
+      settings["--model and its flags"] = value;
+    else if (key != "asynchronous")
+      settings[key] = value;
+  }
+  const nlohmann::json pipeline = {
+      {"--stages", p.stages},         {"--replicas", p.replicas},
+      {"--virtual", p.virtual_stages}, {"--balance", p.balance},
+      {"--balance-solver", p.balance_solver}, {"--checkpoint", p.checkpoint},
+      {"--replication", p.replication}, {"--plan-use", p.plan_use},
+      {"--plan (given)", !p.plan_file.empty()}, {"--profile (its content)", content_hash(p.profile_file)},
+      {"--profile (given)", !p.profile_file.empty()}, {"--placement", p.placement},
+      {"--precision", p.precision},   {"--backward-split", p.backward_split}};
+  const nlohmann::json run = {
+      {"--steps", f.steps}, {"--epochs", f.epochs}, {"--eval-every", f.eval_every},
+      {"--eval-samples", f.eval_samples}, {"--eval-batch", f.eval_batch}, {"--save-every", f.save_every},
+      {"--sample", f.sample}, {"--save-on-interrupt", f.save_on_interrupt}, {"--memory", f.memory},
+      {"--steps-per-call", f.steps_per_call}, {"--vertical-sync", f.vertical_sync}, {"--no-stash", f.no_stash},
+      {"--nonfinite", f.nonfinite}, {"--save (given)", !f.save.empty()}, {"--resume (given)", !f.resume.empty()},
+      {"--resume (its checkpoint)", f.resume.empty() ? std::string() : content_hash(f.resume + "/manifest.json")},
+      {"--log (given)", !f.log.empty()}, {"--trace (given)", !f.trace.empty()}, {"--svg (given)", !f.svg.empty()}};
+  for (const auto& part : {pipeline, run})
+    for (const auto& [k, v] : part.items()) settings[k] = v;
+  std::vector<std::string> names;
+  for (const auto& [k, v] : settings.items()) names.push_back(k);  // sorted: the same order on every rank
+  const int n = world.world_size(), fields = static_cast<int>(names.size());
+  // Two collectives of fixed shape: first the whole settings' hash and the number of settings (another
+  // build may compare other ones), then, only where they differ and the count agrees, each setting's
+  // hash, to name what differs. Hashes travel as two 32-bit halves, exact in a double.
+  const auto put = [](torch::Tensor row, int at, uint64_t h) {
+    row[at] = static_cast<double>(h >> 32);
+    row[at + 1] = static_cast<double>(h & 0xffffffffULL);
+  };
+  torch::Tensor whole = torch::zeros({n, 3}, torch::kDouble);
+  whole[world.rank()][0] = fields;
+  put(whole[world.rank()], 1, fnv1a(settings.dump()));
+  world.all_reduce_sum(whole);
+  bool same = true, same_count = true;
+  for (int r = 1; r < n; ++r) {
+    same = same && torch::equal(whole[r], whole[0]);
+    same_count = same_count && whole[r][0].item<double>() == fields;
+  }
+  if (same) return;
+  std::vector<std::string> differ;
+  int first = 1;
+  if (same_count) {
+    torch::Tensor t = torch::zeros({n, 2 * fields}, torch::kDouble);
+    for (int i = 0; i < fields; ++i) put(t[world.rank()], 2 * i, fnv1a(settings[names[static_cast<std::size_t>(i)]].dump()));
+    world.all_reduce_sum(t);
+    while (first < n && torch::equal(t[first], t[0])) ++first;
+    for (int i = 0; i < fields && first < n; ++i)
+      if (!torch::equal(t[first].slice(0, 2 * i, 2 * i + 2), t[0].slice(0, 2 * i, 2 * i + 2)))
+        differ.push_back(names[static_cast<std::size_t>(i)]);
+  } else {
+    while (first < n && torch::equal(whole[first], whole[0])) ++first;
+  }
+  throw UsageError(fmt::format(
+      "rank {} was started with other settings than rank 0: {}: start every rank with the same flags and files "
+      "(only output file names may differ)",
+      first,
+      differ.empty() ? std::string("it compares another list of settings (another pipetrain build?)")
+                     : fmt::format("{} differ{}", fmt::join(differ, ", "), differ.size() == 1 ? "s" : "")));
 }
 
 // The banner rank 0 prints before the first step.

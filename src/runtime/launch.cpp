@@ -24,10 +24,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -47,10 +50,26 @@ constexpr auto kDrainAfterExit = std::chrono::seconds(2);
 constexpr std::size_t kMaxLine = 64 * 1024;  // longer lines are forwarded in pieces
 
 volatile sig_atomic_t g_signal = 0;        // the last SIGINT/SIGTERM/SIGHUP the launcher got
-volatile sig_atomic_t g_signal_count = 0;  // how many
+volatile sig_atomic_t g_signal_count = 0;  // how many, copies of one (below) counted once
+// CLOCK_MONOTONIC milliseconds of the first signal counted. `timeout` sends its SIGTERM to the launcher and
+// then to its whole process group, and a terminal's Ctrl-C reaches every process of the foreground
+// group: copies of one request microseconds apart, which counted as a second signal and killed the ranks
+// at once, without the grace (and the checkpoint --save-on-interrupt asked for). As in the ranks'
+// handler, a repeat within a second is the same request.
+std::atomic<std::int64_t> g_first_signal_ms{0};
+static_assert(std::atomic<std::int64_t>::is_always_lock_free, "the signal handler needs a lock-free atomic");
 extern "C" void on_launcher_signal(int sig) {
+  timespec now{};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
+  const std::int64_t ms = static_cast<std::int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
+  const std::int64_t first = g_first_signal_ms.load();
   g_signal = sig;
-  g_signal_count = g_signal_count + 1;
+  if (first == 0) {
+    g_first_signal_ms.store(ms);
+    g_signal_count = g_signal_count + 1;
+  } else if (ms - first >= 1000) {
+    g_signal_count = g_signal_count + 1;
+  }
 }
 
 std::string signal_name(int sig) {
@@ -543,6 +562,7 @@ class SignalScope {
   SignalScope() {
     g_signal = 0;
     g_signal_count = 0;
+    g_first_signal_ms.store(0);
     struct sigaction sa {};
     sa.sa_handler = on_launcher_signal;
     sigemptyset(&sa.sa_mask);
@@ -557,6 +577,7 @@ class SignalScope {
     ::sigaction(SIGPIPE, &old_pipe_, nullptr);
     g_signal = 0;
     g_signal_count = 0;
+    g_first_signal_ms.store(0);
   }
 
  private:

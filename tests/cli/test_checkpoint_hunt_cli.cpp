@@ -118,3 +118,49 @@ TEST(CheckpointLockCli, AStopDuringTheLastAsynchronousCallIsReported) {
   EXPECT_EQ(nlohmann::json::parse(read_text(dir / "ck" / "manifest.json")).at("step").get<int>(), 60) << r.out;
   fs::remove_all(dir);
 }
+
+namespace {
+
+std::vector<double> log_loss_values(const fs::path& log) {
+  std::vector<double> out;
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+}  // namespace
+
+// `train --resume DIR` with none of the model and data flags continues the checkpoint's model on its data
+// (the help's example was refused for the default model): bitwise the losses of an uninterrupted run.
+// A flag given that disagrees with the checkpoint is still refused.
+TEST(CheckpointHunt, ResumeTakesTheModelAndDataFlagsItWasNotGiven) {
+  const fs::path dir = fresh_temp_dir("adopt", "cli");
+  {
+    std::ofstream text(dir / "words.txt");
+    for (int i = 0; i < 400; ++i) text << "the quick brown fox " << i % 7 << " jumps over the lazy dog\n";
+  }
+  const std::string model = " --text " + (dir / "words.txt").string() +
+                            " --layers 1 --d-model 16 --heads 2 --seq-len 16 --seed 5 --optimizer sgd";
+  const std::string run = " train --transport local --batch-size 8 --eval-every 0 --sample 0 --progress quiet "
+                          "--lr-schedule constant";
+  CommandResult r = run_pipetrain(run + model + " --steps 4 --log " + (dir / "whole.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain(run + model + " --steps 2 --save " + (dir / "ck").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  // No model, data, seed or optimizer flag: the checkpoint's.
+  r = run_pipetrain(run + " --steps 4 --resume " + (dir / "ck").string() + " --log " + (dir / "rest.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("gpt: 1 blocks, d_model 16, 2 heads")) << r.out;
+  EXPECT_TRUE(r.has("optimizer sgd")) << r.out;
+  const std::vector<double> whole = log_loss_values(dir / "whole.jsonl"), rest = log_loss_values(dir / "rest.jsonl");
+  ASSERT_EQ(whole.size(), 4u);
+  ASSERT_EQ(rest.size(), 2u);
+  EXPECT_EQ(rest[0], whole[2]);
+  EXPECT_EQ(rest[1], whole[3]);
+  // A flag given still counts, and is refused where it is not the checkpoint's.
+  r = run_pipetrain(run + " --resume " + (dir / "ck").string() + " --d-model 32");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("does not match this run")) << r.out;
+  fs::remove_all(dir);
+}

@@ -204,7 +204,7 @@ TEST(CliRendezvous, RanksStartedWithDifferentArgumentsAreRefusedNotHung) {
   ASSERT_TRUE(std::regex_search(r.out, codes, std::regex("codes ([0-9]+) ([0-9]+)"))) << r.out;
   EXPECT_NE(codes[1], "0") << r.out;
   EXPECT_NE(codes[2], "0") << r.out;
-  EXPECT_TRUE(r.has("rank 1 was started with other settings than rank 0")) << r.out;
+  EXPECT_TRUE(r.has("rank 1 was started with other settings than rank 0: --log (given) differs")) << r.out;
   EXPECT_LT(r.seconds, 30.0) << r.out;
   std::filesystem::remove(log);
 }

@@ -97,9 +97,34 @@ TEST(TrainCli, RanksWithDifferentModelsAreRefusedBeforeTraining) {
                        " --heads 2 --seq-len 16 --vocab 32 --layers 2 --batch-size 8 --data synthetic'");
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_LT(r.seconds, 30) << r.out;
-  EXPECT_TRUE(r.has("rank 1 was started with other settings than rank 0")) << r.out;
+  EXPECT_TRUE(r.has("rank 1 was started with other settings than rank 0: --model and its flags differs")) << r.out;
   EXPECT_FALSE(r.has("step 1/")) << r.out;
   EXPECT_FALSE(r.has("frame #")) << "backtraces leak into the message:\n" << r.out;
+}
+
+// Ranks resuming different checkpoints (one at step 2, one at step 3) hung in mismatched collectives, and
+// two checkpoints at the same step silently trained a mixture of their stages (--profile files alike
+// ran different balances). What each rank reads counts by its content, and the settings that differ
+// are named.
+TEST(TrainCli, RanksReadingDifferentCheckpointsOrProfilesAreRefused) {
+  const std::string dir = "/tmp/pipetrain-diffck-" + std::to_string(::getpid());
+  const std::string mlp = " train --model mlp --data synthetic --hidden 16 --batch-size 8 --eval-every 0 --progress quiet"
+                          " --stages 2 --transport shm";
+  ASSERT_EQ(run("rm -rf " + dir + " && mkdir -p " + dir).code, 0);
+  ASSERT_EQ(run(bin + mlp + " --steps 2 --save " + dir + "/ck0").code, 0);
+  ASSERT_EQ(run(bin + mlp + " --steps 3 --save " + dir + "/ck1").code, 0);
+  const std::string by_hand = " --stages 2 --transport shm --steps 5";
+  Result r = run("timeout 60 " + bin + " launch -n 2 -- sh -c 'exec " + bin + mlp.substr(0, mlp.find(" --stages")) +
+                 by_hand + " --resume " + dir + "/ck$RANK'");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_LT(r.seconds, 30) << r.out;
+  EXPECT_TRUE(r.has("rank 1 was started with other settings than rank 0: --resume (its checkpoint) differs")) << r.out;
+  // The same checkpoint copied for each rank is the same checkpoint.
+  ASSERT_EQ(run("cp -r " + dir + "/ck0 " + dir + "/ck1b").code, 0);
+  r = run("timeout 60 " + bin + " launch -n 2 -- sh -c 'exec " + bin + mlp.substr(0, mlp.find(" --stages")) + by_hand +
+          " --resume " + dir + "/ck$([ $RANK = 0 ] && echo 0 || echo 1b)'");
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = run("rm -rf " + dir);
 }
 
 // --transport nccl where it cannot run, before any rank starts: a build without NCCL names the reason and
@@ -122,6 +147,13 @@ TEST(TrainCli, WorldSizeOtherThanStagesIsAUsageError) {
   EXPECT_NE(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("the launcher started 3 ranks but --stages is 2: launch 2 ranks or pass --stages 3")) << r.out;
   EXPECT_TRUE(r.has("rank 0 exited with code 2")) << r.out;
+  // With replicas, the stages suggested are those that fit the ranks started (3 stages x 2 replicas would
+  // need 6, not the 3 started), and none where the replicas do not divide them.
+  const Result odd = run(bin + " launch -n 3 -- " + bin + " train --stages 3 --replicas 2" + small);
+  EXPECT_TRUE(odd.has("--stages is 3 x --replicas 2: launch 6 ranks")) << odd.out;
+  EXPECT_FALSE(odd.has("or pass --stages")) << odd.out;
+  const Result six = run(bin + " launch -n 6 -- " + bin + " train --stages 2 --replicas 2" + small);
+  EXPECT_TRUE(six.has("--stages is 2 x --replicas 2: launch 4 ranks or pass --stages 3")) << six.out;
 }
 
 TEST(TrainCli, BadInputExitsTwo) {

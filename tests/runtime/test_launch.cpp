@@ -188,12 +188,29 @@ TEST(Launch, ASecondSignalKillsTheRanksAtOnce) {
   o.grace = std::chrono::seconds(30);
   // Both ranks ignore SIGTERM; rank 0 sends the launcher two. Without the second the run would last 30 s.
   const Result r = launch(2, {"sh", "-c",
-                              "trap '' TERM; if [ $RANK = 0 ]; then kill -TERM $PPID; sleep 0.5; kill -TERM $PPID; fi; "
+                              "trap '' TERM; if [ $RANK = 0 ]; then kill -TERM $PPID; sleep 1.5; kill -TERM $PPID; fi; "
                               "sleep 60"},
                           o);
   EXPECT_EQ(r.code, 1) << r.all();
   EXPECT_TRUE(r.has(-1, "got a second signal; killing the ranks")) << r.all();
   EXPECT_LT(r.seconds, 10) << r.all();
+}
+
+// `timeout` sends its SIGTERM to the launcher and then to the launcher's process group: two copies of one
+// request microseconds apart. They are one signal: the ranks keep their grace period to stop by themselves
+// (a rank saving its checkpoint on SIGTERM was killed half-way).
+TEST(Launch, CopiesOfOneSignalKeepTheGracePeriod) {
+  LaunchOptions o;
+  o.grace = std::chrono::seconds(30);
+  const Result r = launch(2, {"sh", "-c",
+                              "trap 'sleep 1.5; echo stopped cleanly; exit 7' TERM; "
+                              "if [ $RANK = 0 ]; then sleep 1; kill -TERM $PPID; kill -TERM $PPID; fi; "
+                              "sleep 60 & wait"},
+                          o);
+  EXPECT_FALSE(r.has(-1, "got a second signal")) << r.all();
+  EXPECT_TRUE(r.has(0, "stopped cleanly")) << r.all();
+  EXPECT_TRUE(r.has(1, "stopped cleanly")) << r.all();
+  EXPECT_LT(r.seconds, 20) << r.all();
 }
 
 TEST(Launch, TimeoutKillsEveryRank) {
