@@ -222,19 +222,21 @@ def _checked_costs(schedule: Schedule, checked: bool = True, **kw) -> CostModel:
 def _own_sizes(schedule: Schedule, key: str, value):
     """Whether a generation keyword given with a Schedule object agrees with it, and what it has."""
     if key == "stages":  # schedule()'s stages: its ranks (p), or with replication its stages
-        own = schedule.stages if schedule.stage_replicas else schedule.ranks
-        what = "stages (replicated, one count per stage)" if schedule.stage_replicas else "ranks"
-        return value == own, f"its {what} {own}"
+        if schedule.stage_replicas:
+            replicas = [len(r) for r in schedule.stage_replicas]
+            return value == schedule.stages, (f"it has {schedule.stages} stages, replicated {replicas}; with "
+                                              "replication, stages= counts the stages")
+        return value == schedule.ranks, f"it has {schedule.ranks} ranks; stages= counts the ranks, p"
     if key == "microbatches":
-        return value == schedule.microbatches_per_step, f"{schedule.microbatches_per_step} micro-batches per step"
+        return value == schedule.microbatches_per_step, f"it has {schedule.microbatches_per_step} micro-batches per step"
     if key == "virtual":  # as schedule() reads it: the V shapes take 1 (their default) or 2
         own = schedule.virtual_stages
         try:
             agrees = stages_per_rank(schedule.name, value) == own
         except ValueError:
             agrees = value == own
-        return agrees, f"{own} stages per rank"
-    return value == schedule.steps, f"{schedule.steps} steps"
+        return agrees, f"it has {own} stages per rank"
+    return value == schedule.steps, f"it has {schedule.steps} steps"
 
 
 def simulate(
@@ -310,16 +312,17 @@ def simulate(
         if replication is not None:
             own_replicas = [len(r) for r in schedule.stage_replicas]
             if _int_list(replication, "replication") != own_replicas:
-                has = (f"replicas per stage {own_replicas} (stage_replicas)" if own_replicas
-                       else "no replicated stages")
+                has = (f"it has replicas per stage {own_replicas}, its stage_replicas" if own_replicas
+                       else "it has no replicated stages")
                 raise TypeError(f"simulate: replication={list(replication)!r} applies to a generated schedule, but the "
                                 f"Schedule object already fixes it ({has}): drop replication=, or give a schedule name")
         own_exact = bool(built and built.get("exact"))
         if (exact is not None and bool(exact) != own_exact) or (
                 exact_nodes is not None and not (own_exact and built.get("exact_nodes") == exact_nodes)):
-            has = (f"the exact search's, with exact_nodes={built.get('exact_nodes')}" if own_exact
-                   else "not built with exact=True")
-            raise TypeError(f"simulate: exact={exact!r}, exact_nodes={exact_nodes!r} searches zb-auto's schedules, but "
+            has = (f"it is the exact search's, with exact_nodes={built.get('exact_nodes')}" if own_exact
+                   else "it was not built with exact=True")
+            named = ", ".join(f"{k}={v!r}" for k, v in (("exact", exact), ("exact_nodes", exact_nodes)) if v is not None)
+            raise TypeError(f"simulate: {named} searches zb-auto's schedules, but "
                             f"the Schedule object is already fixed ({has}): drop exact=/exact_nodes=, or give the "
                             "name 'zb-auto'")
         if exact and own_exact:

@@ -660,12 +660,12 @@ class ScheduleObjectKeywords(unittest.TestCase):
         base = pipetrain.simulate(s).makespan
         self.assertEqual(pipetrain.simulate(s, stages=s.stages).makespan, base)
         self.assertEqual(pipetrain.simulate(s, replication=[3, 1], microbatches=6).makespan, base)
-        with self.assertRaisesRegex(TypeError, r"stages=4 .*its stages \(replicated, one count per stage\) 2"):
+        with self.assertRaisesRegex(TypeError, r"stages=4 .*it has 2 stages, replicated \[3, 1\]"):
             pipetrain.simulate(s, stages=4)
         with self.assertRaisesRegex(TypeError, r"replication=\[2, 2\] .*replicas per stage \[3, 1\]"):
             pipetrain.simulate(s, replication=[2, 2])
         plain = pipetrain.schedule("1f1b", stages=2, microbatches=6)
-        with self.assertRaisesRegex(TypeError, r"stages=3 .*its ranks 2"):
+        with self.assertRaisesRegex(TypeError, r"stages=3 .*it has 2 ranks; stages= counts the ranks"):
             pipetrain.simulate(plain, stages=3)
         with self.assertRaisesRegex(TypeError, "no replicated stages"):
             pipetrain.simulate(plain, replication=[1, 1])
