@@ -107,10 +107,17 @@ _COST_DEFAULTS = {"cost": "1:1:1", "comm": 0.0, "profile": None, "balance": "tim
 _PROFILE_KEYS = ("profile", "balance", "balance_solver", "microbatch_size", "bandwidth", "latency", "pipedream_batch")
 
 
-def _cost_keywords(given: dict, built: Optional[dict]) -> dict:
+def _cost_keywords(given: dict, built: Optional[dict], where: str) -> dict:
     """The cost keywords a run uses: those given (None: not given), else the ones the Schedule was built with
     (Schedule.built_with), else the defaults. cost= replaces a recorded profile (and its balance, ...) and
-    profile= a recorded cost, as --cost and --profile exclude each other."""
+    profile= a recorded cost, as --cost and --profile exclude each other. The keywords that shape a profile's
+    costs raise ValueError without a profile, as their flags do without --profile (they would do nothing)."""
+    if given.get("profile") is None and not (built and built.get("profile") is not None and given.get("cost") is None):
+        for key in _PROFILE_KEYS[1:]:
+            if given.get(key) is not None:
+                raise ValueError(f"{where}: {key}={given[key]!r} applies with profile= (it shapes a profile's costs), "
+                                 f"and none is given: the costs come from cost= and comm= here: add profile=..., or "
+                                 f"drop {key}=")
     out = dict(_COST_DEFAULTS)
     if built:
         base = {k: built[k] for k in _COST_DEFAULTS if k in built}
@@ -136,15 +143,15 @@ def schedule(
     skips: Optional[Iterable[str]] = None,
     exact: bool = False,
     exact_nodes: int = 5_000_000,
-    cost: str = "1:1:1",
-    comm: float = 0.0,
+    cost: Optional[str] = None,
+    comm: Optional[float] = None,
     profile: Optional[ProfileLike] = None,
-    balance: str = "time",
-    balance_solver: str = "min-max",
-    microbatch_size: float = 0.0,
+    balance: Optional[str] = None,
+    balance_solver: Optional[str] = None,
+    microbatch_size: Optional[float] = None,
     bandwidth: Optional[float] = None,
     latency: Optional[float] = None,
-    pipedream_batch: int = 0,
+    pipedream_batch: Optional[int] = None,
     return_exact: bool = False,
 ) -> Union[Schedule, Tuple[Schedule, Optional[ZbExactResult]]]:
     """Builds and validates a schedule, as ``pipetrain schedule --schedule NAME -p STAGES -m MICROBATCHES``.
@@ -158,6 +165,9 @@ def schedule(
     cost/comm/profile/...: the costs zb-h2 and zb-auto plan with (see costs()); the schedule remembers them
     (Schedule.built_with), and simulate(schedule) and costs(schedule) use them unless given others, so
     ``simulate(schedule("zb-auto", ..., cost="1:1.5:1"))`` times it at the costs it was planned for.
+    Left out (None), they are the command line's (cost '1:1:1', comm 0, balance 'time', balance_solver
+    'min-max', ...); balance, balance_solver, microbatch_size, bandwidth, latency and pipedream_batch shape a
+    profile's costs and raise ValueError without profile=, as their flags do without --profile.
     pipedream_batch (--pipedream-batch): the batch size a PipeDream graph file given as profile was profiled
     at (its format does not record it; VGG-16's: 128); without it such a file is read at 1, with a warning.
     return_exact=True returns (schedule, ZbExactResult of the exact search or None): the summary
@@ -167,15 +177,16 @@ def schedule(
     """
     replication_list = _int_list(replication, "replication")
     skip_list = _str_list(skips, "skips")
+    kw = _cost_keywords(dict(cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,
+                             microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency,
+                             pipedream_batch=pipedream_batch), None, "schedule")
     s, found = _pipetrain._schedule(
         name, stages, microbatches, virtual, steps, memory_limit, replication_list, skip_list, exact, exact_nodes,
-        cost, comm, profile, balance, balance_solver, microbatch_size, bandwidth, latency, pipedream_batch)
-    s.built_with = {"name": name, "stages": stages, "microbatches": microbatches, "virtual": virtual, "steps": steps,
-                    "memory_limit": memory_limit, "replication": replication_list or None, "skips": skip_list,
-                    "exact": bool(exact), "exact_nodes": exact_nodes, "cost": cost, "comm": comm, "profile": profile,
-                    "balance": balance, "balance_solver": balance_solver, "microbatch_size": microbatch_size,
-                    "bandwidth": bandwidth, "latency": latency, "pipedream_batch": pipedream_batch,
-                    "exact_result": found}
+        kw["cost"], kw["comm"], kw["profile"], kw["balance"], kw["balance_solver"], kw["microbatch_size"],
+        kw["bandwidth"], kw["latency"], kw["pipedream_batch"])
+    s.built_with = dict(name=name, stages=stages, microbatches=microbatches, virtual=virtual, steps=steps,
+                        memory_limit=memory_limit, replication=replication_list or None, skips=skip_list,
+                        exact=bool(exact), exact_nodes=exact_nodes, exact_result=found, **kw)
     return (s, found) if return_exact else s
 
 
@@ -208,7 +219,7 @@ def costs(
     The schedule is validated first (ScheduleError if it is not a complete, consistent schedule)."""
     kw = _cost_keywords(dict(cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,
                              microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency,
-                             pipedream_batch=pipedream_batch), getattr(schedule, "built_with", None))
+                             pipedream_batch=pipedream_batch), getattr(schedule, "built_with", None), "costs")
     return _checked_costs(schedule, checked=False, skip_bandwidth=skip_bandwidth, **kw)
 
 
@@ -292,15 +303,15 @@ def simulate(
                        microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency,
                        pipedream_batch=pipedream_batch)
     if isinstance(schedule, str):
-        kw = _cost_keywords(given_costs, None)
+        kw = _cost_keywords(given_costs, None, "simulate")
         schedule, found = globals()["schedule"](
             schedule, 0 if stages is None else stages, 0 if microbatches is None else microbatches,
             virtual=1 if virtual is None else virtual, steps=1 if steps is None else steps,
             memory_limit=memory_limit, replication=replication, skips=skips, exact=bool(exact),
-            exact_nodes=5_000_000 if exact_nodes is None else exact_nodes, return_exact=True, **kw)
+            exact_nodes=5_000_000 if exact_nodes is None else exact_nodes, return_exact=True, **given_costs)
     elif isinstance(schedule, Schedule):
         built = schedule.built_with
-        kw = _cost_keywords(given_costs, built)
+        kw = _cost_keywords(given_costs, built, "simulate")
         for key, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual),
                            ("steps", steps)):
             if value is None:

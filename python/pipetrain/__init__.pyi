@@ -189,10 +189,10 @@ def schedule_traits(name: str) -> Dict[str, bool]: ...
 def stages_per_rank(name: str, virtual: int = ...) -> int: ...
 def schedule(name: str, stages: int = ..., microbatches: int = ..., *, virtual: int = ..., steps: int = ...,
              memory_limit: float = ..., replication: Optional[Sequence[int]] = ..., skips: Optional[Iterable[str]] = ...,
-             exact: bool = ..., exact_nodes: int = ..., cost: str = ..., comm: float = ...,
-             profile: Optional[ProfileLike] = ..., balance: str = ..., balance_solver: str = ...,
-             microbatch_size: float = ..., bandwidth: Optional[float] = ..., latency: Optional[float] = ...,
-             pipedream_batch: int = ...,
+             exact: bool = ..., exact_nodes: int = ..., cost: Optional[str] = ..., comm: Optional[float] = ...,
+             profile: Optional[ProfileLike] = ..., balance: Optional[str] = ..., balance_solver: Optional[str] = ...,
+             microbatch_size: Optional[float] = ..., bandwidth: Optional[float] = ..., latency: Optional[float] = ...,
+             pipedream_batch: Optional[int] = ...,
              return_exact: bool = ...) -> Union[Schedule, Tuple[Schedule, Optional[ZbExactResult]]]: ...
 generate = schedule
 def parse_action(text: str) -> Action: ...

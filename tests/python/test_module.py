@@ -753,10 +753,26 @@ class PipeDreamBatch(unittest.TestCase):
     def test_it_is_refused_where_it_means_nothing(self):
         with self.assertRaisesRegex(ValueError, "pipedream_batch is for a PipeDream graph file .* a dict"):
             pipetrain.simulate("1f1b", stages=2, microbatches=4, profile=small_profile(), pipedream_batch=128)
-        with self.assertRaisesRegex(ValueError, "pipedream_batch applies with profile="):
+        with self.assertRaisesRegex(ValueError, "pipedream_batch=128 applies with profile="):
             pipetrain.simulate("1f1b", stages=2, microbatches=4, pipedream_batch=128)
         with self.assertRaisesRegex(ValueError, "pipedream_batch=-1 must be >= 1"):
             pipetrain.simulate("1f1b", stages=2, microbatches=4, profile=self.VGG, pipedream_batch=-1)
+
+
+class ProfileKeywordsWithoutAProfile(unittest.TestCase):
+    def test_they_are_refused_as_their_flags_are(self):
+        # `simulate -s 1f1b -p 2 -m 2 --balance memory` ran at 1:1:1 without a word; so did the keywords.
+        for key, value in (("balance", "memory"), ("balance", "1,1"), ("balance_solver", "block-partition"),
+                           ("bandwidth", 1.0), ("latency", 5.0), ("microbatch_size", 16.0)):
+            for f in (lambda: pipetrain.simulate("1f1b", stages=2, microbatches=2, **{key: value}),
+                      lambda: pipetrain.schedule("1f1b", stages=2, microbatches=2, **{key: value}),
+                      lambda: pipetrain.costs(pipetrain.schedule("1f1b", stages=2, microbatches=2), **{key: value})):
+                with self.subTest(key=key), self.assertRaisesRegex(ValueError, f"{key}=.* applies with profile=.*"
+                                                                               f"add profile=..., or drop {key}="):
+                    f()
+        # With a profile, given or recorded, they apply.
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=2, profile=small_profile(), balance="3,3")
+        self.assertNotEqual(pipetrain.simulate(s, balance="1,5").makespan, pipetrain.simulate(s).makespan)
 
 
 class AsynchronousSchedulesInTheSearch(unittest.TestCase):
