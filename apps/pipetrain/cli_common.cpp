@@ -70,8 +70,27 @@ void ScheduleFlags::add_to(CLI::App& app) {
                  "target of zb-auto (default for zb-auto: p)");
 }
 
+void ScheduleFlags::refuse_profile_flags_without_profile() const {
+  if (!profile.empty()) return;
+  // Each of these is read only where the costs come from a profile (profile_costs, transfer_options,
+  // load_profile_flags); --cost and --comm runs never look at them.
+  const std::pair<const char*, const char*> flags[] = {
+      {"--balance", "cuts a profile's layers into stages"},
+      {"--balance-solver", "chooses how --balance cuts a profile's layers"},
+      {"--microbatch-size", "scales a profile's times and activations to that many samples"},
+      {"--pipedream-batch", "gives the batch a PipeDream graph file was profiled at"},
+      {"--bandwidth", "prices a profile's activation transfers"},
+      {"--latency", "prices a profile's activation transfers"},
+  };
+  for (const auto& [flag, what] : flags)
+    if (given(flag))
+      throw UsageError(std::string(flag) + " applies with --profile (it " + what + "), and none is given: the costs "
+                       "come from --cost and --comm here (a transfer costs --comm): add --profile FILE, or drop " + flag);
+}
+
 Schedule ScheduleFlags::build() const {
   // Values that read as "not given" and flags that did nothing, which ran without a word.
+  refuse_profile_flags_without_profile();
   if (memory_limit < 0)
     throw UsageError("--memory-limit must be >= 0 (0: no limit), got " + std::to_string(memory_limit));
   if (given("--microbatch-size") && !(microbatch_size > 0))
@@ -165,6 +184,15 @@ Profile ScheduleFlags::load_profile_flags() const {
     throw UsageError("--pipedream-batch must be >= 1 (the batch size the PipeDream graph was profiled at, e.g. 128), got " +
                      std::to_string(pipedream_batch));
   Profile p = load_profile(profile);
+  // A PipeDream graph file does not record the batch it was profiled at: read at 1, its times and
+  // activations are that many times off (VGG-16's file: 128x), as `pipetrain plan` warns too.
+  if (pipedream_batch == 0 && p.source.rfind("pipedream graph", 0) == 0 && !pipedream_warned) {
+    pipedream_warned = true;
+    std::cerr << "pipetrain " << (app ? app->get_name() : std::string("simulate")) << ": warning: " << profile
+              << " is a PipeDream graph file, read as profiled at batch size 1 (its format does not record one): "
+              << "give --pipedream-batch N, the batch size it was profiled at (VGG-16's: 128), or its times and "
+              << "memory are N times off\n";
+  }
   if (pipedream_batch > 0) {
     if (p.source.rfind("pipedream graph", 0) != 0)
       throw UsageError("--pipedream-batch is for PipeDream graph files; " + profile +

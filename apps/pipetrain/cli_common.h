@@ -40,6 +40,10 @@ struct ScheduleFlags {
   std::vector<std::string> skips;  // --skip FROM:TO[:SIZE], repeatable: skip routes (core/skip.h)
   double skip_bandwidth = 0;     // --skip-bandwidth: memory units per time unit of a skip transfer; 0 = free
   Profile load_profile_flags() const;  // --profile, with --pipedream-batch for PipeDream graph files
+  // Refuses the flags that only shape a profile's costs (--balance, --balance-solver, --microbatch-size,
+  // --pipedream-batch, --bandwidth, --latency) when no --profile is given: they did nothing.
+  void refuse_profile_flags_without_profile() const;
+  mutable bool pipedream_warned = false;  // the batch-1 warning of a PipeDream graph, printed once
   CLI::Option* stages_option = nullptr;        // set by add_to: tells "missing" from "0"
   CLI::Option* microbatches_option = nullptr;
   CLI::Option* pipedream_batch_option = nullptr;  // tells "not given" from "0"

@@ -140,7 +140,8 @@ void add_plan_flags(CLI::App* cmd, const std::shared_ptr<PlanFlags>& f) {
   cmd->add_option("--batch-size", f->batch_size,
                   "samples per mini-batch; default max(8, ranks) x the profile's micro-batch size");
   cmd->add_option("--schedules", f->schedules,
-                  "schedules to consider (synchronous ones), default gpipe 1f1b zb-h1 zb-h2 interleaved zb-v v-half v-min "
+                  "schedules to consider (synchronous ones: the asynchronous pipedream, 2bw and spectrain are not searched; "
+                  "PipeDream's planner runs for every plan), default gpipe 1f1b zb-h1 zb-h2 interleaved zb-v v-half v-min "
                   "(v-half and v-min keep about 1/2 and 1/3 of 1f1b's activations: the ones that fit a tight --memory)");
   cmd->add_option("--virtual-counts", f->virtual_counts,
                   "stages per rank to try for the looped schedules (interleaved, interleaved-zb, looped-bfs), default 2");
@@ -206,6 +207,26 @@ void check_plan_flags(const PlanFlags* f, const CLI::App* cmd) {
 // search then refused the bandwidth it overflowed to).
 std::string bandwidth_text(double gbps) {
   return std::isinf(gbps) ? "no bandwidth limit (latency only)" : fmt::format("{:.3g} GB/s", gbps);
+}
+
+// The asynchronous schedules in --schedules are not searched (core/plan search): a note names them, unless
+// nothing else is given, which the search refuses in its own words.
+void note_asynchronous_schedules(const std::vector<std::string>& schedules) {
+  std::string given_async;
+  bool any_sync = false;
+  for (const std::string& name : schedules) {
+    const bool sync = schedule_traits(name).synchronous;  // an unknown name: UsageError listing the names
+    any_sync |= sync;
+    if (!sync) given_async += (given_async.empty() ? "" : " ") + name;
+  }
+  if (given_async.empty() || !any_sync) return;
+  std::string async_names;
+  for (const std::string& name : schedule_names())
+    if (!schedule_traits(name).synchronous) async_names += (async_names.empty() ? "" : ", ") + name;
+  std::cerr << "pipetrain plan: note: --schedules " << given_async << ": the asynchronous schedules (" << async_names
+            << ") are not searched (they never flush, so no step time compares with the others'); PipeDream's own "
+            << "planner is run for every plan (its section, \"PipeDream planner's own estimate\", and its plan as "
+            << "1F1B-RR)\n";
 }
 
 // The profile, read as the flags say (a PipeDream graph one state per node, at its batch size); a measured
@@ -495,6 +516,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
     exit_code = guarded("plan", [&] {
       check_plan_flags(f.get(), cmd);
       check_output_path(f->out, "--out");
+      note_asynchronous_schedules(f->schedules);
       const Profile prof = read_plan_profile(f.get(), cmd);
       const double limit = f->memory_gib * 1073741824.0;
       PlanSearchOptions so;

@@ -29,6 +29,7 @@ Schedule load_torch_schedule(const ScheduleFlags& flags, const std::string& lett
                      "with _dump_csv)");
   if (!flags.schedule.empty())
     throw UsageError("give either --schedule " + flags.schedule + " or --load " + flags.load + ", not both");
+  flags.refuse_profile_flags_without_profile();
   if (!flags.replication.empty())
     throw UsageError("--replication applies to a generated schedule; PyTorch's schedule CSV gives every stage one rank");
   TorchCsvReadOptions o;

@@ -100,6 +100,37 @@ def _int_list(value, keyword: str) -> List[int]:
     return list(value)
 
 
+# The keywords that give the stages' costs, with the command line's defaults (--cost, --comm, --profile, ...).
+_COST_DEFAULTS = {"cost": "1:1:1", "comm": 0.0, "profile": None, "balance": "time", "balance_solver": "min-max",
+                  "microbatch_size": 0.0, "bandwidth": None, "latency": None, "pipedream_batch": 0}
+# The ones that shape a profile's costs (--cost replaces them all), and the one a profile replaces.
+_PROFILE_KEYS = ("profile", "balance", "balance_solver", "microbatch_size", "bandwidth", "latency", "pipedream_batch")
+
+
+def _cost_keywords(given: dict, built: Optional[dict], where: str) -> dict:
+    """The cost keywords a run uses: those given (None: not given), else the ones the Schedule was built with
+    (Schedule.built_with), else the defaults. cost= replaces a recorded profile (and its balance, ...) and
+    profile= a recorded cost, as --cost and --profile exclude each other. The keywords that shape a profile's
+    costs raise ValueError without a profile, as their flags do without --profile (they would do nothing)."""
+    if given.get("profile") is None and not (built and built.get("profile") is not None and given.get("cost") is None):
+        for key in _PROFILE_KEYS[1:]:
+            if given.get(key) is not None:
+                raise ValueError(f"{where}: {key}={given[key]!r} applies with profile= (it shapes a profile's costs), "
+                                 f"and none is given: the costs come from cost= and comm= here: add profile=..., or "
+                                 f"drop {key}=")
+    out = dict(_COST_DEFAULTS)
+    if built:
+        base = {k: built[k] for k in _COST_DEFAULTS if k in built}
+        if given.get("cost") is not None:
+            for k in _PROFILE_KEYS:
+                base.pop(k, None)
+        if given.get("profile") is not None:
+            base.pop("cost", None)
+        out.update(base)
+    out.update({k: v for k, v in given.items() if v is not None})
+    return out
+
+
 def schedule(
     name: str,
     stages: int = 0,
@@ -112,14 +143,15 @@ def schedule(
     skips: Optional[Iterable[str]] = None,
     exact: bool = False,
     exact_nodes: int = 5_000_000,
-    cost: str = "1:1:1",
-    comm: float = 0.0,
+    cost: Optional[str] = None,
+    comm: Optional[float] = None,
     profile: Optional[ProfileLike] = None,
-    balance: str = "time",
-    balance_solver: str = "min-max",
-    microbatch_size: float = 0.0,
+    balance: Optional[str] = None,
+    balance_solver: Optional[str] = None,
+    microbatch_size: Optional[float] = None,
     bandwidth: Optional[float] = None,
     latency: Optional[float] = None,
+    pipedream_batch: Optional[int] = None,
     return_exact: bool = False,
 ) -> Union[Schedule, Tuple[Schedule, Optional[ZbExactResult]]]:
     """Builds and validates a schedule, as ``pipetrain schedule --schedule NAME -p STAGES -m MICROBATCHES``.
@@ -130,16 +162,31 @@ def schedule(
     per rank in micro-batches (checked; zb-auto's target, default p). replication (e.g. [3, 1]): 1F1B-RR
     over stage replicas (gpipe or 1f1b; stages may then be left 0). skips: 'FROM:TO[:SIZE]' routes.
     exact: with zb-auto, the branch-and-bound optimum (exact_nodes search nodes at most).
-    cost/comm/profile/...: the costs zb-h2 and zb-auto plan with (see costs()).
+    cost/comm/profile/...: the costs zb-h2 and zb-auto plan with (see costs()); the schedule remembers them
+    (Schedule.built_with), and simulate(schedule) and costs(schedule) use them unless given others, so
+    ``simulate(schedule("zb-auto", ..., cost="1:1.5:1"))`` times it at the costs it was planned for.
+    Left out (None), they are the command line's (cost '1:1:1', comm 0, balance 'time', balance_solver
+    'min-max', ...); balance, balance_solver, microbatch_size, bandwidth, latency and pipedream_batch shape a
+    profile's costs and raise ValueError without profile=, as their flags do without --profile.
+    pipedream_batch (--pipedream-batch): the batch size a PipeDream graph file given as profile was profiled
+    at (its format does not record it; VGG-16's: 128); without it such a file is read at 1, with a warning.
     return_exact=True returns (schedule, ZbExactResult of the exact search or None): the summary
     (greedy_makespan, gap_percent, proven, ...) that ``pipetrain schedule --exact`` prints.
     Raises ValueError (pipetrain.ScheduleError for an invalid schedule, with its grid); TypeError for a
     string where a list belongs (skips=['0:3'], not skips='0:3').
     """
+    replication_list = _int_list(replication, "replication")
+    skip_list = _str_list(skips, "skips")
+    kw = _cost_keywords(dict(cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,
+                             microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency,
+                             pipedream_batch=pipedream_batch), None, "schedule")
     s, found = _pipetrain._schedule(
-        name, stages, microbatches, virtual, steps, memory_limit, _int_list(replication, "replication"),
-        _str_list(skips, "skips"), exact, exact_nodes, cost, comm, profile, balance, balance_solver,
-        microbatch_size, bandwidth, latency)
+        name, stages, microbatches, virtual, steps, memory_limit, replication_list, skip_list, exact, exact_nodes,
+        kw["cost"], kw["comm"], kw["profile"], kw["balance"], kw["balance_solver"], kw["microbatch_size"],
+        kw["bandwidth"], kw["latency"], kw["pipedream_batch"])
+    s.built_with = dict(name=name, stages=stages, microbatches=microbatches, virtual=virtual, steps=steps,
+                        memory_limit=memory_limit, replication=replication_list or None, skips=skip_list,
+                        exact=bool(exact), exact_nodes=exact_nodes, exact_result=found, **kw)
     return (s, found) if return_exact else s
 
 
@@ -149,30 +196,58 @@ generate = schedule
 def costs(
     schedule: Schedule,
     *,
-    cost: str = "1:1:1",
-    comm: float = 0.0,
+    cost: Optional[str] = None,
+    comm: Optional[float] = None,
     profile: Optional[ProfileLike] = None,
-    balance: str = "time",
-    balance_solver: str = "min-max",
-    microbatch_size: float = 0.0,
+    balance: Optional[str] = None,
+    balance_solver: Optional[str] = None,
+    microbatch_size: Optional[float] = None,
     bandwidth: Optional[float] = None,
     latency: Optional[float] = None,
+    pipedream_batch: Optional[int] = None,
     skip_bandwidth: float = 0.0,
 ) -> CostModel:
     """The cost model ``pipetrain simulate`` uses for a schedule: from cost ('F:B:W' for every rank, or one
     triple per rank or per stage; a rank's triple is split over its v chunks) and comm (time of one transfer),
     or from a profile (dict, JSON text or path) cut into the schedule's stages by balance (uniform,
     parameters, time, memory, type:REGEX or '3,2,2') with balance_solver (min-max or block-partition);
-    bandwidth in GB/s and latency in us (default: the profile's measured transport, else free).
+    bandwidth in GB/s and latency in us (default: the profile's measured transport, else free);
+    pipedream_batch: the batch size a PipeDream graph file was profiled at (--pipedream-batch).
+    Defaults: a keyword not given (None) is the one schedule() built the schedule with (Schedule.built_with:
+    cost= replaces a recorded profile, profile= a recorded cost), else the command line's (cost '1:1:1',
+    comm 0, balance time, ...).
     The schedule is validated first (ScheduleError if it is not a complete, consistent schedule)."""
-    return _pipetrain._costs(schedule, cost, comm, profile, balance, balance_solver, microbatch_size, bandwidth,
-                             latency, skip_bandwidth)
+    kw = _cost_keywords(dict(cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,
+                             microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency,
+                             pipedream_batch=pipedream_batch), getattr(schedule, "built_with", None), "costs")
+    return _checked_costs(schedule, checked=False, skip_bandwidth=skip_bandwidth, **kw)
 
 
-def _checked_costs(schedule: Schedule, **kw) -> CostModel:
-    # costs() for a schedule simulate() has validated already.
+def _checked_costs(schedule: Schedule, checked: bool = True, **kw) -> CostModel:
+    # checked=True: costs() for a schedule simulate() has validated already.
     return _pipetrain._costs(schedule, kw["cost"], kw["comm"], kw["profile"], kw["balance"], kw["balance_solver"],
-                             kw["microbatch_size"], kw["bandwidth"], kw["latency"], kw["skip_bandwidth"], True)
+                             kw["microbatch_size"], kw["bandwidth"], kw["latency"], kw["skip_bandwidth"],
+                             kw["pipedream_batch"], checked)
+
+
+def _own_sizes(schedule: Schedule, key: str, value):
+    """Whether a generation keyword given with a Schedule object agrees with it, and what it has."""
+    if key == "stages":  # schedule()'s stages: its ranks (p), or with replication its stages
+        if schedule.stage_replicas:
+            replicas = [len(r) for r in schedule.stage_replicas]
+            return value == schedule.stages, (f"it has {schedule.stages} stages, replicated {replicas}; with "
+                                              "replication, stages= counts the stages")
+        return value == schedule.ranks, f"it has {schedule.ranks} ranks; stages= counts the ranks, p"
+    if key == "microbatches":
+        return value == schedule.microbatches_per_step, f"it has {schedule.microbatches_per_step} micro-batches per step"
+    if key == "virtual":  # as schedule() reads it: the V shapes take 1 (their default) or 2
+        own = schedule.virtual_stages
+        try:
+            agrees = stages_per_rank(schedule.name, value) == own
+        except ValueError:
+            agrees = value == own
+        return agrees, f"it has {own} stages per rank"
+    return value == schedule.steps, f"it has {schedule.steps} steps"
 
 
 def simulate(
@@ -189,14 +264,15 @@ def simulate(
     skips: Optional[Iterable[str]] = None,
     exact: Optional[bool] = None,
     exact_nodes: Optional[int] = None,
-    cost: str = "1:1:1",
-    comm: float = 0.0,
+    cost: Optional[str] = None,
+    comm: Optional[float] = None,
     profile: Optional[ProfileLike] = None,
-    balance: str = "time",
-    balance_solver: str = "min-max",
-    microbatch_size: float = 0.0,
+    balance: Optional[str] = None,
+    balance_solver: Optional[str] = None,
+    microbatch_size: Optional[float] = None,
     bandwidth: Optional[float] = None,
     latency: Optional[float] = None,
+    pipedream_batch: Optional[int] = None,
     skip_bandwidth: float = 0.0,
 ) -> Simulation:
     """Simulates a schedule, as ``pipetrain simulate``: the timeline, makespan, both bubble measures
@@ -207,43 +283,67 @@ def simulate(
     ``pipetrain simulate --load FILE``: validated first (with memory_limit, in micro-batches, when > 0),
     skips added to a copy (the caller's Schedule is left alone). The keywords that only shape a generated
     schedule (stages, microbatches, virtual, steps, replication, exact, exact_nodes) raise TypeError with a
-    Schedule object, unless they equal what the schedule already has (stages: its ranks; microbatches:
-    per step). costs: a CostModel, or (None) the one costs() makes from cost/comm/profile/...
+    Schedule object, unless they equal what the schedule already has: stages its ranks (p), or its stages
+    when it replicates them (replication=[3, 1]: stages=2); microbatches per step; replication its replicas
+    per stage; exact=True (and exact_nodes) a schedule that schedule(..., exact=True) built, whose search
+    summary the Simulation then carries.
+    costs: a CostModel, or (None) the one costs() makes from cost/comm/profile/... . A cost keyword not
+    given (None) is, for a Schedule object that schedule() built, the one it was built with
+    (Schedule.built_with; cost= replaces a recorded profile and profile= a recorded cost), else the command
+    line's default (cost '1:1:1', comm 0, balance 'time', ...): ``simulate(schedule("zb-auto", ...,
+    cost="1:1.5:1"))`` times it at 1:1.5:1, as ``simulate -s zb-auto ... --cost 1:1.5:1`` does; a Schedule
+    read from a file (Schedule.load_csv) has none recorded, as ``simulate --load``. pipedream_batch
+    (--pipedream-batch): the batch size a PipeDream graph file given as profile was profiled at.
     reference=True predicts the heap of the blocking reference executor. Returns a Simulation (to_dict()
     is ``simulate --json``'s object, with 'exact' after exact=True; svg(), chrome_trace(),
     write_svg(path), write_trace(path), table(), ascii()).
     """
     found = None
+    given_costs = dict(cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,
+                       microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency,
+                       pipedream_batch=pipedream_batch)
     if isinstance(schedule, str):
+        kw = _cost_keywords(given_costs, None, "simulate")
         schedule, found = globals()["schedule"](
             schedule, 0 if stages is None else stages, 0 if microbatches is None else microbatches,
             virtual=1 if virtual is None else virtual, steps=1 if steps is None else steps,
             memory_limit=memory_limit, replication=replication, skips=skips, exact=bool(exact),
-            exact_nodes=5_000_000 if exact_nodes is None else exact_nodes, cost=cost, comm=comm,
-            profile=profile, balance=balance, balance_solver=balance_solver, microbatch_size=microbatch_size,
-            bandwidth=bandwidth, latency=latency, return_exact=True)
+            exact_nodes=5_000_000 if exact_nodes is None else exact_nodes, return_exact=True, **given_costs)
     elif isinstance(schedule, Schedule):
-        own = {"stages": schedule.ranks, "microbatches": schedule.microbatches_per_step,
-               "virtual": schedule.virtual_stages, "steps": schedule.steps}
-        given = {"stages": stages, "microbatches": microbatches, "virtual": virtual, "steps": steps}
-        for key, value in given.items():
-            if value is not None and value != own[key]:
+        built = schedule.built_with
+        kw = _cost_keywords(given_costs, built, "simulate")
+        for key, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual),
+                           ("steps", steps)):
+            if value is None:
+                continue
+            agrees, own = _own_sizes(schedule, key, value)
+            if not agrees:
                 raise TypeError(f"simulate: {key}={value!r} shapes a generated schedule, but the Schedule object "
-                                f"already fixes it ({key} {own[key]}): drop {key}=, or give a schedule name")
+                                f"already fixes it ({own}): drop {key}=, or give a schedule name")
         if replication is not None:
-            raise TypeError("simulate: replication= applies to a generated schedule, but a Schedule object gives "
-                            "its replicas in stage_replicas: drop replication=, or give a schedule name")
-        if exact or exact_nodes is not None:
-            raise TypeError("simulate: exact= searches zb-auto's schedules, but a Schedule object is already fixed: "
-                            "drop exact=/exact_nodes=, or give the name 'zb-auto'")
+            own_replicas = [len(r) for r in schedule.stage_replicas]
+            if _int_list(replication, "replication") != own_replicas:
+                has = (f"it has replicas per stage {own_replicas}, its stage_replicas" if own_replicas
+                       else "it has no replicated stages")
+                raise TypeError(f"simulate: replication={list(replication)!r} applies to a generated schedule, but the "
+                                f"Schedule object already fixes it ({has}): drop replication=, or give a schedule name")
+        own_exact = bool(built and built.get("exact"))
+        if (exact is not None and bool(exact) != own_exact) or (
+                exact_nodes is not None and not (own_exact and built.get("exact_nodes") == exact_nodes)):
+            has = (f"it is the exact search's, with exact_nodes={built.get('exact_nodes')}" if own_exact
+                   else "it was not built with exact=True")
+            named = ", ".join(f"{k}={v!r}" for k, v in (("exact", exact), ("exact_nodes", exact_nodes)) if v is not None)
+            raise TypeError(f"simulate: {named} searches zb-auto's schedules, but "
+                            f"the Schedule object is already fixed ({has}): drop exact=/exact_nodes=, or give the "
+                            "name 'zb-auto'")
+        if exact and own_exact:
+            found = built.get("exact_result")
         schedule = _pipetrain._prepare(schedule, memory_limit, _str_list(skips, "skips"))
     else:
         raise TypeError(f"simulate: schedule must be a Schedule or a schedule name (str, one of schedule_names()), "
                         f"got {type(schedule).__name__}")
     if costs is None:
-        costs = _checked_costs(
-            schedule, cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,
-            microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency, skip_bandwidth=skip_bandwidth)
+        costs = _checked_costs(schedule, skip_bandwidth=skip_bandwidth, **kw)
     elif not isinstance(costs, CostModel):
         raise TypeError(f"simulate: costs must be a CostModel or None, got {type(costs).__name__}")
     return _pipetrain._simulate(schedule, costs, reference, found, True)

@@ -14,7 +14,10 @@ loop, with your own ``PipelineStage`` objects:
 
 Letters: pipetrain's F, B (input gradient), W, BW (full backward), SF, RF, SB, RB become PyTorch's F, I,
 W, B, SEND_F, RECV_F, SEND_B, RECV_B. Optimizer steps stay yours (PyTorch's schedules leave them to the
-caller). Needs PyTorch 2.5 or newer (tested with 2.6); older ones fall back to ``_load_csv``.
+caller). Needs PyTorch 2.5 or newer (tested with 2.6): the API used is ``_PipelineScheduleRuntime`` and the
+``BACKWARD_INPUT``/``BACKWARD_WEIGHT``/``FULL_BACKWARD`` action types of
+``torch.distributed.pipelining.schedules``, which 2.4's module lacks; a runtime without ``_load_actions``
+is handed the lowered schedule through its ``_load_csv``.
 """
 
 import os
@@ -35,11 +38,23 @@ _TORCH_KIND = {
 }
 
 
+# What this module uses of torch.distributed.pipelining.schedules: the runtime that executes a given action
+# list, and the action types of the split backward (the names PyTorch 2.5 gave them).
+_REQUIRED = ("_PipelineScheduleRuntime", "_Action") + tuple(sorted(set(_TORCH_KIND.values())))
+_MINIMUM = "PyTorch 2.5 or newer"
+
+
 def _schedules_module():
     try:
         from torch.distributed.pipelining import schedules
-    except ImportError as e:  # PyTorch older than 2.4, or none
-        raise ImportError("pipetrain.torch needs torch.distributed.pipelining (PyTorch 2.4 or newer): " + str(e)) from e
+    except ImportError as e:  # PyTorch older than 2.4 (no torch.distributed.pipelining), or none
+        raise ImportError(f"pipetrain.torch needs torch.distributed.pipelining's schedule runtime ({_MINIMUM}): "
+                          + str(e)) from e
+    missing = [name for name in _REQUIRED if not hasattr(schedules, name)]
+    if missing:
+        import torch
+        raise ImportError(f"pipetrain.torch needs {_MINIMUM}: this PyTorch ({torch.__version__}) has no "
+                          f"{', '.join(missing)} in torch.distributed.pipelining.schedules: upgrade PyTorch")
     return schedules
 
 
@@ -129,10 +144,7 @@ def pipeline_schedule(
                          "make one PipelineStage per index of pipetrain.torch.stages_of(schedule, rank)")
     stages.sort(key=lambda s: s.stage_index)
     stage_to_rank = {s: r for s, r in enumerate(schedule.stage_rank)}
-    runtime_cls = getattr(sched, "_PipelineScheduleRuntime", None)
-    if runtime_cls is None:
-        raise ImportError("this PyTorch has no _PipelineScheduleRuntime (added in 2.5): upgrade PyTorch")
-    runtime = runtime_cls(stages, schedule.microbatches_per_step, loss_fn=loss_fn,
+    runtime = sched._PipelineScheduleRuntime(stages, schedule.microbatches_per_step, loss_fn=loss_fn,
                           stage_index_to_group_rank=stage_to_rank, **runtime_kwargs)
     if hasattr(runtime, "_load_actions"):
         runtime._load_actions(torch_actions(schedule, costs=costs), format="compute_comms")

@@ -160,22 +160,78 @@ nlohmann::json from_python(const py::handle& obj, const std::string& what = "pro
   return nlohmann::json::parse(text);
 }
 
+// A Python warning (UserWarning); an error when the warnings filter makes it one.
+void warn(const std::string& message) {
+  if (PyErr_WarnEx(PyExc_UserWarning, message.c_str(), 1) < 0) throw py::error_already_set();
+}
+
+// pipedream_batch: the batch size a PipeDream graph file was profiled at (--pipedream-batch); 0: not given.
+// kNoPipedreamBatch: the function has no such keyword (its warning points to load_profile's).
+constexpr int kNoPipedreamBatch = -1;
+void check_pipedream_batch(int pipedream_batch) {
+  if (pipedream_batch < 0)
+    throw UsageError("pipedream_batch=" + std::to_string(pipedream_batch) + " must be >= 1, the batch size the "
+                     "PipeDream graph file was profiled at (VGG-16's: 128), or 0: not given");
+}
+
+// A profile file (JSON, or PipeDream's graph text). A PipeDream graph does not record the batch it was
+// profiled at: read at 1 without pipedream_batch, its times and activations are that many times off
+// (VGG-16's file: 128x), which a warning says, as `pipetrain plan`, `simulate` and `schedule` do.
+Profile read_profile_file(const std::string& path, int pipedream_batch) {
+  Profile p = load_profile(path);
+  const bool graph = p.source.rfind("pipedream graph", 0) == 0;
+  if (pipedream_batch > 0) {
+    if (!graph)
+      throw UsageError("pipedream_batch is for PipeDream graph files; " + path + " is a JSON profile, which records its "
+                       "micro-batch size: drop pipedream_batch");
+    PipeDreamOptions po;
+    po.micro_batch_size = pipedream_batch;
+    return load_pipedream_graph(path, po);
+  }
+  if (graph)
+    warn(path + " is a PipeDream graph file, read as profiled at batch size 1 (its format does not record one): " +
+         (pipedream_batch == kNoPipedreamBatch
+              ? std::string("read it with load_profile(path, pipedream_batch=N) and pass the dict, N")
+              : std::string("give pipedream_batch=N")) +
+         " being the batch size it was profiled at (VGG-16's: 128), or its times and memory are N times off");
+  return p;
+}
+
 // A profile given as a dict (the JSON form), JSON text, or a path (JSON or PipeDream's graph text).
-Profile to_profile(const py::handle& obj) {
-  if (py::isinstance<py::dict>(obj)) return profile_from_json(from_python(obj), "profile");
+Profile to_profile(const py::handle& obj, int pipedream_batch = kNoPipedreamBatch) {
+  if (pipedream_batch != kNoPipedreamBatch) check_pipedream_batch(pipedream_batch);
+  auto not_a_file = [&](const char* what) {
+    if (pipedream_batch > 0)
+      throw UsageError(std::string("pipedream_batch is for a PipeDream graph file read from its path; profile is ") +
+                       what + ", which gives its micro-batch size: drop pipedream_batch (parse_pipedream_graph(text, "
+                       "micro_batch_size=N) reads a graph's text at N)");
+  };
+  if (py::isinstance<py::dict>(obj)) {
+    not_a_file("a dict");
+    return profile_from_json(from_python(obj), "profile");
+  }
   if (py::isinstance<py::str>(obj)) {
     const std::string text = obj.cast<std::string>();
     const auto first = text.find_first_not_of(" \t\r\n");
-    if (first != std::string::npos && text[first] == '{') return profile_from_json_text(text, "profile");
-    return load_profile(text);
+    if (first != std::string::npos && text[first] == '{') {
+      not_a_file("JSON text");
+      return profile_from_json_text(text, "profile");
+    }
+    return read_profile_file(text, pipedream_batch);
   }
-  if (py::hasattr(obj, "__fspath__")) return load_profile(path_arg(obj, "profile"));
+  if (py::hasattr(obj, "__fspath__")) return read_profile_file(path_arg(obj, "profile"), pipedream_batch);
   throw py::type_error("profile must be a dict (the JSON form of docs/PROFILE.md), JSON text or a file path; got " +
                        py::str(py::type::of(obj).attr("__name__")).cast<std::string>());
 }
-std::optional<Profile> to_profile_opt(const py::object& obj) {
-  if (obj.is_none()) return std::nullopt;
-  return to_profile(obj);
+std::optional<Profile> to_profile_opt(const py::object& obj, int pipedream_batch) {
+  check_pipedream_batch(pipedream_batch);
+  if (obj.is_none()) {
+    if (pipedream_batch > 0)
+      throw UsageError("pipedream_batch applies with profile= (a PipeDream graph file): add profile=PATH, or drop "
+                       "pipedream_batch");
+    return std::nullopt;
+  }
+  return to_profile(obj, pipedream_batch);
 }
 
 ActionKind parse_kind(const std::string& name) {
@@ -674,10 +730,20 @@ PYBIND11_MODULE(_pipetrain, m) {
                         return SkipEdge{t[0].cast<int>(), t[1].cast<int>(), t[2].cast<double>()};
                       }));
 
-  py::class_<Schedule>(m, "Schedule",
+  py::class_<Schedule>(m, "Schedule", py::dynamic_attr(),
                        "Per rank, the ordered list of actions it runs (actions[r]). Made by pipetrain.schedule(), "
                        "Schedule.from_csv() or pipetrain.from_torch_csv(); str() gives one line per rank.")
       .def(py::init<>())
+      .def_property(
+          "built_with",
+          [](py::object self) -> py::object {
+            py::dict d = self.attr("__dict__");
+            return d.contains("_built_with") ? py::object(d["_built_with"]) : py::object(py::none());
+          },
+          [](py::object self, py::object value) { self.attr("__dict__")["_built_with"] = value; },
+          "The keyword arguments pipetrain.schedule() built it with (a dict: name, stages, ..., cost, profile, ..., and "
+          "exact_result after exact=True), or None for a Schedule made otherwise. simulate() and costs() take their "
+          "cost keywords from it when not given. Copies and pickles keep it.")
       .def_readwrite("name", &Schedule::name)
       .def_readwrite("ranks", &Schedule::ranks, "p: ranks (devices, processes)")
       .def_readwrite("stages", &Schedule::stages, "S: (virtual) stages, p * v for the looped and V schedules")
@@ -729,9 +795,24 @@ PYBIND11_MODULE(_pipetrain, m) {
                " m=" + std::to_string(s.microbatches_per_step) + " steps=" + std::to_string(s.steps()) + ">";
       })
       .def(py::self == py::self)
-      .def("__copy__", [](const Schedule& s) { return s; })
-      .def("__deepcopy__", [](const Schedule& s, py::dict) { return s; }, py::arg("memo"))
-      .def(py::pickle(&schedule_state, &schedule_from_state));
+      // Copies and pickles carry the instance's attributes (built_with) along with the schedule.
+      .def("__copy__", [](py::object self) {
+        py::object c = py::cast(Schedule(self.cast<const Schedule&>()));
+        c.attr("__dict__").attr("update")(self.attr("__dict__"));
+        return c;
+      })
+      .def("__deepcopy__", [](py::object self, py::dict memo) {
+        py::object c = py::cast(Schedule(self.cast<const Schedule&>()));
+        c.attr("__dict__").attr("update")(py::module_::import("copy").attr("deepcopy")(self.attr("__dict__"), memo));
+        return c;
+      }, py::arg("memo"))
+      .def(py::pickle(
+          [](py::object self) { return py::make_tuple(schedule_state(self.cast<const Schedule&>()), self.attr("__dict__")); },
+          [](const py::tuple& t) {
+            if (t.size() == 2)  // (state, __dict__)
+              return std::make_pair(schedule_from_state(t[0].cast<py::tuple>()), t[1].cast<py::dict>());
+            return std::make_pair(schedule_from_state(t), py::dict());  // pickled before built_with
+          }));
 
   m.def("parse_action", &parse_action, py::arg("text"), "Parses one action's text form, e.g. '2F0'.");
   m.def("parse_cell", &parse_cell, py::arg("text"), "Parses one cell: an action, or a pair '(0F7;7BW3)'.");
@@ -828,15 +909,16 @@ PYBIND11_MODULE(_pipetrain, m) {
       "_costs",
       [](Schedule s, const std::string& cost, double comm, py::object profile, const std::string& balance,
          const std::string& balance_solver, double microbatch_size, std::optional<double> bandwidth,
-         std::optional<double> latency, double skip_bandwidth, bool checked) {
+         std::optional<double> latency, double skip_bandwidth, int pipedream_batch, bool checked) {
         if (!checked) check_schedule(s);
-        CostFlags f{cost, comm, to_profile_opt(profile), balance, balance_solver, microbatch_size, bandwidth, latency, skip_bandwidth};
+        CostFlags f{cost, comm, to_profile_opt(profile, pipedream_batch), balance, balance_solver, microbatch_size,
+                    bandwidth, latency, skip_bandwidth};
         py::gil_scoped_release nogil;
         return flag_costs(f, s);
       },
       py::arg("schedule"), py::arg("cost"), py::arg("comm"), py::arg("profile"), py::arg("balance"),
       py::arg("balance_solver"), py::arg("microbatch_size"), py::arg("bandwidth"), py::arg("latency"),
-      py::arg("skip_bandwidth"), py::arg("checked") = false);
+      py::arg("skip_bandwidth"), py::arg("pipedream_batch") = 0, py::arg("checked") = false);
 
   m.def(
       "_schedule",
@@ -844,8 +926,9 @@ PYBIND11_MODULE(_pipetrain, m) {
          const std::vector<int>& replication, const std::vector<std::string>& skips, bool exact, long long exact_nodes,
          const std::string& cost, double comm, py::object profile, const std::string& balance,
          const std::string& balance_solver, double microbatch_size, std::optional<double> bandwidth,
-         std::optional<double> latency) {
-        CostFlags f{cost, comm, to_profile_opt(profile), balance, balance_solver, microbatch_size, bandwidth, latency, 0.0};
+         std::optional<double> latency, int pipedream_batch) {
+        CostFlags f{cost, comm, to_profile_opt(profile, pipedream_batch), balance, balance_solver, microbatch_size,
+                    bandwidth, latency, 0.0};
         ZbExactResult found;
         Schedule s;
         {
@@ -860,7 +943,7 @@ PYBIND11_MODULE(_pipetrain, m) {
       py::arg("name"), py::arg("stages"), py::arg("microbatches"), py::arg("virtual"), py::arg("steps"),
       py::arg("memory_limit"), py::arg("replication"), py::arg("skips"), py::arg("exact"), py::arg("exact_nodes"),
       py::arg("cost"), py::arg("comm"), py::arg("profile"), py::arg("balance"), py::arg("balance_solver"),
-      py::arg("microbatch_size"), py::arg("bandwidth"), py::arg("latency"));
+      py::arg("microbatch_size"), py::arg("bandwidth"), py::arg("latency"), py::arg("pipedream_batch") = 0);
 
   // What the command line does with --load FILE: the skip routes added (to a copy), then validated with
   // the memory limit.
@@ -1220,8 +1303,14 @@ PYBIND11_MODULE(_pipetrain, m) {
         "under the memory limit (0: p micro-batches), and the greedy's gap.");
 
   // ---- profiles, balances ----
-  m.def("load_profile", [](py::object path) { return to_python(profile_to_json(load_profile(path_arg(path, "path")))); },
-        py::arg("path"), "Reads a profile (pipetrain's JSON, or PipeDream's graph text) into its JSON form as a dict.");
+  m.def("load_profile", [](py::object path, int pipedream_batch) {
+          check_pipedream_batch(pipedream_batch);
+          return to_python(profile_to_json(read_profile_file(path_arg(path, "path"), pipedream_batch)));
+        },
+        py::arg("path"), py::kw_only(), py::arg("pipedream_batch") = 0,
+        "Reads a profile (pipetrain's JSON, or PipeDream's graph text) into its JSON form as a dict. pipedream_batch: "
+        "the batch size a PipeDream graph file was profiled at (--pipedream-batch; its format does not record it, "
+        "VGG-16's is 128); without it a graph is read at 1, with a warning.");
   m.def("profile", [](py::object obj) { return to_python(profile_to_json(to_profile(obj))); }, py::arg("profile"),
         "Checks a profile (dict, JSON text or path) and returns its JSON form as a dict.");
   m.def("profile_to_json", [](py::object obj) { return profile_to_json_text(to_profile(obj)); }, py::arg("profile"),
@@ -1272,7 +1361,8 @@ PYBIND11_MODULE(_pipetrain, m) {
   // ---- planners ----
   m.def("plan_pipedream", [](py::object profile, std::optional<int> ranks_given, double bandwidth, py::object levels,
                              const std::string& cost_form, double memory, bool straight_pipeline,
-                             bool allow_fewer_machines, double activation_compression, bool weight_stashing) {
+                             bool allow_fewer_machines, double activation_compression, bool weight_stashing,
+                             int pipedream_batch) {
           check_transfer_flags(bandwidth, 0, memory);
           check_nonneg("memory", memory, "no limit");
           check_activation_compression(activation_compression);
@@ -1288,7 +1378,7 @@ PYBIND11_MODULE(_pipetrain, m) {
           o.allow_fewer_machines = allow_fewer_machines;
           o.activation_compression = activation_compression;
           o.weight_stashing = weight_stashing;
-          const Profile prof = to_profile(profile);
+          const Profile prof = to_profile(profile, pipedream_batch);
           nlohmann::json j;
           {
             py::gil_scoped_release nogil;
@@ -1299,18 +1389,19 @@ PYBIND11_MODULE(_pipetrain, m) {
         py::arg("profile"), py::arg("ranks") = py::none(), py::arg("bandwidth") = 10.0, py::arg("levels") = py::none(),
         py::arg("cost_form") = "paper", py::arg("memory") = 0.0, py::arg("straight_pipeline") = false,
         py::arg("allow_fewer_machines") = false, py::arg("activation_compression") = 0.0,
-        py::arg("weight_stashing") = false,
+        py::arg("weight_stashing") = false, py::arg("pipedream_batch") = 0,
         "PipeDream's planner: balance and per-stage replication minimising the bottleneck time. bandwidth in GB/s "
         "(one level of `ranks` devices, default 2), or levels innermost first (their MACHINES multiply to ranks; "
         "ranks left out: that product) as 'MACHINES:GB/s' strings or (machines, GB/s) "
-        "pairs; memory in GiB per device (0: no limit). Returns the plan's JSON form (docs/PROFILE.md) as a dict.");
+        "pairs; memory in GiB per device (0: no limit); pipedream_batch: the batch size a PipeDream graph file was "
+        "profiled at (--pipedream-batch). Returns the plan's JSON form (docs/PROFILE.md) as a dict.");
   m.def("search_plans", [](py::object profile, int ranks, std::optional<double> bandwidth, std::optional<double> latency,
                            double memory, long long batch_size, const std::vector<std::string>& schedules,
                            const std::vector<int>& microbatch_counts, const std::vector<std::string>& balances,
                            const std::string& cost_form, py::object levels, double activation_compression,
                            bool replicated_may_win, bool hybrid, const std::vector<int>& virtual_counts,
-                           bool exhaustive) {
-          const Profile prof = to_profile(profile);
+                           bool exhaustive, int pipedream_batch) {
+          const Profile prof = to_profile(profile, pipedream_batch);
           if (ranks < 1) throw UsageError("ranks must be >= 1, got " + std::to_string(ranks));
           if (batch_size < 0)
             throw UsageError("batch_size=" + std::to_string(batch_size) + " must be >= 0 samples (0: max(8, ranks) x the "
@@ -1330,6 +1421,23 @@ PYBIND11_MODULE(_pipetrain, m) {
           so.memory_limit_bytes = memory * 1073741824.0;
           so.batch_size = batch_size;
           so.schedules = schedules;
+          // As `pipetrain plan`: the asynchronous schedules are not searched; a warning names them when others
+          // are given (only those: the search refuses, saying so).
+          {
+            std::string given_async, async_names;
+            bool any_sync = false;
+            for (const std::string& name : schedules) {
+              const bool sync = schedule_traits(name).synchronous;
+              any_sync |= sync;
+              if (!sync) given_async += (given_async.empty() ? "" : ", ") + name;
+            }
+            for (const std::string& name : schedule_names())
+              if (!schedule_traits(name).synchronous) async_names += (async_names.empty() ? "" : ", ") + name;
+            if (any_sync && !given_async.empty())
+              warn("search_plans: schedules " + given_async + " left out: the asynchronous schedules (" + async_names +
+                   ") are not searched (they never flush, so no step time compares with the others'); PipeDream's own "
+                   "planner is run for every plan (the result's 'pipedream' and 'replicated')");
+          }
           so.microbatch_counts = microbatch_counts;
           so.balance_kinds = balances;
           so.pipedream.levels = to_levels(levels);
@@ -1361,6 +1469,7 @@ PYBIND11_MODULE(_pipetrain, m) {
         py::arg("cost_form") = "paper", py::arg("levels") = py::none(), py::arg("activation_compression") = 0.0,
         py::arg("replicated_may_win") = true, py::arg("hybrid") = true,
         py::arg("virtual_counts") = PlanSearchOptions().virtual_counts, py::arg("exhaustive") = false,
+        py::arg("pipedream_batch") = 0,
         "What `pipetrain plan` searches: p stages x d data-parallel copies of the pipeline (p x d <= ranks; p = 1 "
         "is data parallelism) for every schedule (interleaved with each of virtual_counts), micro-batch count and "
         "balance kind x solver, simulated with per-boundary transfers and the copies' all-reduce, pruned exactly by "
@@ -1368,13 +1477,16 @@ PYBIND11_MODULE(_pipetrain, m) {
         "too, and so is its plan for ranks/d ranks x d copies ('pipedream_copies', one per d tried, each with its "
         "'copies' and the planner's 'plan'). hybrid=False: straight pipelines over min(ranks, layers) ranks only. bandwidth GB/s (default 10, or "
         "the profile's measured), latency us (default 50, or measured), memory GiB per rank (0: no limit), "
-        "batch_size 0: max(8, ranks) x the profile's micro-batch. Returns a dict: 'chosen' (never worse than any "
+        "batch_size 0: max(8, ranks) x the profile's micro-batch; pipedream_batch: the batch size a PipeDream graph "
+        "file was profiled at (--pipedream-batch; without it a graph is read at 1, with a warning). The asynchronous "
+        "schedules (pipedream, 2bw, spectrain) are not searched (a warning names them). Returns a dict: 'chosen' (never worse than any "
         "entry of 'candidates'), 'best_straight', the baselines, and 'plan_file', what `pipetrain plan --out` "
         "writes (pipetrain train --plan runs it).");
   m.def("umpipe", [](py::object profile, const std::vector<int>& balance, int samples, std::optional<double> bandwidth,
                      std::optional<double> latency, double memory, double overhead, bool rematerialise,
-                     const std::string& fit, unsigned long long seed, int generations, const std::string& planner) {
-          const Profile prof = to_profile(profile);
+                     const std::string& fit, unsigned long long seed, int generations, const std::string& planner,
+                     int pipedream_batch) {
+          const Profile prof = to_profile(profile, pipedream_batch);
           if (generations < 1) throw UsageError("generations must be >= 1, got " + std::to_string(generations));
           if (fit != "table" && fit != "affine") throw UsageError("fit must be table or affine, got " + fit);
           if (samples < 1) throw UsageError("samples=" + std::to_string(samples) + " must be >= 1 (the mini-batch)");
@@ -1419,8 +1531,9 @@ PYBIND11_MODULE(_pipetrain, m) {
         py::arg("profile"), py::arg("balance"), py::arg("samples"), py::arg("bandwidth") = py::none(),
         py::arg("latency") = py::none(), py::arg("memory") = 0.0, py::arg("overhead") = 0.05,
         py::arg("rematerialise") = true, py::arg("fit") = "table", py::arg("seed") = 1ULL, py::arg("generations") = 800,
-        py::arg("planner") = "all",
+        py::arg("planner") = "all", py::arg("pipedream_batch") = 0,
         "UMPIPE (pipetrain plan --planner umpipe): per stage unequal forward and backward micro-batches of a "
         "mini-batch of `samples`, on the given balance. planner: all (equal, local-greedy, global-dp, dgap), or one "
-        "of them. Returns one dict per planner: planner, forward, backward (per stage the sizes), step_ms, ...");
+        "of them. pipedream_batch: the batch size a PipeDream graph file was profiled at (--pipedream-batch). Returns "
+        "one dict per planner: planner, forward, backward (per stage the sizes), step_ms, ...");
 }

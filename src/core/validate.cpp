@@ -11,6 +11,7 @@
 #include "pipetrain/core/dependencies.h"
 #include "pipetrain/core/skip.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/generators.h"
 
 namespace pipetrain {
 
@@ -500,6 +501,65 @@ double skip_memory_delta(const Schedule& s, bool lowered, int r, const Action& a
   return delta;
 }
 
+// The largest activation memory any rank holds, at unit activations (one micro-batch of a rank's layers
+// is 1, split over its v chunks), without skips: what "micro-batches in flight" compares.
+double unit_peak(const Schedule& s) {
+  const CostModel unit = CostModel::uniform(s.stages, StageCost{}, s.virtual_stages_per_rank());
+  double peak = 0;
+  for (const auto& row : s.actions) {
+    double mem = 0;
+    for (const Action& a : row) peak = std::max(peak, mem += unit.memory_delta(a));
+  }
+  return peak;
+}
+
+std::string number_text(double v) {
+  std::ostringstream o;
+  o << v;
+  return o.str();
+}
+
+// The advice of the memory-limit error: the built-in synchronous schedules that hold fewer micro-batches
+// in flight than `s` at its ranks and micro-batches (generated to compare, at unit activations), the
+// fewest first; or, when none does, the fixes that remain. zb-auto plans to any limit of at least one
+// micro-batch.
+std::string memory_advice(const Schedule& s, double limit) {
+  const std::string generic = "raise the limit or use a schedule with fewer micro-batches in flight";
+  if (s.replicated() || s.ranks < 1 || s.microbatches_per_step < 1) return generic;
+  double own = 0;
+  try {
+    own = unit_peak(s);
+  } catch (const std::exception&) {
+    return generic;
+  }
+  std::vector<std::pair<double, std::string>> fewer;
+  for (const std::string& name : schedule_names()) {
+    if (name == s.name || name == "zb-auto") continue;  // zb-auto is named below: the limit is its target
+    const ScheduleTraits t = schedule_traits(name);
+    if (!t.synchronous) continue;
+    GeneratorOptions g;
+    g.ranks = s.ranks;
+    g.microbatches = s.microbatches_per_step;
+    g.virtual_stages = t.virtual_stages ? std::max(2, s.virtual_stages_per_rank()) : 1;
+    try {
+      const double peak = unit_peak(generate(name, g));
+      if (peak < own - 1e-9) fewer.push_back({peak, name});
+    } catch (const std::exception&) {
+      // not built for these sizes (interleaved needs m a multiple of p, ...): not advised
+    }
+  }
+  std::sort(fewer.begin(), fewer.end());
+  const std::string sizes = "p=" + std::to_string(s.ranks) + ", m=" + std::to_string(s.microbatches_per_step);
+  const std::string zb_auto = s.name == "zb-auto" || limit < 1 ? "" : ", or zb-auto, which plans to the limit";
+  if (fewer.empty())
+    return "no other built-in schedule holds fewer micro-batches in flight than this one's " + number_text(own) +
+           " at " + sizes + ": raise the limit, or use fewer stages (the micro-batches in flight grow with p)" + zb_auto;
+  std::string names;
+  for (const auto& [peak, name] : fewer) names += (names.empty() ? "" : ", ") + name + " " + number_text(peak);
+  return "raise the limit, or use a schedule with fewer micro-batches in flight than this one's " + number_text(own) +
+         " (at " + sizes + ", equal activations: " + names + ")" + zb_auto;
+}
+
 void check_memory(const Schedule& s, const ValidateOptions& o) {
   if (!(o.memory_limit < std::numeric_limits<double>::infinity())) return;
   if (o.memory_limit <= 0)
@@ -520,7 +580,7 @@ void check_memory(const Schedule& s, const ValidateOptions& o) {
         std::ostringstream why;
         why << "rank " << r << " holds " << mem << " micro-batches of activations after "
             << to_string(row[static_cast<std::size_t>(pos)]) << ", above the memory limit " << o.memory_limit
-            << ": raise the limit or use a schedule with fewer micro-batches in flight (1f1b, zb-h1)";
+            << ": " << memory_advice(s, o.memory_limit);
         fail(s, why.str(), {{r, pos}});
       }
     }

@@ -568,9 +568,26 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
     }
   }
   res.considered = static_cast<int64_t>(cands.size());
-  if (cands.empty())
+  if (cands.empty()) {
+    // The asynchronous schedules were skipped above: say so when --schedules gave nothing else.
+    std::string async_names, given_async;
+    for (const std::string& name : schedule_names())
+      if (!schedule_traits(name).synchronous) async_names += (async_names.empty() ? "" : ", ") + name;
+    bool only_async = true;
+    for (const std::string& name : o.schedules) {
+      const bool sync = schedule_traits(name).synchronous;
+      only_async &= !sync;
+      if (!sync) given_async += (given_async.empty() ? "" : " ") + name;
+    }
+    if (only_async)
+      throw UsageError("no candidate: --schedules " + given_async + " names only asynchronous schedules, and the "
+                       "asynchronous schedules (" + async_names + ") are not searched (they never flush, so no step "
+                       "time compares with the others'); PipeDream's own planner is run for every plan (its section, "
+                       "\"PipeDream planner's own estimate\", and its plan as 1F1B-RR): give synchronous schedules, "
+                       "e.g. --schedules 1f1b zb-h1, or leave --schedules out");
     throw UsageError("no candidate: check --schedules, --microbatch-counts and --batch-size (every micro-batch needs "
                      "a sample)");
+  }
 
   // Simulated candidates, by index.
   std::unordered_map<std::size_t, std::size_t> done;  // candidate -> index in res.candidates

@@ -129,6 +129,18 @@ TEST(PlanSearch, RefusesImpossibleOptionsByName) {
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("--microbatch-counts"), std::string::npos) << e.what();
   }
+  // Only asynchronous schedules: the refusal says they are not searched, and what is.
+  o = options();
+  o.schedules = {"pipedream", "2bw"};
+  try {
+    search_plans(prof, o);
+    FAIL() << "only asynchronous schedules were accepted";
+  } catch (const UsageError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("--schedules pipedream 2bw names only asynchronous schedules"), std::string::npos) << what;
+    EXPECT_NE(what.find("(pipedream, 2bw, spectrain) are not searched"), std::string::npos) << what;
+    EXPECT_NE(what.find("PipeDream's own planner"), std::string::npos) << what;
+  }
   o = options();
   o.pipedream.levels = {NetworkLevel{3, 1e10}};
   try {

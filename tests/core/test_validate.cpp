@@ -83,6 +83,35 @@ TEST(Validate, MemoryLimit) {
   expect_contains(msg, "[0F3]");
 }
 
+// The advice names only schedules that hold fewer micro-batches in flight than the one given (it named 1f1b
+// and zb-h1 to a 1f1b schedule, and to v-min, which holds fewer than both).
+TEST(Validate, MemoryLimitAdvisesOnlySchedulesThatHoldFewer) {
+  auto advice = [](const Schedule& s, double limit) {
+    ValidateOptions o;
+    o.memory_limit = limit;
+    const std::string msg = rejection(s, o);
+    const std::string head = msg.substr(0, msg.find('\n'));
+    const auto at = head.find("above the memory limit");
+    return at == std::string::npos ? head : head.substr(at);
+  };
+  GeneratorOptions g;
+  g.ranks = 4;
+  g.microbatches = 8;
+  const std::string for_1f1b = advice(generate("1f1b", g), 2);
+  expect_contains(for_1f1b, "fewer micro-batches in flight than this one's 4 (at p=4, m=8, equal activations: v-min");
+  expect_contains(for_1f1b, "v-half");
+  for (const char* name : {"(1f1b", " 1f1b", "zb-h1", "gpipe", "zb-h2", "zb-v"})
+    EXPECT_EQ(for_1f1b.find(name), std::string::npos) << name << " in: " << for_1f1b;
+  const std::string for_vmin = advice(generate("v-min", g), 1);
+  expect_contains(for_vmin, "no other built-in schedule holds fewer micro-batches in flight than this one's");
+  for (const char* name : {"1f1b", "zb-h1", "v-half"})
+    EXPECT_EQ(for_vmin.find(name), std::string::npos) << name << " in: " << for_vmin;
+  // gpipe (m in flight) gets the 1F1B family too, the fewest first.
+  const std::string for_gpipe = advice(generate("gpipe", g), 3);
+  expect_contains(for_gpipe, "1f1b 4");
+  EXPECT_LT(for_gpipe.find("v-min"), for_gpipe.find("1f1b")) << for_gpipe;
+}
+
 TEST(Validate, LoweredSchedulesUseBlockingSemantics) {
   // The classic 1F1B deadlock: each send sits right after its producer, so rank 0 sends activation 1
   // while rank 1 sends gradient 0, and with blocking sends neither reaches its receive.

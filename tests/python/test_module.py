@@ -650,5 +650,181 @@ class ReleasesTheGil(unittest.TestCase):
         t.join()
         self.assertGreater(ticks, 20)
 
+
+class ScheduleObjectKeywords(unittest.TestCase):
+    """simulate(Schedule, ...) takes the generation keywords that equal the schedule's own (a tester's findings,
+    2026-11-28: stages= was compared with the ranks, replication= and exact= always raised)."""
+
+    def test_a_replicated_schedules_stages_and_replication_are_its_own(self):
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=6, replication=[3, 1])
+        base = pipetrain.simulate(s).makespan
+        self.assertEqual(pipetrain.simulate(s, stages=s.stages).makespan, base)
+        self.assertEqual(pipetrain.simulate(s, replication=[3, 1], microbatches=6).makespan, base)
+        with self.assertRaisesRegex(TypeError, r"stages=4 .*it has 2 stages, replicated \[3, 1\]"):
+            pipetrain.simulate(s, stages=4)
+        with self.assertRaisesRegex(TypeError, r"replication=\[2, 2\] .*replicas per stage \[3, 1\]"):
+            pipetrain.simulate(s, replication=[2, 2])
+        plain = pipetrain.schedule("1f1b", stages=2, microbatches=6)
+        with self.assertRaisesRegex(TypeError, r"stages=3 .*it has 2 ranks; stages= counts the ranks"):
+            pipetrain.simulate(plain, stages=3)
+        with self.assertRaisesRegex(TypeError, "no replicated stages"):
+            pipetrain.simulate(plain, replication=[1, 1])
+
+    def test_exact_agrees_with_an_exact_built_schedule(self):
+        e = pipetrain.schedule("zb-auto", stages=2, microbatches=3, memory_limit=2, exact=True, exact_nodes=100_000)
+        sim = pipetrain.simulate(e, exact=True, exact_nodes=100_000)
+        by_name = pipetrain.simulate("zb-auto", stages=2, microbatches=3, memory_limit=2, exact=True,
+                                     exact_nodes=100_000)
+        self.assertEqual(sim.to_dict(), by_name.to_dict())  # the search's summary included
+        self.assertIn("exact", sim.to_dict())
+        with self.assertRaisesRegex(TypeError, "exact_nodes=10 .*exact_nodes=100000"):
+            pipetrain.simulate(e, exact=True, exact_nodes=10)
+        with self.assertRaisesRegex(TypeError, "not built with exact=True"):
+            pipetrain.simulate(pipetrain.schedule("zb-auto", stages=2, microbatches=3, memory_limit=2), exact=True)
+
+    def test_a_v_shapes_virtual_is_taken_as_schedule_reads_it(self):
+        v = pipetrain.schedule("zb-v", stages=2, microbatches=4)
+        for virtual in (1, 2):  # schedule() takes both for the V shapes
+            self.assertEqual(pipetrain.simulate(v, virtual=virtual).makespan, pipetrain.simulate(v).makespan)
+        with self.assertRaisesRegex(TypeError, "virtual=3"):
+            pipetrain.simulate(v, virtual=3)
+
+
+class BuiltWithCosts(unittest.TestCase):
+    """A Schedule remembers the costs schedule() built it with, and simulate()/costs() use them by default
+    (the README's zb-auto at cost 1:1.5:1 was timed at 1:1:1)."""
+
+    def test_simulated_at_the_costs_it_was_planned_for(self):
+        s = pipetrain.schedule("zb-auto", stages=4, microbatches=12, cost="1:1.5:1", memory_limit=5)
+        self.assertEqual(s.built_with["cost"], "1:1.5:1")
+        by_name = pipetrain.simulate("zb-auto", stages=4, microbatches=12, cost="1:1.5:1", memory_limit=5)
+        self.assertEqual(pipetrain.simulate(s).makespan, by_name.makespan)
+        self.assertEqual(pipetrain.simulate(s, cost="1:1.5:1").makespan, by_name.makespan)
+        unit = pipetrain.simulate(s, cost="1:1:1").makespan
+        self.assertLess(unit, by_name.makespan)  # other costs when given
+        self.assertEqual(pipetrain.costs(s).stage[0].b, 1.5)
+        # Copies and pickles keep it; a schedule read from its CSV has none (as simulate --load).
+        for back in (copy.deepcopy(s), copy.copy(s), pickle.loads(pickle.dumps(s))):
+            self.assertEqual(pipetrain.simulate(back).makespan, by_name.makespan)
+        loaded = pipetrain.Schedule.from_csv(s.to_csv())
+        self.assertIsNone(loaded.built_with)
+        self.assertEqual(pipetrain.simulate(loaded).makespan, unit)
+
+    def test_given_keywords_replace_the_recorded_ones(self):
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=4, profile=small_profile(), balance="3,3")
+        with_profile = pipetrain.simulate(s)
+        self.assertAlmostEqual(with_profile.per_stage[0].busy, 4 * ((1 + 2 + 3) + (2 + 4 + 6)))
+        # cost= replaces the recorded profile (no "both" conflict), comm= alone keeps it.
+        self.assertEqual(pipetrain.simulate(s, cost="2:2:2").per_stage[0].busy, 4 * 6)
+        self.assertAlmostEqual(pipetrain.simulate(s, balance="2,4").per_stage[0].busy, 4 * ((1 + 2) + (2 + 4)))
+
+
+class PipeDreamBatch(unittest.TestCase):
+    """pipedream_batch= (--pipedream-batch), and the warning for a PipeDream graph read at batch 1."""
+
+    VGG = os.path.join(DATA, "pipedream", "vgg16-graph.txt")
+
+    def caught(self, f):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            result = f()
+        return result, [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
+
+    def test_simulate_and_search_plans_take_it(self):
+        kw = dict(stages=2, microbatches=4, profile=self.VGG, balance="17,22", microbatch_size=16)
+        at_1, said = self.caught(lambda: pipetrain.simulate("1f1b", **kw))
+        self.assertTrue(any("PipeDream graph file" in w and "pipedream_batch" in w for w in said), said)
+        at_128, said = self.caught(lambda: pipetrain.simulate("1f1b", pipedream_batch=128, **kw))
+        self.assertEqual(said, [])
+        self.assertAlmostEqual(at_1.makespan / at_128.makespan, 128, delta=1)  # the times scale with the batch
+        plans, said = self.caught(lambda: pipetrain.search_plans(self.VGG, ranks=4, schedules=["1f1b"],
+                                                                 microbatch_counts=[4], pipedream_batch=128))
+        self.assertEqual(said, [])
+        self.assertEqual(plans["batch_size"], 8 * 128)  # max(8, ranks) x the profiled batch
+        _, said = self.caught(lambda: pipetrain.search_plans(self.VGG, ranks=4, schedules=["1f1b"],
+                                                             microbatch_counts=[4]))
+        self.assertTrue(any("pipedream_batch" in w for w in said), said)
+        self.assertEqual(pipetrain.load_profile(self.VGG, pipedream_batch=128)["micro_batch_size"], 128)
+        s, said = self.caught(lambda: pipetrain.schedule("zb-h2", stages=2, microbatches=4, profile=self.VGG,
+                                                         pipedream_batch=128))
+        self.assertEqual(said, [])
+        self.assertEqual(s.built_with["pipedream_batch"], 128)
+
+    def test_it_is_refused_where_it_means_nothing(self):
+        with self.assertRaisesRegex(ValueError, "pipedream_batch is for a PipeDream graph file .* a dict"):
+            pipetrain.simulate("1f1b", stages=2, microbatches=4, profile=small_profile(), pipedream_batch=128)
+        with self.assertRaisesRegex(ValueError, "pipedream_batch=128 applies with profile="):
+            pipetrain.simulate("1f1b", stages=2, microbatches=4, pipedream_batch=128)
+        with self.assertRaisesRegex(ValueError, "pipedream_batch=-1 must be >= 1"):
+            pipetrain.simulate("1f1b", stages=2, microbatches=4, profile=self.VGG, pipedream_batch=-1)
+
+
+class ProfileKeywordsWithoutAProfile(unittest.TestCase):
+    def test_they_are_refused_as_their_flags_are(self):
+        # `simulate -s 1f1b -p 2 -m 2 --balance memory` ran at 1:1:1 without a word; so did the keywords.
+        for key, value in (("balance", "memory"), ("balance", "1,1"), ("balance_solver", "block-partition"),
+                           ("bandwidth", 1.0), ("latency", 5.0), ("microbatch_size", 16.0)):
+            for f in (lambda: pipetrain.simulate("1f1b", stages=2, microbatches=2, **{key: value}),
+                      lambda: pipetrain.schedule("1f1b", stages=2, microbatches=2, **{key: value}),
+                      lambda: pipetrain.costs(pipetrain.schedule("1f1b", stages=2, microbatches=2), **{key: value})):
+                with self.subTest(key=key), self.assertRaisesRegex(ValueError, f"{key}=.* applies with profile=.*"
+                                                                               f"add profile=..., or drop {key}="):
+                    f()
+        # With a profile, given or recorded, they apply.
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=2, profile=small_profile(), balance="3,3")
+        self.assertNotEqual(pipetrain.simulate(s, balance="1,5").makespan, pipetrain.simulate(s).makespan)
+
+
+class AsynchronousSchedulesInTheSearch(unittest.TestCase):
+    def test_they_are_named_not_dropped_silently(self):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            pipetrain.search_plans(small_profile(), ranks=2, schedules=["1f1b", "pipedream"], microbatch_counts=[4])
+        said = [str(w.message) for w in seen]
+        self.assertTrue(any("pipedream left out" in w and "asynchronous" in w for w in said), said)
+        with self.assertRaisesRegex(ValueError, "only asynchronous schedules.*not searched.*PipeDream's own planner"):
+            pipetrain.search_plans(small_profile(), ranks=2, schedules=["pipedream"])
+
+
+class MemoryLimitAdvice(unittest.TestCase):
+    def test_only_schedules_that_hold_fewer_are_advised(self):
+        with self.assertRaises(pipetrain.ScheduleError) as e:
+            pipetrain.simulate("1f1b", stages=4, microbatches=8, memory_limit=2)
+        advice = str(e.exception).splitlines()[0].split("above the memory limit 2: ")[1]
+        self.assertIn("v-min", advice)
+        self.assertIn("v-half", advice)
+        for name in ("1f1b", "zb-h1", "gpipe", "zb-h2"):
+            self.assertNotRegex(advice, rf"(^|[ (,]){name} ")
+        with self.assertRaises(pipetrain.ScheduleError) as e:
+            pipetrain.simulate("v-min", stages=4, microbatches=8, memory_limit=1)
+        advice = str(e.exception).splitlines()[0].split("above the memory limit 1: ")[1]
+        self.assertIn("no other built-in schedule holds fewer", advice)
+        for name in ("1f1b", "zb-h1", "v-half"):
+            self.assertNotIn(name, advice)
+
+
+class TorchBridgeVersion(unittest.TestCase):
+    def test_the_minimum_pytorch_is_stated_once(self):
+        # PyTorch 2.4's torch.distributed.pipelining has no _PipelineScheduleRuntime nor BACKWARD_INPUT: a stand-in
+        # module without them gets the ImportError, which names the version the docstring names.
+        import types
+        from unittest import mock
+        import pipetrain.torch as pt
+        fake = {name: types.ModuleType(name) for name in
+                ("torch", "torch.distributed", "torch.distributed.pipelining", "torch.distributed.pipelining.schedules")}
+        fake["torch"].__version__ = "2.4.1"
+        fake["torch"].distributed = fake["torch.distributed"]
+        fake["torch.distributed"].pipelining = fake["torch.distributed.pipelining"]
+        fake["torch.distributed.pipelining"].schedules = fake["torch.distributed.pipelining.schedules"]
+        fake["torch.distributed.pipelining.schedules"].FORWARD = 1
+        with mock.patch.dict(sys.modules, fake), self.assertRaises(ImportError) as e:
+            pt.torch_actions(pipetrain.schedule("1f1b", stages=2, microbatches=2))
+        self.assertIn("PyTorch 2.5 or newer", str(e.exception))
+        self.assertIn("2.4.1", str(e.exception))
+        self.assertIn("_PipelineScheduleRuntime", str(e.exception))
+        self.assertIn("BACKWARD_INPUT", str(e.exception))
+        self.assertIn("PyTorch 2.5 or newer", pt.__doc__)
+        self.assertNotRegex(pt.__doc__ + str(e.exception), r"2\.4 or newer")
+
 if __name__ == "__main__":
     support.main()
