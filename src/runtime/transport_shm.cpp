@@ -1160,7 +1160,8 @@ void ShmTransport::watchdog_loop() {
       if (process_gone(pidfds_[r], c.pid.load())) {
         if (c.finished.load(std::memory_order_acquire)) continue;
         if (header_->report_state.load(std::memory_order_acquire) != 0) continue;  // read above next round
-        stop_process(r, "it went away (killed or crashed?) while rank " + std::to_string(rank_) + " was running");
+        // Said once, by whichever rank notices first, and shown by every rank: no observer's number in it.
+        stop_process(r, "it went away (killed or crashed?) during the run");
       }
       const uint64_t b = c.heartbeat.load(std::memory_order_relaxed);
       if (b != beats[r]) {

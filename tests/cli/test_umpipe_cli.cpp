@@ -52,7 +52,7 @@ TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
   std::ofstream(plan) << j.dump(2);
 
   const std::string common = " --transport gloo --plan " + plan + kModel +
-                             " --batch-size 16 --steps 3 --lr-schedule constant --eval-every 3 --eval-samples 16 --log ";
+                             " --batch-size 16 --steps 3 --lr-schedule constant --log ";
   std::map<std::string, std::vector<double>> runs;
   for (const std::string name : {"equal", "dgap", "global-dp"}) {
     const fs::path log = dir / (name + ".jsonl");
