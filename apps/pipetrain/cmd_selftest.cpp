@@ -87,7 +87,7 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--schedules", f->schedules,
                   "schedules to check; default every synchronous one: " + joined(synchronous_schedules()));
   cmd->add_option("--microbatch-counts", f->microbatches, "micro-batch counts to check; default 1 3 8");
-  cmd->add_option("--batch-size", f->batch_size, "samples per step (all copies together), default 12 per copy");
+  cmd->add_option("--batch-size", f->batch_size, "samples per step (all copies together); default a --plan's, else 12 per copy");
   cmd->add_option("--tolerance", f->tolerance, "largest relative gradient error accepted, default 1e-5 (fp32)");
   cmd->footer(
       "A schedule that cannot take a micro-batch count (interleaved: a multiple of --stages; the V shapes: enough to\n"
@@ -138,7 +138,9 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
       const int copies = pipe.replicas;
       if (given("--batch-size") && f->batch_size < 1)
         throw UsageError("--batch-size must be >= 1, got " + std::to_string(f->batch_size));
-      const int64_t batch_size = given("--batch-size") ? f->batch_size : 12 * static_cast<int64_t>(copies);
+      const int64_t batch_size = given("--batch-size")       ? f->batch_size
+                                 : pipe.plan_batch_size > 0 ? pipe.plan_batch_size  // a --plan's mini-batch
+                                                            : 12 * static_cast<int64_t>(copies);
       if (batch_size % copies != 0)
         throw UsageError(fmt::format("--batch-size {} does not split into --replicas {} equal shares: give a multiple "
                                      "of {}, e.g. --batch-size {}",

@@ -113,6 +113,21 @@ TEST(SelftestCli, ReplicationIsChecked) {
   EXPECT_TRUE(r.has("2 passed, 0 failed")) << r.out;
 }
 
+TEST(SelftestCli, APlansScheduleMicrobatchesAndBatchAreChecked) {
+  const fs::path dir = pipetrain::testing::fresh_temp_dir("selftest", "plan");
+  const std::string profile = (dir / "profile.json").string(), plan = (dir / "plan.json").string();
+  ASSERT_EQ(run_pipetrain("profile --model mlp --data synthetic --hidden 16 --layers 4 --out " + profile).code, 0);
+  ASSERT_EQ(run_pipetrain("plan --profile " + profile + " --ranks 2 --no-hybrid --out " + plan).code, 0);
+  const nlohmann::json p = pipetrain::testing::read_json_file(plan);
+  const std::string schedule = p.at("schedule").get<std::string>();
+  const int m = p.at("microbatches").get<int>();
+  const CommandResult r = run_pipetrain("selftest --transport local --layers 4 --plan " + plan);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(lines_of(r, schedule, "m=" + std::to_string(m) + "  loss .* ok"), 1) << p.dump() << "\n" << r.out;
+  EXPECT_TRUE(r.has("1 passed, 0 failed")) << r.out;
+  fs::remove_all(dir);
+}
+
 TEST(SelftestCli, DefaultChecksEverySynchronousSchedule) {
   const CommandResult r = run_pipetrain(kLocal);
   ASSERT_EQ(r.code, 0) << r.out;
