@@ -34,6 +34,29 @@ void add_demo_command(CLI::App& app, int& exit_code) {
   cmd->footer("Example:\n  pipetrain demo --stages 4 --microbatches 8 --cost 1:2:1 --out build/demo");
   cmd->callback([f, &exit_code] {
     exit_code = guarded("demo", [&] {
+      // Sizes that leave nothing to simulate: every row was "skipped" and the files claimed were never written.
+      const std::pair<const char*, std::pair<int, int>> sizes[] = {
+          {"--stages", {f->stages, 4}}, {"--microbatches", {f->microbatches, 8}}, {"--steps", {f->steps, 2}}};
+      for (const auto& [flag, value] : sizes)
+        if (value.first < 1)
+          throw UsageError(fmt::format("{} {} leaves nothing to simulate: give {} 1 or more (default {})", flag,
+                                       value.first, flag, value.second));
+      const auto flags_for = [&](const std::string& name) {
+        ScheduleFlags sf;
+        sf.schedule = name;
+        sf.stages = f->stages;
+        sf.microbatches = f->microbatches;
+        sf.steps = f->steps;
+        sf.cost = f->cost;
+        sf.comm = f->comm;
+        if (schedule_traits(name).virtual_stages) sf.virtual_stages = 2;
+        return sf;
+      };
+      {  // gpipe takes any sizes: what it refuses (a --cost, a --comm) no schedule takes; said before --out is made
+        const ScheduleFlags g = flags_for("gpipe");
+        const Schedule s = g.build();
+        (void)g.costs(s);
+      }
       std::error_code ec;
       if (std::filesystem::exists(f->out, ec) && !std::filesystem::is_directory(f->out, ec))
         throw UsageError("--out " + f->out + " is not a folder: give a folder for the SVG and trace files, e.g. --out " +
@@ -51,20 +74,16 @@ void add_demo_command(CLI::App& app, int& exit_code) {
       std::cout << fmt::format("{:<19} {:>9} {:>9} {:>10} {:>11} {:>9} {:>9}\n", "", "", "fraction",
                                "bubble", "flight (s0)", "(s0)", "vs gpipe");
       double gpipe_makespan = 0;
+      int written = 0;
+      std::string first_skip;  // why the first schedule skipped could not run
       for (const std::string& name : schedule_names()) {
-        ScheduleFlags sf;
-        sf.schedule = name;
-        sf.stages = f->stages;
-        sf.microbatches = f->microbatches;
-        sf.steps = f->steps;
-        sf.cost = f->cost;
-        sf.comm = f->comm;
-        if (schedule_traits(name).virtual_stages) sf.virtual_stages = 2;
+        const ScheduleFlags sf = flags_for(name);
         Schedule s;
         try {
           s = sf.build();
         } catch (const std::exception& e) {
           std::cout << fmt::format("{:<19} skipped: {}\n", name, e.what());
+          if (first_skip.empty()) first_skip = name + ": " + e.what();
           continue;
         }
         const SimResult r = simulate(s, sf.costs(s));
@@ -83,14 +102,20 @@ void add_demo_command(CLI::App& app, int& exit_code) {
         const std::string base = (std::filesystem::path(f->out) / name).string();
         write_file_atomic(base + ".svg", gantt_svg(r.timeline, r.metrics));
         write_file_atomic(base + ".trace.json", chrome_trace_json(r.timeline));
+        ++written;
       }
+      // Nothing simulated (e.g. a --cost or --comm no schedule takes): an error, not a table of skips.
+      if (written == 0)
+        throw UsageError("no schedule could be simulated with these flags, so no files were written (" + first_skip +
+                         ")");
       std::cout << fmt::format(
           "\nFor gpipe and 1f1b the makespan is steps*(m+p-1)*(F+B+W) and the bubble fraction (p-1)/(m+p-1); "
           "pipedream and 2bw skip the flush between steps.\n"
           "* m=1: pipedream and spectrain step after every micro-batch: their m x steps micro-batches are as many "
           "steps of one (their timelines' titles give both counts).\n"
-          "Timelines (SVG) and Chrome traces written to {}/<schedule>.svg and .trace.json\n",
-          f->out);
+          "Timelines (SVG) and Chrome traces of the {} schedules simulated written to {}/<schedule>.svg and "
+          ".trace.json\n",
+          written, f->out);
       return kExitOk;
     });
   });

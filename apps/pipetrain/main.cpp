@@ -31,7 +31,7 @@ bool front_command(const char* name) {
 }
 
 // Execs pipetrain-torch next to this executable with argv; returns only when there is none (a build
-// without LibTorch) or exec fails, after saying why when the command needs it.
+// without LibTorch, or a pipetrain copied without it), after saying which when the command needs it.
 void exec_torch(char** argv, bool needed) {
   std::error_code ec;
   const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -42,11 +42,27 @@ void exec_torch(char** argv, bool needed) {
     std::exit(pipetrain::cli::kExitFailure);
   }
   if (needed) {
-    std::cerr << "pipetrain: error: '" << pipetrain::excerpt(argv[1])
+    const std::string command = pipetrain::excerpt(argv[1]);
+#ifdef PIPETRAIN_FRONT_CORE_ONLY
+    std::cerr << "pipetrain: error: '" << command
               << "' needs LibTorch, and this build has only the torch-free commands (schedule, simulate, plan, "
                  "demo): build pipetrain with LibTorch (configure without -DPIPETRAIN_CORE_ONLY=ON), which adds "
                  "pipetrain-torch next to "
               << (ec ? std::string("pipetrain") : self.string()) << "\n";
+#else
+    // A build with LibTorch makes both programs side by side: this pipetrain was copied without its
+    // pipetrain-torch, or that one is being relinked or was deleted.
+    std::error_code exists_ec;
+    const bool present = std::filesystem::exists(torch, exists_ec);
+    std::cerr << "pipetrain: error: '" << command << "' runs in pipetrain-torch, the program with LibTorch that "
+              << "this pipetrain execs, expected next to it at " << torch.string() << ", which "
+              << (present ? "is not executable" : "does not exist")
+              << ": keep pipetrain and pipetrain-torch in one folder (copy both, or install them with cmake "
+                 "--install BUILD --prefix DIR, which puts both in DIR/bin)"
+              << (present ? ", or make it executable (chmod +x)"
+                          : ", or, in the build folder, build it (cmake --build BUILD --target pipetrain)")
+              << "\n";
+#endif
     std::exit(pipetrain::cli::kExitUsage);
   }
 }

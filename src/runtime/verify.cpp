@@ -2,9 +2,14 @@
 
 #include <torch/torch.h>
 
+#include <limits>
 #include <map>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "pipetrain/core/error.h"
 #include "torch_compat.h"
 
 namespace pipetrain {
@@ -25,6 +30,17 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
                                  const std::shared_ptr<Transport>& transport, PipelineOptions options,
                                  const Bundle& input, const Bundle& target, int64_t batch_size) {
   const int64_t n = batch_size;
+  // Data parallelism across pipelines (options.data_parallel): copy k of the pipeline trains on the k-th
+  // of R equal shares of the batch, as `pipetrain train --replicas R` does, and the reference is plain
+  // accumulation over the whole batch (each share's micro-batches in turn), which the averaged gradients
+  // must equal.
+  const int copies = options.data_parallel ? options.data_parallel->world_size() : 1;
+  const int copy = copies > 1 ? options.data_parallel->rank() : 0;
+  if (n % copies != 0)
+    throw UsageError("a batch of " + std::to_string(n) + " samples does not split into " + std::to_string(copies) +
+                     " equal shares, one per copy of the pipeline: give a batch size that is a multiple of " +
+                     std::to_string(copies));
+  const int64_t share = n / copies;
   // Pipelined step: capture this rank's gradients, by parameter name, before the optimizer touches them.
   torch::nn::Sequential model = factory();
   std::map<const void*, std::string> names;
@@ -36,7 +52,9 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
   };
   options.optimizer.clip_grad_norm = 0;
   PipelineRank rank(model, loss, transport, options);
-  const StepStats stats = rank.train_step(input, target, n);
+  const StepStats stats = copies > 1 ? rank.train_step(input.slice(copy * share, (copy + 1) * share),
+                                                       target.slice(copy * share, (copy + 1) * share), share)
+                                     : rank.train_step(input, target, n);
 
   // Plain accumulation over the same micro-batches, with the forward RNG left alone (use models without
   // dropout for an exact comparison).
@@ -52,7 +70,11 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
   const bool per_token = loss.normalization() == LossNormalization::Token;
   std::vector<LossTerm> terms;  // per token: every micro-batch's sum, divided by the total count at the end
   int micro = 0;
-  for (const auto& [b, e] : split_equal(n, options.microbatches)) {
+  std::vector<std::pair<int64_t, int64_t>> micro_batches;  // the pipeline's, of every copy in turn
+  for (int k = 0; k < copies; ++k)
+    for (const auto& [b, e] : split_equal(share, options.microbatches))
+      micro_batches.emplace_back(k * share + b, k * share + e);
+  for (const auto& [b, e] : micro_batches) {
     Bundle out;
     {
       const compat::AutocastGuard autocast(options.device.type(),
@@ -99,10 +121,17 @@ VerifyResult verify_transparency(const std::function<torch::nn::Sequential()>& f
   torch::Tensor all = torch::zeros({p}, torch::kDouble);
   all[transport->rank()] = err;
   transport->all_reduce_sum(all);
+  double worst = all.max().item<double>();
+  if (copies > 1) {  // and the worst of every copy
+    torch::Tensor each = torch::zeros({copies}, torch::kDouble);
+    each[copy] = worst;
+    options.data_parallel->all_reduce_sum(each);
+    worst = each.max().item<double>();
+  }
   VerifyResult r;
   r.pipeline_loss = stats.loss;
   r.reference_loss = ref_loss;
-  r.max_grad_error = all.max().item<double>();
+  r.max_grad_error = worst;
   r.loss_error = std::abs(stats.loss - ref_loss) / std::max(std::abs(ref_loss), 1e-12);
   return r;
 }

@@ -3,6 +3,10 @@
 // model twice from `factory` (which must be deterministic, e.g. seeded), runs one pipelined step on one
 // copy and the plain accumulation on the other, and compares the gradients of the parameters it holds.
 // Collective: every rank calls it with the same arguments; every rank gets the same result.
+// With options.data_parallel (copies of the pipeline, `transport` being this copy's pipeline): copy k
+// trains on the k-th of as many equal shares of the batch as there are copies (the batch size must be a
+// multiple of their number: UsageError otherwise), and the averaged gradients are compared with plain
+// accumulation over the whole batch; every rank of every copy gets the worst error of all.
 #pragma once
 
 #include <functional>
