@@ -193,7 +193,27 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
         if (!pipe.replication.empty()) where += " replication=" + pipe.replication;
         return fmt::format("{:<14} {} m={}", c.schedule, where, c.microbatches);
       };
+      // What every rank must agree on: ranks started by hand with other flags waited in different
+      // collectives (a hang), or reported a pipeline "MISMATCH" that was only their own difference.
+      nlohmann::json settings = {{"--model and its flags", f->model.model_json()},
+                                 {"--data", f->model.data_json()},
+                                 {"--seed", f->model.seed},
+                                 {"--batch-size", batch_size},
+                                 {"--tolerance", f->tolerance},
+                                 {"--stages", pipe.stages},
+                                 {"--replicas", pipe.replicas},
+                                 {"--replication", pipe.replication},
+                                 {"--balance", pipe.balance},
+                                 {"--balance-solver", pipe.balance_solver},
+                                 {"--checkpoint", pipe.checkpoint},
+                                 {"--precision", pipe.precision},
+                                 {"--backward-split", pipe.backward_split},
+                                 {"--placement", pipe.placement}};
+      nlohmann::json& list = settings["the checks (--schedules, --microbatch-counts, -s, -m, -v)"];
+      list = nlohmann::json::array();
+      for (const Check& c : checks) list.push_back({c.schedule, c.microbatches, c.virtual_stages, c.skipped});
       return run_ranks(pipe, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) {
+        check_same_on_every_rank(settings, *t);
         // With --replicas R: R pipelines (`pipeline`), and each stage's copies (`replicas`) average their
         // gradients, as in train.
         const std::shared_ptr<Transport> world = pipe.placed_world(t);

@@ -1,6 +1,7 @@
 #include "run_common.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,7 +13,9 @@
 #include <mutex>
 #include <numeric>
 #include <sstream>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 #include <torch/cuda.h>
 
@@ -298,6 +301,57 @@ std::shared_ptr<Transport> PipelineFlags::replica_group(const std::shared_ptr<Tr
   for (int k = 0; k < replicas; ++k) members.push_back(k * stages + s);
   return make_group_transport(world, members);
 }
+
+namespace {
+uint64_t settings_hash(std::string_view bytes) {  // FNV-1a
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
+}  // namespace
+
+void check_same_on_every_rank(const nlohmann::json& settings, Transport& world) {
+  std::vector<std::string> names;
+  for (const auto& [k, v] : settings.items()) names.push_back(k);  // sorted: the same order on every rank
+  const int n = world.world_size(), fields = static_cast<int>(names.size());
+  // Two collectives of fixed shape: first the whole settings' hash and the number of settings (another
+  // build may compare other ones), then, only where they differ and the count agrees, each setting's
+  // hash, to name what differs. Hashes travel as two 32-bit halves, exact in a double.
+  const auto put = [](torch::Tensor row, int at, uint64_t h) {
+    row[at] = static_cast<double>(h >> 32);
+    row[at + 1] = static_cast<double>(h & 0xffffffffULL);
+  };
+  torch::Tensor whole = torch::zeros({n, 3}, torch::kDouble);
+  whole[world.rank()][0] = fields;
+  put(whole[world.rank()], 1, settings_hash(settings.dump()));
+  world.all_reduce_sum(whole);
+  bool same = true, same_count = true;
+  for (int r = 1; r < n; ++r) {
+    same = same && torch::equal(whole[r], whole[0]);
+    same_count = same_count && whole[r][0].item<double>() == fields;
+  }
+  if (same) return;
+  std::vector<std::string> differ;
+  int first = 1;
+  if (same_count) {
+    torch::Tensor t = torch::zeros({n, 2 * fields}, torch::kDouble);
+    for (int i = 0; i < fields; ++i) put(t[world.rank()], 2 * i, settings_hash(settings[names[static_cast<std::size_t>(i)]].dump()));
+    world.all_reduce_sum(t);
+    while (first < n && torch::equal(t[first], t[0])) ++first;
+    for (int i = 0; i < fields && first < n; ++i)
+      if (!torch::equal(t[first].slice(0, 2 * i, 2 * i + 2), t[0].slice(0, 2 * i, 2 * i + 2)))
+        differ.push_back(names[static_cast<std::size_t>(i)]);
+  } else {
+    while (first < n && torch::equal(whole[first], whole[0])) ++first;
+  }
+  throw UsageError(fmt::format(
+      "rank {} was started with other settings than rank 0: {}: start every rank with the same flags and files "
+      "(only output file names may differ)",
+      first,
+      differ.empty() ? std::string("it compares another list of settings (another pipetrain build?)")
+                     : fmt::format("{} differ{}", fmt::join(differ, ", "), differ.size() == 1 ? "s" : "")));
+}
+
 
 namespace {
 bool launched() { return std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RANK"); }

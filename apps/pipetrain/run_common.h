@@ -160,6 +160,12 @@ void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model);
 // per rank concurrently. Otherwise with the rendezvous environment set (a launcher started us): this
 // process is one rank. Without it: relaunches this command as `stages` local processes (gloo, or mpirun
 // is required for mpi) and returns their combined exit code.
+// The first collective of ranks started by hand (torchrun, mpirun, RANK=...): compares `settings` (an
+// object of name -> value, the same names on every rank) and throws UsageError on every rank naming the
+// first rank that differs from rank 0 and the settings that differ. Ranks with other settings would wait
+// in different collectives (a hang) or silently compute a mixture.
+void check_same_on_every_rank(const nlohmann::json& settings, Transport& world);
+
 int run_ranks(const PipelineFlags& flags, int argc, char** argv,
               const std::function<int(std::shared_ptr<Transport>)>& body);
 

@@ -196,3 +196,21 @@ TEST(MainFront, ACopyWithoutPipetrainTorchNamesTheMissingFile) {
   EXPECT_EQ(pipetrain::testing::run_command((dir / "pipetrain").string() + " schedule -s 1f1b -p 2 -m 2").code, 0);
   fs::remove_all(dir);
 }
+
+// Ranks started by hand with other flags: another seed was reported as a pipeline "MISMATCH" (a gradient
+// error of 1.5), other schedules hung. Every rank now compares its settings first and names what differs.
+TEST(SelftestCli, RanksStartedWithOtherFlagsAreToldWhatDiffers) {
+  const std::string bin = PIPETRAIN_BIN;
+  CommandResult r = pipetrain::testing::run_command(
+      "timeout 60 " + bin + " launch -n 2 -- sh -c 'exec " + bin +
+      " selftest --stages 2 --transport shm --schedules 1f1b --microbatch-counts 2 --seed $((1 + RANK))'");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("rank 1 was started with other settings than rank 0: --seed differs")) << r.out;
+  EXPECT_FALSE(r.has("MISMATCH")) << r.out;
+  r = pipetrain::testing::run_command(
+      "timeout 60 " + bin + " launch -n 2 -- sh -c 'exec " + bin +
+      " selftest --stages 2 --transport shm --microbatch-counts 2 --schedules $([ $RANK = 0 ] && echo 1f1b || echo gpipe)'");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("the checks (--schedules, --microbatch-counts, -s, -m, -v) differs")) << r.out;
+  EXPECT_LT(r.seconds, 30) << r.out;
+}
