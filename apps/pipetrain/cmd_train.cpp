@@ -466,6 +466,14 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
     throw UsageError("--tie-embeddings sums the tied copies' gradients at the flush: it runs with the synchronous "
                      "schedules (gpipe, 1f1b, interleaved, zb-*) without --replication, not --schedule " +
                      f->pipe.schedule + (f->pipe.replication.empty() ? "" : " --replication " + f->pipe.replication));
+  // --variable-length divides the step's summed token losses by the mini-batch's token count at the flush
+  // (ModelFlags::loss): 2bw's stages step at different times, and UMPIPE scales each chunk's mean.
+  if (f->model.gpt.variable_length && (f->pipe.umpipe_chosen || f->pipe.schedule == "2bw"))
+    throw UsageError(std::string("--variable-length averages the loss over the mini-batch's real tokens, which ") +
+                     (f->pipe.umpipe_chosen ? "UMPIPE (--plan " + f->pipe.plan_file + ") does not (it scales each chunk's mean): "
+                                                  "use --umpipe off or drop --variable-length"
+                                            : "--schedule 2bw does not (its stages step at different times): use a "
+                                              "synchronous schedule, pipedream or spectrain, or drop --variable-length"));
   if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
   // Before the model is built below: ranks started by a launcher are one per process; otherwise this
   // command starts them all on this host.
