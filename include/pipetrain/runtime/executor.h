@@ -259,6 +259,11 @@ struct EvalStats {
   // negative ids are padding and not counted); NaN otherwise.
   double accuracy = 0.0;
   int64_t samples = 0;
+  // For combining the evaluations of several batches: what `loss` is the mean over (the samples, or the
+  // units counted by a per-token loss: a batch of short lines weighs less than one of long lines), and
+  // the predictions `accuracy` counted (0 where accuracy does not apply).
+  double loss_units = 0.0;
+  double predictions = 0.0;
 };
 
 // Guards LibTorch's default generator among ranks that share a process (threads): seeded forwards take
