@@ -202,6 +202,9 @@ TrainResult Trainer::run() {
   const bool first_stage = holds(mine, 0), last_stage = holds(mine, stages - 1);
   const int eval_every = o_.eval_every > 0 ? o_.eval_every : o_.eval_every == 0 ? total_ : std::max(1, total_ / 10);
   const int64_t eval_count = o_.eval_every == 0 || eval_size_ == 0 ? 0 : o_.eval_samples > 0 ? o_.eval_samples : eval_size_;
+  // Asynchronous calls end at evaluations only where evaluations run (data without a held-out split has
+  // none: cutting its calls there drained the pipeline for nothing).
+  const int boundary_every = eval_count > 0 ? eval_every : 0;
   auto run_eval = [&](int step) -> std::optional<EvalResult> {
     if (eval_count == 0) return std::nullopt;
     const EvalResult e = evaluate(eval_count);
@@ -225,7 +228,7 @@ TrainResult Trainer::run() {
   // Synchronous schedules: a call per step. Asynchronous ones: a call per run of steps between
   // evaluations and checkpoints (next_boundary), during which the pipeline never drains.
   for (int step = start_; step < total_;) {
-    const int calls_steps = async ? next_boundary(step, eval_every) - step : 1;
+    const int calls_steps = async ? next_boundary(step, boundary_every) - step : 1;
     Bundle input;
     torch::Tensor target;
     if (data_ && (first_stage || last_stage)) {

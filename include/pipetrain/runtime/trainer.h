@@ -75,7 +75,8 @@ struct TrainerOptions {
   // The run as stored in checkpoints (what must match to resume); given the run's total steps.
   std::function<nlohmann::json(int total_steps)> run_description;
   int steps_per_call = 0;        // asynchronous schedules: steps per executor call; 0: up to the next
-                                 // evaluation or checkpoint, at most kMaxStepsPerCall
+                                 // evaluation (where one runs: data without a held-out split has none)
+                                 // or checkpoint, at most kMaxStepsPerCall
   bool stage_times = false;      // per step, each stage's busy time, the pipeline's span and each rank's
                                  // memory (one more all-reduce per call; StepRecord::busy_ms, pass_ms,
                                  // heap_growth_mib, device_peak_allocated_mib)
