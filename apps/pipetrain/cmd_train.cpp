@@ -163,7 +163,6 @@ struct RankOutput {
 
 TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
   const bool text = f.model.model == "gpt";
-  const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
   TrainerCallbacks cb;
   cb.on_eval = [&f, &out, leader, text](int step, const EvalResult& e) {
     if (leader)
@@ -173,14 +172,16 @@ TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
   cb.on_checkpoint = [&out, leader](int step, const std::string& dir) {
     if (leader) out.progress->note(fmt::format("checkpoint at step {} written to {}", step, dir));
   };
-  cb.on_step = [&f, &out, leader, text, units_per_sample](const StepRecord& s) {
+  cb.on_step = [&f, &out, leader, text](const StepRecord& s) {
     if (!leader) return;
     const double per_s = 1000.0 * static_cast<double>(f.batch_size) / s.ms;
-    out.progress->step(s.step, s.loss, s.grad_norm, s.lr, s.ms, per_s * units_per_sample);
+    // Text: the step's real tokens (padding of --variable-length lines not counted), not batch x seq-len.
+    const double tokens_per_s = 1000.0 * s.units / s.ms;
+    out.progress->step(s.step, s.loss, s.grad_norm, s.lr, s.ms, text ? tokens_per_s : per_s);
     if (!out.log) return;
     nlohmann::json entry = {{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
                             {"step_ms", s.ms}, {"samples_per_s", per_s}};
-    if (text) entry["tokens_per_s"] = per_s * units_per_sample;
+    if (text) entry["tokens_per_s"] = tokens_per_s;
     entry["busy_ms"] = s.busy_ms;
     entry["pass_ms"] = s.pass_ms;
     if (f.memory) {

@@ -231,11 +231,15 @@ TrainResult Trainer::run() {
     const int calls_steps = async ? next_boundary(step, boundary_every) - step : 1;
     Bundle input;
     torch::Tensor target;
+    std::vector<double> units(static_cast<std::size_t>(calls_steps), 0.0);  // StepRecord::units
     if (data_ && (first_stage || last_stage)) {
       std::vector<Bundle> inputs;
       std::vector<torch::Tensor> targets;
       for (int k = 0; k < calls_steps; ++k) {
         auto [x, y] = data_->batch(step + k, o_.batch_size);
+        units[static_cast<std::size_t>(k)] = y.defined() && !y.is_floating_point() && y.dim() > 0
+                                                 ? (y >= 0).sum().item<double>()
+                                                 : static_cast<double>(o_.batch_size);
         if (copies > 1) {  // this copy's share of the mini-batch
           x = x.slice(replica * share, (replica + 1) * share);
           y = y.slice(0, replica * share, (replica + 1) * share);
@@ -324,6 +328,8 @@ TrainResult Trainer::run() {
       rec.loss = r.last.losses[static_cast<std::size_t>(k)];
       rec.grad_norm = r.last.grad_norms[static_cast<std::size_t>(k)];
       rec.lr = o_.lr.at(step, total_);
+      rec.units = units[static_cast<std::size_t>(k)];
+      r.units += rec.units;
       rec.ms = ms;
       rec.busy_ms = busy;
       rec.pass_ms = pass_ms;
