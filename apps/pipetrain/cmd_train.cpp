@@ -164,7 +164,6 @@ struct RankOutput {
 
 TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
   const bool text = f.model.model == "gpt";
-  const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
   TrainerCallbacks cb;
   cb.on_eval = [&f, &out, leader, text](int step, const EvalResult& e) {
     if (leader)
@@ -174,14 +173,16 @@ TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
   cb.on_checkpoint = [&out, leader](int step, const std::string& dir) {
     if (leader) out.progress->note(fmt::format("checkpoint at step {} written to {}", step, dir));
   };
-  cb.on_step = [&f, &out, leader, text, units_per_sample](const StepRecord& s) {
+  cb.on_step = [&f, &out, leader, text](const StepRecord& s) {
     if (!leader) return;
     const double per_s = 1000.0 * static_cast<double>(f.batch_size) / s.ms;
-    out.progress->step(s.step, s.loss, s.grad_norm, s.lr, s.ms, per_s * units_per_sample);
+    // Text: the step's real tokens (padding of --variable-length lines not counted), not batch x seq-len.
+    const double tokens_per_s = 1000.0 * s.units / s.ms;
+    out.progress->step(s.step, s.loss, s.grad_norm, s.lr, s.ms, text ? tokens_per_s : per_s);
     if (!out.log) return;
     nlohmann::json entry = {{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
                             {"step_ms", s.ms}, {"samples_per_s", per_s}};
-    if (text) entry["tokens_per_s"] = per_s * units_per_sample;
+    if (text) entry["tokens_per_s"] = tokens_per_s;
     entry["busy_ms"] = s.busy_ms;
     entry["pass_ms"] = s.pass_ms;
     if (f.memory) {
@@ -494,6 +495,14 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
     throw UsageError("--tie-embeddings sums the tied copies' gradients at the flush: it runs with the synchronous "
                      "schedules (gpipe, 1f1b, interleaved, zb-*) without --replication, not --schedule " +
                      f->pipe.schedule + (f->pipe.replication.empty() ? "" : " --replication " + f->pipe.replication));
+  // --variable-length divides the step's summed token losses by the mini-batch's token count at the flush
+  // (ModelFlags::loss): 2bw's stages step at different times, and UMPIPE scales each chunk's mean.
+  if (f->model.gpt.variable_length && (f->pipe.umpipe_chosen || f->pipe.schedule == "2bw"))
+    throw UsageError(std::string("--variable-length averages the loss over the mini-batch's real tokens, which ") +
+                     (f->pipe.umpipe_chosen ? "UMPIPE (--plan " + f->pipe.plan_file + ") does not (it scales each chunk's mean): "
+                                                  "use --umpipe off or drop --variable-length"
+                                            : "--schedule 2bw does not (its stages step at different times): use a "
+                                              "synchronous schedule, pipedream or spectrain, or drop --variable-length"));
   if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
   // Before the model is built below: ranks started by a launcher are one per process; otherwise this
   // command starts them all on this host.

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
 
 #include "pipetrain/core/read_file.h"
 #include "pipetrain/core/error.h"
@@ -269,7 +270,22 @@ std::string ModelFlags::bundle_layers() const {
   return {};
 }
 
-LossFn ModelFlags::loss() const { return zoo::cross_entropy; }
+Loss ModelFlags::loss() const {
+  if (!gpt.variable_length) return zoo::cross_entropy;
+  // Lines of differing length: the mean of each micro-batch's own tokens, weighted by its share of the
+  // samples, changed with --microbatches and --replicas. The sum over real tokens (targets -1 are
+  // padding) and their count instead: the step divides the sums by the mini-batch's total count.
+  return Loss::per_token([](const torch::Tensor& logits, const torch::Tensor& target) {
+    torch::Tensor t = target;
+    if (logits.dim() == 3 && t.dim() == 2 && logits.size(1) < t.size(1)) t = t.slice(1, 0, logits.size(1));
+    const torch::Tensor sum = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}), t.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-1).reduction(torch::kSum));
+    return LossTerm(sum, (t >= 0).sum());
+  });
+}
+
+LossFn ModelFlags::mean_loss() const { return zoo::cross_entropy; }
 
 std::unique_ptr<zoo::Dataset> ModelFlags::dataset() const {
   if (data == "synthetic") {

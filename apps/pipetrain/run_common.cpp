@@ -234,7 +234,7 @@ Profile measure_model(const ModelFlags& model, const PipelineFlags& pipe, int64_
   ProfilerOptions o;
   o.repeats = repeats;
   o.warmup = 1;
-  o.loss = model.loss();
+  o.loss = model.mean_loss();
   o.target = b.target;
   o.backward_split = pipe.backward_split;  // B and W (and what W keeps) as the run splits them
   const auto layers = model.layerwise();

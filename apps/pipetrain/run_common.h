@@ -55,7 +55,13 @@ struct ModelFlags {
   // Pipeline layers, and choose_balance (stage.h) for the model, without building it where layerwise().
   int layer_count() const;
   std::vector<int> choose_balance(int stages, const std::string& kind, const std::string& solver) const;
-  LossFn loss() const;
+  // The training loss: cross entropy, a micro-batch's mean; with --variable-length per real token over
+  // the whole mini-batch (Loss::per_token: padding excluded, exact for any split into micro-batches
+  // and replicas).
+  Loss loss() const;
+  // Cross entropy as a micro-batch's mean (a tensor loss), for the profiler, whose last layer's times
+  // include the loss.
+  LossFn mean_loss() const;
   std::vector<std::vector<ParameterRef>> ties() const;  // PipelineOptions::tied for the model
   std::unique_ptr<zoo::Dataset> dataset() const;
   std::string describe() const;

@@ -254,11 +254,14 @@ HeapPrediction predict_run_heap(const TrainFlags& f, const PipelineRank& rank, c
 void print_summary(const TrainFlags& f, PipelineRank& rank, const Transport& transport, const TrainResult& r,
                    const RunReport& rep, const HeapPrediction* heap) {
   const bool text = f.model.model == "gpt";
-  const double units_per_sample = text ? static_cast<double>(f.model.gpt.seq_len) : 1.0;
   const double median = r.median_step_ms();
-  const double per_s = 1000.0 * static_cast<double>(f.batch_size) / median;
+  // Text: the mean real tokens of a step (padding of --variable-length lines not counted) per median step.
+  const double per_s = 1000.0 *
+                       (text ? r.units / static_cast<double>(std::max<std::size_t>(1, r.step_ms.size()))
+                             : static_cast<double>(f.batch_size)) /
+                       median;
   std::cout << fmt::format("summary: training loss {:.4f} -> {:.4f} over steps {}..{}; median step {:.1f} ms, {} {}/s\n",
-                           r.first_loss, r.last_loss, r.start + 1, r.total, median, rate_text(per_s * units_per_sample),
+                           r.first_loss, r.last_loss, r.start + 1, r.total, median, rate_text(per_s),
                            text ? "tokens" : "samples");
   if (r.last_eval)
     std::cout << fmt::format("  held-out: {}{}\n", eval_text(f, *r.last_eval),

@@ -723,6 +723,8 @@ EvalStats PipelineRank::evaluate(const Bundle& input, const Bundle& target, int6
   e.samples = batch_size;
   e.loss = d.per_token ? v[0] / (v[4] > 0 ? v[4] : 1.0) : v[0] / static_cast<double>(batch_size);
   e.accuracy = v[3] > 0 ? v[1] / v[2] : std::numeric_limits<double>::quiet_NaN();
+  e.loss_units = d.per_token ? v[4] : static_cast<double>(batch_size);
+  e.predictions = v[3] > 0 ? v[2] : 0.0;
   return e;
 }
 

@@ -128,7 +128,11 @@ void PipelineRank::Impl::forward(int s, int i) {
   // The step of micro-batch i and its index within the step: a call of K steps draws the same
   // masks as K calls of one step.
   const auto global_step = static_cast<uint64_t>(step + i / per_step);
-  sl.seed = mix(options.seed ^ mix(global_step * 1000003ULL + static_cast<uint64_t>(s) * 7919ULL +
+  // A data-parallel copy of the pipeline (options.data_parallel) holds other samples and draws its own
+  // masks: copy c > 0 mixes c into the seed; copy 0 keeps the seed of a run without copies.
+  const int copy = options.data_parallel ? options.data_parallel->rank() : 0;
+  const uint64_t seed = copy > 0 ? options.seed ^ mix(0x5eed0000ULL + static_cast<uint64_t>(copy)) : options.seed;
+  sl.seed = mix(seed ^ mix(global_step * 1000003ULL + static_cast<uint64_t>(s) * 7919ULL +
                                    static_cast<uint64_t>(i % per_step)));
   sl.checkpointed = !forward_mode && checkpointed(i) && s != last_stage();
   PassWeightsScope scope;

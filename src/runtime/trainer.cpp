@@ -9,6 +9,7 @@
 #include <chrono>
 #include <csignal>
 #include <cmath>
+#include <limits>
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/device.h"
@@ -148,24 +149,36 @@ EvalResult Trainer::evaluate(int64_t count) {
   count = count <= 0 ? eval_size_ : std::min(count, eval_size_);
   const int64_t chunk = o_.eval_batch > 0 ? o_.eval_batch : 4 * o_.batch_size;
   EvalResult r;
-  double loss = 0, correct = 0;
+  // Each chunk's means weighted by what they are means over (EvalStats): samples, or the tokens of a
+  // per-token loss (chunks of short lines hold fewer), and the predictions accuracy counted; so the
+  // result does not depend on the chunk size.
+  double loss = 0, units = 0, correct = 0, predictions = 0;
+  bool has_accuracy = false;
   for (int64_t begin = 0; begin < count; begin += chunk) {
     const int64_t n = std::min(chunk, count - begin);
     std::pair<Bundle, torch::Tensor> b;
     if (data_ && data_->eval_batch) b = data_->eval_batch(begin, n);
     const EvalStats e = rank_.evaluate(b.first, b.second, n);
-    loss += e.loss * static_cast<double>(n);
-    correct += e.accuracy * static_cast<double>(n);
+    if (e.loss_units > 0) {
+      loss += e.loss * e.loss_units;
+      units += e.loss_units;
+    }
+    if (!std::isnan(e.accuracy)) has_accuracy = true;
+    if (e.predictions > 0) {
+      correct += e.accuracy * e.predictions;
+      predictions += e.predictions;
+    }
     r.samples += n;
   }
-  r.loss = loss / static_cast<double>(std::max<int64_t>(r.samples, 1));
-  r.accuracy = correct / static_cast<double>(std::max<int64_t>(r.samples, 1));
+  r.loss = units > 0 ? loss / units : 0.0;
+  r.accuracy = !has_accuracy ? std::numeric_limits<double>::quiet_NaN() : predictions > 0 ? correct / predictions : 0.0;
   return r;
 }
 
-// The first step after `step` at which an asynchronous run drains its pipeline: the next evaluation,
-// checkpoint, multiple of steps_per_call (default kMaxStepsPerCall), or the end. A pure function of the
-// step, so a resumed run (which starts at such a boundary) cuts the remaining steps into the same calls.
+// The first step after `step` at which an asynchronous run drains its pipeline: the next evaluation
+// (`eval_every`; 0 where none runs), checkpoint, multiple of steps_per_call (default kMaxStepsPerCall),
+// or the end. A pure function of the step, so a resumed run (which starts at such a boundary) cuts the
+// remaining steps into the same calls.
 int Trainer::next_boundary(int step, int eval_every) const {
   int b = total_;
   auto up_to = [&](int every) {
@@ -189,6 +202,9 @@ TrainResult Trainer::run() {
   const bool first_stage = holds(mine, 0), last_stage = holds(mine, stages - 1);
   const int eval_every = o_.eval_every > 0 ? o_.eval_every : o_.eval_every == 0 ? total_ : std::max(1, total_ / 10);
   const int64_t eval_count = o_.eval_every == 0 || eval_size_ == 0 ? 0 : o_.eval_samples > 0 ? o_.eval_samples : eval_size_;
+  // Asynchronous calls end at evaluations only where evaluations run (data without a held-out split has
+  // none: cutting its calls there drained the pipeline for nothing).
+  const int boundary_every = eval_count > 0 ? eval_every : 0;
   auto run_eval = [&](int step) -> std::optional<EvalResult> {
     if (eval_count == 0) return std::nullopt;
     const EvalResult e = evaluate(eval_count);
@@ -212,14 +228,18 @@ TrainResult Trainer::run() {
   // Synchronous schedules: a call per step. Asynchronous ones: a call per run of steps between
   // evaluations and checkpoints (next_boundary), during which the pipeline never drains.
   for (int step = start_; step < total_;) {
-    const int calls_steps = async ? next_boundary(step, eval_every) - step : 1;
+    const int calls_steps = async ? next_boundary(step, boundary_every) - step : 1;
     Bundle input;
     torch::Tensor target;
+    std::vector<double> units(static_cast<std::size_t>(calls_steps), 0.0);  // StepRecord::units
     if (data_ && (first_stage || last_stage)) {
       std::vector<Bundle> inputs;
       std::vector<torch::Tensor> targets;
       for (int k = 0; k < calls_steps; ++k) {
         auto [x, y] = data_->batch(step + k, o_.batch_size);
+        units[static_cast<std::size_t>(k)] = y.defined() && !y.is_floating_point() && y.dim() > 0
+                                                 ? (y >= 0).sum().item<double>()
+                                                 : static_cast<double>(o_.batch_size);
         if (copies > 1) {  // this copy's share of the mini-batch
           x = x.slice(replica * share, (replica + 1) * share);
           y = y.slice(0, replica * share, (replica + 1) * share);
@@ -308,6 +328,8 @@ TrainResult Trainer::run() {
       rec.loss = r.last.losses[static_cast<std::size_t>(k)];
       rec.grad_norm = r.last.grad_norms[static_cast<std::size_t>(k)];
       rec.lr = o_.lr.at(step, total_);
+      rec.units = units[static_cast<std::size_t>(k)];
+      r.units += rec.units;
       rec.ms = ms;
       rec.busy_ms = busy;
       rec.pass_ms = pass_ms;

@@ -1,8 +1,9 @@
 // Checks `pipetrain train` with the asynchronous schedules (issue 5; docs/ALGORITHMS.md §5, §6): pipedream
 // (with stashing, vertical sync and the no-stash baseline), 2bw and spectrain train over threads and
 // over gloo processes, report their weight policy and the extra weight sets each stage kept; a resumed
-// asynchronous run gives bitwise the losses of an uninterrupted one (calls end at the same steps); bad
-// combinations exit 2 with the fix.
+// asynchronous run gives bitwise the losses of an uninterrupted one (calls end at the same steps); data
+// without a held-out split is not cut into calls at evaluations that never run; bad combinations exit 2
+// with the fix.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -60,7 +61,7 @@ TEST(TrainAsync, EveryScheduleTrainsOverThreads) {
            {"--schedule spectrain --optimizer sgd --lr 0.1 --momentum 0.9", "weights: spectrain", "stage 0 4 ("},
            {"--schedule spectrain", "weights: pipeoptim", "stage 0 4 ("},
        }) {
-    const CommandResult r = run_pipetrain("train --transport local --stages 4 --steps 16 --eval-every 8 --layers 2" +
+    const CommandResult r = run_pipetrain("train --transport local --stages 4 --steps 16 --steps-per-call 8 --layers 2" +
                                           kSmall + " " + c.flags);
     ASSERT_EQ(r.code, 0) << c.flags << "\n" << r.out;
     EXPECT_TRUE(r.has(c.policy)) << c.flags << "\n" << r.out;
@@ -74,11 +75,11 @@ TEST(TrainAsync, EveryScheduleTrainsOverThreads) {
 
 TEST(TrainAsync, PipeDreamOverGlooProcesses) {
   SKIP_WITHOUT_GLOO();
-  const CommandResult r = run_pipetrain("train --transport gloo --stages 2 --schedule pipedream --steps 12 --eval-every 6" + kSmall);
+  const CommandResult r = run_pipetrain("train --transport gloo --stages 2 --schedule pipedream --steps 12 --steps-per-call 6" + kSmall);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("over gloo")) << r.out;
   EXPECT_TRUE(r.has("weights: stash")) << r.out;
-  // Two calls of 6 steps (evaluations drain the pipeline); stage 0 of 2 keeps one extra version.
+  // Two calls of 6 steps (each drains the pipeline); stage 0 of 2 keeps one extra version.
   EXPECT_TRUE(r.has("last call (6 steps, one pipeline fill and drain)")) << r.out;
   EXPECT_TRUE(r.has("per stage: stage 0 1 (")) << r.out;
   const auto [first, last] = first_last_loss(r);
@@ -86,11 +87,11 @@ TEST(TrainAsync, PipeDreamOverGlooProcesses) {
 }
 
 TEST(TrainAsync, ResumeAfterACrashGivesBitwiseTheSameLosses) {
-  // Calls end at evaluations and checkpoints (every 4 steps here), so a run resumed from step 4 cuts the
-  // remaining steps into the same calls and its pipeline sees the same versions.
+  // Calls end at checkpoints and every --steps-per-call steps (4 here), so a run resumed from step 4 cuts
+  // the remaining steps into the same calls and its pipeline sees the same versions.
   const fs::path dir = temp_dir("resume");
   const std::string common =
-      " --transport local --stages 2 --schedule pipedream --steps 8 --eval-every 4 --dropout 0.1" + kSmall;
+      " --transport local --stages 2 --schedule pipedream --steps 8 --steps-per-call 4 --dropout 0.1" + kSmall;
   const CommandResult straight = run_pipetrain("train" + common + " --log " + (dir / "a.jsonl").string());
   ASSERT_EQ(straight.code, 0) << straight.out;
   // The process dies before rank 1's first forward of the call that starts at step 4 (0-based).
@@ -108,6 +109,23 @@ TEST(TrainAsync, ResumeAfterACrashGivesBitwiseTheSameLosses) {
   ASSERT_EQ(c.size(), 4u);
   for (int step = 1; step <= 4; ++step) EXPECT_EQ(a.at(step), b.at(step)) << "step " << step;
   for (int step = 5; step <= 8; ++step) EXPECT_EQ(a.at(step), c.at(step)) << "step " << step;
+  fs::remove_all(dir);
+}
+
+TEST(TrainAsync, NoEvaluationsNoCallBoundaries) {
+  // Synthetic data has no held-out split, so no evaluation runs: the default --eval-every (ten per run)
+  // cut the run into calls of 2 steps all the same, each draining the pipeline (partly synchronous).
+  const fs::path dir = temp_dir("boundaries");
+  const std::string common = " --transport local --stages 2 --schedule pipedream --steps 20" + kSmall + " --log ";
+  const CommandResult plain = run_pipetrain("train" + common + (dir / "default.jsonl").string());
+  ASSERT_EQ(plain.code, 0) << plain.out;
+  EXPECT_TRUE(plain.has("last call (20 steps, one pipeline fill and drain)")) << plain.out;
+  const CommandResult none = run_pipetrain("train" + common + (dir / "none.jsonl").string() + " --eval-every 0");
+  ASSERT_EQ(none.code, 0) << none.out;
+  const auto a = losses(dir / "default.jsonl"), b = losses(dir / "none.jsonl");
+  ASSERT_EQ(a.size(), 20u);
+  ASSERT_EQ(b.size(), 20u);
+  for (int step = 1; step <= 20; ++step) EXPECT_EQ(a.at(step), b.at(step)) << "step " << step;
   fs::remove_all(dir);
 }
 

@@ -3,7 +3,8 @@
 // learning rates; callbacks see every step once, evaluations at step 0, on the cadence and at the end,
 // checkpoints on their cadence; a run resumed from a Trainer's checkpoint ends bitwise where an
 // uninterrupted one does; a stop request ends every rank after the same step and, asked to, writes a
-// checkpoint there; an asynchronous schedule runs several steps per call and cuts calls at evaluations;
+// checkpoint there; an asynchronous schedule runs several steps per call and cuts calls at evaluations
+// (only those that run); a per-token held-out loss does not depend on the evaluation batch;
 // two data-parallel copies of a pipeline train on their halves of each batch; bad options are refused.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -91,10 +92,9 @@ struct TrainerRun {
   std::vector<TrainResult> all;
 };
 TrainerRun run_trainer(int p, TrainerOptions to, const PipelineOptions& po = options(),
-                std::function<void(int rank, PipelineOptions&)> tweak = {}) {
+                std::function<void(int rank, PipelineOptions&)> tweak = {}, const TrainData& d = data()) {
   auto transports = make_local_transports(p);
   auto model = make_model();
-  const TrainData d = data();
   TrainerRun out;
   out.all.resize(static_cast<std::size_t>(p));
   std::mutex mu;
@@ -281,6 +281,69 @@ TEST(Trainer, AsynchronousSchedulesRunSeveralStepsPerCallCutAtEvaluations) {
   for (const auto& e : run.seen.evals) at.push_back(e.first);
   EXPECT_EQ(at, (std::vector<int>{0, 5, 10, 12}));
   for (const StepRecord& s : run.seen.steps) EXPECT_TRUE(std::isfinite(s.loss));
+}
+
+TEST(Trainer, AsynchronousCallsAreNotCutAtEvaluationsThatDoNotRun) {
+  // Data without a held-out split: no evaluation runs, so the default cadence (ten per run) must not cut
+  // the run into calls (each drains the pipeline): one call of 12 steps, the losses of eval_every 0.
+  TrainData d = data();
+  d.eval_size = 0;
+  d.eval_batch = nullptr;
+  PipelineOptions po = options("pipedream");
+  po.microbatches = 1;
+  TrainerOptions to;
+  to.steps = 12;
+  to.batch_size = kBatch;
+  to.lr = {1e-2, "constant", 0};
+  to.eval_every = -1;
+  const TrainerRun cadence = run_trainer(2, to, po, {}, d);
+  to.eval_every = 0;
+  const TrainerRun none = run_trainer(2, to, po, {}, d);
+  EXPECT_TRUE(cadence.seen.evals.empty());
+  EXPECT_EQ(cadence.result.last.steps, 12);
+  ASSERT_EQ(cadence.seen.steps.size(), 12u);
+  ASSERT_EQ(none.seen.steps.size(), 12u);
+  for (std::size_t k = 0; k < 12; ++k) EXPECT_EQ(cadence.seen.steps[k].loss, none.seen.steps[k].loss) << "step " << k + 1;
+}
+
+TEST(Trainer, AHeldOutPerTokenLossDoesNotDependOnTheEvaluationBatch) {
+  // Targets -1 are padding, irregularly spread: chunks of the same number of samples hold different
+  // numbers of real targets, so each chunk's mean must weigh by those (EvalStats::loss_units), not by
+  // its samples; accuracy likewise by its predictions.
+  auto transports = make_local_transports(1);
+  const Loss per_token = Loss::per_token([](const torch::Tensor& out, const torch::Tensor& t) {
+    const torch::Tensor sum = torch::nn::functional::cross_entropy(
+        out, t, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-1).reduction(torch::kSum));
+    return LossTerm(sum, (t >= 0).sum());
+  });
+  PipelineRank rank(make_model(), per_token, transports[0], options());
+  TrainData d = data();
+  d.eval_batch = [](int64_t begin, int64_t n) {
+    auto [x, y] = samples(99, kEval);
+    for (int64_t i = 0; i < kEval; ++i)
+      if (i % 3 == 0 || i % 7 == 1) y[i] = -1;
+    return std::make_pair(x.slice(0, begin, begin + n), y.slice(0, begin, begin + n));
+  };
+  std::vector<EvalResult> results;
+  for (const int64_t chunk : {int64_t{1}, int64_t{4}, int64_t{6}, kEval}) {
+    TrainerOptions to;
+    to.steps = 1;
+    to.batch_size = kBatch;
+    to.eval_batch = chunk;
+    Trainer t(rank, transports[0], transports[0], &d, to);
+    results.push_back(t.evaluate(kEval));
+  }
+  // The whole held-out set at once, by hand: the mean over its real targets.
+  auto [x, y] = d.eval_batch(0, kEval);
+  torch::NoGradGuard no_grad;
+  const EvalStats whole = rank.evaluate(x, y, kEval);
+  ASSERT_GT(whole.loss_units, 0);
+  EXPECT_LT(whole.loss_units, kEval);
+  for (std::size_t k = 0; k < results.size(); ++k) {
+    EXPECT_NEAR(results[k].loss, whole.loss, 1e-6 * whole.loss) << "chunk " << k;
+    EXPECT_NEAR(results[k].accuracy, whole.accuracy, 1e-12) << "chunk " << k;
+    EXPECT_EQ(results[k].samples, kEval);
+  }
 }
 
 TEST(Trainer, RefusesBadOptionsByName) {

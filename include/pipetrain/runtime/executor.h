@@ -130,8 +130,9 @@ struct PipelineOptions {
   std::string backward_split = "auto";
   OptimizerOptions optimizer;
   uint64_t seed = 0;                      // forward RNG of (step, stage, micro-batch) derives from it
-  // Seed every forward from (seed, step, stage, micro-batch), so dropout masks do not depend on the
-  // schedule or the stage count; in-process ranks then take turns in forwards. The caller's default
+  // Seed every forward from (seed, step, stage, micro-batch), and the data-parallel copy (data_parallel's
+  // rank; copy 0 as a run without copies), so dropout masks do not depend on the
+  // schedule or the stage count and copies draw different ones; in-process ranks then take turns in forwards. The caller's default
   // generator is restored after each forward: it never sees the pipeline's draws (see PipelineRank).
   bool deterministic_rng = true;
   bool reference = false;                 // blocking reference path instead of the fast path
@@ -258,6 +259,11 @@ struct EvalStats {
   // negative ids are padding and not counted); NaN otherwise.
   double accuracy = 0.0;
   int64_t samples = 0;
+  // For combining the evaluations of several batches: what `loss` is the mean over (the samples, or the
+  // units counted by a per-token loss: a batch of short lines weighs less than one of long lines), and
+  // the predictions `accuracy` counted (0 where accuracy does not apply).
+  double loss_units = 0.0;
+  double predictions = 0.0;
 };
 
 // Guards LibTorch's default generator among ranks that share a process (threads): seeded forwards take

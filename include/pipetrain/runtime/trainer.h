@@ -75,7 +75,8 @@ struct TrainerOptions {
   // The run as stored in checkpoints (what must match to resume); given the run's total steps.
   std::function<nlohmann::json(int total_steps)> run_description;
   int steps_per_call = 0;        // asynchronous schedules: steps per executor call; 0: up to the next
-                                 // evaluation or checkpoint, at most kMaxStepsPerCall
+                                 // evaluation (where one runs: data without a held-out split has none)
+                                 // or checkpoint, at most kMaxStepsPerCall
   bool stage_times = false;      // per step, each stage's busy time, the pipeline's span and each rank's
                                  // memory (one more all-reduce per call; StepRecord::busy_ms, pass_ms,
                                  // heap_growth_mib, device_peak_allocated_mib)
@@ -110,6 +111,10 @@ struct StepRecord {
   // measure_memory; else 0), and its device's peak allocated MiB since the run began (-1 where not
   // measured: the CPU, or a LibTorch without the allocator's statistics, device.h).
   std::vector<double> heap_growth_mib, device_peak_allocated_mib;
+  // The target units of the step's mini-batch (all copies): with integer targets (class ids, tokens)
+  // those >= 0, so a language model's real tokens without padding; else the samples. On the ranks that
+  // read the batch (the first and last stages'); 0 elsewhere.
+  double units = 0;
   std::optional<EvalResult> eval;  // evaluated after this step
 };
 
@@ -127,6 +132,7 @@ struct TrainResult {
   int last_saved = 0;            // the step of the last checkpoint written (0: none)
   double first_loss = 0, last_loss = 0;
   std::vector<double> step_ms;   // per step of this run
+  double units = 0;              // StepRecord::units summed over this run's steps
   std::optional<EvalResult> first_eval, last_eval;
   StepStats last;                // the last call's statistics (its timeline included)
   std::map<int, WeightMemory> weight_memory;  // asynchronous: peak extra weight sets per local stage
