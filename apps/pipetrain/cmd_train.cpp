@@ -160,6 +160,7 @@ struct RankOutput {
   std::unique_ptr<LogFile> log;
   std::unique_ptr<Progress> progress;
   HeapPrediction heap;  // --memory: the heap model's prediction per pipeline rank
+  int nonfinite_steps = 0;  // steps whose loss or gradient norm was NaN or infinite (--nonfinite skip, ignore)
 };
 
 TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
@@ -179,6 +180,14 @@ TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
     // Text: the step's real tokens (padding of --variable-length lines not counted), not batch x seq-len.
     const double tokens_per_s = 1000.0 * s.units / s.ms;
     out.progress->step(s.step, s.loss, s.grad_norm, s.lr, s.ms, text ? tokens_per_s : per_s);
+    // --nonfinite skip dropped this step's update (ignore applied it): said for the first few steps, then
+    // counted in the summary (a run of NaN losses would otherwise show nothing else).
+    if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) {
+      if (++out.nonfinite_steps <= 3)
+        out.progress->note(fmt::format("step {}: loss {} and gradient norm {}: {}", s.step, s.loss, s.grad_norm,
+                                       f.nonfinite == "skip" ? "its update was skipped (--nonfinite skip)"
+                                                             : "its update was applied (--nonfinite ignore)"));
+    }
     if (!out.log) return;
     nlohmann::json entry = {{"step", s.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
                             {"step_ms", s.ms}, {"samples_per_s", per_s}};
@@ -330,6 +339,11 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   const RunReport rep = trainer.report(r);
   if (out.log) out.log->close();
   if (leader) print_outputs(f, rank, *transport, r, rep, sample, out.heap);
+  if (leader && out.nonfinite_steps > 0)
+    std::cout << fmt::format("{} of {} steps had a NaN or infinite loss or gradient norm; their updates were {} "
+                             "(--nonfinite {})\n",
+                             out.nonfinite_steps, r.reached - trainer.start(),
+                             f.nonfinite == "skip" ? "skipped" : "applied", f.nonfinite);
   return 0;
 }
 

@@ -60,7 +60,8 @@ void ModelFlags::add_to(CLI::App& app) {
                "holds it, gradients summed at every step; synchronous schedules)");
   app.add_flag("--variable-length", gpt.variable_length,
                "gpt on text: samples are lines (verses) of differing length, padded with a mask that travels with "
-               "the activations; each micro-batch is trimmed to its longest line");
+               "the activations; each micro-batch is trimmed to its longest line; the loss is the mean per real "
+               "token, whatever the split (2bw and UMPIPE cannot train it)");
   hidden_option_ = for_models(
       app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)"),
       {"mlp", "cnn"});

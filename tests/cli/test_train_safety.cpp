@@ -187,6 +187,9 @@ TEST(TrainSafety, DivergedRunStopsAndKeepsTheLastGoodCheckpoint) {
   expect_no_leftovers(dir / "ck");
   r = run_pipetrain("train" + kMlp + " --transport local --steps 3 --lr 1e308 --clip 0 --nonfinite skip");
   EXPECT_EQ(r.code, 0) << r.out;
+  // Each skipped update is said (it showed only "loss nan" lines), and counted at the end.
+  EXPECT_TRUE(r.has("its update was skipped (--nonfinite skip)")) << r.out;
+  EXPECT_TRUE(r.has("steps had a NaN or infinite loss or gradient norm; their updates were skipped")) << r.out;
   fs::remove_all(dir);
 }
 
