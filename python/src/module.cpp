@@ -65,6 +65,15 @@ void check_nonneg(const std::string& keyword, const std::optional<double>& v, co
 // memory_limit: activation memory per rank (0: no limit).
 void check_memory_limit(double memory_limit) { check_nonneg("memory_limit", memory_limit, "no limit"); }
 
+// Ctrl-C during a long search (ZbExactOptions::interrupt, every few thousand nodes, with the GIL released
+// around the search): a pending SIGINT raises KeyboardInterrupt instead of waiting for the whole budget.
+std::function<void()> python_interrupt() {
+  return [] {
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  };
+}
+
 // A path argument: str or any os.PathLike (pathlib.Path), as os.fspath() gives it.
 std::string path_arg(const py::handle& obj, const std::string& keyword) {
   py::object p;
@@ -375,6 +384,7 @@ Schedule make_schedule(const std::string& name, int stages, int microbatches, in
     zo.memory_limit = memory_limit;
     zo.node_budget = exact_nodes;
     zo.steps = steps;
+    zo.interrupt = python_interrupt();
     ZbExactResult r = zb_exact(s.ranks, s.microbatches_per_step, flag_costs(cf, s), zo);
     validate(r.schedule, validate_options(memory_limit));
     s = r.schedule;
@@ -1294,6 +1304,7 @@ PYBIND11_MODULE(_pipetrain, m) {
           o.memory_limit = memory_limit;
           o.node_budget = nodes;
           o.steps = steps;
+          o.interrupt = python_interrupt();
           py::gil_scoped_release nogil;
           return zb_exact(stages, microbatches, costs.value_or(CostModel::uniform(stages, StageCost{})), o);
         },

@@ -242,6 +242,7 @@ class Search {
 
   void dfs() {
     ++nodes_;
+    if ((nodes_ & 4095) == 0 && interrupt_) interrupt_();  // may throw: the search is abandoned
     if (placed_ == 3 * p_ * m_) {
       double span = 0;
       for (int r = 0; r < p_; ++r) span = std::max(span, free_[z(r)] + step_[z(r)]);
@@ -298,6 +299,9 @@ class Search {
   double best_ = kInf, root_bound_ = 0, open_bound_ = kInf;
   long long nodes_ = 0;
   bool out_of_budget_ = false;
+
+ public:
+  std::function<void()> interrupt_;
 };
 
 // The generators' costs for p stages with the per-action overhead folded into F, B and W (the search
@@ -409,6 +413,7 @@ ZbExactResult zb_exact(int p, int m, const CostModel& costs, const ZbExactOption
   const Schedule greedy = zb_auto(p, m, c, o.memory_limit, 1);
   const double greedy_makespan = simulate(greedy, c).metrics.makespan;
   Search search(p, m, c, limit, o.node_budget);
+  search.interrupt_ = o.interrupt;
   search.run(o.start_from_greedy ? greedy_makespan : kInf);
 
   ZbExactResult out;

@@ -313,3 +313,20 @@ TEST(ZbExact, BadInputIsAUsageErrorThatSaysTheFix) {
   EXPECT_NE(message([&] { zb_exact(3, 2, free_b); }).find("give B > 0 or --comm > 0"), std::string::npos);
   EXPECT_NO_THROW(zb_exact(3, 2, CostModel::uniform(3, StageCost{1, 0, 1, 1}, 1, 0.5)));
 }
+
+// ZbExactOptions::interrupt (the Python module's Ctrl-C): called as the search goes, it leaves the
+// result unchanged when it returns, and what it throws abandons the search and reaches the caller.
+TEST(ZbExactInterrupt, IsCalledLeavesTheResultAndCanAbandonTheSearch) {
+  const CostModel c = CostModel::uniform(6, StageCost{2, 3, 1.5, 1});
+  ZbExactOptions o;
+  o.node_budget = 50'000;  // this search is not proven within it: every node is used
+  const ZbExactResult plain = zb_exact(6, 10, c, o);
+  int calls = 0;
+  o.interrupt = [&calls] { ++calls; };
+  const ZbExactResult watched = zb_exact(6, 10, c, o);
+  EXPECT_GT(calls, 0);
+  EXPECT_EQ(watched.nodes, plain.nodes);
+  EXPECT_EQ(watched.makespan, plain.makespan);
+  o.interrupt = [] { throw std::runtime_error("interrupted"); };
+  EXPECT_THROW(zb_exact(6, 10, c, o), std::runtime_error);
+}

@@ -826,5 +826,28 @@ class TorchBridgeVersion(unittest.TestCase):
         self.assertIn("PyTorch 2.5 or newer", pt.__doc__)
         self.assertNotRegex(pt.__doc__ + str(e.exception), r"2\.4 or newer")
 
+
+class InterruptingALongSearch(unittest.TestCase):
+    """Ctrl-C during an exact search (tens of minutes at its largest budget) raised nothing until the
+    search ended: the search now checks for a pending SIGINT every few thousand nodes."""
+
+    def test_ctrl_c_raises_keyboard_interrupt(self):
+        import signal
+        if threading.current_thread() is not threading.main_thread():
+            self.skipTest("signals reach the main thread only")
+        costs = pipetrain.costs(pipetrain.schedule("1f1b", stages=6, microbatches=10), cost="2:3:1.5")
+        for call in (lambda: pipetrain.zb_exact(6, 10, costs=costs, nodes=50_000_000),
+                     lambda: pipetrain.schedule("zb-auto", stages=6, microbatches=10, cost="2:3:1.5", exact=True,
+                                                exact_nodes=50_000_000)):
+            timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+            timer.start()
+            try:
+                with self.assertRaises(KeyboardInterrupt):
+                    call()  # 50 million nodes: minutes, were it not interrupted
+            finally:
+                timer.cancel()
+
+
 if __name__ == "__main__":
     support.main()
+

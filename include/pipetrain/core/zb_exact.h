@@ -7,6 +7,7 @@
 // same schedule, bound and node count on every machine. Pure function; any thread may call it.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "pipetrain/core/cost.h"
@@ -21,6 +22,9 @@ struct ZbExactOptions {
   // Start from zb-auto's greedy schedule as the one to beat (prunes from the first node). false: the
   // search alone must find the optimum (the tests check it that way); the greedy is still the fallback.
   bool start_from_greedy = true;
+  // Called every 4,096 search nodes, if set: it may throw to abandon the search (the exception reaches the
+  // caller; the Python module raises KeyboardInterrupt on Ctrl-C this way). It never changes the result.
+  std::function<void()> interrupt;
 };
 
 struct ZbExactResult {
