@@ -24,7 +24,6 @@
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/timeline.h"
-#include "pipetrain/plan/search.h"
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/info.h"
 #include "pipetrain/runtime/launch.h"
@@ -266,16 +265,14 @@ int train_rank(const TrainFlags& f, std::shared_ptr<Transport> world) {
   const bool leader = world->rank() == 0;
   if (leader) {
     warn_if_profiled_on_another_model("--plan", f.pipe.plan_file, f.pipe.plan_model, f.model.describe());
-    if (!f.pipe.plan_file.empty() && f.pipe.plan_use == "pipeline") {
+    if (!f.pipe.plan_file.empty() && f.pipe.plan_use == "pipeline" && !f.pipe.plan_fits_memory) {
       // pipetrain plan writes a plan that fits no rank's --memory for inspection, and says so; a run of it
       // says so again, as it needs that much memory per rank.
-      const PlanFile file = read_plan_file(f.pipe.plan_file);
-      if (file.fits_memory_limit && !*file.fits_memory_limit)
-        std::cerr << fmt::format("warning: --plan {} does not fit the memory per rank it was planned for (its "
-                                 "\"fits_memory_limit\" is false; predicted peak {:.3f} GiB per rank): this run may "
-                                 "run out of memory; plan again with more --ranks, a higher --memory or a smaller "
-                                 "--batch-size\n",
-                                 f.pipe.plan_file, file.predicted_peak_bytes / 1073741824.0);
+      std::cerr << fmt::format("warning: --plan {} does not fit the memory per rank it was planned for (its "
+                               "\"fits_memory_limit\" is false; predicted peak {:.3f} GiB per rank): this run may "
+                               "run out of memory; plan again with more --ranks, a higher --memory or a smaller "
+                               "--batch-size\n",
+                               f.pipe.plan_file, f.pipe.plan_peak_bytes / 1073741824.0);
     }
     if (!f.pipe.profile_file.empty())
       warn_if_profiled_on_another_model("--profile", f.pipe.profile_file, load_profile(f.pipe.profile_file).model,

@@ -377,10 +377,8 @@ nlohmann::json ModelFlags::data_json() const {
     // What the text is, wherever it lies: a resume compares these, not the path (./my.txt and my.txt
     // were refused as different files, and another file of the same name and characters accepted).
     if (text_) {
-      uint64_t h = 1469598103934665603ULL;  // FNV-1a, 64 bits
-      for (unsigned char c : *text_) h = (h ^ c) * 1099511628211ULL;
       j["file_bytes"] = text_->size();
-      j["file_fnv1a"] = fmt::format("{:016x}", h);
+      j["file_fnv1a"] = fmt::format("{:016x}", fnv1a(*text_));
     }
   }
   return j;

@@ -146,6 +146,8 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   // for that many samples per step, split evenly over its replicas.
   plan_batch_size = file.batch_size;
   plan_model = plan.model;
+  plan_fits_memory = !file.fits_memory_limit || *file.fits_memory_limit;
+  plan_peak_bytes = file.predicted_peak_bytes;
   if (plan_use != "pipedream") {
     umpipe_section = file.umpipe;
     // Where the copies' ranks go (with --level the plan chose it); pipeline-inner when not recorded.

@@ -302,13 +302,11 @@ std::shared_ptr<Transport> PipelineFlags::replica_group(const std::shared_ptr<Tr
   return make_group_transport(world, members);
 }
 
-namespace {
-uint64_t settings_hash(std::string_view bytes) {  // FNV-1a
+uint64_t fnv1a(std::string_view bytes) {
   uint64_t h = 0xcbf29ce484222325ULL;
   for (const unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ULL;
   return h;
 }
-}  // namespace
 
 void check_same_on_every_rank(const nlohmann::json& settings, Transport& world) {
   std::vector<std::string> names;
@@ -323,7 +321,7 @@ void check_same_on_every_rank(const nlohmann::json& settings, Transport& world) 
   };
   torch::Tensor whole = torch::zeros({n, 3}, torch::kDouble);
   whole[world.rank()][0] = fields;
-  put(whole[world.rank()], 1, settings_hash(settings.dump()));
+  put(whole[world.rank()], 1, fnv1a(settings.dump()));
   world.all_reduce_sum(whole);
   bool same = true, same_count = true;
   for (int r = 1; r < n; ++r) {
@@ -335,7 +333,7 @@ void check_same_on_every_rank(const nlohmann::json& settings, Transport& world) 
   int first = 1;
   if (same_count) {
     torch::Tensor t = torch::zeros({n, 2 * fields}, torch::kDouble);
-    for (int i = 0; i < fields; ++i) put(t[world.rank()], 2 * i, settings_hash(settings[names[static_cast<std::size_t>(i)]].dump()));
+    for (int i = 0; i < fields; ++i) put(t[world.rank()], 2 * i, fnv1a(settings[names[static_cast<std::size_t>(i)]].dump()));
     world.all_reduce_sum(t);
     while (first < n && torch::equal(t[first], t[0])) ++first;
     for (int i = 0; i < fields && first < n; ++i)

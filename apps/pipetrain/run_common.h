@@ -8,6 +8,7 @@
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 
 #include "pipetrain/plan/profile.h"
 #include "pipetrain/plan/umpipe.h"
@@ -137,6 +138,8 @@ struct PipelineFlags {
   nlohmann::json umpipe_section;  // the plan's "umpipe" object; null when it has none
   int64_t plan_batch_size = 0;    // the plan's "batch_size" (0: none)
   std::string plan_model;         // the plan's "model": its profile's description of the model measured
+  bool plan_fits_memory = true;   // false: the plan's "fits_memory_limit" says it fits no rank's --memory
+  double plan_peak_bytes = 0;     // the plan's "predicted_peak_bytes" per rank (0: not recorded)
   std::vector<int> plan_balance;  // the plan's balance
   std::string umpipe = "auto";    // --umpipe: auto (dgap when the plan has partitions), off, equal, local-greedy, global-dp, dgap
   std::shared_ptr<const UmpipeResult> umpipe_chosen;  // after prepare_umpipe: the partitions to run, or null
@@ -171,6 +174,8 @@ void check_balance_flags(const PipelineFlags& pipe, const ModelFlags& model);
 // first rank that differs from rank 0 and the settings that differ. Ranks with other settings would wait
 // in different collectives (a hang) or silently compute a mixture.
 void check_same_on_every_rank(const nlohmann::json& settings, Transport& world);
+// FNV-1a, 64 bits: the checkpoint manifest's text hash and the ranks' settings comparison.
+uint64_t fnv1a(std::string_view bytes);
 
 int run_ranks(const PipelineFlags& flags, int argc, char** argv,
               const std::function<int(std::shared_ptr<Transport>)>& body);

@@ -124,12 +124,6 @@ std::string rank_label(const Schedule& s, int rank) {
 
 namespace {
 
-uint64_t fnv1a(std::string_view bytes) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (const unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ULL;
-  return h;
-}
-
 // A file's bytes as a hash ("" when it cannot be read: the run reports that itself, later).
 std::string content_hash(const std::string& path) {
   if (path.empty()) return {};
