@@ -1,5 +1,6 @@
 #include "cli_common.h"
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -16,6 +17,7 @@
 #include "pipetrain/plan/costs.h"
 #include "pipetrain/plan/profile.h"
 #include "pipetrain/core/skip.h"
+#include "pipetrain/core/torch_csv.h"
 #include "pipetrain/core/validate.h"
 
 namespace pipetrain::cli {
@@ -88,11 +90,107 @@ void ScheduleFlags::refuse_profile_flags_without_profile() const {
                        "come from --cost and --comm here (a transfer costs --comm): add --profile FILE, or drop " + flag);
 }
 
+namespace {
+
+// `p` with links and dots resolved as far as it exists (lexically where it cannot be resolved).
+std::filesystem::path resolved(const std::filesystem::path& p) {
+  std::error_code ec;
+  const std::filesystem::path abs = std::filesystem::absolute(p, ec);
+  if (ec) return p.lexically_normal();
+  const std::filesystem::path r = std::filesystem::weakly_canonical(abs, ec);
+  return ec ? abs.lexically_normal() : r;
+}
+
+}  // namespace
+
+bool same_path(const std::filesystem::path& a, const std::filesystem::path& b) {
+  std::error_code ec;
+  if (std::filesystem::equivalent(a, b, ec) && !ec) return true;
+  return resolved(a) == resolved(b);
+}
+
+bool inside(const std::filesystem::path& p, const std::filesystem::path& dir) {
+  const auto d = resolved(dir);
+  for (auto q = resolved(p); !q.empty(); q = q.parent_path()) {
+    if (q == d) return true;
+    if (q == q.parent_path()) break;
+  }
+  return false;
+}
+
+void refuse_empty_names(const CLI::App* cmd, std::initializer_list<const char*> flags) {
+  for (const char* flag : flags) {
+    const CLI::Option* o = cmd->get_option_no_throw(flag);
+    if (o && o->count() > 0 && o->as<std::string>().empty())
+      throw UsageError(std::string(flag) + " was given an empty name (an unset shell variable?): give a path, or "
+                       "drop " + flag);
+  }
+}
+
+void check_outputs_apart(const std::vector<std::pair<const char*, std::string>>& outputs,
+                         const std::vector<std::pair<const char*, std::string>>& inputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [flag, path] = outputs[i];
+    if (path.empty() || path.rfind("/dev/", 0) == 0) continue;  // /dev/stdout, /dev/null: not files of the run's
+    for (std::size_t k = i + 1; k < outputs.size(); ++k)
+      if (!outputs[k].second.empty() && same_path(path, outputs[k].second))
+        throw UsageError(std::string(flag) + " and " + outputs[k].first + " both write " + path +
+                         ": one would replace the other; give each its own file");
+    for (const auto& [in_flag, in_path] : inputs)
+      if (!in_path.empty() && same_path(path, in_path))
+        throw UsageError(std::string(flag) + " " + path + " is the file " + in_flag + " reads: writing it would "
+                         "replace it; write " + flag + " elsewhere");
+  }
+}
+
+// --load FILE --format torch: PyTorch's schedule CSV, validated as a generated schedule is.
+Schedule ScheduleFlags::load_torch(const std::string& letters, const std::vector<int>& stage_rank,
+                                   std::vector<std::string>& notes) const {
+  if (load.empty())
+    throw UsageError("PyTorch's format reads the file given by --load: add --load FILE.csv (a schedule PyTorch dumped "
+                     "with _dump_csv)");
+  if (!schedule.empty())
+    throw UsageError("give either --schedule " + schedule + " or --load " + load + ", not both");
+  refuse_profile_flags_without_profile();
+  if (!replication.empty())
+    throw UsageError("--replication applies to a generated schedule; PyTorch's schedule CSV gives every stage one rank");
+  TorchCsvReadOptions o;
+  o.letters = parse_torch_letters(letters);
+  o.stage_rank = stage_rank;
+  o.stages = static_cast<int>(stage_rank.size());
+  TorchCsvRead r = load_torch_csv_file(load, o);
+  // The file gives its own sizes; --stages and --microbatches, when given, must agree with them.
+  if (stages_option && stages_option->count() > 0 && stages != r.schedule.ranks)
+    throw UsageError("--stages " + std::to_string(stages) + " but " + load + " has " +
+                     std::to_string(r.schedule.ranks) + " rows (ranks): drop --stages, the file gives it");
+  if (microbatches_option && microbatches_option->count() > 0 &&
+      microbatches != r.schedule.microbatches)
+    throw UsageError("--microbatches " + std::to_string(microbatches) + " but " + load + " has " +
+                     std::to_string(r.schedule.microbatches) + " micro-batches: drop --microbatches, the file gives it");
+  // PyTorch's CSV holds one step, and its stages per rank give --virtual.
+  const std::pair<const char*, std::pair<int, int>> sizes[] = {
+      {"--steps", {steps, r.schedule.steps()}}, {"--virtual", {virtual_stages, r.schedule.virtual_stages_per_rank()}}};
+  for (const auto& [flag, v] : sizes)
+    if (given(flag) && v.first != v.second)
+      throw UsageError(std::string(flag) + " " + std::to_string(v.first) + " but " + load + " has " +
+                       std::to_string(v.second) + ": drop " + flag + ", the file gives it");
+  ValidateOptions vo;
+  if (memory_limit > 0) vo.memory_limit = memory_limit;
+  add_skips(r.schedule);
+  validate(r.schedule, vo);
+  notes = std::move(r.notes);
+  notes.push_back(std::string("read with PyTorch's ") + to_string(r.letters) + " letters, " +
+                  (r.with_communication ? "with communication" : "compute only") + "; " +
+                  std::to_string(r.schedule.stages) + " stages on " + std::to_string(r.schedule.ranks) + " ranks");
+  return std::move(r.schedule);
+}
+
 Schedule ScheduleFlags::build() const {
   // Values that read as "not given" and flags that did nothing, which ran without a word.
   refuse_profile_flags_without_profile();
   if (memory_limit < 0)
-    throw UsageError("--memory-limit must be >= 0 (0: no limit), got " + std::to_string(memory_limit));
+    throw UsageError("--memory-limit must be >= 0 (0: no limit; for zb-auto, p micro-batches), got " +
+                     std::to_string(memory_limit));
   if (given("--microbatch-size") && !(microbatch_size > 0))
     throw UsageError("--microbatch-size must be > 0 (or not given: the profile's), got " + std::to_string(microbatch_size));
   if (!profile.empty() && given("--cost"))
@@ -146,7 +244,7 @@ Schedule ScheduleFlags::build() const {
     o.memory_limit = memory_limit;
     if ((schedule == "zb-h2" || schedule == "zb-auto") && !profile.empty()) {
       if (stages < 1) throw UsageError("--stages must be >= 1, got " + std::to_string(stages));
-      o.costs = profile_costs(stages * virtual_stages);
+      o.costs = profile_costs(stages * virtual_stages, stages);
     } else if (schedule == "zb-h2" || schedule == "zb-auto") {
       if (stages < 1) throw UsageError("--stages must be >= 1, got " + std::to_string(stages));
       o.costs.stage = parse_stage_costs(cost);
@@ -212,9 +310,22 @@ std::pair<double, double> ScheduleFlags::transfer_options(const Profile& p) cons
   return {bandwidth_gbps * 1e6, latency_us / 1e3};
 }
 
-CostModel ScheduleFlags::profile_costs(int total_stages) const {
+CostModel ScheduleFlags::profile_costs(int total_stages, int ranks) const {
   const Profile p = load_profile_flags();
   if (microbatch_size < 0) throw UsageError("--microbatch-size must be > 0");
+  const int layers = static_cast<int>(p.layers.size());
+  if (ranks > 0 && total_stages > ranks && total_stages > layers) {
+    // Several stages per rank (--virtual, or a V schedule's two): the balancer's own "use --stages <= L"
+    // names the total, which --stages does not set.
+    const int per_rank = (total_stages + ranks - 1) / ranks;
+    throw UsageError(std::to_string(total_stages) + " stages (" + std::to_string(per_rank) + " on each of the " +
+                     std::to_string(ranks) + " ranks) but the profile has " + std::to_string(layers) + " layers: " +
+                     (layers / per_rank >= 1 ? "use --stages <= " + std::to_string(layers / per_rank)
+                                             : std::string("too few layers for ") + std::to_string(per_rank) +
+                                                   " stages per rank") +
+                     (given("--virtual") ? std::string(" or a smaller --virtual") : std::string(" (or a schedule with "
+                                                                                                "one stage per rank)")));
+  }
   const std::vector<int> b = plan_balance(p, total_stages, balance, parse_balance_solver(balance_solver));
   StageCostOptions o;
   o.micro_batch = microbatch_size > 0 ? microbatch_size : p.micro_batch_size;
@@ -232,7 +343,7 @@ CostModel ScheduleFlags::costs(const Schedule& s) const {
 
 CostModel ScheduleFlags::base_costs(const Schedule& s) const {
   if (!profile.empty()) {
-    CostModel c = profile_costs(s.stages);
+    CostModel c = profile_costs(s.stages, s.ranks);
     if (s.replicated()) {  // a replicated stage's step carries the all-reduce of its replicas' gradients
       const Profile p = load_profile_flags();
       std::vector<int> counts;
@@ -292,6 +403,24 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
   if (app)
     for (const CLI::App* s : app->get_subcommands([](const CLI::App*) { return true; }))
       if (s->get_name() == args[1]) sub = s;
+  // Only commands with a --config option take a file (train): others read it, checked its keys, and then
+  // failed with CLI11's "The following arguments were not expected: FILE --config"; info's --config is
+  // a switch of its own.
+  if (sub) {
+    const CLI::Option* own = sub->get_option_no_throw("--config");
+    if (!own) {
+      std::vector<std::string> with;
+      for (const CLI::App* s : app->get_subcommands([](const CLI::App*) { return true; })) {
+        const CLI::Option* o = s->get_option_no_throw("--config");
+        if (o && o->get_items_expected_max() > 0) with.push_back("pipetrain " + s->get_name());
+      }
+      std::string names;
+      for (const std::string& w : with) names += (names.empty() ? "" : ", ") + w;
+      throw UsageError("--config FILE is not a flag of pipetrain " + args[1] + (names.empty() ? "" : " (" + names +
+                       " takes one)") + ": give its flags on the command line");
+    }
+    if (own->get_items_expected_max() == 0) return args;  // a switch (info --config), not a file
+  }
   for (const ConfigFlag& c : parse_config_text(read_file_capped(file, "config file", kMaxConfigFileBytes), file)) {
     if (sub) {  // each key must be a flag of the command, with as many values as it takes
       const CLI::Option* o = sub->get_option_no_throw(c.flag);

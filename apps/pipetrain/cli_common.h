@@ -3,6 +3,8 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -58,11 +60,16 @@ struct ScheduleFlags {
   void add_to(CLI::App& app);
   // Builds (or loads) and validates the schedule. Throws UsageError / ScheduleError on bad input.
   Schedule build() const;
+  // --load FILE as PyTorch's schedule CSV (core/torch_csv.h), validated as a generated schedule is; `letters`
+  // is detect, current or legacy; `notes` gets what the reader noticed.
+  Schedule load_torch(const std::string& letters, const std::vector<int>& stage_rank,
+                      std::vector<std::string>& notes) const;
   // The cost model for `s`, from --cost and --comm, or from --profile cut by --balance.
   CostModel costs(const Schedule& s) const;  // base_costs with --skip-bandwidth
   CostModel base_costs(const Schedule& s) const;
   void add_skips(Schedule& s) const;  // --skip routes into `s` (refused when a loaded CSV has its own)
-  CostModel profile_costs(int total_stages) const;
+  // `ranks` (0: unknown) words the error when total_stages > ranks stages do not fit the profile's layers.
+  CostModel profile_costs(int total_stages, int ranks = 0) const;
 };
 
 // Registers the subcommands; each sets `exit_code` when it runs.
@@ -98,6 +105,17 @@ std::vector<std::string> long_flag_names(const CLI::App& sub);
 // flag of `cmd`, naming the flag: the torch-free commands hand their numbers to the simulator and
 // planners, which would otherwise run with them.
 void refuse_non_finite(CLI::App& cmd);
+
+// Paths: the same file or folder (either may not exist yet); `p` is `dir` or lies under it.
+bool same_path(const std::filesystem::path& a, const std::filesystem::path& b);
+bool inside(const std::filesystem::path& p, const std::filesystem::path& dir);
+// Refuses each of `flags` that was given an empty name ("--svg $UNSET" wrote nothing, exit 0).
+void refuse_empty_names(const CLI::App* cmd, std::initializer_list<const char*> flags);
+// A command's outputs (flag, path) may be neither a file it reads (`inputs`) nor each other: `--svg` over
+// the `--profile` it read replaced a measured profile, `--svg x --trace x` kept one. Empty paths and
+// /dev/... are skipped. Throws UsageError naming both flags.
+void check_outputs_apart(const std::vector<std::pair<const char*, std::string>>& outputs,
+                         const std::vector<std::pair<const char*, std::string>>& inputs);
 
 // For CLI11's "Could not convert: --X = V" on an integer flag of `sub`: "--X takes a whole number from LO
 // to HI: ...", the range of the flag's C++ type (found by converting probe values; it leaves the option

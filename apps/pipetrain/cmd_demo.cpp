@@ -108,9 +108,15 @@ void add_demo_command(CLI::App& app, int& exit_code) {
       if (written == 0)
         throw UsageError("no schedule could be simulated with these flags, so no files were written (" + first_skip +
                          ")");
+      // The closed forms hold for equal stages and free transfers only (with --comm 0.5 gpipe and 1f1b
+      // even differ): elsewhere the note says the table is the simulation's.
+      const bool closed_forms = f->cost.find(',') == std::string::npos && f->comm == 0;
       std::cout << fmt::format(
-          "\nFor gpipe and 1f1b the makespan is steps*(m+p-1)*(F+B+W) and the bubble fraction (p-1)/(m+p-1); "
-          "pipedream and 2bw skip the flush between steps.\n"
+          "\n{}; pipedream and 2bw skip the flush between steps.\n",
+          closed_forms ? "For gpipe and 1f1b the makespan is steps*(m+p-1)*(F+B+W) and the bubble fraction (p-1)/(m+p-1)"
+                       : "With per-stage --cost or a --comm the closed forms of equal stages (gpipe and 1f1b: "
+                         "steps*(m+p-1)*(F+B+W), bubble (p-1)/(m+p-1)) do not hold: the table is the simulation's");
+      std::cout << fmt::format(
           "* m=1: pipedream and spectrain step after every micro-batch: their m x steps micro-batches are as many "
           "steps of one (their timelines' titles give both counts).\n"
           "Timelines (SVG) and Chrome traces of the {} schedules simulated written to {}/<schedule>.svg and "

@@ -143,8 +143,15 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       "  pipetrain profile --model mlp --microbatch-size 8 --threads 1 --transport shm --out mlp.json\n"
       "  pipetrain profile --model gpt --threads 1 --concurrent 2 --out gpt.json  # as 2 ranks of a run see it\n"
       "The JSON format is documented in docs/PROFILE.md.");
-  cmd->callback([f, &exit_code] {
+  cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("profile", [&] {
+      // As train's outputs: not an empty name (an unset variable measured the whole model and wrote
+      // nothing), not the --text it reads, not inside the --data-dir (each replaced by the JSON profile).
+      refuse_empty_names(cmd, {"--out", "--text", "--data-dir"});
+      check_outputs_apart({{"--out", f->out}}, {{"--text", f->model.text_file}});
+      if (!f->out.empty() && cmd->get_option("--data-dir")->count() > 0 && inside(f->out, f->model.data_dir))
+        throw UsageError("--out " + f->out + " lies in the --data-dir folder " + f->model.data_dir +
+                         ", which holds the data: write --out elsewhere");
       check_output_path(f->out, "--out");
       if (f->micro_batch < 1) throw UsageError("--microbatch-size must be >= 1, got " + std::to_string(f->micro_batch));
       if (f->threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(f->threads));

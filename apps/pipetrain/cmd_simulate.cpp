@@ -19,45 +19,6 @@
 
 namespace pipetrain::cli {
 
-namespace {
-
-// --load FILE --format torch: PyTorch's schedule CSV, validated as a generated schedule is.
-Schedule load_torch_schedule(const ScheduleFlags& flags, const std::string& letters, const std::vector<int>& stage_rank,
-                             std::vector<std::string>& notes) {
-  if (flags.load.empty())
-    throw UsageError("--format torch reads the file given by --load: add --load FILE.csv (a schedule PyTorch dumped "
-                     "with _dump_csv)");
-  if (!flags.schedule.empty())
-    throw UsageError("give either --schedule " + flags.schedule + " or --load " + flags.load + ", not both");
-  flags.refuse_profile_flags_without_profile();
-  if (!flags.replication.empty())
-    throw UsageError("--replication applies to a generated schedule; PyTorch's schedule CSV gives every stage one rank");
-  TorchCsvReadOptions o;
-  o.letters = parse_torch_letters(letters);
-  o.stage_rank = stage_rank;
-  o.stages = static_cast<int>(stage_rank.size());
-  TorchCsvRead r = load_torch_csv_file(flags.load, o);
-  // The file gives its own sizes; --stages and --microbatches, when given, must agree with them.
-  if (flags.stages_option && flags.stages_option->count() > 0 && flags.stages != r.schedule.ranks)
-    throw UsageError("--stages " + std::to_string(flags.stages) + " but " + flags.load + " has " +
-                     std::to_string(r.schedule.ranks) + " rows (ranks): drop --stages, the file gives it");
-  if (flags.microbatches_option && flags.microbatches_option->count() > 0 &&
-      flags.microbatches != r.schedule.microbatches)
-    throw UsageError("--microbatches " + std::to_string(flags.microbatches) + " but " + flags.load + " has " +
-                     std::to_string(r.schedule.microbatches) + " micro-batches: drop --microbatches, the file gives it");
-  ValidateOptions vo;
-  if (flags.memory_limit > 0) vo.memory_limit = flags.memory_limit;
-  flags.add_skips(r.schedule);
-  validate(r.schedule, vo);
-  notes = std::move(r.notes);
-  notes.push_back(std::string("read with PyTorch's ") + to_string(r.letters) + " letters, " +
-                  (r.with_communication ? "with communication" : "compute only") + "; " +
-                  std::to_string(r.schedule.stages) + " stages on " + std::to_string(r.schedule.ranks) + " ranks");
-  return std::move(r.schedule);
-}
-
-}  // namespace
-
 void print_metrics_table(std::ostream& out, const Schedule& s, const SimResult& r) {
   out << fmt::format("schedule {}  p={}  m={}  v={}  steps={}\n", s.name, s.ranks, s.microbatches_per_step,
                      s.virtual_stages_per_rank(), s.steps());
@@ -134,12 +95,17 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       "  pipetrain simulate -s 1f1b -p 4 -m 8 --skip 0:3:0.5 --skip-bandwidth 0.25   (a skip from stage 0 to 3)");
   cmd->callback([=, &exit_code] {
     exit_code = guarded("simulate", [&] {
+      refuse_empty_names(cmd, {"--trace", "--svg", "--load", "--profile"});
+      check_outputs_apart({{"--trace", *trace}, {"--svg", *svg}}, {{"--load", flags->load}, {"--profile", flags->profile}});
+      if (*json && *ascii)
+        throw UsageError("--ascii prints a text timeline, which --json leaves out: drop one (--svg or --trace draw "
+                         "the timeline beside --json)");
       check_output_path(*trace, "--trace");  // before any work: a bad path is known now
       check_output_path(*svg, "--svg");
       if (*format != "torch" && (*letters != "detect" || !stage_rank->empty()))
         throw UsageError("--letters and --stage-rank apply to --format torch");
       std::vector<std::string> notes;
-      Schedule s = *format == "torch" ? load_torch_schedule(*flags, *letters, *stage_rank, notes) : flags->build();
+      Schedule s = *format == "torch" ? flags->load_torch(*letters, *stage_rank, notes) : flags->build();
       ZbExactResult found;
       const bool searched = exact->apply(*flags, s, found);
       if (searched && s.skips.empty()) flags->add_skips(s);  // the searched schedule, with the routes

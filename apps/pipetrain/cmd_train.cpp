@@ -6,6 +6,8 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -23,6 +25,7 @@
 
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/runtime/checkpoint.h"
 #include "pipetrain/runtime/info.h"
@@ -99,7 +102,20 @@ class LogFile {
       }
       if (fd_ >= 0) ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_NONBLOCK);
     } else {
-      fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (resumed_at > 0 ? O_APPEND : O_TRUNC), 0644);
+      // Not truncated before it is ours: a second start of the same command emptied the first run's log,
+      // which then filled with NUL bytes up to the first run's offset (both exited 0). An exclusive lock
+      // on a regular file tells the second run, before it writes anything.
+      fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (resumed_at > 0 ? O_APPEND : 0), 0644);
+      struct stat st {};
+      if (fd_ >= 0 && ::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode)) {
+        if (::flock(fd_, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+          ::close(fd_);
+          fd_ = -1;
+          throw UsageError("--log " + path_ + " is being written by another run now (the same command started "
+                           "twice?): give each run its own --log, or wait for the other to finish");
+        }
+        if (resumed_at == 0 && ::ftruncate(fd_, 0) != 0) fail("cannot empty it");
+      }
     }
     if (fd_ < 0) fail("cannot open it");
   }
@@ -110,11 +126,19 @@ class LogFile {
   }
   void write_line(const std::string& text) {
     const std::string line = text + "\n";
+    // Where the line starts (a regular file): a write cut short by a full disk is taken back, so the log
+    // holds whole JSON lines only (a half line failed every JSON-lines reader).
+    const off_t start = ::lseek(fd_, 0, SEEK_END);
     std::size_t at = 0;
     while (at < line.size()) {
       const ssize_t n = ::write(fd_, line.data() + at, line.size() - at);
       if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) fail("cannot write to it");
+      if (n <= 0) {
+        const int err = errno;
+        if (at > 0 && start >= 0 && ::ftruncate(fd_, start) == 0) ::lseek(fd_, start, SEEK_SET);
+        errno = err;
+        fail("cannot write to it");
+      }
       at += static_cast<std::size_t>(n);
     }
   }
@@ -140,7 +164,13 @@ class LogFile {
     std::size_t at = 0;
     while (at < text.size()) {
       const std::size_t end = text.find('\n', at);
-      if (end == std::string::npos) break;  // cut short (a crash, a full disk): not a line
+      if (end == std::string::npos) {
+        // A log line cut short (a crash, a full disk) goes; anything else the user appended stays, with
+        // the newline the appended lines need (a note without one was deleted without a word).
+        const std::size_t first = text.find_first_not_of(" \t\r", at);
+        if (first != std::string::npos && text[first] != '{') kept += text.substr(at) + "\n";
+        break;
+      }
       const std::string line = text.substr(at, end - at);
       at = end + 1;
       const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
@@ -220,8 +250,10 @@ void print_outputs(const TrainFlags& f, PipelineRank& rank, const Transport& tra
   print_summary(f, rank, transport, r, rep, &out_heap);
   if (!sample.second.empty()) {
     std::string prompt = sample.first.substr(sample.first.size() > 80 ? sample.first.size() - 80 : 0);
-    std::cout << "sample (temperature " << f.temperature << ") after the held-out prompt \"..." << prompt << "\":\n"
-              << sample.second << "\n";
+    // Both quote the training text, whose escape sequences and bytes that are not UTF-8 reached the
+    // terminal (ESC [2J cleared the screen): shown as \xNN, as every other quote of a file's text is.
+    std::cout << "sample (temperature " << f.temperature << ") after the held-out prompt \"..." << escape_controls(prompt)
+              << "\":\n" << escape_controls(sample.second) << "\n";
   }
   if (!f.trace.empty()) {
     write_file_atomic(f.trace, [&](TextSink& out) { write_chrome_trace(TimelineView(rep.timeline), out); });
@@ -572,59 +604,21 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   check_pipeline_options(o, o.replication.empty() ? f->pipe.stages : f->pipe.world_size());
 }
 
-// `p` with links and dots resolved as far as it exists (lexically where it cannot be resolved).
-std::filesystem::path resolved(const std::filesystem::path& p) {
-  std::error_code ec;
-  const std::filesystem::path abs = std::filesystem::absolute(p, ec);
-  if (ec) return p.lexically_normal();
-  const std::filesystem::path r = std::filesystem::weakly_canonical(abs, ec);
-  return ec ? abs.lexically_normal() : r;
-}
-
-// The same file or folder (both may not exist yet).
-bool same_path(const std::filesystem::path& a, const std::filesystem::path& b) {
-  std::error_code ec;
-  if (std::filesystem::equivalent(a, b, ec) && !ec) return true;
-  return resolved(a) == resolved(b);
-}
-
-// Whether `p` is `dir` or lies under it.
-bool inside(const std::filesystem::path& p, const std::filesystem::path& dir) {
-  const auto d = resolved(dir);
-  for (auto q = resolved(p); !q.empty(); q = q.parent_path()) {
-    if (q == d) return true;
-    if (q == q.parent_path()) break;
-  }
-  return false;
-}
-
 // What train writes may not be what it reads, or a checkpoint folder, or another of its outputs: `--log
 // my.txt` with `--text my.txt` replaced the training text, `--log ck/manifest.json` ruined the only
 // checkpoint, `--log x --trace x` kept only the trace; each ran to the end and exited 0.
 void check_paths_apart(const TrainFlags& f, const CLI::App* cmd) {
-  for (const char* flag : {"--save", "--resume", "--log", "--trace", "--svg", "--text", "--plan", "--profile",
-                           "--data-dir", "--config"}) {
-    const CLI::Option* o = cmd->get_option_no_throw(flag);
-    if (o && o->count() > 0 && o->as<std::string>().empty())
-      throw UsageError(std::string(flag) + " was given an empty name (an unset shell variable?): give a path, or "
-                       "drop " + flag);
-  }
+  refuse_empty_names(cmd, {"--save", "--resume", "--log", "--trace", "--svg", "--text", "--plan", "--profile",
+                           "--data-dir", "--config"});
   const std::vector<std::pair<const char*, std::string>> outputs{{"--log", f.log}, {"--trace", f.trace}, {"--svg", f.svg}};
-  const std::vector<std::pair<const char*, std::string>> files{
-      {"--text", f.model.text_file}, {"--plan", f.pipe.plan_file}, {"--profile", f.pipe.profile_file}, {"--config", f.config}};
+  check_outputs_apart(outputs, {{"--text", f.model.text_file},
+                                {"--plan", f.pipe.plan_file},
+                                {"--profile", f.pipe.profile_file},
+                                {"--config", f.config}});
   std::vector<std::pair<const char*, std::string>> folders{{"--save", f.save}, {"--resume", f.resume}};
   if (f.model.data == "fashion-mnist") folders.emplace_back("--data-dir", f.model.data_dir);
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    const auto& [flag, path] = outputs[i];
+  for (const auto& [flag, path] : outputs) {
     if (path.empty() || path.rfind("/dev/", 0) == 0) continue;  // /dev/stdout, /dev/null: not files of the run's
-    for (std::size_t k = i + 1; k < outputs.size(); ++k)
-      if (!outputs[k].second.empty() && same_path(path, outputs[k].second))
-        throw UsageError(std::string(flag) + " and " + outputs[k].first + " both write " + path +
-                         ": one would replace the other; give each its own file");
-    for (const auto& [in_flag, in_path] : files)
-      if (!in_path.empty() && same_path(path, in_path))
-        throw UsageError(std::string(flag) + " " + path + " is the file " + in_flag + " reads: writing it would "
-                         "replace it; write " + flag + " elsewhere");
     for (const auto& [dir_flag, dir] : folders)
       if (!dir.empty() && inside(path, dir))
         throw UsageError(std::string(flag) + " " + path + " lies in the " + dir_flag + " folder " + dir +
@@ -686,8 +680,18 @@ void adopt_checkpoint_model(TrainFlags* f, const CLI::App* cmd) {
         throw UsageError("checkpoint " + f->resume + " was trained on a text whose name it cannot give back: pass "
                          "--text FILE (the same text)");
       mf.text_file = d["file"].get<std::string>();
+      std::error_code ec;
+      if (!std::filesystem::is_regular_file(mf.text_file, ec))  // named as that run was started, maybe relatively
+        throw UsageError("checkpoint " + f->resume + " was trained on the text " + excerpt(mf.text_file) +
+                         (std::filesystem::path(mf.text_file).is_relative()
+                              ? " (a name relative to the folder that run started in)"
+                              : std::string()) +
+                         ", which is not there from here: pass --text FILE (the same text, recognised by its content)");
     }
   }
+  // The images' folder it was trained on (recorded since 2026-11-28), where --data-dir is not given.
+  if (mf.data == "fashion-mnist" && !given("--data-dir") && d.contains("dir") && d["dir"].is_string())
+    mf.data_dir = d["dir"].get<std::string>();
   if (mf.data == "synthetic" && mf.model == "gpt") take("--vocab", "vocab", mf.gpt.vocab);
   // The synthetic data and the data order come from the seed; the optimizer's state is its own.
   if (!given("--seed") && saved.contains("seed") && saved["seed"].is_number_unsigned()) mf.seed = saved["seed"].get<uint64_t>();
@@ -730,6 +734,8 @@ void check_checkpoint_flags(TrainFlags* f, const CLI::App* cmd) {
       then["data"].erase("file");
       now["data"].erase("file");
     }
+    // Checkpoints from before recorded no images' folder: nothing to compare it with.
+    if (then["data"].is_object() && !then["data"].contains("dir") && now["data"].is_object()) now["data"].erase("dir");
     std::vector<std::string> diffs = run_differences(then, now, {"model", "data"});
     for (const auto& d : run_differences({{"optimizer", {{"name", saved.value("optimizer", nlohmann::json::object())
                                                                           .value("name", std::string())}}}},
@@ -769,9 +775,19 @@ void add_train_command(CLI::App& app, int& exit_code) {
   cmd->callback([f, cmd, &exit_code] {
     exit_code = guarded("train", [&] {
       check_run_flags(f.get(), cmd);
-      adopt_checkpoint_model(f.get(), cmd);
-      check_pipeline_flags(f.get(), cmd);
-      check_checkpoint_flags(f.get(), cmd);
+      try {
+        adopt_checkpoint_model(f.get(), cmd);
+        check_pipeline_flags(f.get(), cmd);
+        check_checkpoint_flags(f.get(), cmd);
+      } catch (const nlohmann::json::exception& e) {
+        // read_manifest checks the manifest's own fields; its "run" section (the flags a resume adopts and
+        // compares) was read as a save writes it: a hand-edited type stopped the run with a bare
+        // "[json.exception.type_error.302] type must be number, but is string", exit 1.
+        if (f->resume.empty()) throw;
+        throw UsageError("checkpoint manifest " + (std::filesystem::path(f->resume) / "manifest.json").string() +
+                         ": its \"run\" section (the run's flags) holds a value of another type than a save writes (" +
+                         e.what() + "): the file was edited or damaged; restore it, or resume another checkpoint");
+      }
       StopSignalScope stop_signals;  // process-wide (a launcher parent installs its own while it runs)
       return run_ranks(f->pipe, cli_argc(), cli_argv(), [&](std::shared_ptr<Transport> t) { return train_rank(*f, t); });
     });

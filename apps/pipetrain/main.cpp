@@ -4,6 +4,7 @@
 // `pipetrain`, the torch-free front: it runs schedule, simulate, plan and demo itself, without paying
 // LibTorch's start-up, and execs `pipetrain-torch` (next to its own executable) for any other command
 // line, with the same arguments, so train, profile, --help, ... behave exactly as before.
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -91,6 +92,10 @@ int stdout_written() {
 
 int main(int argc, char** argv) {
   using namespace pipetrain::cli;
+  // Under a file-size limit (ulimit -f, a batch system's) a write past it killed the process with SIGXFSZ,
+  // without a word, in the middle of a save or a log line; ignored (and so for the ranks this process
+  // starts), such a write fails with EFBIG, which every writer reports with the file and the reason.
+  ::signal(SIGXFSZ, SIG_IGN);
 #ifdef PIPETRAIN_FRONT
   if (argc < 2 || !front_command(argv[1])) {
     static const char* torch_commands[] = {"info", "launch", "train", "selftest", "profile"};

@@ -372,8 +372,18 @@ nlohmann::json bytes_json(const std::string& s) {
 nlohmann::json ModelFlags::data_json() const {
   nlohmann::json j{{"name", data}};
   if (is_text()) j["vocabulary"] = bytes_json(vocabulary_);
+  if (data == "fashion-mnist") {
+    // The images' folder, absolute: a resume without --data-dir took the default folder's 60,000 images
+    // for a run trained on another folder's, without a word.
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(data_dir, ec);
+    j["dir"] = bytes_json(ec ? data_dir : absolute.lexically_normal().string());
+  }
   if (data == "text") {
-    j["file"] = bytes_json(text_file);
+    // Absolute: a resume from another folder looked for a relative name where it was not.
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(text_file, ec);
+    j["file"] = bytes_json(ec ? text_file : absolute.lexically_normal().string());
     // What the text is, wherever it lies: a resume compares these, not the path (./my.txt and my.txt
     // were refused as different files, and another file of the same name and characters accepted).
     if (text_) {

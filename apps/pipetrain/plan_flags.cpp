@@ -127,8 +127,15 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   // replicated plan without them runs 1F1B-RR with a multiple of every replica count (equal shares)
   // that is at least twice the ranks, so the pipeline fills.
   if (!given("--schedule")) {
-    if (!file_schedule.empty())
+    if (!file_schedule.empty()) {
+      // A hand-edited or foreign file's schedule: named as the file's, not as a --schedule nobody typed.
+      try {
+        (void)schedule_traits(file_schedule);
+      } catch (const UsageError& e) {
+        throw CLI::ValidationError("--plan", path + ": its \"schedule\": " + e.what() + " (or give --schedule)");
+      }
       schedule = file_schedule;
+    }
     else if (unequal)
       schedule = "1f1b";
   }
@@ -155,7 +162,10 @@ void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   }
   // The profile's intra-op threads per rank: the times the plan predicts from were measured with them
   // (the default, cores / ranks, may differ and with it every layer's time).
-  if (file.threads > 0 && !given("--threads")) threads = file.threads;
+  if (file.threads > 0 && !given("--threads")) {
+    threads = file.threads;
+    threads_from = "the plan " + path;
+  }
   } catch (const UsageError& e) {
     throw CLI::ValidationError("--plan", path + ": " + e.what());
   }

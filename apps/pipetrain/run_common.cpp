@@ -179,6 +179,11 @@ PipelineOptions PipelineFlags::options(uint64_t seed, int local_rank) const {
   if (threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(threads));
   // Past a few threads per core LibTorch only adds contention (and --threads 1000000 created threads until
   // the machine ran out).
+  if (threads > 4 * cores && !threads_from.empty())  // the user gave no --threads: say where it came from
+    throw UsageError(threads_from + " runs " + std::to_string(threads) + " threads per rank (its profile was measured "
+                     "with them), more than 4 per core of this host's " + std::to_string(cores) + ": give --threads N "
+                     "(at most " + std::to_string(4 * cores) + "; 0: cores / ranks) to run it here, or profile and plan "
+                     "on this host");
   if (threads > 4 * cores)
     throw UsageError("--threads " + std::to_string(threads) + " is more than 4 per core of this host's " +
                      std::to_string(cores) + ": use at most " + std::to_string(4 * cores) + " (or 0: cores / ranks)");
@@ -421,7 +426,9 @@ int run_ranks(const PipelineFlags& flags, int argc, char** argv,
     return launch_local(world, args, options);
   }
   auto mismatch = [&](int started) {
-    return "the launcher started " + std::to_string(started) + " ranks but --stages is " +
+    return "the launcher started " + std::to_string(started) + " ranks (its world size in the environment; if no "
+           "launcher started this process, unset RANK and WORLD_SIZE, leftovers of another tool, and pipetrain starts "
+           "its own ranks) but --stages is " +
            std::to_string(flags.stages) + (flags.replicas > 1 ? " x --replicas " + std::to_string(flags.replicas) : "") +
            (flags.replication.empty() ? "" : " replicated " + flags.replication + " (their sum)") + ": launch " +
            std::to_string(world) + " ranks" +

@@ -105,6 +105,7 @@ struct PipelineFlags {
   std::string backward_split = "auto";
   std::string transport = "auto";  // local | gloo | mpi | auto
   int threads = 0;
+  std::string threads_from;  // where `threads` came from when not --threads: "the plan FILE" (its profile's)
   bool reference = false;
   std::string device = "cpu";  // cpu | cuda | cuda:N
   std::string precision = "fp32";  // fp32 | bf16 (autocast)

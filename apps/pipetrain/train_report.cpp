@@ -154,6 +154,12 @@ void check_same_settings(const TrainFlags& f, Transport& world) {
       for (const auto& [k, v] : value.items()) settings["optimizer " + k] = v;
     else if (key == "model")
       settings["--model and its flags"] = value;
+    else if (key == "data" && value.is_object()) {  // a text by its content, not its path; each rank's own folders
+      nlohmann::json data = value;
+      data.erase("file");
+      data.erase("dir");
+      settings[key] = data;
+    }
     else if (key != "asynchronous")
       settings[key] = value;
   }

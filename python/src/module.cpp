@@ -46,6 +46,19 @@ using namespace pipetrain;
 
 namespace {
 
+// A field that is a list of bound classes (Schedule.actions, CostModel.stage, ...) is read as a copy:
+// def_readwrite/def_readonly hand out each element by reference into the vector, which dangled once the
+// list was assigned (a use-after-free from Python) and let `s.actions[0][0].stage = 1` change the
+// schedule behind its documented copy.
+template <class C, class T>
+auto copy_of(T C::*field) {
+  return [field](const C& c) { return c.*field; };
+}
+template <class C, class T>
+auto assign_to(T C::*field) {
+  return [field](C& c, const T& v) { c.*field = v; };
+}
+
 // ---- argument checks ---------------------------------------------------------------------------------
 std::string num(double v) {
   std::ostringstream o;
@@ -762,9 +775,9 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_readwrite("synchronous", &Schedule::synchronous, "flushes at every optimizer step")
       .def_readwrite("stage_rank", &Schedule::stage_rank, "stage_rank[s]: the rank that owns stage s")
       .def_readwrite("stage_replicas", &Schedule::stage_replicas, "per stage its replicas' ranks (1F1B-RR); [] if none")
-      .def_readwrite("actions", &Schedule::actions,
+      .def_property("actions", copy_of(&Schedule::actions), assign_to(&Schedule::actions),
                      "actions[r]: rank r's actions in order (a copy: assign a whole list to change it)")
-      .def_readwrite("skips", &Schedule::skips)
+      .def_property("skips", copy_of(&Schedule::skips), assign_to(&Schedule::skips), "skip routes (a copy)")
       .def_property_readonly("steps", &Schedule::steps, "optimizer steps")
       .def_property_readonly("virtual_stages", &Schedule::virtual_stages_per_rank, "stages per rank")
       .def("rank_of", [](const Schedule& s, int stage) {
@@ -894,7 +907,8 @@ PYBIND11_MODULE(_pipetrain, m) {
                   }, py::arg("stages"), py::arg("per_stage") = StageCost{},
                   py::arg("virtual_per_rank") = 1, py::arg("comm") = 0.0,
                   "Every stage costs per_stage, split evenly over virtual_per_rank chunks.")
-      .def_readwrite("stage", &CostModel::stage)
+      .def_property("stage", copy_of(&CostModel::stage), assign_to(&CostModel::stage),
+                    "per stage its StageCost (a copy: assign a whole list to change it)")
       .def_readwrite("comm", &CostModel::comm, "time of one transfer between ranks")
       .def_readwrite("boundary_comm", &CostModel::boundary_comm,
                      "per stage boundary (stages - 1 entries): the time of one transfer across it, as stage_costs "
@@ -1050,7 +1064,7 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_readwrite("total_microbatches", &Timeline::total_microbatches)
       .def_readwrite("virtual_stages", &Timeline::virtual_stages)
       .def_readwrite("unit", &Timeline::unit)
-      .def_readwrite("events", &Timeline::events, "list of TimedAction (a copy)")
+      .def_property("events", copy_of(&Timeline::events), assign_to(&Timeline::events), "list of TimedAction (a copy)")
       .def("records", [](const Timeline& t) {
              py::list out;
              for (const TimedAction& e : t.events) {
@@ -1106,7 +1120,7 @@ PYBIND11_MODULE(_pipetrain, m) {
   py::class_<Metrics>(m, "Metrics")
       .def_readonly("makespan", &Metrics::makespan)
       .def_readonly("bubble_fraction", &Metrics::bubble_fraction, "1 - sum(busy) / (p * makespan)")
-      .def_readonly("per_rank", &Metrics::per_rank)
+      .def_property_readonly("per_rank", copy_of(&Metrics::per_rank), "per rank its RankMetrics (a copy)")
       .def_property_readonly("max_bubble", &Metrics::max_bubble, "max over ranks of span - busy (zero-bubble papers)");
   m.def("compute_metrics", &compute_metrics, py::arg("timeline"), "Busy, span, bubble and makespan from the events alone.");
   m.def("chrome_trace_json", &chrome_trace_json, py::arg("timeline"), "Chrome trace JSON text (Perfetto, chrome://tracing).");
@@ -1174,7 +1188,7 @@ PYBIND11_MODULE(_pipetrain, m) {
             for (const RankMetrics& r : s.result.metrics.per_rank) peak = std::max(peak, r.peak_memory);
             return peak;
           }, "the largest peak activation memory of any rank, in the cost model's units")
-      .def_readonly("heap", &Simulation::heap, "the heap model's per-rank peaks (HeapPeak)")
+      .def_property_readonly("heap", copy_of(&Simulation::heap), "the heap model's per-rank peaks (HeapPeak, a copy)")
       .def_property_readonly("heap_policy", [](const Simulation& s) {
             return py::dict(py::arg("receives_ahead") = s.policy.receives_ahead, py::arg("sends_in_flight") = s.policy.sends_in_flight);
           })

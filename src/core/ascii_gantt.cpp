@@ -18,13 +18,19 @@ std::string short_number(double x) {
 
 // Rows are held whole (a byte per column per rank); each rank's boxes are drawn in the order its events
 // were made, a later one over an earlier one where they overlap.
+// The default scale fits the longest label (its letter and micro-batch number) in the shortest compute
+// box: at 2 characters f10 and f11 both read "f1", as micro-batch 1 does.
 double ascii_chars_per_unit(const TimelineEvents& events) {
   double shortest = 0;
+  int largest = 0;
   events.in_order([&](const TimedAction& e) {
     const double d = e.end - e.start;
-    if (is_compute(e.action.kind) && d > 0 && (shortest == 0 || d < shortest)) shortest = d;
+    if (!is_compute(e.action.kind)) return;
+    largest = std::max(largest, e.action.index);
+    if (d > 0 && (shortest == 0 || d < shortest)) shortest = d;
   });
-  return shortest > 0 ? 2.0 / shortest : 2.0;
+  const double label = std::max(2.0, 1.0 + static_cast<double>(std::to_string(largest).size()));
+  return shortest > 0 ? label / shortest : label;
 }
 
 void write_ascii_gantt(const TimelineEvents& events, TextSink& out, double chars_per_unit) {

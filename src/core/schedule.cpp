@@ -62,7 +62,29 @@ std::string to_csv(const Schedule& s) {
   out << '\n';
   for (int r = 0; r < s.ranks; ++r) {
     const auto& row = s.actions[static_cast<std::size_t>(r)];
-    for (std::size_t i = 0; i < row.size(); ++i) out << (i ? "," : "") << to_string(row[i]);
+    // A paired slot (action.h) is one cell (0F7;7BW3); transfers a lowered schedule runs between its two
+    // halves keep their place: (0F7; then the transfers then 7BW3), one cell each.
+    std::size_t close = row.size();  // the closing half of the open pair
+    bool first = true;
+    for (std::size_t i = 0; i < row.size(); ++i) {
+      std::string cell = to_string(row[i]);
+      if (i == close) {
+        cell += ')';
+        close = row.size();
+      } else if (row[i].paired) {
+        std::size_t j = i + 1;
+        while (j < row.size() && !is_compute(row[j].kind)) ++j;
+        if (j == i + 1) {
+          cell = "(" + cell + ";" + to_string(row[j]) + ")";
+          ++i;
+        } else if (j < row.size()) {
+          cell = "(" + cell + ";";
+          close = j;
+        }  // a dangling pair (the validator names it) is written as its action
+      }
+      out << (first ? "" : ",") << cell;
+      first = false;
+    }
     out << '\n';
   }
   return out.str();
@@ -131,6 +153,7 @@ Schedule from_csv(const std::string& text) {
     std::stringstream cells(line);
     std::string cell;
     int col = 0, empty_col = 0;
+    bool open_pair = false;  // a cell "(0F7;" opened a pair that a later cell "7BW3)" closes
     while (std::getline(cells, cell, ',')) {
       ++col;
       if (cell.find_first_not_of(" \t") == std::string::npos) {  // trailing empty cells (padding) are fine
@@ -141,15 +164,44 @@ Schedule from_csv(const std::string& text) {
         throw UsageError("CSV line " + std::to_string(line_no) + " (rank " + std::to_string(rows.size()) + "), column " +
                          std::to_string(empty_col) +
                          ": empty cell between actions; a row lists its rank's actions in order, so remove the empty "
-                         "cell; a schedule PyTorch dumped, whose empty cells are idle slots, reads with --format torch "
-                         "(core/torch_csv.h)");
+                         "cell; a schedule PyTorch dumped, whose empty cells are idle slots, is read by the PyTorch CSV "
+                         "reader (core/torch_csv.h; pipetrain simulate --format torch, pipetrain schedule "
+                         "--load-format torch)");
       try {
-        row.push_back(parse_action(cell));
+        std::string_view t = cell;
+        while (!t.empty() && (t.front() == ' ' || t.front() == '\t')) t.remove_prefix(1);
+        while (!t.empty() && (t.back() == ' ' || t.back() == '\t' || t.back() == '\r')) t.remove_suffix(1);
+        if (!t.empty() && t.front() == '(' && t.back() == ';') {  // a pair with transfers between its halves
+          if (open_pair)
+            throw UsageError("'" + std::string(t) + "' opens a paired slot inside another: close the first with ')'");
+          row.push_back(parse_action(t.substr(1, t.size() - 2)));
+          row.back().paired = true;
+          open_pair = true;
+        } else if (open_pair && !t.empty() && t.back() == ')') {
+          row.push_back(parse_action(t.substr(0, t.size() - 1)));
+          open_pair = false;
+        } else {
+          for (Action& a : parse_cell(t)) row.push_back(a);
+          if (open_pair && is_compute(row.back().kind))
+            throw UsageError("'" + std::string(t) + "' is the compute action that closes the paired slot opened "
+                             "before it: write it as " + std::string(t) + ")");
+        }
       } catch (const UsageError& e) {
+        // PyTorch's actions (0SEND_F0, 7I0, 2UNSHARD, (0F7;7B3)OVERLAP_F_B): say which reader takes them.
+        const bool torch_like = cell.find('_') != std::string::npos || cell.find("OVERLAP") != std::string::npos ||
+                                (cell.find('I') != std::string::npos && cell.find('(') == std::string::npos) ||
+                                cell.find("SHARD") != std::string::npos;
         throw UsageError("CSV line " + std::to_string(line_no) + ", cell " + std::to_string(col) + ": " +
-                         e.what());
+                         e.what() +
+                         (torch_like ? std::string("; this looks like PyTorch's schedule CSV, which the PyTorch "
+                                                   "CSV reader takes (core/torch_csv.h; pipetrain simulate --format "
+                                                   "torch, pipetrain schedule --load-format torch)")
+                                     : std::string()));
       }
     }
+    if (open_pair)
+      throw UsageError("CSV line " + std::to_string(line_no) + ": a paired slot opened with '(' is not closed: end "
+                       "it with the backward that completes it, e.g. 7BW3)");
     rows.push_back(std::move(row));
   }
   if (rows.empty())

@@ -157,6 +157,49 @@ bool makers_are_owners(const Schedule& s) {
   return true;
 }
 
+// A synchronous step is a barrier: the runtime's first Step k on each rank all-reduces the step's loss and
+// gradient norm over every rank (reduce_and_clip), so no rank's Step k starts before every rank that steps
+// in step k has finished what precedes it. (Modelled as "Step needs nothing", rank 0 ran step 2's forwards
+// while rank 3 was still in step 1: zb-h2's two steps came out 5.6% shorter than two of its steps.)
+class StepBarrier {
+ public:
+  explicit StepBarrier(const Schedule& s) : on_(s.synchronous), arrived_at_(static_cast<std::size_t>(s.ranks), -1) {
+    if (!on_) return;
+    for (const auto& row : s.actions) {
+      int last = -1;  // a rank's Step actions of one step (one per chunk) count it once
+      for (const Action& a : row)
+        if (a.kind == ActionKind::Step && a.index > last) {
+          last = a.index;
+          const auto k = static_cast<std::size_t>(a.index);
+          if (k >= expected_.size()) expected_.resize(k + 1, 0);
+          ++expected_[k];
+        }
+    }
+    arrived_.assign(expected_.size(), 0);
+    open_at_.assign(expected_.size(), 0.0);
+  }
+  bool on() const { return on_; }
+  // Rank r is at Step `a`, ready for the step's all-reduce at `arrive`: whether every rank of its step
+  // has arrived; `open` is when the last did.
+  bool pass(int r, const Action& a, double arrive, double& open) {
+    const auto k = static_cast<std::size_t>(a.index);
+    int& at = arrived_at_[static_cast<std::size_t>(r)];
+    if (at < a.index) {
+      at = a.index;
+      ++arrived_[k];
+      open_at_[k] = std::max(open_at_[k], arrive);
+    }
+    open = open_at_[k];
+    return arrived_[k] >= expected_[k];
+  }
+
+ private:
+  bool on_;
+  std::vector<int> arrived_at_;  // per rank: the last step it arrived at (-1: none)
+  std::vector<int> expected_, arrived_;  // per step: ranks that step in it, ranks arrived
+  std::vector<double> open_at_;  // per step: when the last rank arrived
+};
+
 // The event simulation (docs/ALGORITHMS.md §1.6): calls on_event(rank, action, start, end) for every
 // action in execution order (per rank, its own order); fills skip_at. Memory: one time and one rank per
 // token, nothing per action beyond what on_event keeps.
@@ -178,6 +221,7 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
 
   std::size_t remaining = 0;
   for (const auto& row : s.actions) remaining += row.size();
+  StepBarrier barrier(s);
   Token need[2];
   while (remaining > 0) {
     bool progressed = false;
@@ -193,6 +237,14 @@ void run_simulation(const Schedule& s, const CostModel& costs, std::vector<doubl
           continue;
         }
         double start = free_at[ur];
+        if (a.kind == ActionKind::Step && barrier.on()) {
+          // A stage's own part of the Step (its replicas' all-reduce, CostModel::stage_step) comes before
+          // the global all-reduce; the optimizer step (CostModel::step) after it.
+          const double own = costs.stage_step.empty() ? 0.0 : costs.stage_step[static_cast<std::size_t>(a.stage)];
+          double open = 0;
+          if (!barrier.pass(r, a, free_at[ur] + own, open)) break;
+          start = std::max(start, open - own);
+        }
         bool ready = true;
         const int n = needed_tokens(a, s.stages, need);
         for (int k = 0; k < n; ++k) {
@@ -261,6 +313,8 @@ void replay_run(const Schedule& s, OnEvent&& on_event) {
   std::vector<std::size_t> ptr(static_cast<std::size_t>(s.ranks), 0);
   std::size_t remaining = 0;
   for (const auto& row : s.actions) remaining += row.size();
+  StepBarrier barrier(s);  // its readiness needs only which ranks arrived, not when
+  double unused = 0;
   Token need[2];
   while (remaining > 0) {
     bool progressed = false;
@@ -270,6 +324,7 @@ void replay_run(const Schedule& s, OnEvent&& on_event) {
       while (ptr[ur] < row.size()) {
         const Action& a = row[ptr[ur]];
         if (!is_comm(a.kind)) {
+          if (a.kind == ActionKind::Step && barrier.on() && !barrier.pass(r, a, 0.0, unused)) break;
           bool ready = true;
           const int n = needed_tokens(a, s.stages, need);
           for (int k = 0; k < n && ready; ++k) ready = made[token_index(need[k], s.stages, s.microbatches)] != 0;

@@ -463,10 +463,13 @@ void check_output_path(const std::string& path, const std::string& flag) {
     if (::access(path.c_str(), W_OK) != 0)
       throw UsageError(fmt::format("{} cannot be written ({}): choose another path or fix its permissions", shown,
                                    std::strerror(errno)));
-    return;  // a file to replace, or a device or FIFO to write to
-  }
-  if (errno != ENOENT && errno != ENOTDIR)
+    // A device or FIFO is written in place. A regular file is replaced through a temporary file beside
+    // it (write_file_atomic), so its folder must take a new file too (a writable file in a read-only
+    // folder passed here, and the run failed at its end, its timeline lost).
+    if (!S_ISREG(st.st_mode)) return;
+  } else if (errno != ENOENT && errno != ENOTDIR) {
     throw UsageError(fmt::format("{} cannot be written ({}): choose another path", shown, std::strerror(errno)));
+  }
   if (path.back() == '/')
     throw UsageError(shown + " names a folder that does not exist: give a file path, without the final '/'");
   const std::string parent = parent_folder(link_target(path));  // a dangling link's file is made where it points

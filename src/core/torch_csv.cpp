@@ -341,11 +341,14 @@ std::string to_torch_csv(const Schedule& s, const TorchCsvWriteOptions& options)
   if (s.replicated())
     throw UsageError("schedule '" + s.name +
                      "' replicates stages over several ranks; PyTorch's schedule CSV gives every stage one rank");
-  if (!s.synchronous || s.steps() != 1 || s.microbatches_per_step != s.microbatches)
-    throw UsageError("schedule '" + s.name + "' has " + std::to_string(s.steps()) + " optimizer step(s)" +
-                     (s.synchronous ? "" : " without a flush") +
-                     "; PyTorch's schedule CSV holds one synchronous step: generate a synchronous schedule with one "
-                     "step (--steps 1)");
+  if (!s.synchronous)  // --steps 1 does not help: the schedule itself never flushes
+    throw UsageError("schedule '" + s.name + "' is asynchronous (it steps without a flush), and PyTorch's schedule "
+                     "CSV holds one synchronous step: choose a synchronous schedule (gpipe, 1f1b, zb-h1, ...), or keep "
+                     "pipetrain's CSV (--format csv)");
+  if (s.steps() != 1 || s.microbatches_per_step != s.microbatches)
+    throw UsageError("schedule '" + s.name + "' has " + std::to_string(s.steps()) +
+                     " optimizer steps; PyTorch's schedule CSV holds one synchronous step: generate it with one step "
+                     "(--steps 1)");
   bool skip_transfer = false;
   for (const auto& row : s.actions)
     for (const Action& a : row) skip_transfer |= a.peer >= 0;

@@ -43,6 +43,7 @@ struct Candidate {
 
 class Search {
  public:
+  // `limit`: micro-batches of activations each rank may hold (each rank in its own stage's units).
   Search(int p, int m, const CostModel& c, double limit, long long budget) : p_(p), m_(m), budget_(budget) {
     const auto up = static_cast<std::size_t>(p);
     f_.resize(up);
@@ -62,9 +63,14 @@ class Search {
     }
     comm_ = c.comm;
     release_b_ = c.b_release_fraction;
-    limit_ = limit;
+    limit_.resize(up);
+    double largest = 0;
+    for (std::size_t r = 0; r < up; ++r) {
+      limit_[r] = limit * act_[r];
+      largest = std::max(largest, limit_[r]);
+    }
     eps_ = 1e-9 * std::max(1.0, total + 2.0 * p * m * comm_);
-    mem_eps_ = 1e-9 * std::max(1.0, limit);
+    mem_eps_ = 1e-9 * std::max(1.0, largest);
     nf_.assign(up, 0);
     nb_.assign(up, 0);
     nw_.assign(up, 0);
@@ -114,7 +120,7 @@ class Search {
     const auto ur = static_cast<std::size_t>(r);
     if (kind == kF) {
       const int i = nf_[ur];
-      if (i >= m_ || (r > 0 && nf_[ur - 1] <= i) || mem_[ur] + act_[ur] > limit_ + mem_eps_) return -1;
+      if (i >= m_ || (r > 0 && nf_[ur - 1] <= i) || mem_[ur] + act_[ur] > limit_[ur] + mem_eps_) return -1;
       return std::max(free_[ur], r > 0 ? fend_[at(r - 1, i)] + comm_ : 0.0);
     }
     if (kind == kB) {
@@ -195,7 +201,7 @@ class Search {
         // Memory: before F(i) the rank holds i micro-batches less what their B and W passes released, and
         // one more must fit; so enough of the oldest B (and W) passes must have ended.
         if (act_[ur] > 0) {
-          const double over = i + 1 - limit_ / act_[ur];
+          const double over = i + 1 - limit_[ur] / act_[ur];
           const int need_b = static_cast<int>(std::ceil(over - 1e-9));
           if (need_b >= 1) e = std::max(e, end_b(r, need_b - 1));
           if (release_b_ < 1) {
@@ -289,7 +295,8 @@ class Search {
   int p_, m_;
   long long budget_;
   std::vector<double> f_, b_, w_, act_, step_, tail_f_, tail_b_;
-  double comm_ = 0, release_b_ = 0, limit_ = 0, eps_ = 0, mem_eps_ = 0;
+  double comm_ = 0, release_b_ = 0, eps_ = 0, mem_eps_ = 0;
+  std::vector<double> limit_;  // per rank, in the cost model's memory units
   std::vector<int> nf_, nb_, nw_;
   std::vector<double> free_, mem_, fend_, bend_, wend_, est_f_, est_b_, est_w_;
   double last_start_ = 0;
@@ -402,13 +409,11 @@ ZbExactResult zb_exact(int p, int m, const CostModel& costs, const ZbExactOption
     if (c.stage[static_cast<std::size_t>(r)].b + c.comm <= 0)
       throw UsageError("zb-auto --exact needs every input-gradient backward after stage 0 to take time, or transfers "
                        "to cost time: stage " + std::to_string(r) + " has B = 0 and --comm 0: give B > 0 or --comm > 0");
-  double unit = 0;
-  for (const StageCost& sc : c.stage) unit = std::max(unit, sc.activation);
-  const double limit = (o.memory_limit > 0 ? o.memory_limit : p) * unit;
-  for (int r = 0; r < p; ++r)
-    if (c.stage[static_cast<std::size_t>(r)].activation > limit * (1 + 1e-12))
-      throw UsageError("memory limit " + std::to_string(o.memory_limit) + " is below one micro-batch's activation "
-                       "memory on stage " + std::to_string(r) + ": raise --memory-limit");
+  // Micro-batches per rank, each rank in its own stage's activation (as zb_auto and the validator count).
+  const double limit = o.memory_limit > 0 ? o.memory_limit : p;
+  if (limit < 1)
+    throw UsageError("memory limit " + std::to_string(o.memory_limit) + " is below one micro-batch's activation "
+                     "memory: raise --memory-limit to 1 or more");
 
   const Schedule greedy = zb_auto(p, m, c, o.memory_limit, 1);
   const double greedy_makespan = simulate(greedy, c).metrics.makespan;

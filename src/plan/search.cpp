@@ -585,8 +585,16 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
                        "time compares with the others'); PipeDream's own planner is run for every plan (its section, "
                        "\"PipeDream planner's own estimate\", and its plan as 1F1B-RR): give synchronous schedules, "
                        "e.g. --schedules 1f1b zb-h1, or leave --schedules out");
+    std::string lists;  // a balance list is used only by the plans with its number of stages (x virtual)
+    for (const std::string& kind : o.balance_kinds)
+      if (is_balance_list(kind))
+        lists += fmt::format("{}--balances {} lists {} stages, and only plans that cut that many (stages x virtual "
+                             "stages: {} x v for an interleaved or V schedule over {} ranks) use it",
+                             lists.empty() ? "; " : "; ", excerpt(kind), parse_balance(kind).size(),
+                             o.hybrid ? std::string("p") : std::to_string(std::min(R, L)),
+                             o.ranks);
     throw UsageError("no candidate: check --schedules, --microbatch-counts and --batch-size (every micro-batch needs "
-                     "a sample)");
+                     "a sample)" + lists);
   }
 
   // Simulated candidates, by index.
@@ -757,10 +765,35 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
     }
     return best;
   };
+  auto replicates = [](const Plan& p) {
+    return p.balance.size() > 1 && std::any_of(p.replication.begin(), p.replication.end(), [](int r) { return r > 1; });
+  };
+  // A candidate that fits wins over one that does not (and the faster among equals): better_candidate.
+  auto improves = [](const std::optional<PlanCandidate>& c, const std::optional<PlanCandidate>& than) {
+    return c && (!than || better_candidate(*c, *than));
+  };
   const auto& pd = res.pipedream;
-  if (pd && std::any_of(pd->replication.begin(), pd->replication.end(), [](int r) { return r > 1; }) &&
-      pd->balance.size() > 1)
+  if (pd && replicates(*pd)) {
     res.replicated = run_replicated(*pd, 1);
+    if (res.replicated) res.replicated_plan = *pd;
+  }
+  // PipeDream's planner refused plans by its asynchronous memory model (a 20 GiB limit dropped a plan
+  // whose 1F1B-RR peaks at 1 GiB, and plan chose one 2.2x slower): its plan without the limit, as 1F1B-RR,
+  // is checked against the limit by the simulation like every other row.
+  PlannerOptions unlimited = res.pipedream_options;
+  unlimited.memory_limit_bytes = std::numeric_limits<double>::infinity();
+  if (limit > 0 && (R <= o.pipedream_max_ranks || po.levels.size() >= 2)) {
+    try {
+      const Plan free_plan = plan_pipedream(prof, unlimited);
+      if (replicates(free_plan) && (!pd || free_plan.balance != pd->balance || free_plan.replication != pd->replication))
+        if (auto c = run_replicated(free_plan, 1); improves(c, res.replicated)) {
+          res.replicated = c;
+          res.replicated_plan = free_plan;
+          res.replicated_unlimited = true;
+        }
+    } catch (const UsageError&) {
+    }
+  }
 
   // PipeDream's plan for k = R/d ranks x d copies. Its planner runs for each k tried, on one level of k
   // ranks; k <= pipedream_max_ranks, so no run costs more than one flat run at the cap, and at most
@@ -782,18 +815,30 @@ PlanSearchResult search_plans(const Profile& prof, const PlanSearchOptions& o) {
       // One level of k ranks on the slowest link: round_robin places a stage's d x r_s replicas side by
       // side, so a copy's ranks spread over the groups of any --level, and every hop is priced at the
       // slowest link (simulate_candidate) as the planner then sees it.
-      PlannerOptions sub = res.pipedream_options;
-      sub.levels = {NetworkLevel{k, links.bw.back() * 1e3}};
-      Plan plan;
-      try {
-        plan = plan_pipedream(prof, sub);
-      } catch (const UsageError&) {
-        continue;  // nothing fits k ranks (the memory limit): no copies of it either
+      // Without the memory limit first (the planner's asynchronous memory model is not 1F1B-RR's; the
+      // simulation checks the limit), with it where that plan does not fit.
+      std::optional<PlanCandidate> best;
+      Plan best_plan;
+      for (const PlannerOptions* base : {&unlimited, &res.pipedream_options}) {
+        if (best && best->fits) break;
+        if (base == &res.pipedream_options && !(limit > 0)) break;  // the same run
+        PlannerOptions sub = *base;
+        sub.levels = {NetworkLevel{k, links.bw.back() * 1e3}};
+        Plan plan;
+        try {
+          plan = plan_pipedream(prof, sub);
+        } catch (const UsageError&) {
+          continue;  // nothing fits k ranks (the memory limit): no copies of it either
+        }
+        if (plan.balance.size() < 2) continue;  // one stage: data parallelism, a candidate already
+        if (auto c = run_replicated(plan, d); improves(c, best)) {
+          best = c;
+          best_plan = std::move(plan);
+        }
       }
-      if (plan.balance.size() < 2) continue;  // one stage: data parallelism, a candidate already
-      if (auto c = run_replicated(plan, d)) {
-        res.pipedream_copies.push_back(*c);
-        res.pipedream_copy_plans.push_back(std::move(plan));
+      if (best) {
+        res.pipedream_copies.push_back(*best);
+        res.pipedream_copy_plans.push_back(std::move(best_plan));
       }
     }
   }
@@ -884,7 +929,7 @@ PlanFile plan_file_for(const Profile& prof, const PlanSearchResult& res) {
   f.predicted_bubble_fraction = top.bubble;
   f.predicted_peak_bytes = top.peak_bytes;
   if (res.memory_limit_bytes > 0) f.fits_memory_limit = top.fits;
-  f.pipedream = res.pipedream;
+  f.pipedream = res.replicated_plan ? res.replicated_plan : res.pipedream;
   if (res.replicated) {  // how train --plan-use pipedream runs it: synchronous 1F1B-RR with this m
     f.pipedream_schedule = "1f1b";
     f.pipedream_microbatches = equal_copies_microbatches(*res.replicated);

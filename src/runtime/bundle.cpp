@@ -59,6 +59,9 @@ std::vector<std::string> Bundle::names() const {
 Bundle Bundle::slice(int64_t begin, int64_t end) const {
   Bundle out;
   for (const auto& [name, t] : items_) {
+    if (!t.defined())  // LibTorch said only "Expected a proper Tensor but got None ... argument #0 'self'"
+      throw UsageError("bundle entry '" + name + "' is an undefined tensor; every entry of a batch needs one row per "
+                       "sample (fill it, or leave the entry out)");
     if (t.dim() == 0)
       throw UsageError("bundle entry '" + name + "' is a scalar; every entry of a batch needs one row per sample "
                        "(expand it to [N, ...])");

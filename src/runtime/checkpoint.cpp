@@ -413,6 +413,28 @@ std::string check_save_target(const fs::path& final_dir, const fs::path& partial
   if (fs::exists(fs::symlink_status(partial, ec))) {
     const std::optional<FoundManifest> left = find_manifest(partial);
     const bool marked = fs::is_regular_file(fs::symlink_status(partial / kPartialMarker, ec));
+    // A kill between the save's last marker removal and its rename leaves the run's newest checkpoint,
+    // complete, in DIR.partial (it replaces DIR's, or it is the first): it was called foreign, and the
+    // advice to move it away lost it. Nothing is moved here; the message says how to continue from it.
+    if (fs::is_directory(fs::symlink_status(partial, ec)) && !marked && left &&
+        (replaced(left, current) || (!current && !fs::exists(fs::symlink_status(final_dir, ec)))) &&
+        foreign_in_checkpoint(partial, left->json).empty()) {
+      const auto step_of = [](const FoundManifest& f) {
+        return f.json.contains("step") && f.json["step"].is_number_integer() ? std::to_string(f.json["step"].get<int64_t>())
+                                                                            : std::string("?");
+      };
+      const std::string p = partial.string();
+      if (current)  // provably the save after DIR's: its manifest names DIR's as what it replaces
+        throw UsageError(flag + " " + d + ": " + p + " holds a complete checkpoint at step " + step_of(*left) +
+                         ", newer than " + d + "'s (step " + step_of(*current) + "): a save was stopped before its "
+                         "last rename, so it is this run's newest checkpoint. Nothing was deleted; make it " + d +
+                         " and continue from it: mv " + d + " " + d + ".step-" + step_of(*current) + " && mv " + p +
+                         " " + d + ", then --resume " + d);
+      throw UsageError(flag + " " + d + ": " + p + " holds a complete checkpoint at step " + step_of(*left) +
+                       " and " + d + " does not exist: a first save stopped before its last rename leaves this (or it "
+                       "was copied there). Nothing was deleted; if it is this run's, make it " + d + ": mv " + p + " " +
+                       d + ", then --resume " + d + "; otherwise move it away");
+    }
     if (!fs::is_directory(fs::symlink_status(partial, ec)) || (!marked && !replaced(current, left)))
       throw UsageError(flag + " " + d + ": " + partial.string() + " exists and was not made by pipetrain (or "
                        "cannot be proved to be a checkpoint that " + d + " replaced); a save writes there first: "
@@ -483,6 +505,14 @@ void swap_in(const fs::path& partial, const fs::path& final_dir, const fs::path&
   fsync_dir(parent);
   if (previous) remove_checkpoint(old, previous->json);
   else ::rmdir(old.c_str());
+}
+
+// Whether `dir` is a mount point (its own file system, or the root of one): a rename cannot replace it.
+bool is_mount_point(const fs::path& dir) {
+  struct stat self {}, up {};
+  const fs::path parent = fs::absolute(dir).lexically_normal().parent_path();
+  if (::stat(dir.c_str(), &self) != 0 || ::stat(parent.c_str(), &up) != 0) return false;
+  return S_ISDIR(self.st_mode) && (self.st_dev != up.st_dev || self.st_ino == up.st_ino);
 }
 
 // A complete, unmarked DIR.partial that may not replace DIR: renamed to DIR.step-N (or DIR.step-N-2 ...,
@@ -651,6 +681,12 @@ std::string prepare_checkpoint_dir(const std::string& dir_text, const std::strin
   const std::string dir = normalised_dir(dir_text, flag);
   const fs::path final_dir(dir), partial(dir + ".partial"), old(dir + ".old");
   check_save_target(final_dir, partial, old, flag, Recover::No);
+  // A save renames a new folder over DIR: a mount point (a container's volume, a disk) cannot be, and the
+  // whole run's training was lost at its first save ("Device or resource busy").
+  if (is_mount_point(final_dir))
+    throw UsageError(flag + " " + dir_text + " is a mount point (a file system of its own): a save puts a new "
+                     "folder in its place by renaming, which a mount point cannot take: save to a folder inside it, "
+                     "e.g. " + flag + " " + (fs::path(dir) / "run1").string());
   // The ranks a launcher started run this too, while their rank 0 may hold the lock already: only a
   // process that no launcher started probes (the run's rank 0 refuses a held lock when it takes it).
   if (!std::getenv("RANK") && !std::getenv("OMPI_COMM_WORLD_RANK")) check_checkpoint_dir_unlocked(dir, flag);
@@ -667,9 +703,13 @@ std::string prepare_checkpoint_dir(const std::string& dir_text, const std::strin
   // failed with "File exists").
   static std::atomic<unsigned> probes{0};
   const fs::path probe(dir + ".probe-" + std::to_string(::getpid()) + "-" + std::to_string(probes++));
-  if (::mkdir(probe.c_str(), 0755) != 0)
+  if (::mkdir(probe.c_str(), 0755) != 0) {
+    if (errno == ENAMETOOLONG)  // the name alone fits, not with the suffixes a save adds
+      throw UsageError(flag + " " + excerpt(dir_text) + ": the folder's name is too long for the names a save makes "
+                       "beside it (it adds .partial, .pipetrain-lock, .step-N): use a name of at most 200 characters");
     throw UsageError(flag + " " + dir_text + ": cannot create folders in " + parent.string() + " (" +
                      errno_text(errno) + "): pick a writable place");
+  }
   ::rmdir(probe.c_str());
   return dir;
 }
@@ -790,7 +830,21 @@ void save_checkpoint(PipelineRank& rank, Transport& transport, const std::string
               " but did not replace " + dir + ": " + blocked + ". Nothing was deleted; continue from it with --resume " +
               kept.string());
         }
-        swap_in(partial, final_dir, old, previous);
+        try {
+          swap_in(partial, final_dir, old, previous);
+        } catch (const std::exception& e) {
+          // The checkpoint is complete: a swap that fails (DIR a mount point: EBUSY; another file system:
+          // EXDEV; a sticky folder DIR is not ours in: EPERM) keeps it aside instead of deleting the run.
+          swapped = true;
+          if (!fs::exists(fs::symlink_status(partial / "manifest.json"))) throw;  // the swap moved it already
+          const fs::path kept = keep_aside(partial, dir, rank.step());
+          throw UsageError("the checkpoint at step " + std::to_string(rank.step()) + " is complete in " + kept.string() +
+                           " but could not take the place of " + dir + " (" + e.what() + "). Nothing was deleted; "
+                           "continue from it with --resume " + kept.string() +
+                           (is_mount_point(final_dir) ? std::string(" (") + dir + " is a mount point, which a rename "
+                                                        "cannot replace: save to a folder inside it)"
+                                                      : std::string()));
+        }
         swapped = true;
       } catch (const std::exception& e) {
         transport.abort(std::string("rank 0: finishing the checkpoint failed: ") + e.what());
@@ -836,6 +890,13 @@ nlohmann::json read_manifest(const std::string& dir) {
     if (fs::is_directory(dir + ".old"))
       throw UsageError("checkpoint " + dir + " is missing but " + dir + ".old exists: if a save was interrupted while "
                        "swapping folders, " + dir + ".old holds the previous checkpoint (rename it to " + dir + ")");
+    std::error_code ec;
+    const fs::path partial = dir + ".partial";
+    if (!fs::exists(fs::symlink_status(d, ec)) && !fs::exists(fs::symlink_status(partial / kPartialMarker, ec)) &&
+        find_manifest(partial))
+      throw UsageError("checkpoint folder " + dir + " does not exist, but " + partial.string() + " holds a complete "
+                       "checkpoint (a save stopped before its last rename): mv " + partial.string() + " " + dir +
+                       ", then --resume " + dir);
     throw UsageError("checkpoint folder " + dir + " does not exist: pass the folder a save wrote");
   }
   if (!fs::exists(fs::symlink_status(manifest_path)))

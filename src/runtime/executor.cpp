@@ -572,6 +572,7 @@ StepStats PipelineRank::train_steps(const Bundle& input, const Bundle& target, i
     if (steps != 1)
       throw UsageError("UMPIPE runs one optimizer step per call (its plan cuts one mini-batch), got " +
                        std::to_string(steps) + " steps");
+    d.check_options_agree();  // after this call's own checks: a collective
     d.begin_pass(input, target, batch_size, 1, 1);
     const int s = d.stages.begin()->first;
     UmpipePassContext c{*d.transport,      d.stages.at(s),     s,
@@ -607,6 +608,7 @@ StepStats PipelineRank::train_steps(const Bundle& input, const Bundle& target, i
   const Schedule& plan = d.schedule_for(steps);
   d.pass = &plan;
   d.plan = &d.plan_for(steps);
+  d.check_options_agree();  // after this call's own checks: a collective
   d.begin_pass(input, target, batch_size, steps, plan.microbatches_per_step);
   for (auto& [s, w] : d.weights) w.begin_call(*d.plan, s);
   d.run_list(plan.actions[static_cast<std::size_t>(d.rank())]);
@@ -644,6 +646,7 @@ std::vector<Bundle> PipelineRank::forward_outputs(const Bundle& input, int64_t b
                                  : static_cast<int>(std::min<int64_t>(d.options.microbatches, std::max<int64_t>(batch_size, 1)));
   const Schedule& plan = d.forward_schedule(m);
   d.pass = &plan;
+  d.check_options_agree();
   d.begin_pass(input, Bundle(), batch_size, 1, m);
   // Back to training mode however the pass ends.
   struct Restore {
@@ -692,7 +695,14 @@ EvalStats PipelineRank::evaluate(const Bundle& input, const Bundle& target, int6
     const torch::Tensor out = concat_main(outs);
     const torch::Tensor t = target.has(kMainTensor) ? target.at(kMainTensor).to(out.device()) : torch::Tensor();
     if (d.loss.normalization() == LossNormalization::Sample && d.loss.tensor_loss()) {
-      sums_v[0] = d.loss.tensor_loss()(out, t).item<double>() * static_cast<double>(batch_size);  // the whole batch at once
+      try {
+        sums_v[0] = d.loss.tensor_loss()(out, t).item<double>() * static_cast<double>(batch_size);  // the whole batch at once
+      } catch (const UsageError&) {
+        throw;
+      } catch (const std::exception& e) {
+        throw std::runtime_error("rank " + std::to_string(d.rank()) + " evaluating: " +
+                                 loss_failure(e, Bundle(out), Bundle(t), -1));
+      }
     } else {
       for (std::size_t i = 0; i < outs.size(); ++i) {
         const auto [b, e] = d.ranges[i];
@@ -729,7 +739,8 @@ EvalStats PipelineRank::evaluate(const Bundle& input, const Bundle& target, int6
 }
 
 void PipelineRank::set_learning_rate(double lr) {
-  if (!(lr > 0)) throw UsageError("learning rate must be > 0, got " + std::to_string(lr));
+  if (!(lr > 0) || !std::isfinite(lr))
+    throw UsageError("learning rate must be a finite number > 0, got " + std::to_string(lr));
   for (auto& [s, opt] : impl_->optimizers)
     for (auto& group : opt->param_groups()) group.options().set_lr(lr);
   impl_->options.optimizer.lr = lr;
@@ -942,6 +953,7 @@ StepStats LocalPipeline::train_step(const Bundle& input, const Bundle& target, i
 }
 
 StepStats LocalPipeline::train_steps(const Bundle& input, const Bundle& target, int64_t batch_size, int steps) {
+  check_batch_rows(input, target, batch_size, true);  // here, a refusal does not end the pipeline
   const auto stats = on_every_rank<StepStats>(
       ranks_, [&](PipelineRank& rank) { return rank.train_steps(input, target, batch_size, steps); });
   StepStats out = stats[0];
@@ -959,6 +971,7 @@ StepStats LocalPipeline::train_step(const Bundle& input, const torch::Tensor& ta
 }
 
 torch::Tensor LocalPipeline::forward_only(const Bundle& input, int64_t batch_size, int microbatches) {
+  check_batch_rows(input, Bundle(), batch_size, true);
   for (const auto& t : on_every_rank<torch::Tensor>(
            ranks_, [&](PipelineRank& rank) { return rank.forward_only(input, batch_size, microbatches); }))
     if (t.defined()) return t;  // the rank of the last stage's
@@ -971,6 +984,7 @@ EvalStats LocalPipeline::evaluate(const Bundle& input, const torch::Tensor& targ
 }
 
 EvalStats LocalPipeline::evaluate(const Bundle& input, const Bundle& target, int64_t batch_size, int microbatches) {
+  check_batch_rows(input, target, batch_size, true);
   return on_every_rank<EvalStats>(
              ranks_, [&](PipelineRank& rank) { return rank.evaluate(input, target, batch_size, microbatches); })
       .front();  // known on every rank

@@ -196,7 +196,20 @@ void PipelineRank::Impl::backward(int s, int i, bool split) {
   }
   std::vector<torch::Tensor> roots, grads;
   if (s == last_stage()) {
-    if (sl.loss.requires_grad()) roots.push_back(sl.loss);
+    if (sl.loss.requires_grad()) {
+      roots.push_back(sl.loss);
+    } else {
+      // A loss without a graph although the stage learns (a trainable weight, or an input that carries
+      // a gradient) trained nothing, step after step, without a word: plain LibTorch's backward refuses it.
+      bool learns = false;
+      if (const auto it = stage_params.find(s); it != stage_params.end())
+        for (const torch::Tensor& w : it->second) learns = learns || w.requires_grad();
+      for (const auto& [name, t] : sl.input.items()) learns = learns || (t.defined() && t.requires_grad());
+      if (learns)
+        throw UsageError("the loss of micro-batch " + std::to_string(i) + " has no autograd graph, so nothing would "
+                         "train: the loss function must compute it from the last stage's output without detach(), "
+                         ".item(), a NoGradGuard or new tensors made from its values");
+    }
   } else {
     const bool local = pass->rank_of(s + 1, i) == rank();
     Bundle g = local ? slot(s + 1, i).input_grad : sl.recv_grad;

@@ -28,6 +28,12 @@
 #include "umpipe_pass.h"
 
 namespace pipetrain {
+
+// Every defined entry of `in` and `tgt` has `n` rows (and with `every_entry_defined`, every entry is defined):
+// UsageError naming the entry otherwise. LocalPipeline checks a batch so before its ranks start, where a
+// refusal leaves the pipeline usable; each rank checks again at the start of a pass.
+void check_batch_rows(const Bundle& in, const Bundle& tgt, int64_t n, bool every_entry_defined);
+
 namespace detail {
 
 // A skip connection whose stash and pop are more than one stage apart: sent straight from stage `from`
@@ -352,7 +358,9 @@ struct PipelineRank::Impl {
   // rank holding one; ranks built with other seeds would train the copies apart. Throws UsageError
   // naming the group and the ranks on each rank alike.
   bool ties_checked = false;
+  bool options_checked = false;  // check_options_agree ran (the first call)
   void check_ties_agree();
+  void check_options_agree();  // the ranks' schedule, m, v, stages and balance agree (once; a collective)
 
   // Tied weights of a model built layer by layer (layers.h), at the first pass (a collective): each
   // group's size is agreed (ranks without a member learn it, a member of another size is refused), then

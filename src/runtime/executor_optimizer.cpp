@@ -102,6 +102,49 @@ void PipelineRank::Impl::nonfinite_step(int k, double rank_bits) {
       " (or skip such steps: --nonfinite skip)"));
 }
 
+void PipelineRank::Impl::check_options_agree() {
+  if (options_checked) return;
+  options_checked = true;
+  const int p = transport->world_size();
+  if (p < 2) return;
+  // What every rank must agree on, one column each: ranks given other options waited for each other's
+  // transfers for ever (another schedule) or failed in a message about the loss's shapes (another m).
+  auto text_hash = [](const std::string& text) {
+    uint64_t h = 14695981039346656037ull;
+    for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+    return static_cast<double>(h >> 12);  // exact in a double
+  };
+  std::string balance_text;
+  for (int n : balance) balance_text += std::to_string(n) + ",";
+  struct Column {
+    const char* what;
+    std::string value;
+    double number;
+  };
+  const std::vector<Column> columns{
+      {"schedule", schedule.name, text_hash(schedule.name)},
+      {"micro-batch count", std::to_string(generator.microbatches), static_cast<double>(generator.microbatches)},
+      {"virtual stage count", std::to_string(generator.virtual_stages), static_cast<double>(generator.virtual_stages)},
+      {"stage count", std::to_string(schedule.stages), static_cast<double>(schedule.stages)},
+      {"balance", balance_text.empty() ? std::string("-") : balance_text.substr(0, balance_text.size() - 1),
+       text_hash(balance_text)}};
+  const auto n = static_cast<int64_t>(columns.size());
+  torch::Tensor table = torch::zeros({p, n}, torch::kDouble);
+  for (int64_t c = 0; c < n; ++c) table[rank()][c] = columns[static_cast<std::size_t>(c)].number;
+  transport->all_reduce_sum(table);
+  const auto t = table.accessor<double, 2>();
+  for (int64_t c = 0; c < n; ++c) {
+    std::string other;
+    for (int r = 0; r < p; ++r)
+      if (t[r][c] != t[rank()][c]) other += (other.empty() ? "" : ", ") + std::to_string(r);
+    if (!other.empty())
+      throw UsageError("the ranks were given other PipelineOptions: rank(s) " + other + " have another " +
+                       columns[static_cast<std::size_t>(c)].what + " than rank " + std::to_string(rank()) + "'s " +
+                       columns[static_cast<std::size_t>(c)].value + ": every rank of a pipeline must pass the same "
+                       "schedule, micro-batches, virtual stages and balance");
+  }
+}
+
 void PipelineRank::Impl::check_ties_agree() {
   if (ties_checked || options.tied.empty()) return;
   if (layerwise) return share_ties();
@@ -263,8 +306,8 @@ void PipelineRank::Impl::optimizer_step(int s, int k) {
   auto it = optimizers.find(s);
   if (it != optimizers.end() && options.learning_rate) {
     const double lr = options.learning_rate(step + k);
-    if (!(lr > 0))
-      throw UsageError("learning rate of step " + std::to_string(step + k) + " must be > 0, got " +
+    if (!(lr > 0) || !std::isfinite(lr))  // an infinite one turned every weight to NaN in the step
+      throw UsageError("learning rate of step " + std::to_string(step + k) + " must be a finite number > 0, got " +
                        std::to_string(lr));
     for (auto& group : it->second->param_groups()) group.options().set_lr(lr);
   }

@@ -64,10 +64,27 @@ bool PipelineRank::Impl::run_action(const Action& a, int pos) {
   return true;
 }
 
+void check_batch_rows(const Bundle& in, const Bundle& tgt, int64_t n, bool every_entry_defined) {
+  // Every entry is cut by rows of the batch: one with other rows would train on a part of it (rows past
+  // batch_size were dropped without a word) or fail later in a message about the model's shapes.
+  for (const auto& [what, bundle] : {std::pair<const char*, const Bundle*>{"input", &in}, {"target", &tgt}})
+    for (const auto& [name, t] : bundle->items()) {
+      if (!t.defined() && every_entry_defined)
+        throw UsageError(std::string(what) + " entry '" + name + "' is an undefined tensor; every entry of a batch "
+                         "needs one row per sample (fill it, or leave the entry out)");
+      if (t.defined() && t.dim() > 0 && t.size(0) != n)
+        throw UsageError(std::string(what) + " entry '" + name + "' has " + std::to_string(t.size(0)) +
+                         " rows but batch_size is " + std::to_string(n) + ": every entry holds one row per sample "
+                         "of the batch; pass batch_size " + std::to_string(t.size(0)) + " or slice the entries to " +
+                         std::to_string(n) + " rows");
+    }
+}
+
 void PipelineRank::Impl::begin_pass(const Bundle& in, const Bundle& tgt, int64_t n, int steps, int m) {
   if (steps > n)
     throw UsageError("a call of " + std::to_string(steps) + " steps needs at least one sample per step but the " +
                      "batch has " + std::to_string(n) + ": pass more samples or fewer steps");
+  check_batch_rows(in, tgt, n, false);
   ranges.clear();
   step_sizes.clear();
   for (const auto& [b, e] : split_equal(n, steps)) {

@@ -1,6 +1,7 @@
 #include "pipetrain/runtime/loss.h"
 
 #include <cmath>
+#include <stdexcept>
 #include <string>
 
 #include "pipetrain/core/error.h"
@@ -14,9 +15,23 @@ LossTerm::LossTerm(torch::Tensor sum, const torch::Tensor& n) : value(std::move(
   count = n.item<double>();
 }
 
+std::string loss_failure(const std::exception& e, const Bundle& output, const Bundle& target, int micro) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+  return "the loss function failed on " + (micro >= 0 ? "micro-batch " + std::to_string(micro) : std::string("the batch")) +
+         ", output " + describe(output) + ", target " + describe(target) + ": " +
+         (torch_error ? torch_error->what_without_backtrace() : e.what());
+}
+
 LossTerm Loss::operator()(const Bundle& output, const Bundle& target, int micro) const {
   if (!fn_) throw UsageError("the pipeline has no loss function: pass one to its constructor");
-  LossTerm t = fn_(output, target);
+  LossTerm t;
+  try {
+    t = fn_(output, target);
+  } catch (const UsageError&) {
+    throw;
+  } catch (const std::exception& e) {  // what it got, without LibTorch's backtrace
+    throw std::runtime_error(loss_failure(e, output, target, micro));
+  }
   const std::string where = "the loss function returned ";
   const std::string mb = " for micro-batch " + std::to_string(micro);
   if (!t.value.defined()) throw UsageError(where + "an undefined tensor" + mb + ": return a one-element tensor");

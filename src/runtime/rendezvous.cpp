@@ -22,7 +22,16 @@ Rendezvous Rendezvous::from_environment() {
       "start the ranks with `pipetrain launch -n P -- ...`, torchrun or mpirun, or set RANK and WORLD_SIZE";
 
   const auto size_text = getenv_string(size_var);
-  if (!size_text) throw UsageError(std::string(size_var) + " is not set: " + how);
+  if (!size_text) {
+    // RANK alone is most often a leftover of another tool in the environment: it made this process one
+    // rank of a launch that does not exist, and "set WORLD_SIZE" then waited for ranks that never came.
+    const auto rank_text = getenv_string(rank_var);
+    if (rank_text)
+      throw UsageError(std::string(rank_var) + "=" + *rank_text + " is set in the environment, so this process was "
+                       "taken for one rank started by a launcher, but " + size_var + " is not set: if no launcher "
+                       "started it, `unset " + rank_var + "` and pipetrain starts its own ranks; otherwise " + how);
+    throw UsageError(std::string(size_var) + " is not set: " + how);
+  }
   const auto size = parse_integer(*size_text);
   if (!size || *size < 1 || *size > 1000000)
     throw UsageError(std::string(size_var) + "=" + *size_text + " is not a process count: set " + size_var +

@@ -36,6 +36,7 @@
 namespace pipetrain {
 
 const std::string kAbortKey = "pipetrain/abort";
+const std::string kRefusedKey = "pipetrain/refused";
 
 namespace {
 
@@ -448,6 +449,20 @@ bool StoreServer::handle_hello(Connection& c, const std::string& body) {
     std::lock_guard<std::mutex> lk(mu_);
     if (counted) joined_[static_cast<std::size_t>(rank)] = nonce.empty() ? std::string("-") : nonce;
   }
+  if (!c.authenticated && answer[0] != static_cast<char>(kTokenDiffers)) {
+    // One of this run's token that was refused: most likely a rank of this run started with other
+    // settings, which the waiting ranks should hear of (another run on this port has its own token).
+    std::string note = "the store refused a process asking to join as RANK=" + std::to_string(rank) +
+                       " of WORLD_SIZE=" + std::to_string(world);
+    if (answer[0] == static_cast<char>(kRankTaken))
+      note += ": rank " + std::to_string(rank) + " has joined already from another process";
+    else if (world == world_size_)
+      note += ": this run's ranks are 0.." + std::to_string(world_size_ - 1);
+    else
+      note += ": this run has WORLD_SIZE=" + std::to_string(world_size_) + " (start every rank with it)";
+    std::lock_guard<std::mutex> lk(mu_);
+    refused_ = note;
+  }
   reply(c, answer);
   if (!c.authenticated) {  // say why, then hang up (the answer is tiny: one send)
     flush(c);
@@ -510,6 +525,12 @@ bool StoreServer::handle_request(Connection& c, const std::string& body) {
     case kGet: {
       const std::string key = r.str(kMaxKeyBytes);
       if (!r.done()) return false;
+      if (key == kRefusedKey) {  // the server's note, not a stored key
+        answer.push_back(0);
+        answer.push_back(refused_.empty() ? 0 : 1);
+        put_str(answer, refused_);
+        break;
+      }
       const auto it = data_.find(key);
       answer.push_back(0);
       answer.push_back(it == data_.end() ? 0 : 1);
@@ -595,6 +616,7 @@ class WaitNotes {
  public:
   WaitNotes() : start_(Clock::now()), next_(start_ + kWaitNoteEvery) {}
   // Prints `what` (with the seconds waited) when the next note is due.
+  bool due() const { return Clock::now() >= next_; }
   void tick(const std::string& what, milliseconds limit) {
     const auto now = Clock::now();
     if (now < next_) return;
@@ -924,15 +946,25 @@ void StoreClient::check_abort() {
   throw RemoteFailure(failed, message);
 }
 
+std::string StoreClient::refusal_note() {
+  try {
+    const auto v = try_get(kRefusedKey);
+    if (v && !v->empty()) return " (" + std::string(v->begin(), v->end()) + ")";
+  } catch (const std::exception&) {
+  }
+  return "";
+}
+
 void StoreClient::wait_for(const std::vector<std::string>& keys, milliseconds timeout) {
   const auto start = Clock::now();
   const bool forever = timeout == kNoTimeout;
   milliseconds pause{1};
   WaitNotes notes;
   for (;;) {
-    if (!forever)
+    if (!forever && notes.due())
       notes.tick("for " + key_list(keys) + " in the rendezvous store at " + what_ +
-                 ": has every rank started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?", timeout);
+                 ": has every rank started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?" + refusal_note(),
+                 timeout);
     // Keys already there are read even after a failure report: only real waiting ends with it (a rank
     // that reads the rendezvous data another rank published just before failing finishes its part).
     if (check(keys)) return;
@@ -940,7 +972,8 @@ void StoreClient::wait_for(const std::vector<std::string>& keys, milliseconds ti
     if (!forever && Clock::now() - start >= timeout)
       throw std::runtime_error("timed out after " + std::to_string(timeout.count() / 1000) + " s waiting for " +
                                key_list(keys) + " in the rendezvous store at " + what_ +
-                               ": has every rank started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?");
+                               ": has every rank started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?" +
+                               refusal_note());
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, milliseconds(50));
   }

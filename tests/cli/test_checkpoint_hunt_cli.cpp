@@ -164,3 +164,174 @@ TEST(CheckpointHunt, ResumeTakesTheModelAndDataFlagsItWasNotGiven) {
   EXPECT_TRUE(r.has("does not match this run")) << r.out;
   fs::remove_all(dir);
 }
+
+// A tester's finding (2026-11-28): a SIGKILL between a save's last marker removal and its rename left the
+// run's newest checkpoint, complete, in DIR.partial; every later --save DIR called it "not made by
+// pipetrain" and advised moving it away, and --resume DIR (on a first save) said only that DIR does not
+// exist. Both states are made by hand here: each message names the newer checkpoint and how to continue.
+TEST(CheckpointHunt, ACompleteCheckpointLeftInPartialIsNamedNotCalledForeign) {
+  const fs::path dir = fresh_temp_dir("partial-left", "cli");
+  const std::string ck = (dir / "ck").string(), keep = (dir / "keep").string();
+  const std::string run = "train" + kMlp + " --transport local --lr-schedule constant";
+  ASSERT_EQ(run_pipetrain(run + " --steps 2 --save " + ck).code, 0);
+  fs::copy(ck, keep);  // the checkpoint at step 2
+  ASSERT_EQ(run_pipetrain(run + " --steps 4 --resume " + ck + " --save " + ck).code, 0);  // step 4, replaces step 2's
+  fs::rename(ck, ck + ".partial");
+  fs::rename(keep, ck);
+  CommandResult r = run_pipetrain(run + " --steps 6 --resume " + ck + " --save " + ck);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("holds a complete checkpoint at step 4, newer than " + ck + "'s (step 2)")) << r.out;
+  EXPECT_TRUE(r.has("mv " + ck + " " + ck + ".step-2 && mv " + ck + ".partial " + ck)) << r.out;
+  EXPECT_FALSE(r.has("not made by pipetrain")) << r.out;
+  EXPECT_TRUE(fs::exists(fs::path(ck + ".partial") / "manifest.json"));  // nothing moved or deleted
+
+  // A first save stopped so: no DIR, the only checkpoint in DIR.partial.
+  fs::remove_all(ck);
+  r = run_pipetrain(run + " --steps 6 --save " + ck);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("holds a complete checkpoint at step 4")) << r.out;
+  r = run_pipetrain(run + " --steps 6 --resume " + ck);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has(ck + ".partial holds a complete checkpoint")) << r.out;
+  fs::remove_all(dir);
+}
+
+// A hand-edited manifest whose "run" section held a value of another type ("layers": "4") stopped
+// --resume with a bare "[json.exception.type_error.302] type must be number, but is string", exit 1.
+TEST(CheckpointHunt, AManifestRunSectionOfAnotherTypeIsNamed) {
+  const fs::path dir = fresh_temp_dir("run-types", "cli");
+  const std::string ck = (dir / "ck").string();
+  const std::string run = "train" + kMlp + " --transport local";
+  ASSERT_EQ(run_pipetrain(run + " --steps 2 --save " + ck).code, 0);
+  const fs::path manifest = fs::path(ck) / "manifest.json";
+  const nlohmann::json original = nlohmann::json::parse(read_text(manifest));
+  for (const auto& edit : {std::make_pair(std::string("/run/model/layers"), nlohmann::json("4")),
+                           std::make_pair(std::string("/run/optimizer"), nlohmann::json("adam"))}) {
+    nlohmann::json m = original;
+    m[nlohmann::json::json_pointer(edit.first)] = edit.second;
+    std::ofstream(manifest) << m.dump(2);
+    const CommandResult r = run_pipetrain("train --transport local --progress quiet --steps 3 --resume " + ck);
+    EXPECT_EQ(r.code, 2) << edit.first << "\n" << r.out;
+    EXPECT_TRUE(r.has("its \"run\" section")) << edit.first << "\n" << r.out;
+  }
+  fs::remove_all(dir);
+}
+
+// A checkpoint recorded its --text as typed ("fox.txt"): a resume from another folder looked for it there
+// and blamed a --text nobody gave. The name is now recorded absolute; an older checkpoint's relative name
+// that is not there is said to be relative to the folder that run started in.
+TEST(CheckpointHunt, ATextNamedRelativelyIsFoundOrExplained) {
+  const fs::path dir = fresh_temp_dir("relative-text", "cli"), a = dir / "a";
+  fs::create_directories(a);
+  {
+    std::ofstream text(a / "fox.txt");
+    for (int i = 0; i < 200; ++i) text << "the quick brown fox jumps over the lazy dog. ";
+  }
+  const std::string bin = PIPETRAIN_BIN;
+  const std::string flags = " --transport local --eval-every 0 --sample 0 --progress quiet --layers 1 --d-model 16 "
+                            "--heads 2 --seq-len 8";
+  CommandResult r = pipetrain::testing::run_command("cd " + a.string() + " && " + bin + " train --text fox.txt" +
+                                                    flags + " --steps 2 --save ck");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = pipetrain::testing::run_command("cd " + dir.string() + " && " + bin + " train --resume a/ck" + flags +
+                                      " --steps 3 --save a/ck");
+  EXPECT_EQ(r.code, 0) << r.out;
+  const fs::path manifest = a / "ck" / "manifest.json";
+  nlohmann::json m = nlohmann::json::parse(read_text(manifest));
+  m["run"]["data"]["file"] = "fox.txt";  // as an older pipetrain recorded it
+  std::ofstream(manifest) << m.dump(2);
+  r = pipetrain::testing::run_command("cd " + dir.string() + " && " + bin + " train --resume a/ck" + flags +
+                                      " --steps 4");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("was trained on the text fox.txt (a name relative to the folder that run started in)")) << r.out;
+  fs::remove_all(dir);
+}
+
+// A resume drops the log's lines after its checkpoint and a JSON line cut short by a crash; a note the
+// user appended without a final newline was deleted too, without a word. It stays now.
+TEST(CheckpointHunt, AResumeKeepsAnUnterminatedNoteInTheLog) {
+  const fs::path dir = fresh_temp_dir("log-note", "cli");
+  const std::string ck = (dir / "ck").string(), log = (dir / "l.jsonl").string();
+  const std::string run = "train" + kMlp + " --transport local";
+  ASSERT_EQ(run_pipetrain(run + " --steps 2 --save " + ck + " --log " + log).code, 0);
+  { std::ofstream(log, std::ios::app) << "# my notes about this run: lr too high"; }
+  const CommandResult r = run_pipetrain(run + " --steps 4 --resume " + ck + " --save " + ck + " --log " + log);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string text = read_text(log);
+  EXPECT_NE(text.find("# my notes about this run: lr too high\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"step\":4"), std::string::npos) << text;
+  fs::remove_all(dir);
+}
+
+// A tester's finding (2026-11-28): --save DIR on a mount point (a container's volume) trained the whole run,
+// then could not rename the new checkpoint over DIR ("Device or resource busy") and deleted it. It is
+// refused at start-up now; the save's own fallback keeps a complete checkpoint that cannot take DIR's
+// place aside (DIR.step-N) instead of deleting it.
+TEST(CheckpointHunt, AMountPointAsTheSaveFolderIsRefusedBeforeTraining) {
+  const fs::path dir = fresh_temp_dir("mount-point", "cli"), ck = dir / "ck";
+  fs::create_directories(ck);
+  if (pipetrain::testing::run_command("mount -t tmpfs -o size=16m tmpfs " + ck.string()).code != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (not root, or no mount permission in this container)";
+  const CommandResult r = run_pipetrain("train" + kMlp + " --transport local --steps 2 --save " + ck.string());
+  pipetrain::testing::run_command("umount " + ck.string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("is a mount point")) << r.out;
+  EXPECT_TRUE(r.has("--save " + (ck / "run1").string())) << r.out;
+  fs::remove_all(dir);
+}
+
+// Two runs with one --log (the same command started twice): the second emptied the first's log, which then
+// filled with NUL bytes up to the first run's offset, and both exited 0. The second is refused now, and the
+// first's lines stay.
+TEST(CheckpointHunt, ASecondRunWritingTheSameLogIsRefused) {
+  const fs::path dir = fresh_temp_dir("same-log", "cli");
+  const std::string log = (dir / "same.jsonl").string();
+  const pid_t a = start_pipetrain("train" + kMlp + " --transport local --steps 1000000 --log " + log, dir / "a.out");
+  ASSERT_GT(a, 0);
+  bool logging = false;  // the first run's first line is there
+  for (int i = 0; i < 1200 && !logging; ++i) {
+    logging = read_text(log).find("\"step\"") != std::string::npos;
+    if (!logging) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(logging) << read_text(dir / "a.out");
+  const CommandResult r = run_pipetrain("train" + kMlp + " --transport local --steps 2 --log " + log);
+  ::kill(-a, SIGKILL);
+  int status = 0;
+  ::waitpid(a, &status, 0);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("is being written by another run now")) << r.out;
+  const std::string text = read_text(log);
+  EXPECT_EQ(text.find('\0'), std::string::npos);
+  EXPECT_EQ(text.rfind("{\"", 0), 0u) << text.substr(0, 80);  // its first line is still the first run's
+  fs::remove_all(dir);
+}
+
+// Under a file-size limit (ulimit -f) a write past it killed the run with SIGXFSZ without a word (exit 153);
+// ignored, the write fails with EFBIG and the log's writer says so.
+TEST(CheckpointHunt, AFileSizeLimitIsReportedNotAKill) {
+  const fs::path dir = fresh_temp_dir("fsize", "cli");
+  const std::string log = (dir / "fz.jsonl").string();
+  const CommandResult r = pipetrain::testing::run_command(
+      "ulimit -f 20 && " + std::string(PIPETRAIN_BIN) + " train" + kMlp + " --transport local --steps 400 --log " + log);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(r.has("File too large")) << r.out.substr(r.out.size() > 2000 ? r.out.size() - 2000 : 0);
+  fs::remove_all(dir);
+}
+
+// A run trained with --data-dir DIR resumed without it on the default Fashion-MNIST folder, without a
+// word: the checkpoint records the folder now, and a resume takes it where --data-dir is not given.
+TEST(CheckpointHunt, AResumeTrainsOnTheImagesFolderItWasTrainedOn) {
+  const fs::path images = "/usr/share/datasets/fashion-mnist";
+  if (!fs::exists(images)) GTEST_SKIP() << "dataset-fashion-mnist not installed";
+  const fs::path dir = fresh_temp_dir("data-dir", "cli"), copy = dir / "fm-copy";
+  fs::create_directories(copy);
+  for (const auto& e : fs::directory_iterator(images)) fs::create_symlink(e.path(), copy / e.path().filename());
+  const std::string ck = (dir / "ck").string();
+  const std::string run = "train --model mlp --batch-size 8 --eval-every 0 --transport local";
+  CommandResult r = run_pipetrain(run + " --data-dir " + copy.string() + " --steps 2 --save " + ck);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain(run + " --steps 3 --resume " + ck + " --save " + ck);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("Fashion-MNIST (" + copy.string() + ")")) << r.out;
+  fs::remove_all(dir);
+}

@@ -97,6 +97,21 @@ TEST(PlanCli, ProfilePlanAndTrainFromThePlan) {
   r = run_pipetrain("train --transport local --stages 2 --plan " + (dir / "plan.json").string() + kModel);
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("has 3 stages but --stages is 2")) << r.out;
+  // A plan made on a bigger machine (its profile's threads per rank) named a --threads nobody gave.
+  nlohmann::json many = plan;
+  many["threads"] = 4096;
+  std::ofstream(dir / "many.json") << many.dump();
+  r = run_pipetrain("train --transport local --plan " + (dir / "many.json").string() + kModel + " --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("the plan " + (dir / "many.json").string() + " runs 4096 threads per rank")) << r.out;
+  EXPECT_TRUE(r.has("give --threads N")) << r.out;
+  // A bad schedule in the file is the file's, not a --schedule nobody typed.
+  nlohmann::json typo = plan;
+  typo["schedule"] = "1f1bb";
+  std::ofstream(dir / "typo.json") << typo.dump();
+  r = run_pipetrain("train --transport local --plan " + (dir / "typo.json").string() + kModel + " --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has((dir / "typo.json").string() + ": its \"schedule\": unknown schedule '1f1bb'")) << r.out;
   fs::remove_all(dir);
 }
 
@@ -508,4 +523,22 @@ TEST(PlanCli, AsynchronousSchedulesAreNamedNotDroppedSilently) {
   EXPECT_EQ(alone.code, 2) << alone.out;
   EXPECT_TRUE(alone.has("--schedules pipedream names only asynchronous schedules")) << alone.out;
   EXPECT_TRUE(alone.has("PipeDream's own planner is run for every plan")) << alone.out;
+}
+
+// A tester's finding (2026-11-28): --memory 20 (20x what the unconstrained winner, PipeDream's plan as
+// 1F1B-RR, peaks at) made plan choose a plan 2.2x slower: PipeDream's planner, given the limit, priced its
+// plan by its asynchronous memory model and dropped it. A limit the winner meets now keeps it.
+TEST(PlanCli, AGenerousMemoryLimitKeepsTheFastestPlan) {
+  const fs::path vgg = fs::path(PIPETRAIN_SOURCE_DIR) / "data" / "pipedream" / "vgg16-graph.txt";
+  const std::string args =
+      "plan --profile " + vgg.string() + " --pipedream-batch 128 --batch-size 128 --ranks 8 --bandwidth 1.25";
+  auto chosen = [](const std::string& out) {
+    const auto at = out.find("chosen:");
+    return at == std::string::npos ? std::string("(none)") : out.substr(at, out.find('\n', at) - at);
+  };
+  const CommandResult free = run_pipetrain(args, false), limited = run_pipetrain(args + " --memory 20", false);
+  ASSERT_EQ(free.code, 0) << free.out;
+  ASSERT_EQ(limited.code, 0) << limited.out;
+  EXPECT_NE(chosen(free.out).find("1F1B-RR"), std::string::npos) << free.out;
+  EXPECT_EQ(chosen(limited.out), chosen(free.out)) << limited.out;
 }

@@ -6,6 +6,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include "run_command.h"
 
@@ -84,4 +86,117 @@ TEST(SimulateFlags, APipeDreamGraphWithoutItsBatchIsWarnedAbout) {
   EXPECT_EQ(sched.code, 0) << sched.out;
   EXPECT_TRUE(sched.has("pipetrain schedule: warning: " + vgg + " " + warning)) << sched.out;
   EXPECT_FALSE(run_pipetrain("schedule -s zb-h2 -p 2 -m 4 --pipedream-batch 128 --profile " + vgg).has(warning));
+}
+
+// A tester's findings (2026-11-28, second round): plan's genetic-algorithm flags did nothing without
+// --planner umpipe; a V or looped schedule whose p x v stages exceed a profile's layers was told to use
+// "--stages <= L", which it already did.
+TEST(SimulateFlags, FlagsOfAnotherPlannerAndStagesPerRankAreNamed) {
+  const fs::path d = pipetrain::testing::fresh_temp_dir("simflags", "planner");
+  const std::string vgg = std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/vgg16-graph.txt";
+  for (const std::string flag : {"--generations 5", "--seed 7", "--fit affine", "--overhead 3", "--no-rematerialise"}) {
+    const CommandResult r = run_pipetrain("plan --profile " + vgg + " --pipedream-batch 128 --ranks 4 " + flag);
+    EXPECT_EQ(r.code, 2) << flag << "\n" << r.out;
+    EXPECT_TRUE(r.has("applies with --planner umpipe")) << flag << "\n" << r.out;
+  }
+  const CommandResult lists = run_pipetrain("plan --profile " + vgg + " --pipedream-batch 128 --ranks 4 --no-hybrid "
+                                            "--balances 10,10,10,9 --schedules interleaved");
+  EXPECT_EQ(lists.code, 2) << lists.out;
+  EXPECT_TRUE(lists.has("--balances 10,10,10,9 lists 4 stages, and only plans that cut that many")) << lists.out;
+  const std::string prof = (d / "m4.json").string();
+  {
+    std::ofstream f(prof);
+    f << R"({"format":"pipetrain-profile","version":1,"model":"m4","micro_batch_size":1,"threads":1,"layers":[)";
+    for (int i = 0; i < 4; ++i)
+      f << (i ? "," : "") << R"({"name":"l)" << i
+        << R"(","type":"Linear","forward_ms":1,"backward_ms":2,"activation_bytes":1000,"parameter_bytes":1000,"optimizer_bytes":2000})";
+    f << "]}";
+  }
+  const std::pair<std::string, std::string> rows[] = {
+      {"simulate -s zb-v -p 3 -m 6 --profile " + prof, "6 stages (2 on each of the 3 ranks) but the profile has 4 "
+                                                        "layers: use --stages <= 2"},
+      {"simulate -s interleaved -p 2 -m 4 -v 3 --profile " + prof, "use --stages <= 1 or a smaller --virtual"},
+  };
+  for (const auto& [args, words] : rows) {
+    const CommandResult r = run_pipetrain(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_TRUE(r.has(words)) << args << "\n" << r.out;
+  }
+  EXPECT_EQ(run_pipetrain("simulate -s zb-v -p 2 -m 4 --profile " + prof).code, 0);
+  fs::remove_all(d);
+}
+
+// The torch-free commands wrote their outputs over the files they read (`simulate --profile p --svg p`
+// replaced a measured profile; `plan --out` over its --profile; `--svg x --trace x` kept one), and an
+// empty name (an unset variable) wrote nothing with exit 0; train refused both. --json --ascii dropped
+// the timeline.
+TEST(SimulateFlags, OutputsOverInputsAndEmptyNamesAreRefused) {
+  const fs::path d = pipetrain::testing::fresh_temp_dir("simflags", "outputs");
+  const std::string vgg = (d / "v.txt").string(), csv = (d / "s.csv").string(), x = (d / "x.out").string();
+  fs::copy_file(std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/vgg16-graph.txt", vgg);
+  ASSERT_EQ(run_pipetrain("schedule -s 1f1b -p 2 -m 2 --format csv > " + csv, false).code, 0);
+  const std::string before = [&] {
+    std::ifstream f(vgg);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }();
+  const std::string prof = " --profile " + vgg + " --pipedream-batch 128";
+  const std::pair<std::string, std::string> rows[] = {
+      {"simulate -s 1f1b -p 2 -m 2" + prof + " --svg " + vgg, "--svg " + vgg + " is the file --profile reads"},
+      {"simulate -s 1f1b -p 2 -m 2" + prof + " --trace " + vgg, "--trace " + vgg + " is the file --profile reads"},
+      {"simulate --load " + csv + " --svg " + csv, "is the file --load reads"},
+      {"plan" + prof + " --ranks 2 --out " + vgg, "--out " + vgg + " is the file --profile reads"},
+      {"schedule --load " + csv + " --out " + csv, "is the file --load reads"},
+      {"simulate -s 1f1b -p 2 -m 2 --svg " + x + " --trace " + x, "--trace and --svg both write"},
+      {"simulate -s 1f1b -p 2 -m 2 --svg ''", "--svg was given an empty name"},
+      {"simulate -s 1f1b -p 2 -m 2 --trace ''", "--trace was given an empty name"},
+      {"schedule -s 1f1b -p 2 -m 2 --out ''", "--out was given an empty name"},
+      {"plan" + prof + " --ranks 2 --out ''", "--out was given an empty name"},
+      {"simulate -s 1f1b -p 2 -m 2 --json --ascii", "drop one"},
+      {"profile --model mlp --data synthetic --repeats 1 --out ''", "--out was given an empty name"},
+      {"profile --text " + csv + " --layers 1 --d-model 16 --seq-len 8 --repeats 1 --out " + csv,
+       "--out " + csv + " is the file --text reads"},
+      {"profile --model mlp --data-dir " + d.string() + " --repeats 1 --out " + (d / "p.json").string(),
+       "lies in the --data-dir folder"},
+  };
+  for (const auto& [args, words] : rows) {
+    const CommandResult r = run_pipetrain(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_TRUE(r.has(words)) << args << "\n" << r.out;
+  }
+  std::ifstream f(vgg);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), before);  // the profile is untouched
+  EXPECT_FALSE(fs::exists(x));
+  fs::remove_all(d);
+}
+
+// demo printed gpipe's and 1f1b's closed forms under --comm and per-stage costs too, where its own table
+// (gpipe 72, 1f1b 82 with --comm 0.5, against the formula's 66) contradicts them.
+TEST(SimulateFlags, DemoStatesTheClosedFormsOnlyWhereTheyHold) {
+  const fs::path d = pipetrain::testing::fresh_temp_dir("simflags", "demo");
+  const CommandResult plain = run_pipetrain("demo --out " + (d / "a").string());
+  ASSERT_EQ(plain.code, 0) << plain.out;
+  EXPECT_TRUE(plain.has("For gpipe and 1f1b the makespan is")) << plain.out;
+  for (const std::string extra : {" --comm 0.5", " --cost 1:2:1,1:1:1,1:1:1,2:2:2"}) {
+    const CommandResult r = run_pipetrain("demo --out " + (d / "b").string() + extra);
+    ASSERT_EQ(r.code, 0) << extra << "\n" << r.out;
+    EXPECT_FALSE(r.has("For gpipe and 1f1b the makespan is")) << extra << "\n" << r.out;
+    EXPECT_TRUE(r.has("do not hold: the table is the simulation's")) << extra << "\n" << r.out;
+  }
+  fs::remove_all(d);
+}
+
+// --config FILE is train's: other commands read the file, checked its keys, then failed with CLI11's "The
+// following arguments were not expected: FILE --config". info's --config is a switch of its own.
+TEST(SimulateFlags, ConfigFilesAreTrainsAndSaidSo) {
+  const fs::path d = pipetrain::testing::fresh_temp_dir("simflags", "config");
+  const std::string file = (d / "sc.json").string();
+  std::ofstream(file) << R"({"stages": 2, "schedule": "1f1b", "microbatches": 4})";
+  for (const std::string command : {"simulate", "schedule", "plan"}) {
+    const CommandResult r = run_pipetrain(command + " --config " + file);
+    EXPECT_EQ(r.code, 2) << command << "\n" << r.out;
+    EXPECT_TRUE(r.has("--config FILE is not a flag of pipetrain " + command)) << command << "\n" << r.out;
+    EXPECT_FALSE(r.has("were not expected")) << command << "\n" << r.out;
+  }
+  EXPECT_EQ(run_pipetrain("info --config").code, 0);
+  fs::remove_all(d);
 }

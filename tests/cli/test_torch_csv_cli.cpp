@@ -96,3 +96,45 @@ TEST(TorchCsvCli, BadFilesAndFlagsExitTwoWithTheCell) {
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("apply to --format torch")) << r.out;
 }
+
+// `schedule --load FILE --load-format torch` reads PyTorch's CSV (the message for such a file without it
+// named simulate's --format torch, which in `schedule` is the output format): converted to pipetrain's CSV
+// and back to PyTorch's, the timeline is the file's. Flags the file gives are checked against it.
+TEST(TorchCsvCli, ScheduleConvertsPyTorchsCsvBothWays) {
+  const auto dir = temp_dir();
+  const std::string in = pytorch_data("zb1p_2rank_2stagep_compute.csv");
+  const auto plain = run_pipetrain("schedule --load " + in);
+  EXPECT_EQ(plain.code, 2) << plain.out;
+  EXPECT_TRUE(plain.has("pipetrain schedule --load-format torch")) << plain.out;
+  const auto comms = run_pipetrain("schedule --load " + pytorch_data("dualpipev_4rank_10mb.csv"));
+  EXPECT_EQ(comms.code, 2) << comms.out;
+  EXPECT_TRUE(comms.has("this looks like PyTorch's schedule CSV")) << comms.out;
+
+  const std::string ours = (dir / "ours.csv").string(), back = (dir / "back.csv").string();
+  const auto conv = run_pipetrain("schedule --load " + in + " --load-format torch --format csv --out " + ours);
+  ASSERT_EQ(conv.code, 0) << conv.out;
+  EXPECT_TRUE(conv.has("note: read with PyTorch's current letters")) << conv.out;
+  ASSERT_EQ(run_pipetrain("schedule --load " + ours + " --format torch --out " + back).code, 0);
+  auto sim = [](const std::string& args) {
+    auto j = nlohmann::json::parse(run_pipetrain("simulate --json " + args, false).out);
+    return std::make_pair(j["makespan"].get<double>(), j["per_stage"].dump());
+  };
+  const auto original = sim("--load " + in + " --format torch");
+  EXPECT_EQ(sim("--load " + ours), original);
+  EXPECT_EQ(sim("--load " + back + " --format torch"), original);
+
+  const auto stage_rank = run_pipetrain("schedule --load " + ours + " --stage-rank 0,1");
+  EXPECT_EQ(stage_rank.code, 2);
+  EXPECT_TRUE(stage_rank.has("--stage-rank applies to --load-format torch")) << stage_rank.out;
+}
+
+// simulate --format torch took --virtual and --steps without a word (steps=1 printed for --steps 2).
+TEST(TorchCsvCli, FlagsTheFileGivesMustAgreeWithIt) {
+  const std::string in = pytorch_data("zb1p_2rank_2stagep_compute.csv");
+  for (const std::string flag : {"--virtual 3", "--steps 2"}) {
+    const auto r = run_pipetrain("simulate --load " + in + " --format torch " + flag);
+    EXPECT_EQ(r.code, 2) << flag << "\n" << r.out;
+    EXPECT_TRUE(r.has("the file gives it")) << flag << "\n" << r.out;
+  }
+  EXPECT_EQ(run_pipetrain("simulate --load " + in + " --format torch --virtual 2 --steps 1").code, 0);
+}

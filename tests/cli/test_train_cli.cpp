@@ -145,7 +145,9 @@ TEST(TrainCli, NcclWhereItCannotRunExitsTwoAtOnce) {
 TEST(TrainCli, WorldSizeOtherThanStagesIsAUsageError) {
   const Result r = run(bin + " launch -n 3 -- " + bin + " train --stages 2" + small);
   EXPECT_NE(r.code, 0) << r.out;
-  EXPECT_TRUE(r.has("the launcher started 3 ranks but --stages is 2: launch 2 ranks or pass --stages 3")) << r.out;
+  EXPECT_TRUE(r.has("the launcher started 3 ranks (its world size in the environment; if no launcher started this "
+                    "process, unset RANK and WORLD_SIZE")) << r.out;
+  EXPECT_TRUE(r.has("but --stages is 2: launch 2 ranks or pass --stages 3")) << r.out;
   EXPECT_TRUE(r.has("rank 0 exited with code 2")) << r.out;
   // With replicas, the stages suggested are those that fit the ranks started (3 stages x 2 replicas would
   // need 6, not the 3 started), and none where the replicas do not divide them.

@@ -146,3 +146,21 @@ TEST(TrainFiles, FlagsThatChangedNothingAreRefused) {
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("--transport local runs every rank as a thread of one process")) << r.out;
 }
+
+// A tester's finding (2026-11-28): the held-out prompt and the sample quote the training text, and its
+// escape sequences reached the terminal raw (ESC [2J cleared the screen); they are now shown as \xNN.
+TEST(TrainFiles, TheSampleAndItsPromptShowControlBytesEscaped) {
+  const fs::path dir = temp_dir("escapes");
+  const std::string text = (dir / "esc.txt").string();
+  {
+    std::ofstream f(text, std::ios::binary);
+    for (int i = 0; i < 100; ++i) f << "\x1b[2J\x1b]0;title\x07hello world\n";
+  }
+  const CommandResult r = run_pipetrain("train --transport local --text " + text + " --steps 1 --eval-every 0 "
+                                        "--layers 1 --d-model 16 --heads 2 --seq-len 8 --sample 20 --progress quiet");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("after the held-out prompt")) << r.out;
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << r.out;
+  EXPECT_TRUE(r.has("\\x1B")) << r.out;
+  fs::remove_all(dir);
+}

@@ -131,3 +131,24 @@ TEST(UmpipeCli, PlansWithoutRematerialisationOrPartitionsAreRefused) {
   EXPECT_TRUE(r.has("pass --plan FILE")) << r.out;
   fs::remove_all(dir);
 }
+
+// A tester's finding (2026-11-28): the search and UMPIPE price layer times differently (UMPIPE adds its
+// --overhead to layers measured at one size), so the same GPipe plan got 24.00 ms as the straight pipeline
+// and 23.30 ms as UMPIPE's "equal", and the file ran the partitions for that alone. The straight pipeline
+// is now priced in UMPIPE's model for the comparison, ties going to it.
+TEST(UmpipeCli, TheStraightPipelineIsComparedInUmpipesTimeModel) {
+  const fs::path dir = temp_dir("one-model");
+  const std::string prof = (dir / "one.json").string(), plan = (dir / "plan.json").string();
+  {
+    std::ofstream f(prof);
+    f << R"({"format":"pipetrain-profile","version":1,"model":"one","micro_batch_size":4,"threads":1,"layers":[)"
+      << R"({"name":"only","type":"Linear","forward_ms":1,"backward_ms":2,"activation_bytes":1000,)"
+      << R"("parameter_bytes":4000000,"optimizer_bytes":8000000}]})";
+  }
+  const CommandResult r = run_pipetrain("plan --profile " + prof + " --ranks 8 --planner umpipe --out " + plan);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("runs by default: the straight pipeline chosen above")) << r.out;
+  EXPECT_TRUE(r.has("in UMPIPE's time model")) << r.out;
+  EXPECT_EQ(read_json_file(plan)["umpipe"]["runs_by_default"], "off");
+  fs::remove_all(dir);
+}

@@ -39,12 +39,13 @@ TEST(ZbExactCli, SimulateReportsTheGapAndTheOptimalTimeline) {
 // `schedule --exact` keeps stdout the schedule (loadable CSV) and puts the report on stderr.
 TEST(ZbExactCli, ScheduleKeepsStdoutTheSchedule) {
   const Result csv = pipetrain::testing::run_command(
-      bin + " schedule -s zb-auto -p 2 -m 3 --memory-limit 2 --exact --format csv", false);
+      bin + " schedule -s zb-auto -p 2 -m 3 --cost 2:2:1 --comm 0.25 --memory-limit 2.5 --exact --format csv", false);
   ASSERT_EQ(csv.code, 0) << csv.out;
   EXPECT_EQ(csv.out.find("greedy"), std::string::npos) << csv.out;
   const Result both =
-      pipetrain::testing::run_command(bin + " schedule -s zb-auto -p 2 -m 3 --memory-limit 2 --exact");
-  EXPECT_TRUE(both.has("zb-auto greedy 11.000, exact 10.000 (optimal")) << both.out;
+      pipetrain::testing::run_command(bin + " schedule -s zb-auto -p 2 -m 3 --cost 2:2:1 --comm 0.25 --memory-limit 2.5 --exact");
+  // (zb-auto weighs ZB-H1's order too: at unit costs and limit 2 it is optimal now, 10 against 10.)
+  EXPECT_TRUE(both.has("zb-auto greedy 18.500, exact 18.000 (optimal")) << both.out;
   EXPECT_TRUE(both.has("rank 1: ")) << both.out;
 }
 

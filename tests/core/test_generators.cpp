@@ -412,3 +412,51 @@ TEST(RoundRobin, ValidatorChecksReplicas) {
     EXPECT_NE(std::string(e.what()).find("missing optimizer step 0S0 (rank 1)"), std::string::npos) << e.what();
   }
 }
+
+// zb-auto at its default limit (p) was one pass per step longer than ZB-H1 whenever m - p was odd (p=3,
+// m=6: 21 against 20), though ZB-H1 fits that limit: ZB-H1 is now one of its candidates.
+TEST(Generators, ZeroBubbleAutoIsNeverWorseThanZbH1AtALimitItFits) {
+  for (int p = 2; p <= 6; ++p)
+    for (int m = p; m <= 2 * p + 1; ++m) {
+      const Schedule a = zb_auto(p, m, CostModel{}, 0), h = zb_h1(p, m);
+      const CostModel unit = CostModel::uniform(p, StageCost{});
+      const SimResult sa = simulate(a, unit), sh = simulate(h, unit);
+      EXPECT_LE(sa.metrics.makespan, sh.metrics.makespan + 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_LE(sa.metrics.max_bubble(), sh.metrics.max_bubble() + 1e-9) << "p=" << p << " m=" << m;
+      ValidateOptions vo;
+      vo.memory_limit = p;
+      EXPECT_NO_THROW(validate(a, vo)) << "p=" << p << " m=" << m;
+      EXPECT_EQ(a.name, "zb-auto");
+    }
+}
+
+// The limit counts micro-batches per rank in each rank's own activation: in units of the largest stage's,
+// a lighter stage held more (a profile's 2,000 and 6,000 bytes: 4 micro-batches under the default limit
+// of 2), and an explicit limit gave a schedule the validator refused.
+TEST(Generators, ZeroBubbleLimitsCountEachRanksOwnMicroBatches) {
+  CostModel costs;
+  costs.stage = {{0.81, 1.62, 0.81, 2000}, {0.3, 0.6, 0.3, 6000}};
+  for (double limit : {0.0, 2.0, 3.0}) {
+    const Schedule s = zb_auto(2, 4, costs, limit);
+    ValidateOptions vo;  // as the command validates it: micro-batches per rank
+    vo.memory_limit = limit > 0 ? limit : 2;
+    EXPECT_NO_THROW(validate(s, vo)) << "limit " << limit;
+    for (const RankMetrics& r : simulate(s, costs).metrics.per_rank)  // in each rank's own activations
+      EXPECT_LE(r.peak_memory, vo.memory_limit * costs.stage[static_cast<std::size_t>(r.rank)].activation + 1e-9)
+          << "limit " << limit << " rank " << r.rank;
+  }
+  CostModel split = costs;
+  split.b_release_fraction = 0;
+  for (const RankMetrics& r : simulate(zb_h2(2, 8, costs), split).metrics.per_rank)
+    EXPECT_LE(r.peak_inflight, 3) << "rank " << r.rank;  // ZB-H2 holds at most 2p - 1
+}
+
+// interleaved with one chunk per rank is 1F1B (Megatron runs its plain schedule then): its warm-up of
+// 2(p-1-r) forwards held up to 2p-1 micro-batches for 1F1B's timing.
+TEST(Generators, InterleavedWithOneChunkPerRankIsOneFOneB) {
+  for (int p : {1, 2, 4})
+    for (int m : {p, 2 * p, 3 * p}) {
+      const Schedule a = interleaved(p, m, 1), b = one_f_one_b(p, m);
+      EXPECT_EQ(a.actions, b.actions) << "p=" << p << " m=" << m;
+    }
+}

@@ -27,6 +27,8 @@
 #include <vector>
 
 #include "pipetrain/core/error.h"
+#include "pipetrain/core/generators.h"
+#include "pipetrain/core/simulate.h"
 
 namespace pipetrain {
 namespace {
@@ -584,6 +586,18 @@ TEST(AsciiGantt, TheScaleFollowsTheCostUnitAndRowsAreBounded) {
   EXPECT_EQ(capped.rfind("(drawn 100000 characters wide", 0), 0u) << capped.substr(0, 80);
   EXPECT_LT(capped.size(), 3 * 100100u);
   for (double bad : {0.0, -1.0, std::nan("")}) EXPECT_THROW(ascii_gantt(t, bad), UsageError);
+}
+
+// With 10 or more micro-batches, 2 characters cut f10 and f11 to "f1", micro-batch 1's label: the scale
+// now fits the longest label in the shortest compute box.
+TEST(AsciiGantt, EveryLabelFitsItsBox) {
+  const Schedule s = pipetrain::one_f_one_b(2, 12);
+  const SimResult r = simulate(s, CostModel::uniform(2, StageCost{}));
+  const double scale = ascii_chars_per_unit(TimelineView(r.timeline));
+  EXPECT_DOUBLE_EQ(scale, 3.0);
+  const std::string drawn = ascii_gantt(r.timeline, scale);
+  for (const std::string label : {"f10", "f11", "B10", "B11", "f1-", "f9-"})
+    EXPECT_NE(drawn.find(label), std::string::npos) << label << "\n" << drawn;
 }
 
 }  // namespace

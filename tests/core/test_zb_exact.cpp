@@ -166,6 +166,7 @@ TEST(ZbExact, EqualsAnEnumerationOfEveryOrder) {
       {2, 3, {1, 1, 1, 1}, 3, 0},     {2, 3, {1, 2, 0.5, 1}, 1.5, 0}, {2, 3, {2, 1, 1, 1}, 2.5, 0.5},
       {3, 2, {1, 1, 1, 1}, 1.5, 0},   {3, 2, {1, 2, 1, 1}, 2, 0.25},  {2, 3, {1, 2, 1, 1}, 2, 0},
       {2, 3, {2, 2, 2, 1}, 2, 0.5},   {2, 3, {1, 1, 2, 1}, 2, 0.5},   {3, 2, {0.5, 2, 1, 1}, 1, 0.5},
+      {2, 3, {2, 2, 1, 1}, 2.5, 0.25},
   };
   int greedy_missed = 0;
   for (const Case& k : cases) {
@@ -176,7 +177,9 @@ TEST(ZbExact, EqualsAnEnumerationOfEveryOrder) {
     EXPECT_NEAR(r.makespan, enumerated, 1e-9) << w;
     greedy_missed += r.greedy_makespan > enumerated + 1e-9;
   }
-  EXPECT_GE(greedy_missed, 3);
+  // Since zb-auto also weighs ZB-H1's order it is optimal on all but the last case (18.5 against 18):
+  // the greedy's earlier misses here were ZB-H1's order, which none of its policies found.
+  EXPECT_GE(greedy_missed, 1);
 }
 
 // With room for 2p-1 micro-batches and F = B = W, the last rank can start after the p-1 forwards of the

@@ -34,4 +34,12 @@ cmake -S "$work/core" -B "$work/core/build" -DCMAKE_PREFIX_PATH="$work/prefix" -
 cmake --build "$work/core/build" -j2
 echo "== compare_schedules (core only, no LibTorch found)"
 "$work/core/build/compare_schedules" >/dev/null || { echo "core-only compare_schedules failed" >&2; exit 1; }
+# A misspelt component is named, with the ones there are (CMake's own message said only "NOT FOUND").
+mkdir -p "$work/typo"
+printf '%s\n' 'cmake_minimum_required(VERSION 3.25)' 'project(typo LANGUAGES CXX)' \
+  'find_package(pipetrain REQUIRED COMPONENTS runtme)' >"$work/typo/CMakeLists.txt"
+if cmake -S "$work/typo" -B "$work/typo/build" -DCMAKE_PREFIX_PATH="$work/prefix" >"$work/typo/log" 2>&1; then
+  echo "find_package(pipetrain COMPONENTS runtme) was accepted" >&2; exit 1
+fi
+grep -q "has no component 'runtme'" "$work/typo/log" || { cat "$work/typo/log" >&2; echo "no component message" >&2; exit 1; }
 echo "examples built against the installed package and ran"

@@ -67,6 +67,31 @@ class Schedules(unittest.TestCase):
         self.assertEqual(pipetrain.Schedule.from_csv(s.to_csv()), s)
         self.assertEqual(len({a for row in s.actions for a in row}), 10)  # hashable, all distinct
 
+    def test_list_fields_are_copies(self):
+        # Their elements pointed into the C++ vectors: writing one changed the schedule behind its
+        # documented copy, and after the list was assigned they read freed memory.
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=4)
+        line = s.rank_line(0)
+        a = s.actions[0][0]
+        a.stage = 1
+        self.assertEqual(s.rank_line(0), line)
+        s.actions = [[pipetrain.Action("F", 0, 9)], [pipetrain.Action("F", 1, 9)]]
+        self.assertEqual(str(a), "1F0")  # still the copy it was
+        a.index = 7
+        self.assertEqual(s.rank_line(0), "0F9")
+        c = pipetrain.CostModel.uniform(2, pipetrain.StageCost())
+        st = c.stage[0]
+        c.stage = []
+        st.f = 3.0
+        self.assertEqual(st.f, 3.0)
+        self.assertEqual(len(c.stage), 0)
+        sim = pipetrain.simulate(pipetrain.schedule("1f1b", stages=2, microbatches=2))
+        rm = sim.metrics.per_rank[0]
+        ev = sim.timeline.events[0]
+        del sim
+        self.assertEqual(rm.rank, 0)
+        self.assertEqual(ev.rank, ev.action.stage)
+
     def test_lowering_and_strip(self):
         s = pipetrain.schedule("1f1b", stages=2, microbatches=2)
         low = pipetrain.lower(s)

@@ -396,8 +396,12 @@ TEST(Checkpoint, SaveRefusesACheckpointCopiedToDotPartial) {
   ranks.train(1);
   ranks.save(a.string());
   fs::copy(a, partial);
-  EXPECT_NE(error_of([&] { prepare_checkpoint_dir(b.string()); }).find(partial.string() + " exists and"),
-            std::string::npos);
+  // No DIR: a first save stopped before its rename would leave the same; refused, kept, and said so.
+  const std::string e = error_of([&] { prepare_checkpoint_dir(b.string()); });
+  EXPECT_NE(e.find(partial.string() + " holds a complete checkpoint at step 1 and " + b.string() + " does not exist"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("Nothing was deleted"), std::string::npos) << e;
   // Also when DIR exists: its manifest does not name this copy as what it replaced.
   Ranks again(make_model(5), 2, options("sgd"));
   again.train(1);

@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <map>
+#include <string>
+#include <vector>
 #include <mutex>
 
 #include "pipetrain/core/error.h"
@@ -287,4 +290,151 @@ TEST(Loss, PerTokenAcrossDataParallelCopiesIsTheFullBatchTokenMean) {
   });
   for (int r = 0; r < 4; ++r) EXPECT_NEAR(loss[static_cast<std::size_t>(r)], ref.loss, 1e-6 * ref.loss) << "rank " << r;
   for (int copy = 0; copy < 2; ++copy) EXPECT_LE(max_grad_error(got[static_cast<std::size_t>(copy)], ref), 2e-6) << "copy " << copy;
+}
+
+// A user's findings (2026-11-28): a loss computed from a detached output (or under a NoGradGuard) trained
+// nothing, step after step, and reported its loss; a bundle entry with other rows than batch_size was cut
+// silently (rows past it dropped) or failed in a message about the model's shapes.
+TEST(LossContract, ALossWithoutAGraphAndRowsOtherThanTheBatchAreRefused) {
+  auto mlp = [] {
+    torch::manual_seed(0);
+    torch::nn::Sequential m;
+    for (int i = 0; i < 4; ++i) m->push_back(torch::nn::Linear(4, 4));
+    return m;
+  };
+  PipelineOptions o;
+  o.microbatches = 2;
+  o.optimizer.lr = 0.1;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({8, 4}), y = torch::randn({8, 4});
+  auto detached = [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out.detach(), t); };
+  {
+    auto m = mlp();
+    const torch::Tensor before = m->parameters()[0].clone();
+    LocalPipeline p(m, detached, 2, o);
+    try {
+      p.train_step(x, y, 8);
+      FAIL() << "a loss without a graph trained";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("has no autograd graph"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(torch::equal(m->parameters()[0], before));
+  }
+  auto mse = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); };
+  {  // frozen weights and nothing upstream that learns: a loss without a graph is what it can be
+    auto m = mlp();
+    for (auto& w : m->parameters()) w.set_requires_grad(false);
+    LocalPipeline p(m, detached, 1, o);
+    EXPECT_NO_THROW(p.train_step(x, y, 8));
+  }
+  LocalPipeline p(mlp(), mse, 2, o);
+  const std::pair<Bundle, int64_t> bad[] = {
+      {Bundle{{"x", x}}, 6},                                // 8 rows, batch 6: the last 2 were dropped
+      {Bundle{{"x", x}}, 10},                               // 8 rows, batch 10
+      {Bundle{{"x", x}, {"mask", torch::ones({6, 4})}}, 8},  // an entry of 6 rows
+  };
+  for (const auto& [in, n] : bad) {
+    try {
+      p.train_step(in, y, n);
+      FAIL() << "batch_size " << n << " accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("rows but batch_size is " + std::to_string(n)), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_NO_THROW(p.train_step(Bundle{{"x", x}}, y, 8));
+  // An entry left undefined is named (LibTorch's "Expected a proper Tensor"); refused before the ranks
+  // start, like the rows above, so the pipeline goes on.
+  LocalPipeline q(mlp(), mse, 2, o);
+  try {
+    q.train_step(Bundle{{"x", x}, {"mask", torch::Tensor()}}, y, 8);
+    FAIL() << "an undefined entry was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("entry 'mask' is an undefined tensor"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(q.train_step(Bundle{{"x", x}}, y, 8));
+}
+
+// An error inside the user's loss said "rank 1 at 1F0: The size of tensor a (4) must match ..." in
+// training, and leaked LibTorch's backtrace from evaluate: both now name the loss and what it got.
+TEST(LossContract, ALossThatFailsIsNamedWithWhatItGot) {
+  torch::manual_seed(0);
+  torch::nn::Sequential m;
+  for (int i = 0; i < 4; ++i) m->push_back(torch::nn::Linear(4, 4));
+  PipelineOptions o;
+  o.microbatches = 2;
+  auto mse = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); };
+  LocalPipeline p(m, mse, 2, o);
+  const torch::Tensor x = torch::randn({8, 4});
+  try {
+    p.train_step(x, torch::randn({8, 3}), 8);
+    FAIL() << "a failing loss trained";
+  } catch (const std::exception& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("the loss function failed on micro-batch 0, output {x: [4, 4] Float"), std::string::npos) << w;
+    EXPECT_NE(w.find("target {x: [4, 3] Float}"), std::string::npos) << w;
+  }
+  LocalPipeline q(m, mse, 2, o);
+  try {
+    q.evaluate(x, torch::randn({8, 2}), 8);
+    FAIL() << "a failing loss evaluated";
+  } catch (const std::exception& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("the loss function failed on the batch, output {x: [8, 4] Float"), std::string::npos) << w;
+    EXPECT_EQ(w.find("frame #"), std::string::npos) << w;
+  }
+}
+
+// Ranks built with other PipelineOptions (a rank-dependent configuration mistake) waited for each other's
+// transfers for ever (another schedule) or failed in a message about the loss's shapes (another m): the
+// first call now compares them and every rank names the difference.
+TEST(LossContract, RanksGivenOtherOptionsAreToldWhatDiffers) {
+  for (const std::string what : {"schedule", "micro-batch count"}) {
+    const auto ts = make_local_transports(2);
+    std::vector<std::string> errors(2);
+    try {
+      run_on_threads(2, [&](int r) {
+        torch::manual_seed(0);
+        torch::nn::Sequential m(torch::nn::Linear(4, 8), torch::nn::Tanh(), torch::nn::Linear(8, 2));
+        PipelineOptions o;
+        o.microbatches = 4;
+        if (r == 1 && what == "schedule") o.schedule = "gpipe";
+        if (r == 1 && what != "schedule") o.microbatches = 2;
+        PipelineRank rank(m, [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); },
+                          ts[static_cast<std::size_t>(r)], o);
+        try {
+          rank.train_step(torch::randn({8, 4}), torch::randn({8, 2}), 8);
+        } catch (const std::exception& e) {
+          errors[static_cast<std::size_t>(r)] = e.what();
+          throw;
+        }
+      });
+    } catch (const std::exception&) {
+    }
+    // Each rank throws its own message, or (the first to throw aborts the others) carries the other's.
+    for (int r = 0; r < 2; ++r)
+      EXPECT_NE(errors[static_cast<std::size_t>(r)].find("have another " + what + " than rank "), std::string::npos)
+          << what << ", rank " << r << ": " << errors[static_cast<std::size_t>(r)];
+  }
+}
+
+// An infinite learning rate from PipelineOptions::learning_rate or set_learning_rate was taken (every weight
+// NaN after the step), while OptimizerOptions::lr refused it.
+TEST(LossContract, AnInfiniteLearningRateIsRefusedBeforeTheStep) {
+  torch::manual_seed(0);
+  torch::nn::Sequential m(torch::nn::Linear(4, 4), torch::nn::Tanh(), torch::nn::Linear(4, 4));
+  PipelineOptions o;
+  o.microbatches = 2;
+  o.learning_rate = [](int) { return std::numeric_limits<double>::infinity(); };
+  LocalPipeline p(m, [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); }, 2, o);
+  try {
+    p.train_step(torch::randn({4, 4}), torch::randn({4, 4}));
+    FAIL() << "an infinite learning rate stepped";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("must be a finite number > 0, got inf"), std::string::npos) << e.what();
+  }
+  for (const auto& w : m->parameters()) EXPECT_TRUE(torch::isfinite(w).all().item<bool>());
+  LocalPipeline q(m, [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); }, 2,
+                  PipelineOptions{});
+  EXPECT_THROW(q.rank(0).set_learning_rate(std::numeric_limits<double>::infinity()), UsageError);
 }

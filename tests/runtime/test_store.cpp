@@ -107,6 +107,32 @@ TEST(Store, ClientWithAnotherTokenIsRefusedAndTheRunIsUndisturbed) {
   EXPECT_TRUE(server.joined(1));
 }
 
+TEST(Store, ARankWaitingForOneThatWasRefusedSaysWhy) {
+  StoreServer server("127.0.0.1", 0, "run-a", 2);
+  const int port = server.port();
+  StoreClient rank0("127.0.0.1", port, "run-a", 0, 2, milliseconds(3000));
+  auto waited = [&] {
+    try {
+      rank0.wait({"rank1-ready"}, milliseconds(300));
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no timeout)");
+  };
+  EXPECT_EQ(waited().find("refused"), std::string::npos);  // nobody refused yet
+  refusal("127.0.0.1", port, "run-b", 1, 3);  // another run's token: not noted
+  EXPECT_EQ(waited().find("refused"), std::string::npos);
+  const int keys = static_cast<int>(rank0.getNumKeys());
+  refusal("127.0.0.1", port, "run-a", 1, 3);  // this run's rank 1, started with WORLD_SIZE=3
+  const std::string w = waited();
+  EXPECT_NE(w.find("timed out"), std::string::npos) << w;
+  EXPECT_NE(w.find("refused a process asking to join as RANK=1 of WORLD_SIZE=3: this run has WORLD_SIZE=2"),
+            std::string::npos)
+      << w;
+  EXPECT_EQ(rank0.getNumKeys(), keys);  // the note is not one of the run's keys
+  EXPECT_FALSE(server.value(kAbortKey).has_value());
+}
+
 TEST(Store, C10dStoreSemantics) {
   StoreServer server("127.0.0.1", 0, "", 0);
   auto c = c10::make_intrusive<StoreClient>("127.0.0.1", server.port(), "", -1, 0, milliseconds(2000));

@@ -7,7 +7,8 @@
 //   B/BW(s,i)    needs Act(s,i) (its own forward)  and Grad(s+1,i)  (s < S-1)
 //   W(s,i)       needs Grad(s,i) (its own B)
 // A send/recv pair moves one token between ranks: SendAct(s,i)->RecvAct(s+1,i) moves Act(s,i);
-// SendGrad(s,i)->RecvGrad(s-1,i) moves Grad(s,i). Step needs nothing beyond the rank's own order.
+// SendGrad(s,i)->RecvGrad(s-1,i) moves Grad(s,i). Step needs no token (the simulator adds a synchronous
+// step's barrier across ranks itself, simulate.cpp).
 #pragma once
 
 #include <cstdint>

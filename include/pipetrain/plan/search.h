@@ -123,6 +123,13 @@ struct PlanSearchResult {
   std::optional<Plan> pipedream;             // PipeDream's planner (asynchronous), if it found a plan
   std::string pipedream_error;               // why not, otherwise
   std::optional<PlanCandidate> replicated;   // its plan as synchronous 1F1B-RR, if it replicates a stage
+  // With a memory limit, PipeDream's planner prices memory by its asynchronous model (whole mini-batches
+  // and weight versions stashed), which has nothing to do with the synchronous 1F1B-RR that runs: its
+  // plan without the limit is tried too, and `replicated` comes from whichever of the two is better once
+  // simulated (fits first). `replicated_plan` is the plan `replicated` runs (train --plan-use pipedream);
+  // `replicated_unlimited` says it is the one planned without the limit.
+  std::optional<Plan> replicated_plan;
+  bool replicated_unlimited = false;
   // PipeDream's plan for R/d ranks x d copies (PlanCandidate::copies = d), as 1F1B-RR: the best m of
   // each d tried (PlanSearchOptions::pipedream_copy_plans), by d; the planner's plans in `pipedream_copy_plans`.
   std::vector<PlanCandidate> pipedream_copies;

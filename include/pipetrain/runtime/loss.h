@@ -112,4 +112,8 @@ class Loss {
   LossNormalization normalization_ = LossNormalization::Sample;
 };
 
+// The message for an exception `e` thrown by a loss function on `output` and `target` (micro-batch
+// `micro`, or -1: the whole batch): what it got, and LibTorch's message without its backtrace.
+std::string loss_failure(const std::exception& e, const Bundle& output, const Bundle& target, int micro);
+
 }  // namespace pipetrain

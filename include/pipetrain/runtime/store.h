@@ -64,6 +64,12 @@ extern const std::string kAbortKey;
 std::string encode_abort(int rank, const std::string& message);
 // (rank, message) of an abort value; rank -1 when the value has no rank line.
 std::pair<int, std::string> parse_abort(const std::string& value);
+// The server's note of the last process it refused although it had the run's token (asked to join with
+// another WORLD_SIZE, as a rank that has joined already, or beyond WORLD_SIZE): a get() of this key is
+// answered from that note (not a stored key: getNumKeys does not count it). A refused process never
+// disturbs the run, but a rank waiting for one that was refused says so in its waiting notes and timeout
+// message, instead of only waiting out the rendezvous timeout.
+extern const std::string kRefusedKey;
 // Where a rank says what it is doing, for the server's "went away during PHASE" report.
 std::string phase_key(int rank);
 
@@ -122,6 +128,7 @@ class StoreServer {
   mutable std::mutex mu_;
   std::map<std::string, std::string> data_;
   std::size_t stored_bytes_ = 0;
+  std::string refused_;  // the note kRefusedKey answers with (empty: nobody refused)
   std::vector<std::string> joined_;  // per rank: the nonce of the process that joined as it; empty: none yet
   std::vector<std::unique_ptr<Connection>> connections_;  // the server thread's
   std::thread thread_;
@@ -169,6 +176,7 @@ class StoreClient : public c10d::Store {
   std::string call(const std::string& request);  // one request, one response body; mu_ held
   void check_abort();  // throws when kAbortKey is set (see stop_waiting_on_abort)
   void wait_for(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
+  std::string refusal_note();  // " (" + the server's kRefusedKey note + ")", or "" (none, or unreadable)
 
   std::string what_;
   // How to connect again (clone()).
