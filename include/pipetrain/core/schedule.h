@@ -81,7 +81,9 @@ std::string rank_line(const Schedule& s, int rank);
 // The header comment is optional when loading: without it the sizes are inferred from the actions
 // (stages and micro-batches from the largest indices, the stage-to-rank map from where each stage
 // appears, one step over all micro-batches, synchronous). Blank lines and other lines starting with
-// '#' are ignored. Skip routes travel in the header as skips=FROM:TO:SIZE,FROM:TO:SIZE. Throws UsageError naming the line and cell on malformed input.
+// '#' are ignored. A paired slot (action.h) is one cell, (0F7;7BW3); where a lowered schedule runs
+// transfers between its two halves, the halves are cells of their own around them: (0F7;,0SF7,7BW3).
+// Skip routes travel in the header as skips=FROM:TO:SIZE,FROM:TO:SIZE. Throws UsageError naming the line and cell on malformed input.
 std::string to_csv(const Schedule& s);
 Schedule from_csv(const std::string& text);
 
