@@ -74,13 +74,15 @@ std::string to_csv(const Schedule& s) {
       } else if (row[i].paired) {
         std::size_t j = i + 1;
         while (j < row.size() && !is_compute(row[j].kind)) ++j;
-        if (j == i + 1) {
+        if (j == row.size()) {
+          // a dangling pair (the validator names it) is written as its action
+        } else if (j == i + 1) {
           cell = "(" + cell + ";" + to_string(row[j]) + ")";
           ++i;
-        } else if (j < row.size()) {
+        } else {
           cell = "(" + cell + ";";
           close = j;
-        }  // a dangling pair (the validator names it) is written as its action
+        }
       }
       out << (first ? "" : ",") << cell;
       first = false;

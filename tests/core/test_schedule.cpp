@@ -82,6 +82,9 @@ TEST(ScheduleCsv, PairedSlotsRoundTrip) {
   }
   EXPECT_EQ(rank_line(from_csv("(0F0;0BW0)\n"), 0), "(0F0;0BW0)");
   EXPECT_NE(to_csv(insert_communication(s)).find(";,"), std::string::npos);  // a pair split by its transfers
+  Schedule dangling = from_csv("0F0,0BW0\n");  // a pair left open at the row's end (the validator refuses it)
+  dangling.actions[0][1].paired = true;
+  EXPECT_EQ(to_csv(dangling).substr(to_csv(dangling).find('\n') + 1), "0F0,0BW0\n");
   EXPECT_THROW(from_csv("(0F1;,0SF1\n"), UsageError);         // never closed
   EXPECT_THROW(from_csv("(0F1;,0SF1,0BW0,1BW2)\n"), UsageError);  // closed by an unmarked compute action
 }
