@@ -22,13 +22,18 @@ using detail::host_doubles;
 using detail::host_tensor;
 using detail::number_text;
 
-// 52 bits of FNV-1a over the tensor's bytes: exact as a double, so all-reducible.
+// 52 bits of FNV-1a over `n` bytes: exact as a double, so all-reducible (only compared within a run).
+double hash52(const unsigned char* p, std::size_t n) {
+  uint64_t h = 14695981039346656037ull;
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return static_cast<double>(h >> 12);
+}
+
+// hash52 of the tensor's bytes.
 double value_hash(const torch::Tensor& t) {
   const torch::Tensor c = t.detach().to(torch::kCPU).contiguous();
-  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t i = 0, n = c.numel() * static_cast<int64_t>(c.element_size()); i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return static_cast<double>(h >> 12);
+  return hash52(static_cast<const unsigned char*>(c.data_ptr()),
+                static_cast<std::size_t>(c.numel()) * c.element_size());
 }
 
 }  // namespace
@@ -110,9 +115,7 @@ void PipelineRank::Impl::check_options_agree() {
   // What every rank must agree on, one column each: ranks given other options waited for each other's
   // transfers for ever (another schedule) or failed in a message about the loss's shapes (another m).
   auto text_hash = [](const std::string& text) {
-    uint64_t h = 14695981039346656037ull;
-    for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
-    return static_cast<double>(h >> 12);  // exact in a double
+    return hash52(reinterpret_cast<const unsigned char*>(text.data()), text.size());
   };
   std::string balance_text;
   for (int n : balance) balance_text += std::to_string(n) + ",";
