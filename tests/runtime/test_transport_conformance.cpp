@@ -621,8 +621,12 @@ TEST_P(ShmTransportTest, KilledRank0StopsTheIdleOthersAndLeavesNothingInDevShm) 
   const std::string prefix = "pipetrain-" + std::to_string(::getpid()) + "-";
   const Outcome r = run("kill0-idle", 3);
   EXPECT_EQ(r.code, 1) << r.output;
-  for (int rank : {1, 2})
-    EXPECT_TRUE(r.has("pipetrain rank " + std::to_string(rank) + ": stopping: rank 0 failed: it went away")) << r.output;
+  // The store's closed connection ("it went away") and the launcher that reaped the rank ("it was killed
+  // by signal 9") race to report it; a loaded machine can let either win, and both name the cause.
+  for (int rank : {1, 2}) {
+    const std::string stopping = "pipetrain rank " + std::to_string(rank) + ": stopping: rank 0 failed: ";
+    EXPECT_TRUE(r.has(stopping + "it went away") || r.has(stopping + "it was killed by signal 9")) << r.output;
+  }
   EXPECT_FALSE(r.has("is still there")) << r.output;  // the ranks saw no name while they ran
   EXPECT_TRUE(segments_named(prefix).empty());
 }
