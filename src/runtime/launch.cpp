@@ -152,6 +152,8 @@ class Launcher {
   bool piped_ = false;
   bool failed_ = false;
   int exit_code_ = 0;  // the first failing rank's own exit code (2: bad input; 128 + N: stopped by signal N)
+  long lost_lines_[2] = {0, 0};  // lines of the ranks' stdout, stderr that could not be written
+  int lost_errno_[2] = {0, 0};     // why (the first failure)
   bool stopping_ = false;
   bool deadline_passed_ = false;
   Clock::time_point deadline_{};
@@ -176,7 +178,14 @@ void Launcher::emit(int rank, int stream, const std::string& line) {
     const ssize_t n = ::write(fd, p, left);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return;  // closed stdout (e.g. `| head`): drop the output, keep supervising
+      // A closed reader (`| head`) wanted no more: drop the output, keep supervising. Any other failure
+      // (a full disk under `> out.txt`, an I/O error) loses what the ranks printed: the run says so at
+      // its end and does not exit 0.
+      if (errno != EPIPE) {
+        ++lost_lines_[stream == 1 ? 0 : 1];
+        if (lost_errno_[stream == 1 ? 0 : 1] == 0) lost_errno_[stream == 1 ? 0 : 1] = errno;
+      }
+      return;
     }
     p += n;
     left -= static_cast<std::size_t>(n);
@@ -516,9 +525,20 @@ int Launcher::run(const std::vector<std::string>& argv) {
     }
   }
   cleanup();
+  bool output_lost = false;
+  const long lost[2] = {lost_lines_[0], lost_lines_[1]};  // (a report below may fail too)
+  for (int i = 0; i < 2; ++i) {
+    if (lost[i] == 0) continue;
+    output_lost = true;
+    // stderr may be the stream that failed: this line is written there all the same (it may reach a
+    // terminal when only stdout was redirected).
+    report(std::to_string(lost[i]) + " line(s) the ranks printed could not be written to " +
+           (i == 0 ? "stdout" : "stderr") + " (" + std::strerror(lost_errno_[i]) +
+           "): the run's output is incomplete; free space where it goes (or redirect it elsewhere) and run again");
+  }
   // The run's code is its first failing rank's: 2 for bad input, 128 + N for a stop by signal N (as a
-  // shell reports a signalled command), 1 otherwise.
-  if (!failed_) return 0;
+  // shell reports a signalled command), 1 otherwise; 1 also when the ranks succeeded but their output was lost.
+  if (!failed_) return output_lost ? 1 : 0;
   if (exit_code_ == 2 || exit_code_ > 128) return exit_code_;
   return 1;
 }

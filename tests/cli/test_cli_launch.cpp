@@ -48,6 +48,21 @@ TEST(CliLaunch, AFailingRankFailsTheRunAndIsNamed) {
   EXPECT_TRUE(has(r, "rank 0 did not stop within 1 s after rank 1 failed; killing it")) << r.out;
 }
 
+// A full disk under `launch ... > out.txt` lost every line the ranks printed, and the run exited 0.
+TEST(CliLaunch, OutputThatCannotBeWrittenFailsTheRunAndIsCounted) {
+  const Result r = pipetrain::testing::run_command(std::string("(") + PIPETRAIN_BIN +
+                                                   " launch -n 2 -- sh -c 'echo one; echo two' > /dev/full)");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, "pipetrain launch: 4 line(s) the ranks printed could not be written to stdout (No space left "
+                     "on device): the run's output is incomplete")) << r.out;
+  // A reader that went away (`| head`) wanted no more: not an error.
+  const Result head = pipetrain::testing::run_command(std::string("( { ") + PIPETRAIN_BIN +
+                                                      " launch -n 1 -- seq 1 100000; echo \"launch exited $?\" >&3; }"
+                                                      " | head -n 1 ) 3>&1");
+  EXPECT_TRUE(has(head, "launch exited 0")) << head.out;
+  EXPECT_FALSE(has(head, "could not be written")) << head.out;
+}
+
 TEST(CliLaunch, UsageErrorsExit2WithTheFix) {
   Result r = run("launch -n 0 -- true");
   EXPECT_EQ(r.code, 2) << r.out;
