@@ -22,6 +22,7 @@
 #include "executor_impl.h"
 #include "pass_util.h"
 #include "torch_compat.h"
+#include "transport_util.h"
 #include "umpipe_pass.h"
 
 namespace pipetrain {
@@ -942,6 +943,20 @@ std::vector<Result> on_every_rank(const std::vector<std::unique_ptr<PipelineRank
   return out;
 }
 
+// A call that failed inside its ranks (a layer's error, a refused save) may have stopped them part-way
+// through a step, some having stepped their optimizer and others not: the pipeline's weights, gradients and
+// optimizer state are out of step with each other, and a later call used to fail again with the old error,
+// as if that call had caused it. Every later call is refused saying so.
+void refuse_after_failure(const std::vector<std::shared_ptr<Transport>>& transports) {
+  if (transports.empty()) return;
+  const auto failure = detail::local_transport_failure(*transports.front());
+  if (!failure) return;
+  throw UsageError("this LocalPipeline stopped at an earlier failure (rank " + std::to_string(failure->first) +
+                   ": " + failure->second + "); its ranks may have stopped part-way through a step, so their "
+                   "weights, gradients and optimizer state need not agree: build a new LocalPipeline (for "
+                   "instance from a checkpoint saved before the failure)");
+}
+
 }  // namespace
 
 StepStats LocalPipeline::train_steps(const Bundle& input, const torch::Tensor& target, int64_t batch_size, int steps) {
@@ -953,6 +968,7 @@ StepStats LocalPipeline::train_step(const Bundle& input, const Bundle& target, i
 }
 
 StepStats LocalPipeline::train_steps(const Bundle& input, const Bundle& target, int64_t batch_size, int steps) {
+  refuse_after_failure(transports_);
   check_batch_rows(input, target, batch_size, true);  // here, a refusal does not end the pipeline
   const auto stats = on_every_rank<StepStats>(
       ranks_, [&](PipelineRank& rank) { return rank.train_steps(input, target, batch_size, steps); });
@@ -971,6 +987,7 @@ StepStats LocalPipeline::train_step(const Bundle& input, const torch::Tensor& ta
 }
 
 torch::Tensor LocalPipeline::forward_only(const Bundle& input, int64_t batch_size, int microbatches) {
+  refuse_after_failure(transports_);
   check_batch_rows(input, Bundle(), batch_size, true);
   for (const auto& t : on_every_rank<torch::Tensor>(
            ranks_, [&](PipelineRank& rank) { return rank.forward_only(input, batch_size, microbatches); }))
@@ -984,6 +1001,7 @@ EvalStats LocalPipeline::evaluate(const Bundle& input, const torch::Tensor& targ
 }
 
 EvalStats LocalPipeline::evaluate(const Bundle& input, const Bundle& target, int64_t batch_size, int microbatches) {
+  refuse_after_failure(transports_);
   check_batch_rows(input, target, batch_size, true);
   return on_every_rank<EvalStats>(
              ranks_, [&](PipelineRank& rank) { return rank.evaluate(input, target, batch_size, microbatches); })

@@ -18,6 +18,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <tuple>
 
@@ -276,6 +277,12 @@ class LocalTransport : public Transport {
     }
   }
 
+  std::optional<std::pair<int, std::string>> failure() const {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    if (s_->failed_rank < 0) return std::nullopt;
+    return std::make_pair(s_->failed_rank, s_->failure);
+  }
+
  private:
   void check_peer(int peer) const {
     if (peer < 0 || peer >= s_->world_size || peer == rank_)
@@ -332,6 +339,13 @@ void run_on_threads(int n, const std::function<void(int)>& body, const std::func
   }
   if (remote) std::rethrow_exception(remote);
 }
+
+namespace detail {
+std::optional<std::pair<int, std::string>> local_transport_failure(const Transport& t) {
+  const auto* local = dynamic_cast<const LocalTransport*>(&t);
+  return local ? local->failure() : std::nullopt;
+}
+}  // namespace detail
 
 std::vector<std::shared_ptr<Transport>> make_local_transports(int world_size, std::chrono::milliseconds timeout) {
   if (world_size < 1) throw std::invalid_argument("world size must be >= 1, got " + std::to_string(world_size));

@@ -137,4 +137,8 @@ struct StoreSite {
 };
 StoreSite find_or_host_store(const Rendezvous& rv, int rank, int world_size);
 
+// A local transport's group (make_local_transports) once a rank of it failed: that rank and its message;
+// nullopt while none has, or for another kind of transport.
+std::optional<std::pair<int, std::string>> local_transport_failure(const Transport& t);
+
 }  // namespace pipetrain::detail

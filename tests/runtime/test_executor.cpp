@@ -319,6 +319,31 @@ TEST(Executor, FailingRankStopsEveryRankWithItsMessage) {
   EXPECT_NE(msg.find("rank 1 at 1F2: injected failure"), std::string::npos) << msg;
 }
 
+// After a failure inside a step the next call failed with the old message again, as if it had caused it;
+// it is refused saying that the pipeline stopped earlier and how to go on.
+TEST(Executor, ALocalPipelineThatFailedInsideAStepRefusesLaterCallsSayingWhy) {
+  const Data d = make_data();
+  auto model = make_model(1);
+  model->push_back(Faulty(2, false));
+  model->push_back(nn::Linear(kOut, kOut));
+  PipelineOptions o;
+  o.microbatches = 4;
+  LocalPipeline pipe(model, mse, 2, o);
+  ASSERT_NE(step_error(pipe, d).find("injected failure"), std::string::npos);
+  for (const std::string& msg : {step_error(pipe, d), [&] {
+         try {
+           pipe.evaluate(Bundle(d.x), d.y, kBatch);
+         } catch (const UsageError& e) {
+           return std::string(e.what());
+         }
+         return std::string("no error");
+       }()}) {
+    EXPECT_NE(msg.find("this LocalPipeline stopped at an earlier failure (rank 1: rank 1 at 1F2: injected failure)"),
+              std::string::npos) << msg;
+    EXPECT_NE(msg.find("build a new LocalPipeline"), std::string::npos) << msg;
+  }
+}
+
 // A program's own code throws on one rank (a checkpoint that does not fit, say) under run_on_threads
 // without on_error: the other rank stops at once and the program's error is what is reported. Before,
 // rank 0 waited out its transport's timeout and that timeout was the error.
