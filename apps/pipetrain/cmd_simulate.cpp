@@ -19,20 +19,41 @@
 
 namespace pipetrain::cli {
 
-void print_metrics_table(std::ostream& out, const Schedule& s, const SimResult& r) {
+// With a profile the costs are milliseconds and bytes, and the table says so (memory in MiB);
+// hand-given costs are the cost model's plain units.
+void print_metrics_table(std::ostream& out, const Schedule& s, const SimResult& r, bool profile) {
+  const char* ms = profile ? " ms" : "";
+  const double memory_unit = profile ? 1048576.0 : 1.0;
   out << fmt::format("schedule {}  p={}  m={}  v={}  steps={}\n", s.name, s.ranks, s.microbatches_per_step,
                      s.virtual_stages_per_rank(), s.steps());
-  out << fmt::format("makespan {:.3f}   bubble fraction {:.4f}   max per-stage bubble {:.3f}\n",
-                     r.metrics.makespan, r.metrics.bubble_fraction, r.metrics.max_bubble());
+  out << fmt::format("makespan {:.3f}{}   bubble fraction {:.4f}   max per-stage bubble {:.3f}{}\n",
+                     r.metrics.makespan, ms, r.metrics.bubble_fraction, r.metrics.max_bubble(), ms);
   for (const SkipEdge& k : s.skips)
     out << fmt::format("skip stage {} -> stage {}, size {} per micro-batch (held by rank {} until its backward)\n",
                        k.from_stage, k.to_stage, k.size, s.rank_of(k.to_stage));
-  out << fmt::format("{:>5}  {:>10}  {:>10}  {:>10}  {:>14}  {:>12}\n", "stage", "busy", "span", "bubble",
-                     "peak in-flight", "peak memory");
+  out << fmt::format("{:>5}  {:>10}  {:>10}  {:>10}  {:>14}  {:>12}\n", "stage", profile ? "busy ms" : "busy",
+                     profile ? "span ms" : "span", profile ? "bubble ms" : "bubble", "peak in-flight",
+                     profile ? "peak MiB" : "peak memory");
   for (const RankMetrics& m : r.metrics.per_rank)
     out << fmt::format("{:>5}  {:>10.3f}  {:>10.3f}  {:>10.3f}  {:>14}  {:>12.3f}\n", m.rank, m.busy, m.span,
-                       m.bubble, m.peak_inflight, m.peak_memory);
+                       m.bubble, m.peak_inflight, m.peak_memory / memory_unit);
 }
+
+// A timeline drawn in another unit than the simulator's "units" (milliseconds, for a profile's costs).
+class TimelineInUnit : public TimelineEvents {
+ public:
+  TimelineInUnit(const TimelineEvents& t, const std::string& unit) : t_(t), header_(t.header()) {
+    header_.unit = unit;
+  }
+  const Timeline& header() const override { return header_; }
+  void by_rank(const Visit& visit) const override { t_.by_rank(visit); }
+  void by_start(const Visit& visit) const override { t_.by_start(visit); }
+  void in_order(const Visit& visit) const override { t_.in_order(visit); }
+
+ private:
+  const TimelineEvents& t_;
+  Timeline header_;
+};
 
 // The heap model's prediction per rank (core/heap.h), in MiB for a profile's bytes.
 void print_heap_table(std::ostream& out, const std::vector<HeapPeak>& heap, const HeapOptions& policy, bool bytes) {
@@ -129,12 +150,15 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       for (const StageCost& c : costs.stage) heap_inputs |= c.gradient_b + c.gradient_w + c.message > 0;
       const std::vector<HeapPeak> heap =
           *json || heap_inputs ? predict_heap(s, costs, policy) : std::vector<HeapPeak>{};
-      if (!trace->empty())
-        write_file_atomic(*trace, [&](TextSink& out) { write_chrome_trace(drawn->timeline, out); });
-      if (!svg->empty())
-        write_file_atomic(*svg, [&](TextSink& out) { write_gantt_svg(drawn->timeline, r.metrics, out); });
+      const bool profile = !flags->profile.empty();
+      std::optional<TimelineInUnit> in_ms;
+      if (drawn) in_ms.emplace(drawn->timeline, profile ? "ms" : drawn->timeline.header().unit);
+      if (!trace->empty()) write_file_atomic(*trace, [&](TextSink& out) { write_chrome_trace(*in_ms, out); });
+      if (!svg->empty()) write_file_atomic(*svg, [&](TextSink& out) { write_gantt_svg(*in_ms, r.metrics, out); });
       if (*json) {
         nlohmann::json j = simulation_json(s, r, heap, policy);
+        j["time_unit"] = profile ? "ms" : "units";  // makespan, busy, span, bubble
+        j["memory_unit"] = profile ? "bytes" : "units";  // peak_memory and the heap model's figures
         if (*format == "torch") j["notes"] = notes;
         if (searched)
           j["exact"] = {{"greedy_makespan", found.greedy_makespan}, {"makespan", found.makespan},
@@ -144,11 +168,11 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       } else {
         for (const std::string& n : notes) std::cout << "note: " << escape_controls(n) << "\n";  // may quote the file
         if (searched) std::cout << found.summary() << " (one step)\n";
-        print_metrics_table(std::cout, s, r);
-        if (heap_inputs) print_heap_table(std::cout, heap, policy, !flags->profile.empty());
+        print_metrics_table(std::cout, s, r, profile);
+        if (heap_inputs) print_heap_table(std::cout, heap, policy, profile);
         if (*ascii) {
           OstreamSink out(std::cout);
-          write_ascii_gantt(drawn->timeline, out, ascii_chars_per_unit(drawn->timeline));
+          write_ascii_gantt(*in_ms, out, ascii_chars_per_unit(*in_ms));
         }
         if (!trace->empty()) std::cout << "trace written to " << *trace << "\n";
         if (!svg->empty()) std::cout << "timeline written to " << *svg << "\n";

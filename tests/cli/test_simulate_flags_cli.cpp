@@ -47,7 +47,7 @@ TEST(SimulateFlags, FlagsThatDidNothingAreRefused) {
 TEST(SimulateFlags, ProfileFlagsWithoutAProfileAreRefused) {
   const std::string flags[] = {"--balance memory", "--balance 1,1", "--balance-solver block-partition",
                                "--bandwidth 1", "--latency 5", "--microbatch-size 16", "--pipedream-batch 128"};
-  for (const std::string& command : {"simulate -s 1f1b -p 2 -m 2 ", "schedule -s 1f1b -p 2 -m 2 "})
+  for (const std::string command : {"simulate -s 1f1b -p 2 -m 2 ", "schedule -s 1f1b -p 2 -m 2 "})
     for (const std::string& flag : flags) {
       const CommandResult r = run_pipetrain(command + flag);
       const std::string name = flag.substr(0, flag.find(' '));
@@ -199,4 +199,34 @@ TEST(SimulateFlags, ConfigFilesAreTrainsAndSaidSo) {
   }
   EXPECT_EQ(run_pipetrain("info --config").code, 0);
   fs::remove_all(d);
+}
+
+// A profile's costs are milliseconds and bytes, yet the table showed bare numbers (peak memory in bytes),
+// and the SVG and trace said "units" (a tester's finding, 2026-11-28). Hand-given costs keep their units.
+TEST(SimulateFlags, AProfilesTimesAreShownInMillisecondsAndItsMemoryInMiB) {
+  const std::string dir = pipetrain::testing::fresh_temp_dir("simflags", "units").string();
+  const std::string vgg = std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/vgg16-graph.txt";
+  const CommandResult r = run_pipetrain("simulate -s 1f1b -p 2 -m 4 --profile " + vgg + " --pipedream-batch 64 --svg " +
+                                        dir + "/t.svg --trace " + dir + "/t.json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("makespan 1716.001 ms")) << r.out;
+  EXPECT_TRUE(r.has("busy ms")) << r.out;
+  EXPECT_TRUE(r.has("peak MiB")) << r.out;
+  EXPECT_TRUE(r.has("    0    1483.724    1716.001     232.277               2     18032.000")) << r.out;
+  for (const char* file : {"/t.svg", "/t.json"}) {
+    std::ifstream in(dir + file);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text.find("units"), std::string::npos) << file;
+    EXPECT_NE(text.find("ms"), std::string::npos) << file;
+  }
+  const CommandResult j = run_pipetrain("simulate -s 1f1b -p 2 -m 4 --profile " + vgg + " --pipedream-batch 64 --json",
+                                        false);
+  EXPECT_TRUE(j.has("\"time_unit\": \"ms\"")) << j.out;
+  EXPECT_TRUE(j.has("\"memory_unit\": \"bytes\"")) << j.out;
+  const CommandResult plain = run_pipetrain("simulate -s 1f1b -p 2 -m 4 --svg " + dir + "/u.svg");
+  EXPECT_TRUE(plain.has("makespan 15.000   bubble")) << plain.out;
+  std::ifstream in(dir + "/u.svg");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("makespan=15 units"), std::string::npos);
+  fs::remove_all(dir);
 }
