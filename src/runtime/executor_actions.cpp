@@ -113,6 +113,9 @@ void PipelineRank::Impl::forward(int s, int i) {
     sl.in_grad.assign(x.size(), 0);
   } else if (pass->rank_of(s - 1, i) == rank()) {
     x = outgoing(s - 1, slot(s - 1, i), sl.in_grad);
+    // A forward-only pass (evaluate, forward_only) records no gradient flags on the stage before: its
+    // entries need none (on a V placement a rank holds stages s - 1 and s, and this read past the flags).
+    sl.in_grad.resize(x.size(), 0);
   } else {
     x = on_device(sl.input);  // received by RF (on the host unless the transport carries device tensors)
     if (x.empty()) throw std::logic_error("forward " + std::to_string(s) + "F" + std::to_string(i) + " has no input");

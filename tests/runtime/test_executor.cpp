@@ -519,6 +519,32 @@ TEST(Executor, LocalPipelineEvaluatesAndStepsOnBundles) {
   EXPECT_EQ(pipe.transport(1)->world_size(), 2);
 }
 
+// On a V placement a rank holds two consecutive stages (zb-v's rank 1: stages 1 and 2), and a forward-only
+// pass read the gradient flags the stage before never recorded: train's default evaluation and sample
+// crashed (SIGSEGV) on every V schedule (a tester's finding, 2026-11-28).
+TEST(Executor, VSchedulesEvaluateAndRunForwardOnly) {
+  const Data d = make_data();
+  for (const char* schedule : {"zb-v", "v-half", "v-min", "dualpipev"}) {
+    SCOPED_TRACE(schedule);
+    auto model = make_model(1);
+    PipelineOptions o;
+    o.schedule = schedule;
+    o.microbatches = 4;
+    LocalPipeline pipe(model, mse, 2, o);
+    model->eval();
+    const torch::Tensor want = model->forward(d.x).detach();
+    model->train();
+    const torch::Tensor got = pipe.forward_only(Bundle(d.x), kBatch);
+    ASSERT_TRUE(got.defined());
+    EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6));
+    const EvalStats e = pipe.evaluate(Bundle(d.x), d.y, kBatch);
+    EXPECT_NEAR(e.loss, mse(want, d.y).item<double>(), 1e-5);
+    // A training step after them, and the evaluation again after the step.
+    EXPECT_NEAR(pipe.train_step(d.x, d.y).loss, e.loss, 1e-5);
+    EXPECT_LT(pipe.evaluate(Bundle(d.x), d.y, kBatch).loss, e.loss);
+  }
+}
+
 TEST(Executor, ParameterBalanceSplitsByParameterCount) {
   auto model = make_model(1);
   PipelineOptions o;
