@@ -385,17 +385,22 @@ std::vector<std::string> long_flag_names(const CLI::App& sub) {
 }
 
 std::vector<std::string> expand_config(const std::vector<std::string>& args, const CLI::App* app) {
+  // launch's own flags come before the command it starts, and a --config after it is the command's.
+  if (args.size() > 1 && args[1] == "launch") return args;
   std::string file;
   std::size_t at = 0;
   for (std::size_t i = 2; i < args.size(); ++i) {
-    if (args[i] == "--") break;  // what follows belongs to another program (launch)
-    if (args[i] == "--config" && i + 1 < args.size()) {
-      file = args[i + 1];
-      at = i;
-    } else if (args[i].rfind("--config=", 0) == 0) {
-      file = args[i].substr(9);
-      at = i;
-    }
+    if (args[i] == "--") break;  // what follows belongs to another program
+    std::string named;
+    if (args[i] == "--config" && i + 1 < args.size()) named = args[i + 1];
+    else if (args[i].rfind("--config=", 0) == 0) named = args[i].substr(9);
+    else continue;
+    // A second file replaced the first without a word ({"steps": 1} in it dropped: 600 steps trained).
+    if (at != 0)
+      throw UsageError("--config is given twice (" + excerpt(file) + " and " + excerpt(named) +
+                       "): give one file, with every flag in it (flags on the command line override it)");
+    file = named;
+    at = i;
   }
   if (at == 0) return args;
   std::vector<std::string> flags;
@@ -432,6 +437,11 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
                          did_you_mean(c.key, keys) + "; run 'pipetrain " + args[1] + " --help' for its flags");
       }
       const bool flag_only = o->get_items_expected_max() == 0;  // add_flag: expected(0)
+      // false dropped the key: {"steps": false} trained the default steps, {"lr": false} the default rate.
+      if (c.off && !flag_only)
+        throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' is false, but --" + excerpt(c.key) +
+                         " takes a value (false is only for on/off flags): give its value, or drop the key");
+      if (c.off) continue;  // an on/off flag left off
       if (flag_only && !c.values.empty())
         throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' is an on/off flag, but its value is '" +
                          excerpt(c.values.front()) + "': give true or false");
@@ -462,6 +472,59 @@ void refuse_non_finite(CLI::App& cmd) {
           return excerpt(value) + " is not a finite number (nan, inf or past 1.8e308): give a finite value";
         },
         "", "finite"));
+  }
+}
+
+void check_values(CLI::App& cmd) {
+  // Every name of the command's options, as a value would spell it.
+  auto names = std::make_shared<std::vector<std::string>>();
+  for (const CLI::Option* o : cmd.get_options()) {
+    for (const std::string& l : o->get_lnames()) names->push_back("--" + l);
+    for (const std::string& n : o->get_snames()) names->push_back("-" + n);
+  }
+  for (CLI::Option* o : cmd.get_options()) {
+    if (o->get_items_expected_max() == 0 || o->get_lnames().empty()) continue;  // on/off flags, positionals
+    const std::string type = o->get_type_name();
+    const bool integer = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0;
+    const bool number = integer || type.rfind("FLOAT", 0) == 0;
+    const std::string name = o->get_name();
+    o->check(CLI::Validator(
+        [names, integer, number, name](std::string& value) -> std::string {
+          // A value flag followed by another flag took it as its value: `--svg --json` wrote a file named
+          // "--json", `--save --memory` a checkpoint folder "--memory".
+          const std::string word = value.substr(0, value.find('='));
+          if (std::find(names->begin(), names->end(), word) != names->end())
+            return name + " took " + excerpt(value) + " as its value, but that is a flag of this command: give " +
+                   name + " its value first";
+          if (!number) return "";
+          // CLI11 reads an empty string as 0: `--clip "$UNSET"` turned clipping off.
+          if (value.find_first_not_of(" \t") == std::string::npos)
+            return name + " was given an empty value (an unset shell variable?): give a number, or drop " + name;
+          if (!integer) return "";
+          // CLI11 reads integers with strtoll's base 0: `-p 010` ran 8 stages, `-m 0x10` 16 micro-batches.
+          std::size_t digits = value[0] == '-' || value[0] == '+' ? 1 : 0;
+          const std::string body = value.substr(digits);
+          if (!body.empty() && body.find_first_not_of("0123456789") == std::string::npos) {
+            if (body.size() > 1 && body[0] == '0') {
+              const std::size_t nz = body.find_first_not_of('0');
+              const std::string plain = value.substr(0, digits) + (nz == std::string::npos ? "0" : body.substr(nz));
+              return name + " " + excerpt(value) + " has a leading zero (it would be read as octal): write " + plain;
+            }
+            return "";
+          }
+          if (body.size() > 2 && body[0] == '0' && (body[1] == 'x' || body[1] == 'X'))
+            return name + " " + excerpt(value) + " is hexadecimal: write the number in decimal";
+          // 8.0, 1e1, a --config file's 2.0: a whole number written as a decimal one.
+          char* end = nullptr;
+          const double d = std::strtod(value.c_str(), &end);
+          if (end != value.c_str() && *end == '\0' && std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 1e15)
+            return name + " takes a whole number, got " + excerpt(value) + ": write " +
+                   std::to_string(static_cast<long long>(d));
+          if (end != value.c_str() && *end == '\0')
+            return name + " takes a whole number, got " + excerpt(value);
+          return "";  // not a number at all: CLI11 refuses it
+        },
+        "", "value"));
   }
 }
 

@@ -101,6 +101,11 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
 std::vector<std::string> subcommand_names(const CLI::App& app);
 std::vector<std::string> long_flag_names(const CLI::App& sub);
 
+// Checks every value of the command's options before CLI11 converts it: a value that is one of the
+// command's own flags (`--svg --json`), an empty number (`--clip ""`, read as 0), and integers CLI11 would
+// read in another base or round (`-p 010` is 8, `0x10`, `8.0`) are refused naming the flag and the fix.
+void check_values(CLI::App& cmd);
+
 // Refuses nan and inf (and numbers past a double's range, which read as inf) for every floating-point
 // flag of `cmd`, naming the flag: the torch-free commands hand their numbers to the simulator and
 // planners, which would otherwise run with them.

@@ -128,6 +128,7 @@ int main(int argc, char** argv) {
 #endif
   add_plan_command(app, exit_code);
   for (const char* name : {"simulate", "plan", "schedule", "demo"}) refuse_non_finite(*app.get_subcommand(name));
+  for (CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) check_values(*sub);
   set_command_line(argc, argv);
   // Flags from a --config file go in ahead of the command line's own.
   std::vector<std::string> args(argv, argv + argc);

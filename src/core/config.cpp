@@ -37,7 +37,7 @@ std::vector<ConfigFlag> parse_config_text(const std::string& text, const std::st
     f.flag = "--" + key;
     const nlohmann::json& v = it.value();
     if (v.is_boolean()) {
-      if (!v.get<bool>()) continue;
+      f.off = !v.get<bool>();
     } else if (v.is_array()) {
       f.is_array = true;
       if (v.empty())

@@ -233,10 +233,14 @@ TEST(ConfigFile, ParsesFlagsAndNamesTheKeyAndFile) {
   const auto flags = parse_config_text(R"({"stages": 4, "schedule": "zb-h1", "memory": true, "quiet": false,
                                            "microbatch-counts": [1, 2]})",
                                        "run.json");
-  ASSERT_EQ(flags.size(), 4u);
+  ASSERT_EQ(flags.size(), 5u);
   EXPECT_EQ(flags[0].flag, "--memory");
   EXPECT_TRUE(flags[0].values.empty());
+  EXPECT_FALSE(flags[0].off);
   EXPECT_EQ(flags[1].values, (std::vector<std::string>{"1", "2"}));
+  EXPECT_EQ(flags[2].flag, "--quiet");  // false: returned switched off, for the caller to check
+  EXPECT_TRUE(flags[2].off);
+  EXPECT_TRUE(flags[2].values.empty());
   for (const char* bad : {R"({"stages": null})", R"({"stages": {"a": 1}})", R"({"stages": [[1]]})", R"({"stages": []})",
                           R"({"--stages": 2})", R"({"config": "x.json"})"}) {
     const std::string e = error_of([&] { parse_config_text(bad, "run.json"); });

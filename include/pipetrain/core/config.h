@@ -14,10 +14,12 @@ struct ConfigFlag {
   std::string flag;
   std::vector<std::string> values;
   bool is_array = false;
+  bool off = false;  // the key's value was false: an on/off flag left out (no values)
 };
 
 // Parses a config file's text: a JSON object whose keys are flag names without the dashes. true adds
-// the flag, false leaves it out (not returned), strings and numbers become values, arrays one value
+// the flag, false leaves it out (returned with `off` set, so that the caller can refuse false for a flag
+// that takes a value: {"steps": false} read as no --steps trained the default count), strings and numbers become values, arrays one value
 // each. Throws UsageError naming `origin` (the file) and the key: invalid JSON, not an object, a value
 // of another type (null, an object, nested arrays), a non-finite number, an empty or dashed key, or a
 // "config" key (no nesting).

@@ -1,0 +1,92 @@
+// Values on the command line and in --config files that were read as something else than the user wrote
+// (a tester's findings, 2026-11-28): integers in another base (`-p 010` ran 8 stages), empty numbers read as
+// 0 (`--clip ""` turned clipping off), a value flag that took the next flag as its value (`--svg --json`
+// wrote a file named "--json"), {"steps": false} dropped (the default 600 steps trained), a second
+// --config replacing the first. Each is refused (exit 2) naming the flag and the fix; plain values still run.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "run_command.h"
+
+namespace fs = std::filesystem;
+using pipetrain::testing::CommandResult;
+using pipetrain::testing::run_pipetrain;
+
+namespace {
+
+void expect_refused(const std::string& args, const std::string& message) {
+  const CommandResult r = run_pipetrain(args);
+  EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+  EXPECT_TRUE(r.has(message)) << args << "\n" << r.out;
+}
+
+}  // namespace
+
+TEST(CliValues, IntegersInAnotherBaseOrWithADecimalPointAreRefused) {
+  expect_refused("simulate -s 1f1b -p 010 -m 4", "--stages 010 has a leading zero (it would be read as octal): write 10");
+  expect_refused("schedule -s gpipe -p 2 -m 0x10", "--microbatches 0x10 is hexadecimal: write the number in decimal");
+  expect_refused("schedule -s gpipe -p 2 -m 8.0", "--microbatches takes a whole number, got 8.0: write 8");
+  expect_refused("schedule -s gpipe -p 2 -m 1e1", "--microbatches takes a whole number, got 1e1: write 10");
+  expect_refused("schedule -s gpipe -p 2 -m 2.5", "--microbatches takes a whole number, got 2.5");
+  // Plain integers, 0, signs and floats where floats are taken still run.
+  EXPECT_EQ(run_pipetrain("simulate -s 1f1b -p 2 -m 4 --cost 1:2:1 --comm 0").code, 0);
+  EXPECT_EQ(run_pipetrain("simulate -s 1f1b -p +2 -m 10 --comm 0.5").code, 0);
+  EXPECT_TRUE(run_pipetrain("schedule -s gpipe -p 2 -m 10").has("0F9"));
+}
+
+TEST(CliValues, EmptyNumbersAreRefusedNotReadAsZero) {
+  expect_refused("train --model mlp --data synthetic --transport local --steps 1 --clip ''",
+                 "--clip was given an empty value (an unset shell variable?): give a number, or drop --clip");
+  expect_refused("train --model mlp --data synthetic --transport local --steps 1 --eval-every ''",
+                 "--eval-every was given an empty value");
+  expect_refused("simulate -s 1f1b -p 2 -m 4 --comm ''", "--comm was given an empty value");
+  expect_refused("launch -n '' -- true", "was given an empty value");
+}
+
+TEST(CliValues, AValueFlagDoesNotTakeTheNextFlagAsItsValue) {
+  const fs::path d = pipetrain::testing::fresh_temp_dir("clivalues", "swallow");
+  const CommandResult r =
+      pipetrain::testing::run_command("cd " + d.string() + " && " + PIPETRAIN_BIN + " simulate -s 1f1b -p 2 -m 4 --svg --json");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("--svg took --json as its value, but that is a flag of this command: give --svg its value first"))
+      << r.out;
+  EXPECT_FALSE(fs::exists(d / "--json"));
+  const CommandResult t = pipetrain::testing::run_command(
+      "cd " + d.string() + " && " + PIPETRAIN_BIN +
+      " train --model mlp --data synthetic --transport local --steps 1 --save --memory");
+  EXPECT_EQ(t.code, 2) << t.out;
+  EXPECT_TRUE(t.has("--save took --memory as its value")) << t.out;
+  EXPECT_FALSE(fs::exists(d / "--memory"));
+  expect_refused("simulate -s 1f1b -p 2 -m 4 --trace -p", "--trace took -p as its value");
+  fs::remove_all(d);
+}
+
+TEST(CliValues, ConfigFilesFalseValuesTwoFilesAndDecimalIntegers) {
+  const fs::path d = pipetrain::testing::fresh_temp_dir("clivalues", "config");
+  auto file = [&](const std::string& name, const std::string& text) {
+    std::ofstream(d / name) << text;
+    return (d / name).string();
+  };
+  const std::string train = "train --model mlp --data synthetic --transport local --progress quiet --config ";
+  expect_refused(train + file("f.json", R"({"steps": false})"),
+                 "key 'steps' is false, but --steps takes a value (false is only for on/off flags): give its value, "
+                 "or drop the key");
+  const std::string a = file("a.json", R"({"steps": 1})"), b = file("b.json", R"({"lr": 0.01})");
+  expect_refused(train + a + " --config " + b, "--config is given twice (" + a + " and " + b + "): give one file");
+  const CommandResult two = run_pipetrain(train + file("two.json", R"({"steps": 2.0})"));
+  EXPECT_EQ(two.code, 2) << two.out;
+  EXPECT_TRUE(two.has("--steps takes a whole number, got 2.0: write 2")) << two.out;
+  EXPECT_TRUE(two.has("the value of --steps comes from key 'steps' of the --config file: fix it there")) << two.out;
+  // An on/off flag set false stays off, and the run goes on.
+  const CommandResult off = run_pipetrain(train + file("off.json", R"({"steps": 1, "memory": false})"));
+  EXPECT_EQ(off.code, 0) << off.out;
+  EXPECT_FALSE(off.has("heap model")) << off.out;
+  // A --config after launch's command is the command's, not launch's.
+  const CommandResult launched = run_pipetrain("launch -n 1 echo --config " + a);
+  EXPECT_EQ(launched.code, 0) << launched.out;
+  EXPECT_TRUE(launched.has("--config " + a)) << launched.out;
+  fs::remove_all(d);
+}
