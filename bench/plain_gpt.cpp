@@ -1,6 +1,6 @@
 // Plain LibTorch training of pipetrain's GPT, the reference for the issue-3 runtime benchmark.
 //
-// Same model (zoo::make_gpt after torch::manual_seed(seed)), same data (zoo::make_synthetic_tokens with
+// Same model (zoo::gpt_layers(c, seed) built whole, the weights train's ranks draw), same data (zoo::make_synthetic_tokens with
 // seed + 1), same loss and optimizer (Adam lr 1e-3) as `pipetrain train --model gpt`, but in one process
 // with no pipeline: each step runs forward + backward over the same micro-batches (split_equal), each
 // micro-batch loss scaled by b_k / N, so the accumulated gradient is the full-batch gradient; then one
@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/layers.h"
 #include "pipetrain/runtime/info.h"
 #include "pipetrain/zoo/data.h"
 #include "pipetrain/zoo/models.h"
@@ -117,8 +118,8 @@ int main(int argc, char** argv) {
   if (steps < 1 || threads < 1 || stages < 1) return usage(argv[0]);
   try {
     at::set_num_threads(threads);
-    torch::manual_seed(seed);
-    torch::nn::Sequential model = pipetrain::zoo::make_gpt(c);
+    // The weights `pipetrain train` builds: each layer from (seed, layer), as its ranks draw them.
+    torch::nn::Sequential model = pipetrain::build_all(pipetrain::zoo::gpt_layers(c, seed));
     auto data = pipetrain::zoo::make_synthetic_tokens(c.vocab, c.seq_len, seed + 1);
     const auto ranges = pipetrain::split_equal(batch_size, microbatches);
     int64_t params = 0;

@@ -4,7 +4,7 @@
 # compares pipelines by stage count and balance type).
 #   models     gpt: 8 blocks (10 layers), d_model 128, context 64, synthetic tokens, batch 32
 #              cnn: VGG-16 style (16 layers), width 8, Fashion-MNIST, batch 64
-#   stages     1, 2, 4 (self-launched processes over gloo; threads per rank = 2 cores / stages, at least 1)
+#   stages     1, 2, 4 (self-launched processes over the default transport (shm); threads per rank = 2 cores / stages, at least 1)
 #   balance    uniform (layer counts), parameters (min-max on parameter counts), time and memory
 #              (torchgpipe's block partition on the profile's time and memory, as balance_by_time and
 #              balance_by_size), optimal (min-max on the profile's time)

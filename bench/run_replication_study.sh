@@ -49,7 +49,7 @@ STRAIGHT=$(awk '/best straight:|  chosen: [a-z0-9-]+ m=/ {print $NF; exit}' "$OU
     python3 -c "print(f'| $m | {float($rr):.0f} | {float($gp):.0f} | {float($ob):.0f} | {min(float($gp), float($ob)) / float($rr):.2f}x |')"
   done
   echo
-  echo "## Correctness on this machine (MLP, synthetic data, $STEPS steps, gloo)"
+  echo "## Correctness on this machine (MLP, synthetic data, $STEPS steps, default transport: shm on one host)"
   COMMON=(--model mlp --data synthetic --steps "$STEPS" --progress lines --lr-schedule constant -m 4)
   a=$("$P" train "${COMMON[@]}" --stages 2 2>&1 | awk '/ step +[0-9]+\//{print $6}' | tr '\n' ' ')
   b=$("$P" train "${COMMON[@]}" --replication 2,1 2>&1 | awk '/ step +[0-9]+\//{print $6}' | tr '\n' ' ')

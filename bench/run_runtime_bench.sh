@@ -11,7 +11,7 @@
 #
 # For one GPT (8 blocks, d_model 256, 4 heads, vocab 96, context 128, batch 32) and m in {4, 8}, runs
 # ROUNDS interleaved rounds, each running every configuration once:
-#   pt-1f1b   pipetrain train --stages 2 --schedule 1f1b --threads 1 --memory   (2 processes x 1 thread, gloo)
+#   pt-1f1b   pipetrain train --stages 2 --schedule 1f1b --threads 1 --memory   (2 processes x 1 thread, shm: the default)
 #   pt-zbh1   the same with --schedule zb-h1
 #   pt-1f1b-pin  pt-1f1b with each rank pinned to its own core (taskset), as mpirun binds its ranks
 #   pt-mpi    the same 1f1b under mpirun with --transport mpi (if mpirun exists)
@@ -200,7 +200,7 @@ fi
 echo "benchmark wall time: $(($(date +%s) - START)) s" | tee -a "$RAW/machine.txt"
 
 # --- summary (and the timelines: measured SVGs of a quiet run, the simulator's from its measured costs) --
-"$PY" - "$RES" "$BIN" "$ROUNDS" "$STEPS" <<'EOF'
+RUNTIME_BENCH_MODEL="${MODEL[*]}" "$PY" - "$RES" "$BIN" "$ROUNDS" "$STEPS" <<'EOF'
 import glob, json, os, re, shutil, statistics as st, subprocess, sys
 res, binp, rounds, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 raw = os.path.join(res, "raw")
@@ -308,8 +308,8 @@ def cell(cfg, m, quiet=True):
     nq = sum(r["quiet"] for r in runs.get((cfg, m, 32), []))
     return f"{st.median(v):.0f} [{min(v):.0f}..{max(v):.0f}]" + (f" n={nq}" if quiet else f" n={len(v)}")
 
-configs = [("pt-1f1b", "pipetrain 2 stages 1f1b, gloo (2 proc x 1 thread)"),
-           ("pt-zbh1", "pipetrain 2 stages zb-h1, gloo (2 proc x 1 thread)"),
+configs = [("pt-1f1b", "pipetrain 2 stages 1f1b, shm (2 proc x 1 thread)"),
+           ("pt-zbh1", "pipetrain 2 stages zb-h1, shm (2 proc x 1 thread)"),
            ("pt-1f1b-pin", "pipetrain 2 stages 1f1b, gloo, ranks pinned to cores"),
            ("pt-mpi", "pipetrain 2 stages 1f1b, mpi (2 proc x 1 thread, bound to cores)"),
            ("plain-2t", "plain LibTorch (1 proc x 2 threads)"),
@@ -411,7 +411,10 @@ A = plain_mem.get("activation_mib_per_microbatch")
 boundary = plain_mem.get("boundary_activation_mib", 0.0)
 summary_mem = {}
 if mem and A:
-    C, V, T = 256, 96, 128
+    # The model that ran (quick mode's is smaller), 8 blocks cut 5,5: embedding + 4 blocks, 4 blocks + head.
+    dims = os.environ.get("RUNTIME_BENCH_MODEL", "").split()
+    dim = lambda flag, default: int(dims[dims.index(flag) + 1]) if flag in dims else default
+    C, V, T = dim("--d-model", 256), dim("--vocab", 96), dim("--seq-len", 128)
     block = 12 * C * C + 13 * C
     grads = [(V * C + T * C + 4 * block) * 4 / 2**20, (4 * block + 2 * C + V * C) * 4 / 2**20]  # balance 5,5
     per_mb = [A[0], A[1] + boundary]  # stage 1 also keeps its received input
@@ -479,7 +482,8 @@ if noisy:
 L.append("")
 losses = sorted({f"{r['first_loss']:.4f}" for k, rs in runs.items() for r in rs
                  if r.get('first_loss') and k[2] == 32 and not k[0].startswith('mem')})
-L.append("First-step loss of every run at batch 32 (same model, data and seed => equal): " + ", ".join(losses))
+L.append("First-step loss of every run at batch 32 (same model, data and seed => equal): " + ", ".join(losses)
+         + ("" if len(losses) <= 1 else "  MISMATCH: the runs did not train the same model"))
 pp = (runs.get(("pipe-2t", 4, 32)) or [{}])[0].get("params")
 if pp:
     L.append(f"Parameters: Pipe model {pp[0]}, pipetrain gpt {pp[1]}")
@@ -510,6 +514,9 @@ open(os.path.join(res, "summary.md"), "w").write(md)
 json.dump({"runs": {f"{k[0]} m={k[1]} b={k[2]}": v for k, v in runs.items()}, "memory": summary_mem},
           open(os.path.join(res, "summary.json"), "w"), indent=1, default=str)
 print(md)
+if len(losses) > 1:  # the comparison is void when the runs start from other weights
+    print("FAILED: first-step losses differ across runs: " + ", ".join(losses))
+    sys.exit(1)
 EOF
 cp "$RAW/runs.tsv" "$RES/runs.tsv"
 quick_done "$RES" summary.md summary.json runs.tsv

@@ -3,7 +3,7 @@
 #   mlp-fmnist  MLP (4 Linear layers, width 256) on Fashion-MNIST, 3 epochs, 2 stages 1f1b, batch 64
 #   cnn-fmnist  VGG-16-style CNN (width 8) on Fashion-MNIST, 3 epochs, 2 stages 1f1b, batch 64
 #   gpt-kjv     the demo: `pipetrain train` with its defaults (GPT on the King James Bible)
-# Each runs once, one after the other (2 processes over gloo, 1 thread each); raw outputs and per-step
+# Each runs once, one after the other (2 processes over the default transport, shm on one host, 1 thread each); raw outputs and per-step
 # logs go to bench/results/train/, a summary table to bench/results/train/summary.md.
 # Usage: bash bench/run_train_bench.sh   (about 5 minutes on 2 cores; builds first if needed)
 #        QUICK=1 bash bench/run_train_bench.sh   (`make test`: 4 steps of each, tiny GPT, into a temporary

@@ -35,7 +35,7 @@ void ScheduleFlags::add_to(CLI::App& app) {
   app.add_option("--load", load, "read the schedule from a CSV file (one row per rank) instead");
   stages_option = app.add_option("--stages,-p", stages, "number of pipeline stages (ranks), >= 1");
   microbatches_option = app.add_option("--microbatches,-m", microbatches, "micro-batches per optimizer step, >= 1");
-  app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank (interleaved, interleaved-zb, looped-bfs), default 1");
+  app.add_option("--virtual,-v", virtual_stages, "virtual stages per rank: 2 or more for interleaved, interleaved-zb and looped-bfs (which need it); 1 otherwise");
   app.add_option("--steps", steps, "optimizer steps to lay out back to back, default 1");
   app.add_option("--replication", replication,
                  "replicas per stage, e.g. 3,1: PipeDream's 1F1B-RR, micro-batches round robin over a stage's replicas "
@@ -236,6 +236,13 @@ Schedule ScheduleFlags::build() const {
       throw UsageError("missing --stages P (the number of pipeline stages, >= 1)");
     if (microbatches_option && microbatches_option->count() == 0)
       throw UsageError("missing --microbatches M (micro-batches per step, >= 1)");
+    // Without --virtual a looped schedule was the unlooped one under its name (interleaved = 1f1b's
+    // actions, looped-bfs = gpipe's), which a researcher comparing schedules took for a result; train refuses it.
+    if (schedule_traits(schedule).virtual_stages && virtual_stages == 1)
+      throw UsageError("schedule '" + schedule + "' loops several stages over each rank, but --virtual is 1" +
+                       (given("--virtual") ? std::string() : std::string(" (not given)")) + ", which gives " +
+                       (schedule == "interleaved" ? std::string("plain 1F1B's order") : "it without a loop") +
+                       ": give --virtual 2 or more" + (schedule == "interleaved" ? ", or ask for 1f1b" : ""));
     GeneratorOptions o;
     o.ranks = stages;
     o.microbatches = microbatches;

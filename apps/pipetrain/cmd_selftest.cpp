@@ -3,6 +3,8 @@
 // gradients of plain LibTorch gradient accumulation (runtime/verify.h). Exit 0 when all agree.
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include <algorithm>
 #include <iostream>
 #include <memory>
@@ -102,6 +104,10 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
     exit_code = guarded("selftest", [&] {
       const auto given = [cmd](const char* name) { return cmd->get_option(name)->count() > 0; };
       PipelineFlags& pipe = f->pipe;
+      // nan or a negative tolerance declared exact gradients a MISMATCH (exit 1: a pipeline bug reported for a typo).
+      if (!(f->tolerance >= 0) || !std::isfinite(f->tolerance))
+        throw UsageError(fmt::format("--tolerance must be a finite number >= 0 (the largest relative gradient error "
+                                     "accepted; default 1e-5), got {}", f->tolerance));
       // -s/-m name one value each; --schedules/--microbatch-counts several. A --plan's schedule and
       // micro-batch count stand for -s and -m.
       if (given("--schedule") && given("--schedules"))

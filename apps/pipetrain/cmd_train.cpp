@@ -504,8 +504,6 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
     f->batch_size = f->pipe.plan_batch_size;
   f->model.prepare();
   // Flags that ran without a word and changed nothing (their siblings are refused).
-  if (cmd->get_option("--layers")->count() > 0 && f->model.layers == 0)
-    throw UsageError("--layers must be >= 1, got 0 (it built the default depth): give the layers, or drop --layers");
   if (cmd->get_option("--momentum")->count() > 0 && f->optimizer != "sgd")
     throw UsageError("--momentum is SGD's; --optimizer " + f->optimizer + " has fixed betas (0.9, 0.999): drop "
                      "--momentum, or use --optimizer sgd");

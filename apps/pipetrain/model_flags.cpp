@@ -119,6 +119,10 @@ void ModelFlags::prepare() {
   if (width_option_ && width_option_->count() > 0) resnet.width = unet.width = cnn.width;
   if (hidden_option_ && hidden_option_->count() > 0) cnn.hidden = mlp.hidden;
   if (layers < 0) throw UsageError("--layers must be >= 1, got " + std::to_string(layers));
+  // 0 is "not given" inside; given, it built the default depth (train, profile and selftest alike).
+  for (const auto& [option, models] : model_options_)
+    if (option->get_name() == "--layers" && option->count() > 0 && layers == 0)
+      throw UsageError("--layers must be >= 1, got 0 (it built the default depth): give the layers, or drop --layers");
   gpt.layers = layers > 0 ? layers : zoo::GptConfig{}.layers;
   mlp.layers = layers > 0 ? layers : zoo::MlpConfig{}.layers;
   mlp.inputs = data == "synthetic" ? 64 : 28 * 28;
@@ -140,6 +144,10 @@ void ModelFlags::prepare() {
       if (seen[static_cast<std::size_t>(ch)]) vocabulary_ += static_cast<char>(ch);
     gpt.vocab = static_cast<int64_t>(vocabulary_.size());
   }
+  // The model's own checks, here before anything is drawn or built: `profile --vocab 0` drew a batch
+  // first and failed in LibTorch's random_ with a stack trace (exit 1).
+  if (model == "gpt") zoo::check(gpt);
+  else if (model == "mlp") zoo::check(mlp);
 }
 
 namespace {
