@@ -90,3 +90,30 @@ TEST(CliValues, ConfigFilesFalseValuesTwoFilesAndDecimalIntegers) {
   EXPECT_TRUE(launched.has("--config " + a)) << launched.out;
   fs::remove_all(d);
 }
+
+// `profile --layers 0` profiled the default depth (train refused it); `profile --vocab 0` drew a batch first and
+// failed in LibTorch with a stack trace (exit 1); `selftest --tolerance nan` (or -1) called exact gradients a
+// MISMATCH (exit 1).
+TEST(CliValues, ModelFlagsAndTheToleranceAreCheckedBeforeAnyWork) {
+  expect_refused("profile --model mlp --data synthetic --layers 0 --repeats 1 --warmup 0",
+                 "--layers must be >= 1, got 0 (it built the default depth): give the layers, or drop --layers");
+  const CommandResult vocab = run_pipetrain("profile --model gpt --data synthetic --vocab 0 --repeats 1 --warmup 0");
+  EXPECT_EQ(vocab.code, 2) << vocab.out;
+  EXPECT_TRUE(vocab.has("--vocab must be >= 1, got 0")) << vocab.out;
+  EXPECT_FALSE(vocab.has("frame #")) << vocab.out;
+  for (const char* t : {"nan", "-1"})
+    expect_refused(std::string("selftest --stages 2 --transport local -s 1f1b -m 3 --tolerance ") + t,
+                   "--tolerance must be a finite number >= 0");
+}
+
+// Without --virtual a looped schedule was the unlooped one under its name (interleaved = 1f1b's actions,
+// looped-bfs = gpipe's); train refused it, schedule and simulate now do too.
+TEST(CliValues, LoopedSchedulesWithoutVirtualStagesAreRefused) {
+  for (const char* command : {"schedule", "simulate"}) {
+    expect_refused(std::string(command) + " -s interleaved -p 2 -m 4",
+                   "schedule 'interleaved' loops several stages over each rank, but --virtual is 1 (not given), which "
+                   "gives plain 1F1B's order: give --virtual 2 or more, or ask for 1f1b");
+    expect_refused(std::string(command) + " -s looped-bfs -p 2 -m 4 -v 1", "but --virtual is 1, which gives it without a loop");
+    EXPECT_EQ(run_pipetrain(std::string(command) + " -s interleaved -p 2 -m 4 -v 2").code, 0);
+  }
+}
