@@ -42,8 +42,10 @@ void ScheduleFlags::add_to(CLI::App& app) {
                  "(gpipe or 1f1b; one rank per replica)")
       ->delimiter(',');
   app.add_option("--cost", cost,
-                 "per-micro-batch times F:B:W (forward, input-gradient backward, weight-gradient backward) for "
-                 "every stage, or a comma-separated list with one triple per stage; default 1:1:1");
+                 "per-micro-batch times F:B:W (forward, input-gradient backward, weight-gradient backward): one "
+                 "triple for every rank, or a comma-separated list of one per rank, each split evenly over the "
+                 "rank's stages when it holds several (--virtual, V schedules: the same model cut finer), or one "
+                 "per stage (p x v triples, each that stage's own); default 1:1:1");
   app.add_option("--comm", comm, "time of one transfer between ranks, default 0");
   app.add_option("--profile", profile,
                  "take stage costs from a profile (pipetrain profile JSON or PipeDream graph text) instead of --cost");

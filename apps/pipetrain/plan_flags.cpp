@@ -80,6 +80,13 @@ PlanReplication apply_plan_replication(PipelineFlags& flags, const Plan& plan, c
 void PipelineFlags::apply_plan(const std::string& path, const CLI::App& app) {
   plan_file = path;
   auto given = [&](const char* name) { return app.get_option(name)->count() > 0; };
+  // This runs while the command line is parsed, when --plan's value is read: flags defined after --plan hold
+  // their defaults still (`--plan dp.json --replicas 2` was told "--replicas is 1"). Their given values are
+  // read here for the comparisons below.
+  if (given("--replicas")) replicas = app.get_option("--replicas")->as<int>();
+  if (given("--replication")) replication = app.get_option("--replication")->as<std::string>();
+  if (given("--stages")) stages = app.get_option("--stages")->as<int>();
+  if (given("--virtual")) virtual_stages = app.get_option("--virtual")->as<int>();
   // The part of the file that runs: its top level (the chosen plan), or the PipeDream planner's section.
   PlanFile file;
   Plan plan;

@@ -542,3 +542,30 @@ TEST(PlanCli, AGenerousMemoryLimitKeepsTheFastestPlan) {
   EXPECT_NE(chosen(free.out).find("1F1B-RR"), std::string::npos) << free.out;
   EXPECT_EQ(chosen(limited.out), chosen(free.out)) << limited.out;
 }
+
+// A plan's replicas given again on the command line, as the --plan help invites ("must agree with the
+// file"), were compared with --replicas' default (--plan is read while the line is parsed): `--plan dp.json
+// --replicas 2` for a plan of 2 replicas was refused with "--replicas is 1".
+TEST(PlanCli, FlagsThatAgreeWithThePlanAreAccepted) {
+  const fs::path dir = temp_dir("agree");
+  const std::string plan = (dir / "dp.json").string();
+  std::ofstream(plan) << R"({"balance":[4],"balance_kind":"uniform","balance_solver":"min-max","batch_size":32,)"
+                         R"("data_parallel_fits":true,"data_parallel_time_ms":5.76,"format":"pipetrain-plan","layers":4,)"
+                         R"("microbatches":1,"model":"mlp: 4 Linear layers, width 256, 64 inputs, 10 classes on synthetic )"
+                         R"(data","options":{"activation_compression":0.0,"allow_fewer_machines":true,"cost_form":"paper",)"
+                         R"("levels":[{"bandwidth_bytes_per_s":1e10,"machines":2}],"memory_limit_bytes":null,)"
+                         R"("straight_pipeline":false,"weight_stashing":false},"planner":"pipedream",)"
+                         R"("predicted_bubble_fraction":0.116,"predicted_peak_bytes":2474784.0,"replication":[2],)"
+                         R"("schedule":"gpipe","speedup_over_data_parallel":1.0,"stage_memory_bytes":[2474784.0],)"
+                         R"("stage_time_ms":[5.09],"threads":1,"time_ms":5.76,"version":1})";
+  const std::string train = "train --model mlp --data synthetic --transport local --progress quiet --steps 1 --plan " + plan;
+  for (const std::string agreeing : {"", " --replicas 2", " --replicas 2 --stages 1"}) {
+    const CommandResult r = run_pipetrain(train + agreeing);
+    EXPECT_EQ(r.code, 0) << agreeing << "\n" << r.out;
+    EXPECT_TRUE(r.has("1 stages x 2 replicas")) << agreeing << "\n" << r.out;
+  }
+  const CommandResult three = run_pipetrain(train + " --replicas 3");
+  EXPECT_EQ(three.code, 2) << three.out;
+  EXPECT_TRUE(three.has("replicates every stage 2 times but --replicas is 3")) << three.out;
+  fs::remove_all(dir);
+}
