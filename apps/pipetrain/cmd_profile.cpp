@@ -157,6 +157,15 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       if (f->threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(f->threads));
       if (f->threads > 0) at::set_num_threads(f->threads);
       f->model.prepare();
+      // As train: a model or micro-batch past this host's memory is refused before anything is built (it
+      // ended in LibTorch's allocator error, with a stack trace). The gpt is built one layer at a time here.
+      {
+        int64_t largest = f->micro_batch;
+        for (int size : f->sizes) largest = std::max<int64_t>(largest, size);
+        f->model.check_fits(largest, 1, std::max(1, f->concurrent),
+                            f->model.layerwise() ? f->model.layer_count() : 1, 0,
+                            f->sizes.empty() ? "--microbatch-size" : "--microbatch-size or --sizes");
+      }
       if (const std::string b = f->model.bundle_layers(); !b.empty())
         throw UsageError("pipetrain profile times layers that take and return one tensor, and " + b +
                          " (bundles): it cannot measure this model. Train it balanced by layer counts or parameters "

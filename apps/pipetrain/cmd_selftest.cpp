@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include <algorithm>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
+#include "pipetrain/runtime/launch.h"
 #include "pipetrain/runtime/verify.h"
 #include "run_common.h"
 
@@ -167,6 +169,14 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
       f->model.prepare();
       // What each rank checks, and what is skipped with the reason.
       const int pipeline_ranks = pipe.world_size() / copies;
+      // As train: a model or batch past this host's memory is refused before anything is built (it ended
+      // in LibTorch's allocator error, with a stack trace). The check counts the pipeline's model once;
+      // the plain reference is another copy, which this lower bound leaves out.
+      {
+        const bool launched = std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RANK");
+        f->model.check_fits(batch_size, std::max(1, pipe.microbatches),
+                            launched ? 1 : std::min(pipe.world_size(), kMaxLocalRanks), pipeline_ranks, 0);
+      }
       std::vector<Check> checks;
       for (const std::string& schedule : schedules)
         for (int m : counts) {

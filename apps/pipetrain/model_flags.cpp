@@ -66,9 +66,11 @@ void ModelFlags::add_to(CLI::App& app) {
       app.add_option("--hidden", mlp.hidden, "mlp width and the cnn's fully connected width; default 256 (mlp), 128 (cnn)"),
       {"mlp", "cnn"});
   width_option_ = for_models(
-      app.add_option("--width", cnn.width, "cnn channels of the first group (VGG-16: 64), resnet stem width; default 8 / 16"),
+      app.add_option("--width", cnn.width, "channels of the first group: cnn (VGG-16: 64; default 8), resnet stem and first stage (default 16), "
+                     "unet first level (default 8)"),
       {"cnn", "resnet", "unet"});
-  for_models(app.add_option("--blocks", resnet.blocks, "resnet residual blocks per stage, default 2"), {"resnet"});
+  for_models(app.add_option("--blocks", resnet.blocks, "resnet residual blocks in each of its 3 ResNet stages (not pipeline stages; each block is one "
+                     "pipeline layer), default 2"), {"resnet"});
   for_models(app.add_option("--depth", unet.depth, "unet levels (each halves the image and has a skip), default 2"),
              {"unet"});
   app.add_option("--seed", seed, "seed for the model, the data order and dropout, 0 to 2^64-1; default 0")
@@ -171,7 +173,9 @@ std::string gib(double bytes) { return fmt::format("{:.3g} GiB", bytes / (1024.0
 }  // namespace
 
 void ModelFlags::check_fits(int64_t batch_size, int microbatches, int ranks_here, int pipeline_ranks,
-                            double rank_memory) const {
+                            double rank_memory, const std::string& batch) const {
+  // The flag that sets the batch, and more micro-batches where the command takes them (train, selftest).
+  const std::string more = batch == "--batch-size" ? ", or more --microbatches" : "";
   const double b = static_cast<double>(batch_size), mb = std::ceil(b / std::max(1, microbatches));
   const double ranks = std::max(1, ranks_here);
   // Lower bounds, in bytes: every rank here builds the whole model (4-byte parameters); each holds at
@@ -186,16 +190,46 @@ void ModelFlags::check_fits(int64_t batch_size, int microbatches, int ranks_here
     // probabilities.
     layer_activations = mb * (t * d * 8 + 2 * h * t * t) * 4;
     once = mb * t * v * 4 + b * t * 8 * 2;  // logits; token ids and targets
-    fix = "use fewer --layers, a smaller --d-model, --seq-len, --vocab or --batch-size, or more --microbatches";
+    fix = "use fewer --layers, a smaller --d-model, --seq-len, --vocab or " + batch + more;
   } else if (model == "mlp") {
     const double w = static_cast<double>(mlp.hidden);
     params = static_cast<double>(mlp.inputs) * w + std::max(0, mlp.layers - 2) * w * w + w * static_cast<double>(mlp.classes);
     layer_activations = mb * w * 4;
     once = b * static_cast<double>(mlp.inputs) * 4;
-    fix = "use fewer --layers, a smaller --hidden or --batch-size";
+    fix = "use fewer --layers, a smaller --hidden or " + batch;
   } else {
-    once = b * 28 * 28 * 4;
-    fix = "use a smaller --batch-size";
+    // Lower bounds from the models' shapes (zoo/models.h) for 28x28 images: the 3x3 convs' weights, and the
+    // first layer's output map, the largest one layer holds (--width 65536 asked 144 GiB of LibTorch, which
+    // failed with a stack trace; --blocks 100000 grew for 30 s to bad_alloc).
+    const double px = 28.0 * 28.0;
+    if (model == "cnn") {
+      const double w = static_cast<double>(cnn.width), h = static_cast<double>(cnn.hidden);
+      // conv1 (1->w), w->w, w->2w, 2w->2w, 2w->4w, 2 x 4w->4w, 4w->8w, 5 x 8w->8w; fc6, fc7.
+      params = 9 * (w + w * w + 2 * w * w + 4 * w * w + 8 * w * w + 2 * 16 * w * w + 32 * w * w + 5 * 64 * w * w) +
+               8 * w * h + h * h + h * static_cast<double>(cnn.classes);
+      layer_activations = mb * w * px * 4;
+      fix = "use a smaller --width, --hidden or " + batch;
+    } else if (model == "resnet") {
+      double conv = 9 * static_cast<double>(resnet.width);  // the stem
+      for (int st = 0; st < resnet.stages; ++st) {
+        const double c = static_cast<double>(resnet.width) * std::pow(2.0, st);
+        conv += static_cast<double>(resnet.blocks) * 2 * 9 * c * c;
+      }
+      params = conv;
+      layer_activations = mb * static_cast<double>(resnet.width) * px * 4;
+      fix = "use a smaller --width, fewer --blocks or a smaller " + batch;
+    } else if (model == "unet") {
+      double conv = 0;
+      for (int k = 0; k <= unet.depth; ++k) {
+        const double c = static_cast<double>(unet.width) * std::pow(2.0, k);
+        conv += 9 * c * c * (k == 0 ? 0.0 : 1.0);  // down k's conv from level k - 1 (level 0's from the input)
+      }
+      params = conv;
+      layer_activations = mb * static_cast<double>(unet.width) * px * 4;
+      fix = "use a smaller --width or " + batch;
+    }
+    once = b * px * 4;
+    if (fix.empty()) fix = "use a smaller " + batch;
   }
   // The gpt's ranks build their own layers only (layerwise()): a rank holds at least its share.
   const bool own_layers = layerwise().has_value();

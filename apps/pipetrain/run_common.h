@@ -46,8 +46,9 @@ struct ModelFlags {
   // samples and the parameters they build: the gpt's ranks their own layers only (1/`pipeline_ranks` of
   // the model at least, layerwise()), the other models' ranks the whole model. A lower bound, so nothing
   // that fits is refused; it catches --layers 1000000 or --d-model 1e9 before any memory is taken.
+  // `batch` names the flag that sets the batch in the message's fix (profile's --microbatch-size).
   void check_fits(int64_t batch_size, int microbatches, int ranks_here, int pipeline_ranks = 1,
-                  double rank_memory = 0) const;
+                  double rank_memory = 0, const std::string& batch = "--batch-size") const;
   // A factory that builds the same model on every call (seeded). The gpt's is build_all(layerwise()).
   std::function<torch::nn::Sequential()> factory() const;
   // The model layer by layer, for ranks that build only their own layers (runtime/layers.h): the gpt's;

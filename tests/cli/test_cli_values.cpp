@@ -117,3 +117,29 @@ TEST(CliValues, LoopedSchedulesWithoutVirtualStagesAreRefused) {
     EXPECT_EQ(run_pipetrain(std::string(command) + " -s interleaved -p 2 -m 4 -v 2").code, 0);
   }
 }
+
+// Models past the host's memory: the cnn, resnet and unet counted only their input batch (--width 65536
+// asked LibTorch for 144 GiB and failed with a stack trace, --blocks 100000 grew for 30 s to bad_alloc), and
+// profile and selftest checked nothing. Each is refused before anything is built, with the flags to change.
+TEST(CliValues, ModelsPastTheHostsMemoryAreRefusedBeforeTheyAreBuilt) {
+  const std::string train = "train --transport local --steps 1 --eval-every 0 ";
+  const std::pair<std::string, std::string> rows[] = {
+      {train + "--model cnn --width 65536", "use a smaller --width, --hidden or --batch-size"},
+      {train + "--model resnet --blocks 100000", "use a smaller --width, fewer --blocks or a smaller --batch-size"},
+      {train + "--model unet --width 100000", "use a smaller --width or --batch-size"},
+      {"profile --model gpt --data synthetic --d-model 100000 --heads 1 --repeats 1 --warmup 0",
+       "a smaller --d-model, --seq-len, --vocab or --microbatch-size"},
+      {"profile --model mlp --data synthetic --microbatch-size 100000000 --repeats 1 --warmup 0",
+       "a smaller --hidden or --microbatch-size"},
+      {"selftest --model mlp --data synthetic --batch-size 100000000 --transport local -s 1f1b -m 1",
+       "a smaller --hidden or --batch-size"},
+  };
+  for (const auto& [args, fix] : rows) {
+    // ulimit keeps a regression from taking the machine's memory.
+    const CommandResult r = pipetrain::testing::run_command("ulimit -v 8000000; " + std::string(PIPETRAIN_BIN) + " " + args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_TRUE(r.has("of memory")) << args << "\n" << r.out;
+    EXPECT_TRUE(r.has(fix)) << args << "\n" << r.out;
+    EXPECT_FALSE(r.has("frame #")) << args << "\n" << r.out;
+  }
+}
