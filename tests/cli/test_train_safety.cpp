@@ -37,9 +37,11 @@ int manifest_step(const fs::path& dir) {
 void expect_no_leftovers(const fs::path& dir) {
   EXPECT_FALSE(fs::exists(dir.string() + ".partial")) << dir;
   EXPECT_FALSE(fs::exists(dir.string() + ".old")) << dir;
-  if (fs::exists(dir))
-    for (const auto& e : fs::directory_iterator(dir))
+  if (fs::exists(dir)) {
+    for (const auto& e : fs::directory_iterator(dir)) {
       EXPECT_TRUE(e.path().extension() == ".pt" || e.path().filename() == "manifest.json") << e.path();
+    }
+  }
 }
 
 }  // namespace
@@ -280,7 +282,7 @@ TEST(TrainSafety, AStoppedRankEndsTheRunWithinTheHeartbeatTimeout) {
   EXPECT_NE(read_text(dir / "code"), "0\n") << out;
   const int ms = std::atoi(read_text(dir / "ms").c_str());
   EXPECT_GT(ms, 0) << out;
-  EXPECT_LT(ms, 20000) << out;  // the heartbeat timeout (10 s) and a little, not 10 + 30 s
+  EXPECT_LT(ms, 30000) << out;  // the heartbeat timeout (10 s) and a little (loaded: more), not 10 + 30 s
   EXPECT_NE(out.find("is stopped (SIGSTOP?)"), std::string::npos) << out;
   fs::remove_all(dir);
 }

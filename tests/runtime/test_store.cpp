@@ -156,7 +156,9 @@ TEST(Store, C10dStoreSemantics) {
     StoreClient other("127.0.0.1", port, "", -1, 0, milliseconds(2000));
     other.set("late", bytes("here"));
   });
+  c->setTimeout(milliseconds(30000));  // a loaded machine may run the other thread's connect late
   EXPECT_EQ(text(c->get("late")), "here");  // get waits for the key
+  c->setTimeout(milliseconds(2000));
   late.join();
   const auto start = std::chrono::steady_clock::now();
   EXPECT_THROW(c->wait({"never"}, milliseconds(300)), std::runtime_error);

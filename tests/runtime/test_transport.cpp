@@ -191,7 +191,12 @@ int scenario_kill(Transport& t, int victim, bool idle, int sig = SIGKILL) {
   auto s = t.isend(out, (t.rank() + 1) % n, 1);
   t.recv(in, (t.rank() + n - 1) % n, 1);
   s->wait();
-  if (t.rank() == victim) ::raise(sig);
+  if (t.rank() == victim) {
+    // The tests time the ranks' reaction from this line (their start-up on a loaded machine is not theirs).
+    std::fprintf(stderr, "rank %d: raising signal %d\n", t.rank(), sig);
+    std::fflush(stderr);
+    ::raise(sig);
+  }
   try {
     if (idle) {
       std::this_thread::sleep_for(std::chrono::seconds(45));
@@ -263,6 +268,13 @@ struct Outcome {
     for (const auto& [t, line] : lines)
       if (line.find(text) != std::string::npos) return t;
     return -1;
+  }
+  // Seconds from the victim's "raising signal" line to the end of the run (-1 without that line): what the
+  // kill tests bound, since the ranks' start-up (LibTorch loads, the rendezvous) takes seconds on a loaded
+  // machine and is not what they check.
+  double seconds_after_the_signal() const {
+    const double t = time_of(": raising signal ");
+    return t < 0 ? -1 : seconds - t;
   }
   bool before(const std::string& first, const std::string& second) const {
     const double a = time_of(first), b = time_of(second);
@@ -387,7 +399,9 @@ TEST_F(GlooTransport, KilledIdleRankIsNoticedAtOnce) {
   EXPECT_TRUE(r.has("rank 1 was killed by signal 9")) << r.output;
   EXPECT_TRUE(r.has("pipetrain rank 0: stopping: rank 1 failed: it went away (killed or crashed?)")) << r.output;
   EXPECT_FALSE(r.has("did not stop")) << r.output;
-  EXPECT_LT(r.seconds, 8) << r.output;
+  EXPECT_GE(r.seconds_after_the_signal(), 0) << r.output;
+  EXPECT_LT(r.seconds_after_the_signal(), 5) << r.output;  // not the 10 s heartbeat
+  EXPECT_LT(r.seconds, 60) << r.output;
 }
 
 TEST_F(GlooTransport, KilledRankStopsTheRanksReceivingFromItAtOnce) {
@@ -402,7 +416,9 @@ TEST_F(GlooTransport, KilledRankStopsTheRanksReceivingFromItAtOnce) {
   }
   EXPECT_FALSE(r.has("caught:")) << r.output;
   EXPECT_FALSE(r.has("did not stop")) << r.output;
-  EXPECT_LT(r.seconds, 8) << r.output;
+  EXPECT_GE(r.seconds_after_the_signal(), 0) << r.output;
+  EXPECT_LT(r.seconds_after_the_signal(), 5) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
 }
 
 TEST_F(GlooTransport, KilledRank0WhichHostsTheStoreStopsTheOthers) {
@@ -411,7 +427,9 @@ TEST_F(GlooTransport, KilledRank0WhichHostsTheStoreStopsTheOthers) {
   EXPECT_TRUE(r.has("pipetrain rank 1: stopping: rank 0 failed: ")) << r.output;
   EXPECT_TRUE(r.has("pipetrain rank 2: stopping: rank 0 failed: ")) << r.output;
   EXPECT_FALSE(r.has("did not stop")) << r.output;
-  EXPECT_LT(r.seconds, 8) << r.output;
+  EXPECT_GE(r.seconds_after_the_signal(), 0) << r.output;
+  EXPECT_LT(r.seconds_after_the_signal(), 5) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
 }
 
 TEST_F(GlooTransport, HungRankIsDetectedByItsMissingHeartbeat) {
@@ -425,7 +443,10 @@ TEST_F(GlooTransport, HungRankIsDetectedByItsMissingHeartbeat) {
                                                    "rank 0 failed; killing it"))
       << r.output;
   EXPECT_FALSE(r.has("did not stop within")) << r.output;
-  EXPECT_LT(r.seconds, 20) << r.output;
+  // The 3 s heartbeat, the watchdog's check period and the launcher's kill; not the 2 s grace on top.
+  EXPECT_GE(r.seconds_after_the_signal(), 0) << r.output;
+  EXPECT_LT(r.seconds_after_the_signal(), 12) << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
 }
 
 TEST(MpiTransport, ExchangesTensorsBothWaysInOrderPerTag) {
