@@ -149,7 +149,8 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       // nothing), not the --text it reads, not inside the --data-dir (each replaced by the JSON profile).
       refuse_empty_names(cmd, {"--out", "--text", "--data-dir"});
       check_outputs_apart({{"--out", f->out}}, {{"--text", f->model.text_file}});
-      if (!f->out.empty() && cmd->get_option("--data-dir")->count() > 0 && inside(f->out, f->model.data_dir))
+      // The default data folder too (Fashion-MNIST's, which root may write).
+      if (!f->out.empty() && inside(f->out, f->model.data_dir))
         throw UsageError("--out " + f->out + " lies in the --data-dir folder " + f->model.data_dir +
                          ", which holds the data: write --out elsewhere");
       check_output_path(f->out, "--out");

@@ -157,6 +157,9 @@ TEST(SimulateFlags, OutputsOverInputsAndEmptyNamesAreRefused) {
        "--out " + csv + " is the file --text reads"},
       {"profile --model mlp --data-dir " + d.string() + " --repeats 1 --out " + (d / "p.json").string(),
        "lies in the --data-dir folder"},
+      // The default folder, without --data-dir (root may write there).
+      {"profile --model mlp --data synthetic --repeats 1 --out /usr/share/datasets/fashion-mnist/p.json",
+       "lies in the --data-dir folder /usr/share/datasets/fashion-mnist"},
   };
   for (const auto& [args, words] : rows) {
     const CommandResult r = run_pipetrain(args);
