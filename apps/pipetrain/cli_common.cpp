@@ -197,6 +197,10 @@ Schedule ScheduleFlags::build() const {
     throw UsageError("--microbatch-size must be > 0 (or not given: the profile's), got " + std::to_string(microbatch_size));
   if (!profile.empty() && given("--cost"))
     throw UsageError("--cost and --profile both give the stages' costs (--profile's were used): drop one");
+  if (!profile.empty() && given("--comm"))
+    throw UsageError("--comm is a transfer's time in --cost's units; with --profile a transfer is priced from "
+                     "--bandwidth and --latency (or the profile's measured link), and --comm was ignored: drop "
+                     "--comm, or give --bandwidth/--latency");
   Schedule s;
   if (!load.empty()) {
     if (!replication.empty())
@@ -387,7 +391,7 @@ std::vector<std::string> subcommand_names(const CLI::App& app) {
 }
 
 std::vector<std::string> long_flag_names(const CLI::App& sub) {
-  std::vector<std::string> out{"--help", "--config"};
+  std::vector<std::string> out{"--help"};  // --config where the command has it, as its own option
   for (const CLI::Option* o : sub.get_options())
     for (const std::string& n : o->get_lnames()) out.push_back("--" + n);
   return out;
@@ -494,11 +498,12 @@ void check_values(CLI::App& cmd) {
   for (CLI::Option* o : cmd.get_options()) {
     if (o->get_items_expected_max() == 0 || o->get_lnames().empty()) continue;  // on/off flags, positionals
     const std::string type = o->get_type_name();
-    const bool integer = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0;
+    const bool is_unsigned = type.rfind("UINT", 0) == 0;
+    const bool integer = type.rfind("INT", 0) == 0 || is_unsigned;
     const bool number = integer || type.rfind("FLOAT", 0) == 0;
     const std::string name = o->get_name();
     o->check(CLI::Validator(
-        [names, integer, number, name](std::string& value) -> std::string {
+        [names, integer, is_unsigned, number, name](std::string& value) -> std::string {
           // A value flag followed by another flag took it as its value: `--svg --json` wrote a file named
           // "--json", `--save --memory` a checkpoint folder "--memory".
           const std::string word = value.substr(0, value.find('='));
@@ -512,6 +517,9 @@ void check_values(CLI::App& cmd) {
           if (!integer) return "";
           // CLI11 reads integers with strtoll's base 0: `-p 010` ran 8 stages, `-m 0x10` 16 micro-batches.
           std::size_t digits = value[0] == '-' || value[0] == '+' ? 1 : 0;
+          // An unsigned flag wraps a negative value (`plan --seed -1` was seed 2^64 - 1).
+          if (is_unsigned && value[0] == '-')
+            return name + " takes a whole number >= 0, got " + excerpt(value);
           const std::string body = value.substr(digits);
           if (!body.empty() && body.find_first_not_of("0123456789") == std::string::npos) {
             if (body.size() > 1 && body[0] == '0') {

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "cli_common.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/runtime/launch.h"
@@ -59,11 +61,18 @@ void add_launch_command(CLI::App& app, int& exit_code) {
       if (command->empty())
         throw UsageError("missing the command to run: pipetrain launch -n " + std::to_string(flags->nprocs) +
                          " -- COMMAND [ARGS...]");
-      if (!(flags->grace_s >= 0) || !std::isfinite(flags->grace_s))
-        throw UsageError("--grace " + std::to_string(flags->grace_s) + " must be a number of seconds >= 0");
-      if (!(flags->timeout_s >= 0) || !std::isfinite(flags->timeout_s))
-        throw UsageError("--timeout " + std::to_string(flags->timeout_s) +
-                         " must be a number of seconds >= 0 (0 = no limit)");
+      // At most a year (1e16 s overflowed the milliseconds to a negative grace); a timeout under 1 ms is not
+      // rounded to 0, which means no limit.
+      constexpr double kMaxSeconds = 365.0 * 24 * 3600;
+      if (!(flags->grace_s >= 0) || !(flags->grace_s <= kMaxSeconds))
+        throw UsageError(fmt::format("--grace {} must be a number of seconds from 0 to {:.0f} (a year)", flags->grace_s,
+                                     kMaxSeconds));
+      if (!(flags->timeout_s >= 0) || !(flags->timeout_s <= kMaxSeconds))
+        throw UsageError(fmt::format("--timeout {} must be a number of seconds from 0 (no limit) to {:.0f} (a year)",
+                                     flags->timeout_s, kMaxSeconds));
+      if (flags->timeout_s > 0 && flags->timeout_s < 0.001)
+        throw UsageError(fmt::format("--timeout {} is under a millisecond: give at least 0.001 s, or 0 for no limit",
+                                     flags->timeout_s));
       LaunchOptions options;
       options.prefix_output = !flags->no_prefix;
       options.bind_cores = flags->bind;

@@ -479,8 +479,11 @@ void check_run_flags(const TrainFlags* f, const CLI::App* cmd) {
   if (f->save_every > 0 && f->save.empty()) throw UsageError("--save-every needs --save DIR (where to write)");
   if (f->save_on_interrupt && f->save.empty()) throw UsageError("--save-on-interrupt needs --save DIR (where to write)");
   if (f->sample < 0) throw UsageError("--sample must be >= 0, got " + std::to_string(f->sample));
-  if (!(f->temperature > 0)) throw UsageError("--temperature must be > 0, got " + fmt::format("{}", f->temperature));
-  if (f->warmup < -1) throw UsageError("--warmup must be >= 0, got " + std::to_string(f->warmup));
+  if (!(f->temperature > 0) || !std::isfinite(f->temperature))
+    throw UsageError("--temperature must be a finite number > 0, got " + fmt::format("{}", f->temperature));
+  // -1 is "not given" inside (5% of the steps); given, it is refused like any other negative count.
+  if (f->warmup < -1 || (f->warmup == -1 && cmd->get_option("--warmup")->count() > 0))
+    throw UsageError("--warmup must be >= 0, got " + std::to_string(f->warmup) + " (drop it for 5% of the steps)");
   // Finite numbers only: NaN passed `< 0` checks (--clip nan turned clipping off) and inf reached LibTorch.
   for (const auto& [flag, v, fix] : {std::tuple<const char*, double, const char*>{"--lr", f->lr, "e.g. --lr 3e-4"},
                                      {"--clip", f->clip, "0 turns clipping off"},

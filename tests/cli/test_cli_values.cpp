@@ -143,3 +143,21 @@ TEST(CliValues, ModelsPastTheHostsMemoryAreRefusedBeforeTheyAreBuilt) {
     EXPECT_FALSE(r.has("frame #")) << args << "\n" << r.out;
   }
 }
+
+// Values that ran as something else (a tester's findings, 2026-11-28): an unsigned flag wrapped -1 to 2^64 - 1,
+// `--warmup -1` meant "the default", `--temperature inf` sampled uniform noise, `launch --grace 1e16` overflowed
+// to a negative grace, `simulate --profile P --comm 5` dropped --comm; commands without --config suggested it.
+TEST(CliValues, ValuesThatRanAsSomethingElseAreRefused) {
+  const std::string vgg = std::string(PIPETRAIN_SOURCE_DIR) + "/data/pipedream/vgg16-graph.txt --pipedream-batch 128";
+  expect_refused("plan --profile " + vgg + " --ranks 2 --planner umpipe --generations 2 --seed -1",
+                 "--seed takes a whole number >= 0, got -1");
+  const std::string train = "train --model mlp --data synthetic --transport local --steps 1 ";
+  expect_refused(train + "--warmup -1", "--warmup must be >= 0, got -1 (drop it for 5% of the steps)");
+  expect_refused(train + "--temperature inf", "--temperature must be a finite number > 0, got inf");
+  expect_refused("launch -n 2 --grace 1e16 -- true", "--grace 1e+16 must be a number of seconds from 0 to 31536000");
+  expect_refused("launch -n 1 --timeout 0.0001 -- true", "is under a millisecond");
+  expect_refused("simulate -s 1f1b -p 2 -m 4 --profile " + vgg + " --comm 5", "--comm was ignored: drop --comm");
+  const CommandResult typo = run_pipetrain("simulate -s 1f1b -p 2 -m 4 --confg x.json");
+  EXPECT_TRUE(typo.has("pipetrain simulate has no flag --confg\n")) << typo.out;
+  EXPECT_TRUE(run_pipetrain("train --confg x.json").has("did you mean --config?"));
+}
