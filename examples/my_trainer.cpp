@@ -5,6 +5,8 @@
 // the program with `pipetrain launch -n 2 -- ./my_trainer`.
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <iostream>
 
@@ -41,28 +43,36 @@ int main() {
   run.batch_size = 32;
   run.lr = {1e-2, "cosine", /*warmup=*/20};
   run.eval_every = 50;
-  const std::string dir = (std::filesystem::temp_directory_path() / "my_trainer_checkpoint").string();
+  // A folder of this run's own (two runs, or two users, must not share one); removed at the end.
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("my_trainer_checkpoint_" + std::to_string(::getpid()))).string();
   run.save_dir = dir;
   run.run_description = [](int steps) { return nlohmann::json{{"example", "my_trainer"}, {"steps", steps}}; };
 
   auto transports = pipetrain::make_local_transports(2);
   double first_eval = 0, last_eval = 0;
-  pipetrain::run_on_threads(2, [&](int r) {
-    pipetrain::PipelineRank rank(model, mse, transports[r], options);
-    pipetrain::TrainerCallbacks cb;
-    if (r == 0)
-      cb.on_eval = [](int step, const pipetrain::EvalResult& e) {
-        std::cout << "step " << step << ": held-out loss " << e.loss << "\n";
-      };
-    pipetrain::Trainer trainer(rank, transports[r], transports[r], &data, run, cb);
-    const pipetrain::TrainResult result = trainer.run();
-    if (r == 0) {
-      first_eval = result.first_eval->loss;
-      last_eval = result.last_eval->loss;
-      std::cout << "median step " << result.median_step_ms() << " ms; checkpoint at step " << result.last_saved
-                << " in " << dir << "\n";
-    }
-  });
+  try {
+    pipetrain::run_on_threads(2, [&](int r) {
+      pipetrain::PipelineRank rank(model, mse, transports[r], options);
+      pipetrain::TrainerCallbacks cb;
+      if (r == 0)
+        cb.on_eval = [](int step, const pipetrain::EvalResult& e) {
+          std::cout << "step " << step << ": held-out loss " << e.loss << "\n";
+        };
+      pipetrain::Trainer trainer(rank, transports[r], transports[r], &data, run, cb);
+      const pipetrain::TrainResult result = trainer.run();
+      if (r == 0) {
+        first_eval = result.first_eval->loss;
+        last_eval = result.last_eval->loss;
+        std::cout << "median step " << result.median_step_ms() << " ms; checkpoint of step " << result.last_saved
+                  << " written to " << dir << " (removed now that the example ends)\n";
+      }
+    });
+  } catch (const std::exception& e) {  // a rank's error (a save that failed, say): said, not an abort
+    std::cerr << "my_trainer: " << e.what() << "\n";
+    std::filesystem::remove_all(dir);
+    return 1;
+  }
   std::filesystem::remove_all(dir);
   return last_eval < first_eval / 4 ? 0 : 1;  // it learned
 }
