@@ -130,6 +130,19 @@ int main(int argc, char** argv) {
   for (const char* name : {"simulate", "plan", "schedule", "demo"}) refuse_non_finite(*app.get_subcommand(name));
   for (CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) check_values(*sub);
   set_command_line(argc, argv);
+  // An unknown command: said first, as such ("zoo" got CLI11's "A subcommand is required", and `zoo --help`
+  // printed the general help with exit 0).
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::vector<std::string> commands = subcommand_names(app);
+    if (std::find(commands.begin(), commands.end(), argv[1]) == commands.end()) {
+      const std::string near = pipetrain::nearest_name(argv[1], commands);
+      std::cerr << "pipetrain: error: '" << pipetrain::excerpt(argv[1]) << "' is not a command"
+                << (near.empty() ? "" : "; did you mean '" + near + "'?") << "\n"
+                << "Commands are schedule, simulate, demo, info, launch, train, selftest, profile and plan; run "
+                   "'pipetrain --help' for usage.\n";
+      return kExitUsage;
+    }
+  }
   // Flags from a --config file go in ahead of the command line's own.
   std::vector<std::string> args(argv, argv + argc);
   try {

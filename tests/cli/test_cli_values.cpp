@@ -161,3 +161,13 @@ TEST(CliValues, ValuesThatRanAsSomethingElseAreRefused) {
   EXPECT_TRUE(typo.has("pipetrain simulate has no flag --confg\n")) << typo.out;
   EXPECT_TRUE(run_pipetrain("train --confg x.json").has("did you mean --config?"));
 }
+
+// An unknown command was reported as "A subcommand is required" (one was given), and `zoo --help` printed the
+// general help with exit 0.
+TEST(CliValues, AnUnknownCommandIsSaidToBeOne) {
+  expect_refused("zoo", "pipetrain: error: 'zoo' is not a command\n");
+  expect_refused("zoo --help", "'zoo' is not a command");
+  expect_refused("trian --steps 1", "'trian' is not a command; did you mean 'train'?");
+  EXPECT_FALSE(run_pipetrain("zoo").has("A subcommand is required"));
+  EXPECT_EQ(run_pipetrain("--help").code, 0);
+}

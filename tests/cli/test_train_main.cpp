@@ -312,7 +312,7 @@ TEST(TrainMain, UsageErrorsExitTwoWithTheFix) {
            {"--data synthetic --save-every 2", "--save-every needs --save DIR"},
            {"--data synthetic --resume /nonexistent/ckpt", "checkpoint folder /nonexistent/ckpt does not exist"},
            {"--data synthetic --lr-schedule step", "unknown --lr-schedule 'step'"},
-           {"--data synthetic --temperature 0", "--temperature must be > 0"},
+           {"--data synthetic --temperature 0", "--temperature must be a finite number > 0"},
            {"--model mlp --data-dir /nonexistent/fm", "/nonexistent/fm"},
        }) {
     const CommandResult r = run_pipetrain("train --transport local --steps 2 " + c.args);
