@@ -251,7 +251,9 @@ int scenario_extra_send(Transport& t) {
 // is not a failure any transport can see), then rank 1 finishes too.
 int scenario_hang_at_end(Transport& t) {
   exchange_once(t);
-  if (t.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(20));
+  // Far longer than mpirun's and the ranks' start-up on a loaded machine (21.8 s was seen), so that a run
+  // that waited for rank 1 is told from one that gave up after the final barrier's timeout.
+  if (t.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(120));
   return 0;
 }
 
@@ -533,7 +535,8 @@ TEST_P(Conformance, AKilledPeerStopsTheOthers) {
 void expect_extra_wait_stops_every_rank(const std::string& kind, const Outcome& r, double seconds,
                                         const std::string& waits_for) {
   EXPECT_NE(r.code, 0) << r.output;
-  EXPECT_LT(seconds, 20.0) << r.output;
+  // Under the 60 s a hang or the local timeout takes; the ranks' start-up (seconds when loaded) counts too.
+  EXPECT_LT(seconds, 45.0) << r.output;
   EXPECT_FALSE(r.has("the extra wait returned")) << r.output;
   EXPECT_FALSE(r.has("did not stop")) << r.output;  // stopped by itself, not by the launcher
   EXPECT_TRUE(r.has("rank 1 finished") && r.has("rank 0 waits " + waits_for)) << r.output;
@@ -567,7 +570,7 @@ TEST_P(Conformance, ARankThatFinishedStopsOneSendingItALargeMessage) {
   const auto start = std::chrono::steady_clock::now();
   const Outcome r = run("extra-send", 2);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(s, 20.0) << r.output;
+  EXPECT_LT(s, 45.0) << r.output;
   if (GetParam() == "local") {  // sends are buffered: the message is left in rank 1's mailbox
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_TRUE(r.has("the extra send returned")) << r.output;
@@ -603,7 +606,7 @@ TEST_P(MpiTransportTest, AFinishedRankGivesUpItsFinalBarrierOnAHungRankAndTheJob
   const auto start = std::chrono::steady_clock::now();
   const Outcome r = run("hang-at-end", 2, {{"PIPETRAIN_FINAL_BARRIER_TIMEOUT", "2"}});
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(s, 15.0) << r.output;  // rank 1 alone would take 20 s
+  EXPECT_LT(s, 60.0) << r.output;  // rank 1 alone would take 120 s
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_TRUE(r.has("pipetrain rank 0: mpi: gave up the final barrier after 2 s: rank(s) 1 neither finished nor failed"))
       << r.output;
