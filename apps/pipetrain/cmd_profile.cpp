@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -173,6 +174,27 @@ void add_profile_command(CLI::App& app, int& exit_code) {
                          "(train --balance uniform, the default, or parameters), and plan from a profile of a model "
                          "of one-tensor layers");
       const int threads = at::get_num_threads();  // the pipeline below runs one thread per rank
+      // Under a launcher, its processes must be the ranks profile runs: without --transport or --concurrent
+      // every process profiled and wrote the same --out; a mismatch was told to "pass --stages", a flag
+      // profile does not have.
+      {
+        const int wanted = !f->transport.empty() || f->concurrent > 1 ? std::max(f->transport.empty() ? 1 : 2, f->concurrent) : 1;
+        const char* ws = std::getenv("WORLD_SIZE") ? std::getenv("WORLD_SIZE") : std::getenv("OMPI_COMM_WORLD_SIZE");
+        const int started = ws ? std::atoi(ws) : 0;
+        if (started > 0 && started != wanted)
+          throw UsageError(
+              "a launcher started " + std::to_string(started) + " processes, but pipetrain profile runs " +
+              std::to_string(wanted) + " rank(s) here" +
+              (wanted == 1 ? std::string(" (it measures in one process): run it without the launcher, or give "
+                                         "--concurrent ") + std::to_string(started) +
+                                 " to measure as that many ranks of a run do (rank 0's times are written)"
+                           : std::string(" (") + (f->transport.empty() ? "" : "--transport measures transfers between 2; ") +
+                                 "--concurrent " + std::to_string(f->concurrent) + "): launch " + std::to_string(wanted) +
+                                 " (pipetrain launch -n " + std::to_string(wanted) + " -- ...)" +
+                                 (started >= (f->transport.empty() ? 1 : 2)
+                                      ? ", or set --concurrent " + std::to_string(started)
+                                      : std::string())));
+      }
       if (!f->transport.empty() || f->concurrent > 1) {
         // Ranks of the transport (shm for --concurrent alone): the runtime's costs over two of them, then
         // rank 0 profiles the layers, with --concurrent N ranks 0..N-1 at once.

@@ -171,3 +171,25 @@ TEST(CliValues, AnUnknownCommandIsSaidToBeOne) {
   EXPECT_FALSE(run_pipetrain("zoo").has("A subcommand is required"));
   EXPECT_EQ(run_pipetrain("--help").code, 0);
 }
+
+// profile under a launcher without --transport or --concurrent ran in every process, each measuring (the
+// ranks contending for the cores) and writing the same --out; a rank-count mismatch advised "--stages".
+TEST(CliValues, ProfileUnderALauncherRunsAsItsRanksOrSaysHow) {
+  const fs::path d = pipetrain::testing::fresh_temp_dir("clivalues", "profile-launch");
+  const std::string out = (d / "p.json").string();
+  const std::string profile = std::string(PIPETRAIN_BIN) + " profile --model mlp --data synthetic --threads 1 "
+                                                           "--repeats 1 --warmup 0 --microbatch-size 2 --out " + out;
+  const CommandResult r = run_pipetrain("launch -n 2 -- " + profile);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("a launcher started 2 processes, but pipetrain profile runs 1 rank(s) here")) << r.out;
+  EXPECT_TRUE(r.has("give --concurrent 2")) << r.out;
+  EXPECT_FALSE(fs::exists(out));
+  const CommandResult two = run_pipetrain("launch -n 2 -- " + profile + " --concurrent 2");
+  EXPECT_EQ(two.code, 0) << two.out;
+  EXPECT_TRUE(fs::exists(out));
+  const CommandResult shm = pipetrain::testing::run_command("RANK=0 WORLD_SIZE=1 " + profile + " --transport shm");
+  EXPECT_EQ(shm.code, 2) << shm.out;
+  EXPECT_TRUE(shm.has("launch 2 (pipetrain launch -n 2 -- ...)")) << shm.out;
+  EXPECT_FALSE(shm.has("--stages")) << shm.out;
+  fs::remove_all(d);
+}
