@@ -11,7 +11,7 @@
 #
 # For one GPT (8 blocks, d_model 256, 4 heads, vocab 96, context 128, batch 32) and m in {4, 8}, runs
 # ROUNDS interleaved rounds, each running every configuration once:
-#   pt-1f1b   pipetrain train --stages 2 --schedule 1f1b --threads 1 --memory   (2 processes x 1 thread, shm: the default)
+#   pt-1f1b   pipetrain train --transport gloo --stages 2 --schedule 1f1b --threads 1 --memory   (2 processes x 1 thread)
 #   pt-zbh1   the same with --schedule zb-h1
 #   pt-1f1b-pin  pt-1f1b with each rank pinned to its own core (taskset), as mpirun binds its ranks
 #   pt-mpi    the same 1f1b under mpirun with --transport mpi (if mpirun exists)
@@ -125,7 +125,8 @@ run() {
   fi
 }
 # Adam lr 1e-3 constant, no clipping: the optimizer bench_plain_gpt runs. One progress line per step (step times).
-PT_COMMON=(--stages 2 --threads 1 --memory "${MODEL[@]}" "${PT_DATA[@]}" --batch-size "$BATCH" --steps "$STEPS" --progress lines
+# gloo, as the recorded figures were measured (and pt-1f1b-pin runs): not the default transport (shm).
+PT_COMMON=(--transport gloo --stages 2 --threads 1 --memory "${MODEL[@]}" "${PT_DATA[@]}" --batch-size "$BATCH" --steps "$STEPS" --progress lines
            --lr 1e-3 --lr-schedule constant --clip 0)
 HAVE_MPI=0
 command -v mpirun >/dev/null && HAVE_MPI=1
@@ -151,7 +152,7 @@ for round in $(seq 1 "$ROUNDS"); do
     run pt-zbh1 "$round" "$m" "$BATCH" -- "$BIN/pipetrain" train "${PT_COMMON[@]}" --schedule zb-h1 --microbatches "$m" \
       --trace "${tr}_pt-zbh1.json" --svg "${tr}_pt-zbh1.svg"
     run pt-1f1b-pin "$round" "$m" "$BATCH" -- "$BIN/pipetrain" launch -n 2 -- sh -c "exec taskset -c \$RANK \
-      $BIN/pipetrain train ${PT_COMMON[*]} --transport gloo --schedule 1f1b --microbatches $m --trace ${tr}_pt-1f1b-pin.json"
+      $BIN/pipetrain train ${PT_COMMON[*]} --schedule 1f1b --microbatches $m --trace ${tr}_pt-1f1b-pin.json"
     if ((HAVE_MPI)); then
       run pt-mpi "$round" "$m" "$BATCH" -- "${MPIRUN[@]}" "$BIN/pipetrain" train "${PT_COMMON[@]}" --transport mpi \
         --schedule 1f1b --microbatches "$m" --trace "${tr}_pt-mpi.json" --svg "${tr}_pt-mpi.svg"
@@ -308,8 +309,8 @@ def cell(cfg, m, quiet=True):
     nq = sum(r["quiet"] for r in runs.get((cfg, m, 32), []))
     return f"{st.median(v):.0f} [{min(v):.0f}..{max(v):.0f}]" + (f" n={nq}" if quiet else f" n={len(v)}")
 
-configs = [("pt-1f1b", "pipetrain 2 stages 1f1b, shm (2 proc x 1 thread)"),
-           ("pt-zbh1", "pipetrain 2 stages zb-h1, shm (2 proc x 1 thread)"),
+configs = [("pt-1f1b", "pipetrain 2 stages 1f1b, gloo (2 proc x 1 thread)"),
+           ("pt-zbh1", "pipetrain 2 stages zb-h1, gloo (2 proc x 1 thread)"),
            ("pt-1f1b-pin", "pipetrain 2 stages 1f1b, gloo, ranks pinned to cores"),
            ("pt-mpi", "pipetrain 2 stages 1f1b, mpi (2 proc x 1 thread, bound to cores)"),
            ("plain-2t", "plain LibTorch (1 proc x 2 threads)"),

@@ -454,7 +454,6 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
       if (c.off && !flag_only)
         throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' is false, but --" + excerpt(c.key) +
                          " takes a value (false is only for on/off flags): give its value, or drop the key");
-      if (c.off) continue;  // an on/off flag left off
       if (flag_only && !c.values.empty())
         throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' is an on/off flag, but its value is '" +
                          excerpt(c.values.front()) + "': give true or false");
@@ -464,6 +463,7 @@ std::vector<std::string> expand_config(const std::vector<std::string>& args, con
         throw UsageError("--config " + file + ": key '" + excerpt(c.key) + "' takes one value, but its value is an array of " +
                          std::to_string(c.values.size()) + ": give a single value");
     }
+    if (c.off) continue;  // an on/off flag left off (with a command, refused above for a value flag)
     flags.push_back(c.flag);
     flags.insert(flags.end(), c.values.begin(), c.values.end());
   }
@@ -502,7 +502,7 @@ void check_values(CLI::App& cmd) {
     const bool integer = type.rfind("INT", 0) == 0 || is_unsigned;
     const bool number = integer || type.rfind("FLOAT", 0) == 0;
     const std::string name = o->get_name();
-    o->check(CLI::Validator(
+    o->transform(CLI::Validator(  // a transform: it may trim the value it checks
         [names, integer, is_unsigned, number, name](std::string& value) -> std::string {
           // A value flag followed by another flag took it as its value: `--svg --json` wrote a file named
           // "--json", `--save --memory` a checkpoint folder "--memory".
@@ -514,6 +514,9 @@ void check_values(CLI::App& cmd) {
           // CLI11 reads an empty string as 0: `--clip "$UNSET"` turned clipping off.
           if (value.find_first_not_of(" \t") == std::string::npos)
             return name + " was given an empty value (an unset shell variable?): give a number, or drop " + name;
+          // Blanks around a number (`-m "$(wc -l < f)"` on BSD, "2, 1" in a list) are not part of it.
+          value.erase(0, value.find_first_not_of(" \t"));
+          value.erase(value.find_last_not_of(" \t") + 1);
           if (!integer) return "";
           // CLI11 reads integers with strtoll's base 0: `-p 010` ran 8 stages, `-m 0x10` 16 micro-batches.
           std::size_t digits = value[0] == '-' || value[0] == '+' ? 1 : 0;

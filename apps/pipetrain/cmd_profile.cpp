@@ -150,8 +150,7 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       // nothing), not the --text it reads, not inside the --data-dir (each replaced by the JSON profile).
       refuse_empty_names(cmd, {"--out", "--text", "--data-dir"});
       check_outputs_apart({{"--out", f->out}}, {{"--text", f->model.text_file}});
-      // The default data folder too (Fashion-MNIST's, which root may write).
-      if (!f->out.empty() && inside(f->out, f->model.data_dir))
+      if (!f->out.empty() && cmd->get_option("--data-dir")->count() > 0 && inside(f->out, f->model.data_dir))
         throw UsageError("--out " + f->out + " lies in the --data-dir folder " + f->model.data_dir +
                          ", which holds the data: write --out elsewhere");
       check_output_path(f->out, "--out");
@@ -159,6 +158,10 @@ void add_profile_command(CLI::App& app, int& exit_code) {
       if (f->threads < 0) throw UsageError("--threads must be >= 0, got " + std::to_string(f->threads));
       if (f->threads > 0) at::set_num_threads(f->threads);
       f->model.prepare();
+      // The default data folder too, when it is read (root may write there).
+      if (!f->out.empty() && f->model.data == "fashion-mnist" && inside(f->out, f->model.data_dir))
+        throw UsageError("--out " + f->out + " lies in the Fashion-MNIST folder " + f->model.data_dir +
+                         ", which holds the data this profile reads: write --out elsewhere");
       // As train: a model or micro-batch past this host's memory is refused before anything is built (it
       // ended in LibTorch's allocator error, with a stack trace). The gpt is built one layer at a time here.
       {

@@ -156,7 +156,7 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
       const int64_t share = batch_size / copies;
       (void)pipe.options(f->model.seed);  // --device, --threads: said once, not as every check's skip
       // Enough layers for the most stages per rank checked (2 at least) unless --layers says otherwise.
-      if (f->model.layers == 0) {
+      if (f->model.layers == 0 && !given("--layers")) {  // (--layers 0 is refused by prepare() below)
         int per_rank = 2;
         for (const std::string& s : schedules) {
           try {
@@ -174,7 +174,9 @@ void add_selftest_command(CLI::App& app, int& exit_code) {
       // the plain reference is another copy, which this lower bound leaves out.
       {
         const bool launched = std::getenv("RANK") || std::getenv("OMPI_COMM_WORLD_RANK");
-        f->model.check_fits(batch_size, std::max(1, pipe.microbatches),
+        // Each copy's share of the batch, cut into the most micro-batches any check uses (a lower bound).
+        const int most = counts.empty() ? std::max(1, pipe.microbatches) : *std::max_element(counts.begin(), counts.end());
+        f->model.check_fits(share, std::max(1, most),
                             launched ? 1 : std::min(pipe.world_size(), kMaxLocalRanks), pipeline_ranks, 0);
       }
       std::vector<Check> checks;

@@ -157,8 +157,6 @@ void add_simulate_command(CLI::App& app, int& exit_code) {
       if (!svg->empty()) write_file_atomic(*svg, [&](TextSink& out) { write_gantt_svg(*in_ms, r.metrics, out); });
       if (*json) {
         nlohmann::json j = simulation_json(s, r, heap, policy);
-        j["time_unit"] = profile ? "ms" : "units";  // makespan, busy, span, bubble
-        j["memory_unit"] = profile ? "bytes" : "units";  // peak_memory and the heap model's figures
         if (*format == "torch") j["notes"] = notes;
         if (searched)
           j["exact"] = {{"greedy_makespan", found.greedy_makespan}, {"makespan", found.makespan},

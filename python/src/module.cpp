@@ -307,6 +307,11 @@ CostModel profile_costs(const CostFlags& f, const Profile& p, int total_stages) 
 
 CostModel flag_costs(const CostFlags& f, const Schedule& s) {
   check_cost_flags(f);
+  // As the command line: comm is a transfer's time in cost's units, which a profile's costs do not use.
+  if (f.profile && f.comm != 0)
+    throw UsageError("comm is a transfer's time in cost's units; with profile= a transfer is priced from "
+                     "bandwidth= and latency= (or the profile's measured link), and comm was ignored: drop comm=, "
+                     "or give bandwidth=/latency=");
   CostModel c;
   if (f.profile) {
     const Profile& p = *f.profile;
@@ -368,6 +373,11 @@ Schedule make_schedule(const std::string& name, int stages, int microbatches, in
     validate(s, validate_options(memory_limit));
     return s;
   }
+  // As the command line: a looped schedule without virtual stages is the unlooped one under its name.
+  if (schedule_traits(name).virtual_stages && virtual_stages == 1)
+    throw UsageError("schedule '" + name + "' loops several stages over each rank, but virtual is 1, which gives " +
+                     (name == "interleaved" ? std::string("plain 1F1B's order") : "it without a loop") +
+                     ": give virtual=2 or more" + (name == "interleaved" ? ", or ask for 1f1b" : ""));
   GeneratorOptions o;
   o.ranks = stages;
   o.microbatches = microbatches;

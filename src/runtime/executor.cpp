@@ -951,10 +951,11 @@ void refuse_after_failure(const std::vector<std::shared_ptr<Transport>>& transpo
   if (transports.empty()) return;
   const auto failure = detail::local_transport_failure(*transports.front());
   if (!failure) return;
-  throw UsageError("this LocalPipeline stopped at an earlier failure (rank " + std::to_string(failure->first) +
-                   ": " + failure->second + "); its ranks may have stopped part-way through a step, so their "
-                   "weights, gradients and optimizer state need not agree: build a new LocalPipeline (for "
-                   "instance from a checkpoint saved before the failure)");
+  // A RemoteFailure, as the failure itself was: a caller that catches it to rebuild the pipeline still does.
+  throw RemoteFailure(failure->first, "this LocalPipeline stopped at that failure earlier (" + failure->second +
+                                          "); its ranks may have stopped part-way through a step, so their weights, "
+                                          "gradients and optimizer state need not agree: build a new LocalPipeline "
+                                          "(for instance from a checkpoint saved before the failure)");
 }
 
 }  // namespace
@@ -969,7 +970,9 @@ StepStats LocalPipeline::train_step(const Bundle& input, const Bundle& target, i
 
 StepStats LocalPipeline::train_steps(const Bundle& input, const Bundle& target, int64_t batch_size, int steps) {
   refuse_after_failure(transports_);
-  check_batch_rows(input, target, batch_size, true);  // here, a refusal does not end the pipeline
+  // Here, before the ranks start, a refusal does not end the pipeline (inside them it stops every rank).
+  check_steps_per_call(steps, batch_size);
+  check_batch_rows(input, target, batch_size, true);
   const auto stats = on_every_rank<StepStats>(
       ranks_, [&](PipelineRank& rank) { return rank.train_steps(input, target, batch_size, steps); });
   StepStats out = stats[0];

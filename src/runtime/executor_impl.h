@@ -33,6 +33,8 @@ namespace pipetrain {
 // UsageError naming the entry otherwise. LocalPipeline checks a batch so before its ranks start, where a
 // refusal leaves the pipeline usable; each rank checks again at the start of a pass.
 void check_batch_rows(const Bundle& in, const Bundle& tgt, int64_t n, bool every_entry_defined);
+// A call of `steps` optimizer steps over `n` samples: at least one step, and one sample per step.
+void check_steps_per_call(int steps, int64_t n);
 
 namespace detail {
 

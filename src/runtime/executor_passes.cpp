@@ -80,10 +80,15 @@ void check_batch_rows(const Bundle& in, const Bundle& tgt, int64_t n, bool every
     }
 }
 
-void PipelineRank::Impl::begin_pass(const Bundle& in, const Bundle& tgt, int64_t n, int steps, int m) {
+void check_steps_per_call(int steps, int64_t n) {
+  if (steps < 1) throw UsageError("steps per call must be >= 1, got " + std::to_string(steps));
   if (steps > n)
     throw UsageError("a call of " + std::to_string(steps) + " steps needs at least one sample per step but the " +
                      "batch has " + std::to_string(n) + ": pass more samples or fewer steps");
+}
+
+void PipelineRank::Impl::begin_pass(const Bundle& in, const Bundle& tgt, int64_t n, int steps, int m) {
+  check_steps_per_call(steps, n);
   check_batch_rows(in, tgt, n, false);
   ranges.clear();
   step_sizes.clear();

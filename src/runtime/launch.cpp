@@ -178,10 +178,16 @@ void Launcher::emit(int rank, int stream, const std::string& line) {
     const ssize_t n = ::write(fd, p, left);
     if (n < 0) {
       if (errno == EINTR) continue;
+      // A non-blocking stdout (inherited so from a CI runner or a multiplexer) is full for now: wait for room
+      // (up to 5 s, as a blocking stdout would block) rather than drop the line.
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        pollfd out{fd, POLLOUT, 0};
+        if (::poll(&out, 1, 5000) > 0) continue;
+      }
       // A closed reader (`| head`) wanted no more: drop the output, keep supervising. Any other failure
       // (a full disk under `> out.txt`, an I/O error) loses what the ranks printed: the run says so at
       // its end and does not exit 0.
-      if (errno != EPIPE) {
+      if (errno != EPIPE && rank >= 0) {  // the ranks' lines (the launcher's own reports are not counted)
         ++lost_lines_[stream == 1 ? 0 : 1];
         if (lost_errno_[stream == 1 ? 0 : 1] == 0) lost_errno_[stream == 1 ? 0 : 1] = errno;
       }

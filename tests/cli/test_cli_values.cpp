@@ -97,6 +97,7 @@ TEST(CliValues, ConfigFilesFalseValuesTwoFilesAndDecimalIntegers) {
 TEST(CliValues, ModelFlagsAndTheToleranceAreCheckedBeforeAnyWork) {
   expect_refused("profile --model mlp --data synthetic --layers 0 --repeats 1 --warmup 0",
                  "--layers must be >= 1, got 0 (it built the default depth): give the layers, or drop --layers");
+  expect_refused("selftest --layers 0 --transport local -s 1f1b -m 1", "--layers must be >= 1, got 0");
   const CommandResult vocab = run_pipetrain("profile --model gpt --data synthetic --vocab 0 --repeats 1 --warmup 0");
   EXPECT_EQ(vocab.code, 2) << vocab.out;
   EXPECT_TRUE(vocab.has("--vocab must be >= 1, got 0")) << vocab.out;
@@ -121,17 +122,18 @@ TEST(CliValues, LoopedSchedulesWithoutVirtualStagesAreRefused) {
 // Models past the host's memory: the cnn, resnet and unet counted only their input batch (--width 65536
 // asked LibTorch for 144 GiB and failed with a stack trace, --blocks 100000 grew for 30 s to bad_alloc), and
 // profile and selftest checked nothing. Each is refused before anything is built, with the flags to change.
+// The sizes need tens of TiB at least, past any host this suite runs on (the check compares with the host's memory).
 TEST(CliValues, ModelsPastTheHostsMemoryAreRefusedBeforeTheyAreBuilt) {
   const std::string train = "train --transport local --steps 1 --eval-every 0 ";
   const std::pair<std::string, std::string> rows[] = {
       {train + "--model cnn --width 65536", "use a smaller --width, --hidden or --batch-size"},
-      {train + "--model resnet --blocks 100000", "use a smaller --width, fewer --blocks or a smaller --batch-size"},
+      {train + "--model resnet --blocks 100000000", "use a smaller --width, fewer --blocks or a smaller --batch-size"},
       {train + "--model unet --width 100000", "use a smaller --width or --batch-size"},
-      {"profile --model gpt --data synthetic --d-model 100000 --heads 1 --repeats 1 --warmup 0",
+      {"profile --model gpt --data synthetic --d-model 10000000 --heads 1 --repeats 1 --warmup 0",
        "a smaller --d-model, --seq-len, --vocab or --microbatch-size"},
-      {"profile --model mlp --data synthetic --microbatch-size 100000000 --repeats 1 --warmup 0",
+      {"profile --model mlp --data synthetic --microbatch-size 2000000000 --repeats 1 --warmup 0",
        "a smaller --hidden or --microbatch-size"},
-      {"selftest --model mlp --data synthetic --batch-size 100000000 --transport local -s 1f1b -m 1",
+      {"selftest --model mlp --data synthetic --batch-size 100000000000 --transport local -s 1f1b -m 1",
        "a smaller --hidden or --batch-size"},
   };
   for (const auto& [args, fix] : rows) {

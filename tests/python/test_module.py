@@ -265,6 +265,15 @@ class Planning(unittest.TestCase):
         sim = pipetrain.simulate("1f1b", stages=2, microbatches=4, profile=small_profile(), balance="3,3")
         self.assertAlmostEqual(sim.per_stage[0].busy, 4 * ((1 + 2 + 3) + (2 + 4 + 6)))
 
+    def test_what_the_command_line_refuses_is_refused_here_too(self):
+        # A looped schedule without virtual stages is the unlooped one under its name; comm with a profile
+        # was ignored (its transfers are priced from bandwidth and latency).
+        with self.assertRaisesRegex(ValueError, "give virtual=2 or more, or ask for 1f1b"):
+            pipetrain.schedule("interleaved", stages=2, microbatches=4)
+        self.assertEqual(pipetrain.schedule("interleaved", stages=2, microbatches=4, virtual=2).ranks, 2)
+        with self.assertRaisesRegex(ValueError, "comm was ignored"):
+            pipetrain.simulate("1f1b", stages=2, microbatches=4, profile=small_profile(), balance="3,3", comm=5)
+
     def test_stage_costs_price_each_cut_by_its_own_bytes(self):
         # VGG-16's cuts carry very different activations: each boundary gets its own transfer time, the
         # largest is `comm`, and a CostModel built with them simulates the same as the one stage_costs gave.

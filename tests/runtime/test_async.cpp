@@ -787,4 +787,6 @@ TEST(AsyncExecutor, BadCombinationsAreUsageErrors) {
   const Data d = make_data(3);
   EXPECT_THROW(pipe.train_steps(d.x, d.y, 4), UsageError);  // 4 steps, 3 samples
   EXPECT_THROW(pipe.train_steps(d.x, d.y, 0), UsageError);
+  // Refused before its ranks start: the pipeline goes on training.
+  EXPECT_NO_THROW(pipe.train_steps(d.x, d.y, 3));
 }

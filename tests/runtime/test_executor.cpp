@@ -333,12 +333,13 @@ TEST(Executor, ALocalPipelineThatFailedInsideAStepRefusesLaterCallsSayingWhy) {
   for (const std::string& msg : {step_error(pipe, d), [&] {
          try {
            pipe.evaluate(Bundle(d.x), d.y, kBatch);
-         } catch (const UsageError& e) {
+         } catch (const RemoteFailure& e) {
            return std::string(e.what());
          }
          return std::string("no error");
        }()}) {
-    EXPECT_NE(msg.find("this LocalPipeline stopped at an earlier failure (rank 1: rank 1 at 1F2: injected failure)"),
+    EXPECT_NE(msg.find("rank 1 failed: this LocalPipeline stopped at that failure earlier (rank 1 at 1F2: injected "
+                       "failure)"),
               std::string::npos) << msg;
     EXPECT_NE(msg.find("build a new LocalPipeline"), std::string::npos) << msg;
   }
