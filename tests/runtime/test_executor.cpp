@@ -499,20 +499,25 @@ TEST(Executor, ZeroBubbleOnLayersWithoutASplitSaysHowMuchStaysFused) {
   EXPECT_EQ(stderr_of(o), "");
 }
 
+// The pipeline's forward_only and evaluate against the plain model's forward (in eval mode); the evaluation.
+static EvalStats expect_forward_as_plain(LocalPipeline& pipe, torch::nn::Sequential& model, const Data& d) {
+  model->eval();
+  const torch::Tensor want = model->forward(d.x).detach();
+  model->train();
+  const torch::Tensor got = pipe.forward_only(Bundle(d.x), kBatch);
+  EXPECT_TRUE(got.defined() && torch::allclose(got, want, 1e-5, 1e-6));
+  const EvalStats e = pipe.evaluate(Bundle(d.x), d.y, kBatch);
+  EXPECT_NEAR(e.loss, mse(want, d.y).item<double>(), 1e-5);
+  return e;
+}
+
 // LocalPipeline's bundle step, forward_only and evaluate are its ranks' (before it had none of them), and
 // transport(r) is rank r's.
 TEST(Executor, LocalPipelineEvaluatesAndStepsOnBundles) {
   const Data d = make_data();
   auto model = make_model(1);
   LocalPipeline pipe(model, mse, 2, PipelineOptions{});
-  model->eval();
-  const torch::Tensor want = model->forward(d.x).detach();
-  model->train();
-  const torch::Tensor got = pipe.forward_only(Bundle(d.x), kBatch);
-  ASSERT_TRUE(got.defined());
-  EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6));
-  const EvalStats e = pipe.evaluate(Bundle(d.x), d.y, kBatch);
-  EXPECT_NEAR(e.loss, mse(want, d.y).item<double>(), 1e-5);
+  const EvalStats e = expect_forward_as_plain(pipe, model, d);
   EXPECT_EQ(e.samples, kBatch);
   const double bundle_loss = pipe.train_step(Bundle(d.x), d.y, kBatch).loss;
   EXPECT_NEAR(bundle_loss, e.loss, 1e-5);  // the first step's loss is that of the weights evaluated
@@ -532,14 +537,7 @@ TEST(Executor, VSchedulesEvaluateAndRunForwardOnly) {
     o.schedule = schedule;
     o.microbatches = 4;
     LocalPipeline pipe(model, mse, 2, o);
-    model->eval();
-    const torch::Tensor want = model->forward(d.x).detach();
-    model->train();
-    const torch::Tensor got = pipe.forward_only(Bundle(d.x), kBatch);
-    ASSERT_TRUE(got.defined());
-    EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6));
-    const EvalStats e = pipe.evaluate(Bundle(d.x), d.y, kBatch);
-    EXPECT_NEAR(e.loss, mse(want, d.y).item<double>(), 1e-5);
+    const EvalStats e = expect_forward_as_plain(pipe, model, d);
     // A training step after them, and the evaluation again after the step.
     EXPECT_NEAR(pipe.train_step(d.x, d.y).loss, e.loss, 1e-5);
     EXPECT_LT(pipe.evaluate(Bundle(d.x), d.y, kBatch).loss, e.loss);
