@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "pipetrain/core/config.h"
+#include "pipetrain/core/looped.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/json_limits.h"
 #include "pipetrain/core/read_file.h"
@@ -244,11 +245,7 @@ Schedule ScheduleFlags::build() const {
       throw UsageError("missing --microbatches M (micro-batches per step, >= 1)");
     // Without --virtual a looped schedule was the unlooped one under its name (interleaved = 1f1b's
     // actions, looped-bfs = gpipe's), which a researcher comparing schedules took for a result; train refuses it.
-    if (schedule_traits(schedule).virtual_stages && virtual_stages == 1)
-      throw UsageError("schedule '" + schedule + "' loops several stages over each rank, but --virtual is 1" +
-                       (given("--virtual") ? std::string() : std::string(" (not given)")) + ", which gives " +
-                       (schedule == "interleaved" ? std::string("plain 1F1B's order") : "it without a loop") +
-                       ": give --virtual 2 or more" + (schedule == "interleaved" ? ", or ask for 1f1b" : ""));
+    refuse_looped_without_loops(schedule, virtual_stages, "--virtual", given("--virtual") ? "" : " (not given)");
     GeneratorOptions o;
     o.ranks = stages;
     o.microbatches = microbatches;

@@ -24,6 +24,7 @@
 #include "pipetrain/core/cost.h"
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
+#include "pipetrain/core/looped.h"
 #include "pipetrain/core/heap.h"
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/schedule.h"
@@ -373,11 +374,7 @@ Schedule make_schedule(const std::string& name, int stages, int microbatches, in
     validate(s, validate_options(memory_limit));
     return s;
   }
-  // As the command line: a looped schedule without virtual stages is the unlooped one under its name.
-  if (schedule_traits(name).virtual_stages && virtual_stages == 1)
-    throw UsageError("schedule '" + name + "' loops several stages over each rank, but virtual is 1, which gives " +
-                     (name == "interleaved" ? std::string("plain 1F1B's order") : "it without a loop") +
-                     ": give virtual=2 or more" + (name == "interleaved" ? ", or ask for 1f1b" : ""));
+  refuse_looped_without_loops(name, virtual_stages, "virtual");  // as the command line
   GeneratorOptions o;
   o.ranks = stages;
   o.microbatches = microbatches;

@@ -1,4 +1,5 @@
 #include "pipetrain/core/generators.h"
+#include "pipetrain/core/looped.h"
 
 #include <algorithm>
 #include <array>
@@ -657,6 +658,15 @@ const std::vector<std::string>& schedule_names() {
                                               "zb-auto", "zb-v",  "v-half",      "v-min",          "dualpipev", "interleaved-zb",
                                               "looped-bfs", "pipedream", "2bw", "spectrain"};
   return names;
+}
+
+void refuse_looped_without_loops(const std::string& schedule, int virtual_stages, const std::string& virtual_name,
+                                 const std::string& note) {
+  if (virtual_stages != 1 || !schedule_traits(schedule).virtual_stages) return;
+  const bool interleaved = schedule == "interleaved";
+  throw UsageError("schedule '" + schedule + "' loops several stages over each rank, but " + virtual_name + " is 1" +
+                   note + ", which gives " + (interleaved ? "plain 1F1B's order" : "it without a loop") + ": give " +
+                   virtual_name + " 2 or more" + (interleaved ? ", or ask for 1f1b" : ""));
 }
 
 ScheduleTraits schedule_traits(const std::string& name) {

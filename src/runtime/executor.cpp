@@ -14,6 +14,7 @@
 
 #include "pipetrain/core/error.h"
 #include "pipetrain/core/generators.h"
+#include "pipetrain/core/looped.h"
 #include "pipetrain/core/lower.h"
 #include "pipetrain/core/validate.h"
 #include "pipetrain/plan/balance.h"
@@ -262,12 +263,7 @@ void check_options(const PipelineOptions& options, int ranks, bool generate_sche
     throw UsageError("unknown backward split '" + o.backward_split + "': use auto, autograd or explicit");
   check_replication(o, ranks);
   if (o.virtual_stages < 1) throw UsageError("virtual stages must be >= 1, got " + std::to_string(o.virtual_stages));
-  if (schedule_traits(o.schedule).virtual_stages && o.virtual_stages == 1)
-    throw UsageError("schedule '" + o.schedule + "' loops several stages over each rank, but virtual_stages is 1 " +
-                     "(--virtual 1), which would run " +
-                     (o.schedule == "interleaved" ? std::string("plain 1F1B") : "it without a loop") +
-                     ": set virtual_stages (--virtual) to 2 or more" +
-                     (o.schedule == "interleaved" ? ", or ask for 1f1b" : ""));
+  refuse_looped_without_loops(o.schedule, o.virtual_stages, "virtual_stages", " (--virtual on the command line)");
   if (o.precision != "fp32" && o.precision != "bf16")
     throw UsageError("precision '" + o.precision + "' is unknown: use fp32 or bf16 (autocast to bfloat16)");
   const OptimizerOptions& opt = o.optimizer;

@@ -268,7 +268,7 @@ class Planning(unittest.TestCase):
     def test_what_the_command_line_refuses_is_refused_here_too(self):
         # A looped schedule without virtual stages is the unlooped one under its name; comm with a profile
         # was ignored (its transfers are priced from bandwidth and latency).
-        with self.assertRaisesRegex(ValueError, "give virtual=2 or more, or ask for 1f1b"):
+        with self.assertRaisesRegex(ValueError, "give virtual 2 or more, or ask for 1f1b"):
             pipetrain.schedule("interleaved", stages=2, microbatches=4)
         self.assertEqual(pipetrain.schedule("interleaved", stages=2, microbatches=4, virtual=2).ranks, 2)
         with self.assertRaisesRegex(ValueError, "comm was ignored"):
