@@ -210,19 +210,23 @@ void ModelFlags::check_fits(int64_t batch_size, int microbatches, int ranks_here
       layer_activations = mb * w * px * 4;
       fix = "use a smaller --width, --hidden or " + batch;
     } else if (model == "resnet") {
-      double conv = 9 * static_cast<double>(resnet.width);  // the stem
+      // The stem (1 -> w); per stage s of c = w 2^s channels, blocks x two 3x3 convs c -> c, except that the
+      // first conv of a later stage's first block comes from c / 2 (shortcuts and BatchNorms left out).
+      double conv = 9 * static_cast<double>(resnet.width);
       for (int st = 0; st < resnet.stages; ++st) {
         const double c = static_cast<double>(resnet.width) * std::pow(2.0, st);
-        conv += static_cast<double>(resnet.blocks) * 2 * 9 * c * c;
+        conv += (static_cast<double>(resnet.blocks) * 2 * 9 * c * c) - (st > 0 && resnet.blocks > 0 ? 4.5 * c * c : 0.0);
       }
       params = conv;
       layer_activations = mb * static_cast<double>(resnet.width) * px * 4;
       fix = "use a smaller --width, fewer --blocks or a smaller " + batch;
     } else if (model == "unet") {
+      // The down convs of levels 1 .. depth - 1 and the bottom's, each from c / 2 to c = w 2^k channels
+      // (level 0's from the input, the up convs and the head left out).
       double conv = 0;
-      for (int k = 0; k <= unet.depth; ++k) {
+      for (int k = 1; k <= unet.depth; ++k) {
         const double c = static_cast<double>(unet.width) * std::pow(2.0, k);
-        conv += 9 * c * c * (k == 0 ? 0.0 : 1.0);  // down k's conv from level k - 1 (level 0's from the input)
+        conv += 9 * (c / 2) * c;
       }
       params = conv;
       layer_activations = mb * static_cast<double>(unet.width) * px * 4;

@@ -532,13 +532,12 @@ int Launcher::run(const std::vector<std::string>& argv) {
   }
   cleanup();
   bool output_lost = false;
-  const long lost[2] = {lost_lines_[0], lost_lines_[1]};  // (a report below may fail too)
   for (int i = 0; i < 2; ++i) {
-    if (lost[i] == 0) continue;
+    if (lost_lines_[i] == 0) continue;
     output_lost = true;
     // stderr may be the stream that failed: this line is written there all the same (it may reach a
     // terminal when only stdout was redirected).
-    report(std::to_string(lost[i]) + " line(s) the ranks printed could not be written to " +
+    report(std::to_string(lost_lines_[i]) + " line(s) the ranks printed could not be written to " +
            (i == 0 ? "stdout" : "stderr") + " (" + std::strerror(lost_errno_[i]) +
            "): the run's output is incomplete; free space where it goes (or redirect it elsewhere) and run again");
   }

@@ -443,9 +443,9 @@ TEST(Executor, BadOptionsAreUsageErrors) {
   expect_usage(o, 2, "valid schedules are");
   o.schedule = "interleaved";  // virtual_stages 1 would run plain 1F1B (before: silently)
   expect_usage(o, 2, "schedule 'interleaved' loops several stages over each rank, but virtual_stages is 1");
-  expect_usage(o, 2, "set virtual_stages (--virtual) to 2 or more, or ask for 1f1b");
+  expect_usage(o, 2, "give virtual_stages 2 or more, or ask for 1f1b");
   o.schedule = "looped-bfs";
-  expect_usage(o, 2, "set virtual_stages (--virtual) to 2 or more");
+  expect_usage(o, 2, "which gives it without a loop: give virtual_stages 2 or more");
   o.schedule = "pipedream";  // asynchronous schedules: test_async.cpp has the rest
   expect_usage(o, 2, "a mini-batch is one micro-batch: got 4 micro-batches per step; use --microbatches 1");
   o = {};
