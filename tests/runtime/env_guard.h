@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 
+#include <unistd.h>
+
 #include "pipetrain/core/error.h"
 
 namespace pipetrain::testing {
@@ -48,6 +50,19 @@ inline std::string usage_error_of(const std::function<void()>& f) {
     return e.what();
   }
   return "(no UsageError)";
+}
+
+// This test program's path, for tests that start copies of it as ranks (each child runs one test, named
+// by --gtest_filter). gtest's sharding variables (GTEST_TOTAL_SHARDS, GTEST_SHARD_INDEX: a sharded run on
+// a many-core machine) are dropped from this process's environment first: a child inheriting them sharded
+// its one test away, ran nothing and passed, and the test then failed on ranks that did nothing. gtest
+// read them when this process started, so dropping them changes nothing here.
+inline std::string self_exe() {
+  ::unsetenv("GTEST_TOTAL_SHARDS");
+  ::unsetenv("GTEST_SHARD_INDEX");
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string("/proc/self/exe");
 }
 
 }  // namespace pipetrain::testing

@@ -251,11 +251,7 @@ TEST(TransportChild, Run) {
 
 // ---- the test's side ----------------------------------------------------------------------------
 
-std::string self_exe() {
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string("/proc/self/exe");
-}
+using pipetrain::testing::self_exe;  // env_guard.h: drops gtest's sharding for the children
 
 struct Outcome {
   int code = -1;

@@ -32,6 +32,7 @@
 
 #include "pipetrain/runtime/launch.h"
 #include "pipetrain/runtime/transport.h"
+#include "env_guard.h"
 
 namespace pipetrain {
 namespace {
@@ -365,11 +366,7 @@ TEST(ConformanceChild, Run) {
 
 // ---- the test's side -------------------------------------------------------------------------------
 
-std::string self_exe() {
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string("/proc/self/exe");
-}
+using pipetrain::testing::self_exe;  // env_guard.h: drops gtest's sharding for the children
 
 std::optional<std::string> mpirun_path() {
   for (const char* dir : {"/usr/bin", "/usr/local/bin"}) {
