@@ -18,6 +18,7 @@
 #include "pipetrain/core/timeline.h"
 #include "pipetrain/runtime/device.h"
 #include "pipetrain/runtime/executor.h"
+#include "pipetrain/runtime/profiler.h"
 #include "pipetrain/runtime/split_linear.h"
 #include "pipetrain/runtime/transport.h"
 #include "torch_compat.h"
@@ -291,6 +292,57 @@ TEST(DeviceCuda, EveryScheduleTrainsOnCudaAsOnTheCpu) {
     ASSERT_FALSE(gpu.last.timeline.events.empty()) << schedule;
     for (const TimedAction& e : gpu.last.timeline.events) EXPECT_GE(e.end, e.start) << schedule;
   }
+}
+
+// The profiler on a GPU (its timed runs are bursts of calls there): the layers it reports are the CPU's
+// (types, bytes, which layers split B from W), every time is positive and finite, split layers have a
+// W, and the model comes back as it went in (its weights unchanged, no gradients).
+TEST(DeviceCuda, TheProfilerMeasuresEveryLayerOnTheGpuAsOnTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  auto model_on = [](const torch::Device& d) {
+    torch::manual_seed(3);
+    torch::nn::Sequential m(pipetrain::nn::Linear(16, 32), torch::nn::Tanh(), pipetrain::nn::Linear(32, 4));
+    m->to(d);
+    return m;
+  };
+  auto mse = [](const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); };
+  torch::manual_seed(4);
+  const torch::Tensor x = torch::randn({8, 16}), y = torch::randn({8, 4});
+  Profile on[2];
+  for (int k = 0; k < 2; ++k) {
+    const torch::Device d = k == 0 ? torch::Device(torch::kCPU) : torch::Device(torch::kCUDA, 0);
+    torch::nn::Sequential m = model_on(d);
+    std::vector<torch::Tensor> before;
+    for (const auto& p : m->parameters()) before.push_back(p.detach().clone());
+    ProfilerOptions o;
+    o.repeats = 3;
+    o.warmup = 1;
+    o.loss = mse;
+    o.target = y;
+    o.device = d;
+    o.extra_sizes = {4};
+    on[k] = profile_model(m, x, o);
+    const auto after = m->parameters();
+    for (std::size_t i = 0; i < after.size(); ++i) {
+      EXPECT_TRUE(torch::equal(after[i].detach(), before[i])) << d << " parameter " << i;
+      EXPECT_FALSE(after[i].grad().defined() && after[i].grad().abs().sum().item<double>() > 0) << d << " parameter " << i;
+    }
+  }
+  ASSERT_EQ(on[0].layers.size(), on[1].layers.size());
+  for (std::size_t l = 0; l < on[1].layers.size(); ++l) {
+    const LayerProfile &c = on[0].layers[l], &g = on[1].layers[l];
+    EXPECT_EQ(g.type, c.type) << l;
+    EXPECT_EQ(g.parameter_bytes, c.parameter_bytes) << l;
+    EXPECT_EQ(g.activation_bytes, c.activation_bytes) << l;
+    EXPECT_EQ(g.bw_split, c.bw_split) << l;
+    for (double t : {g.forward_ms, g.backward_ms, g.input_grad_ms})
+      EXPECT_TRUE(std::isfinite(t) && t > 0) << l << ": " << t;
+    if (g.bw_split) EXPECT_GT(g.weight_grad_ms, 0) << l;
+    if (g.parameter_bytes > 0) EXPECT_GT(g.optimizer_ms, 0) << l;
+    ASSERT_EQ(g.by_micro_batch.size(), 1u) << l;
+    EXPECT_GT(g.by_micro_batch[0].forward_ms, 0) << l;
+  }
+  EXPECT_TRUE(on[1].layers[0].bw_split);  // a pipetrain::nn::Linear alone splits
 }
 
 TEST(DeviceCuda, TheRankComputesOnItsOwnStreamAndHandsItsOutputsOver) {

@@ -41,7 +41,9 @@ struct ProfilerOptions {
   std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)> loss;
   torch::Tensor target;
   // Where to measure: the model (moved there), the input and the target. On a GPU every timing waits for
-  // the device, so the times are the kernels' and not their launches'; the memory columns (saved_bytes,
+  // the device, so the times are the kernels' and not their launches', and each timed run is a burst of 4
+  // calls back to back (divided by 4), so that the launch and the wait of a lone call, which a stage's
+  // chain of layers hides, are not counted per layer; the memory columns (saved_bytes,
   // w_held_bytes) count the caching allocator's bytes in tensors where LibTorch offers them
   // (runtime/device.h; 2.9 on), else the host heap, which a GPU's layers do not use.
   torch::Device device = torch::kCPU;
