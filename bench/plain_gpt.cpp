@@ -48,7 +48,7 @@ int usage(const char* argv0, bool help = false) {
   std::fprintf(help ? stdout : stderr,
                "usage: %s [--layers N (4)] [--d-model C (128)] [--heads H (4)] [--vocab V (96)] [--seq-len T (64)]\n"
                "          [--batch-size B (16)] [--microbatches M (4)] [--steps K (10)] [--threads N (1)] [--seed S (0)]\n"
-               "          [--memory] [--stage-times] [--stages P (2)] [--balance a,b,...] [--quick]\n"
+               "          [--memory] [--stage-times] [--stages P (2)] [--balance a,b,...] [--device D (cpu)] [--quick]\n"
                "--quick (the `make test` run): defaults of 2 layers, d-model 32, 2 heads, seq-len 16, batch 8, 2\n"
                "micro-batches, 3 steps; flags given after it still apply\n",
                argv0);
@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   int microbatches = 4, steps = 10, threads = 1, stages = 2;
   uint64_t seed = 0;
   bool memory = false, stage_times = false;
-  std::string balance_text;
+  std::string balance_text, device_text = "cpu";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--memory" || a == "--stage-times") {
@@ -113,6 +113,7 @@ int main(int argc, char** argv) {
     else if (a == "--seed") seed = std::strtoull(v.c_str(), nullptr, 10);
     else if (a == "--stages") stages = std::atoi(v.c_str());
     else if (a == "--balance") balance_text = v;
+    else if (a == "--device") device_text = v;
     else return usage(argv[0]);
   }
   if (steps < 1 || threads < 1 || stages < 1) return usage(argv[0]);
@@ -120,6 +121,8 @@ int main(int argc, char** argv) {
     at::set_num_threads(threads);
     // The weights `pipetrain train` builds: each layer from (seed, layer), as its ranks draw them.
     torch::nn::Sequential model = pipetrain::build_all(pipetrain::zoo::gpt_layers(c, seed));
+    const torch::Device device(device_text);  // --device cuda: the same steps on a GPU (the loss read syncs)
+    model->to(device);
     auto data = pipetrain::zoo::make_synthetic_tokens(c.vocab, c.seq_len, seed + 1);
     const auto ranges = pipetrain::split_equal(batch_size, microbatches);
     int64_t params = 0;
@@ -150,6 +153,8 @@ int main(int argc, char** argv) {
     auto ms_since = [](auto t) { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count(); };
     for (int step = 0; step < steps; ++step) {
       pipetrain::zoo::Batch b = data->batch(step, batch_size);
+      b.input = b.input.to(device);
+      b.target = b.target.to(device);
       const double heap0 = heap_in_use();
       const auto t0 = std::chrono::steady_clock::now();
       double loss_sum = 0;
@@ -222,6 +227,8 @@ int main(int argc, char** argv) {
       // One micro-batch (the first range's size), forward layer by layer with the graph kept: the heap
       // growth after layer l is what the slot of a stage ending at l holds until its backward.
       pipetrain::zoo::Batch b = data->batch(0, batch_size);
+      b.input = b.input.to(device);
+      b.target = b.target.to(device);
       const int64_t mb = ranges[0].second - ranges[0].first;
       torch::Tensor x = b.input.slice(0, 0, mb);
       std::vector<double> per_layer;

@@ -100,19 +100,37 @@ fi
 for st in 1 2 4; do
   run "$B/pipetrain" train "${G[@]}" --transport local --stages $st -m 8
 done
+run "$B/pipetrain" profile --model gpt --data synthetic --layers $LAYERS --d-model $D --heads $HEADS --seq-len $SEQ \
+  --vocab $VOCAB --microbatch-size $((BATCH / 4)) --device $DEV --out "$OUT/gpt-profile.json"
+t "simulate --profile (the prediction against train's measured median step, one rank, m=4)"
+if sim=$("$B/pipetrain" simulate --profile "$OUT/gpt-profile.json" --stages 1 --schedule 1f1b --microbatches 4 2>&1); then
+  echo "$sim" | head -3
+  predicted=$(echo "$sim" | sed -n 's/^makespan \([0-9.]*\) ms.*/\1/p')
+  measured=$(sed -n 's/.*median step \([0-9.]*\) ms.*/\1/p' "$OUT/one.txt" | head -1)
+  if [[ -n $predicted && -n $measured ]]; then
+    echo "prediction: $predicted ms per step from the profile, train measured $measured ms:" \
+      "predicted/measured $(awk -v p="$predicted" -v m="$measured" 'BEGIN { printf "%.2f", p / m }')"
+  else
+    echo "FAILED: no makespan in simulate's output or no median step in train's"; status=1
+  fi
+else
+  echo "$sim" | tail -5; echo "FAILED: simulate --profile"; status=1
+fi
+if [[ ${QUICK:-0} == 1 ]]; then run "$B/bench/bench_optimizer_step" --quick
+else run "$B/bench/bench_optimizer_step" --device cuda; fi
+# The same steps in plain LibTorch C++ (bench_plain_gpt: LibTorch's Adam, no pipeline): separates what
+# pipetrain adds from what LibTorch's C++ operators cost against PyTorch's eager Python.
+run "$B/bench/bench_plain_gpt" "${SHAPE[@]}" --microbatches 4 --steps $STEPS --device $DEV
+# Last, as the longest (a time limit cuts it, not the checks above). lr 3e-4: at train's default 3e-3 this
+# 0.8-billion-parameter GPT's loss rose over the 6 steps (5.81 -> 6.99 on an H200), at 3e-4 it falls.
 if [[ ${LARGE:-0} == 1 && $DEV == cuda ]]; then
   L=(--model gpt --data synthetic --layers 16 --d-model 2048 --heads 16 --seq-len 1024 --vocab 256 --batch-size 16
-     -m 8 --steps 6 --eval-every 0 --sample 0 --optimizer adam --progress quiet --device cuda --precision bf16
+     -m 8 --steps 6 --eval-every 0 --sample 0 --optimizer adam --lr 3e-4 --progress quiet --device cuda --precision bf16
      --transport local --stages 2)
   for sc in "1f1b" "zb-h1" "zb-v" "v-min" "interleaved --virtual 2"; do
     # shellcheck disable=SC2086
     run "$B/pipetrain" train "${L[@]}" --schedule $sc
   done
 fi
-run "$B/pipetrain" profile --model gpt --data synthetic --layers $LAYERS --d-model $D --heads $HEADS --seq-len $SEQ \
-  --vocab $VOCAB --microbatch-size $((BATCH / 4)) --device $DEV --out "$OUT/gpt-profile.json"
-run "$B/pipetrain" simulate --profile "$OUT/gpt-profile.json" --stages 1 --schedule 1f1b --microbatches 4
-if [[ ${QUICK:-0} == 1 ]]; then run "$B/bench/bench_optimizer_step" --quick
-else run "$B/bench/bench_optimizer_step" --device cuda; fi
 t "done"
 exit $status
