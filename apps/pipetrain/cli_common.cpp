@@ -314,10 +314,14 @@ Profile ScheduleFlags::load_profile_flags() const {
 
 std::pair<double, double> ScheduleFlags::transfer_options(const Profile& p) const {
   if (bandwidth_gbps < 0 || latency_us < 0) throw UsageError("--bandwidth and --latency must be >= 0");
-  const bool given = (bandwidth_option && bandwidth_option->count() > 0) || (latency_option && latency_option->count() > 0);
-  if (!given)
-    if (const auto t = profile_transfers(p)) return {t->bandwidth_bytes_per_ms, t->latency_ms};
-  return {bandwidth_gbps * 1e6, latency_us / 1e3};
+  // Each of the two from its flag when given, else from the profile's measured transfers when it has them
+  // (--latency alone keeps the measured bandwidth, as --bandwidth's help says), else the flag's default.
+  std::pair<double, double> out{bandwidth_gbps * 1e6, latency_us / 1e3};
+  if (const auto t = profile_transfers(p)) {
+    if (!(bandwidth_option && bandwidth_option->count() > 0)) out.first = t->bandwidth_bytes_per_ms;
+    if (!(latency_option && latency_option->count() > 0)) out.second = t->latency_ms;
+  }
+  return out;
 }
 
 CostModel ScheduleFlags::profile_costs(int total_stages, int ranks) const {

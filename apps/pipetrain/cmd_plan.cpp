@@ -256,13 +256,17 @@ Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
   }
   // A profile with measured runtime costs gives the transfers (unless --bandwidth or --latency is given)
   // and the per-action overhead (stage_costs reads it) to every candidate's simulation.
-  const bool transfers_given = cmd->get_option("--bandwidth")->count() > 0 || cmd->get_option("--latency")->count() > 0;
-  if (const auto t = profile_transfers(prof); t && !transfers_given) {
-    f->bandwidth_gbps = t->bandwidth_bytes_per_ms / 1e6;
-    f->latency_us = t->latency_ms * 1e3;
-    std::cout << fmt::format("transfers and overhead as measured over {}: {:.2f} us + bytes at {}, {:.2f} us "
+  // Each of --bandwidth and --latency not given is the profile's measured one.
+  const bool bandwidth_given = cmd->get_option("--bandwidth")->count() > 0;
+  const bool latency_given = cmd->get_option("--latency")->count() > 0;
+  const bool transfers_given = bandwidth_given || latency_given;
+  if (const auto t = profile_transfers(prof)) {
+    if (!bandwidth_given) f->bandwidth_gbps = t->bandwidth_bytes_per_ms / 1e6;
+    if (!latency_given) f->latency_us = t->latency_ms * 1e3;
+    std::cout << fmt::format("transfers and overhead as measured over {}: {:.2f} us{} + bytes at {}{}, {:.2f} us "
                              "per compute action\n",
-                             excerpt(prof.runtime->transport), f->latency_us, bandwidth_text(f->bandwidth_gbps),
+                             excerpt(prof.runtime->transport), f->latency_us, latency_given ? " (--latency)" : "",
+                             bandwidth_text(f->bandwidth_gbps), bandwidth_given ? " (--bandwidth)" : "",
                              prof.runtime->overhead_ms * 1e3);
   }
   // And its measured all-reduce prices the replicas' gradients on one host (not across --level links).

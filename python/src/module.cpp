@@ -292,9 +292,13 @@ void check_cost_flags(const CostFlags& f) {
 std::pair<double, double> transfer_options(const CostFlags& f, const Profile& p) {
   check_nonneg("bandwidth", f.bandwidth, "free transfers; None: the profile's measured, else free");
   check_nonneg("latency", f.latency);
-  if (!f.bandwidth && !f.latency)
-    if (const auto t = profile_transfers(p)) return {t->bandwidth_bytes_per_ms, t->latency_ms};
-  return {f.bandwidth.value_or(0) * 1e6, f.latency.value_or(0) / 1e3};
+  // Each of the two given, or the profile's measured one, or the default (as pipetrain simulate).
+  std::pair<double, double> out{f.bandwidth.value_or(0) * 1e6, f.latency.value_or(0) / 1e3};
+  if (const auto t = profile_transfers(p)) {
+    if (!f.bandwidth) out.first = t->bandwidth_bytes_per_ms;
+    if (!f.latency) out.second = t->latency_ms;
+  }
+  return out;
 }
 
 CostModel profile_costs(const CostFlags& f, const Profile& p, int total_stages) {
@@ -600,14 +604,13 @@ void check_transfer_flags(double bandwidth_gbps, double latency_us, double memor
   if (memory_gib < 0) throw UsageError("memory must be >= 0 GiB, got " + std::to_string(memory_gib));
 }
 
-// The transfers `pipetrain plan` plans with: the flags, or a measured profile's when neither is given.
+// The transfers `pipetrain plan` plans with: each given, or a measured profile's, or the default.
 std::pair<double, double> plan_transfers(const Profile& prof, std::optional<double> bandwidth, std::optional<double> latency) {
   double gbps = bandwidth.value_or(10.0), us = latency.value_or(50.0);
-  if (!bandwidth && !latency)
-    if (const auto t = profile_transfers(prof)) {
-      gbps = t->bandwidth_bytes_per_ms / 1e6;
-      us = t->latency_ms * 1e3;
-    }
+  if (const auto t = profile_transfers(prof)) {
+    if (!bandwidth) gbps = t->bandwidth_bytes_per_ms / 1e6;
+    if (!latency) us = t->latency_ms * 1e3;
+  }
   return {gbps, us};
 }
 

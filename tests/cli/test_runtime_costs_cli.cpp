@@ -53,8 +53,14 @@ TEST(RuntimeCostsCli, SimulateAddsAProfilesTransfersAndOverhead) {
   std::ofstream(dir / "runtime.json") << two_layer_profile(kRuntime);
   EXPECT_DOUBLE_EQ(makespan("--profile " + (dir / "plain.json").string()), 8.0);
   EXPECT_NEAR(makespan("--profile " + (dir / "runtime.json").string()), 8.0 + 2 * (0.05 + 2.0) + 4 * 0.125, 1e-9);
-  // --latency (or --bandwidth) given: the flags set the transfers; the overhead stays the profile's.
-  EXPECT_NEAR(makespan("--profile " + (dir / "runtime.json").string() + " --latency 100"), 8.0 + 2 * 0.1 + 0.5, 1e-9);
+  // --latency given: it sets the latency, the bandwidth stays the measured one (each flag replaces its own
+  // term only), and so does the overhead; both given, the measured transfers are not used at all.
+  EXPECT_NEAR(makespan("--profile " + (dir / "runtime.json").string() + " --latency 100"),
+              8.0 + 2 * (0.1 + 2.0) + 0.5, 1e-9);
+  EXPECT_NEAR(makespan("--profile " + (dir / "runtime.json").string() + " --bandwidth 0.0004"),
+              8.0 + 2 * (0.05 + 1.0) + 0.5, 1e-9);
+  EXPECT_NEAR(makespan("--profile " + (dir / "runtime.json").string() + " --latency 100 --bandwidth 0"),
+              8.0 + 2 * 0.1 + 0.5, 1e-9);
 }
 
 TEST(RuntimeCostsCli, PlanUsesTheMeasuredTransfers) {
@@ -70,7 +76,9 @@ TEST(RuntimeCostsCli, PlanUsesTheMeasuredTransfers) {
   r = run_pipetrain("plan --profile " + (dir / "runtime.json").string() +
                     " --ranks 2 --batch-size 4 --microbatch-counts 1 --schedules gpipe --balances uniform --latency 0");
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_FALSE(r.has("as measured over")) << r.out;
+  // --latency given: the measured bandwidth stays, and the line says which term is whose.
+  EXPECT_TRUE(r.has("as measured over shm: 0.00 us (--latency) + bytes at 0.0002 GB/s, 125.00 us")) << r.out;
+  EXPECT_TRUE(r.has(" 12.50 ")) << r.out;  // 12.6 less the two transfers' 0.05 ms latency
   // A fit that found no bandwidth term (latency only): the bytes cost nothing, and plan says so
   // instead of printing the largest double as GB/s.
   std::ofstream(dir / "latency-only.json")
