@@ -287,7 +287,8 @@ def simulate(
     when it replicates them (replication=[3, 1]: stages=2); microbatches per step; replication its replicas
     per stage; exact=True (and exact_nodes) a schedule that schedule(..., exact=True) built, whose search
     summary the Simulation then carries.
-    costs: a CostModel, or (None) the one costs() makes from cost/comm/profile/... . A cost keyword not
+    costs: a CostModel (then no cost keyword may be given: TypeError), or (None) the one costs() makes from
+    cost/comm/profile/... . A cost keyword not
     given (None) is, for a Schedule object that schedule() built, the one it was built with
     (Schedule.built_with; cost= replaces a recorded profile and profile= a recorded cost), else the command
     line's default (cost '1:1:1', comm 0, balance 'time', ...): ``simulate(schedule("zb-auto", ...,
@@ -302,6 +303,15 @@ def simulate(
     given_costs = dict(cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,
                        microbatch_size=microbatch_size, bandwidth=bandwidth, latency=latency,
                        pipedream_batch=pipedream_batch)
+    if costs is not None:  # a CostModel fixes every cost: the cost keywords would do nothing
+        named = [f"{k}={v!r}" for k, v in given_costs.items() if v is not None]
+        if skip_bandwidth:
+            named.append(f"skip_bandwidth={skip_bandwidth!r}")
+        if named:
+            raise TypeError(f"simulate: costs= is a CostModel, which fixes every cost, and {', '.join(named)} would "
+                            "do nothing: drop costs= (the keywords then make the costs, as costs() does), or drop "
+                            f"{'them' if len(named) > 1 else 'it'}; to plan a schedule with some costs and time it with "
+                            "a CostModel, build it with schedule(...) first")
     if isinstance(schedule, str):
         kw = _cost_keywords(given_costs, None, "simulate")
         schedule, found = globals()["schedule"](

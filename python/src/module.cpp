@@ -778,10 +778,22 @@ PYBIND11_MODULE(_pipetrain, m) {
           "exact_result after exact=True), or None for a Schedule made otherwise. simulate() and costs() take their "
           "cost keywords from it when not given. Copies and pickles keep it.")
       .def_readwrite("name", &Schedule::name)
-      .def_readwrite("ranks", &Schedule::ranks, "p: ranks (devices, processes)")
+      // ranks and microbatches_per_step divide (virtual_stages, steps, repr): below 1 they are refused here,
+      // where a 0 ended the interpreter with SIGFPE at the next repr.
+      .def_property("ranks", [](const Schedule& s) { return s.ranks; },
+                    [](Schedule& s, int v) {
+                      if (v < 1) throw UsageError("Schedule.ranks=" + std::to_string(v) + " must be >= 1 (p, the ranks)");
+                      s.ranks = v;
+                    }, "p: ranks (devices, processes), >= 1")
       .def_readwrite("stages", &Schedule::stages, "S: (virtual) stages, p * v for the looped and V schedules")
       .def_readwrite("microbatches", &Schedule::microbatches, "micro-batches over all steps")
-      .def_readwrite("microbatches_per_step", &Schedule::microbatches_per_step)
+      .def_property("microbatches_per_step", [](const Schedule& s) { return s.microbatches_per_step; },
+                    [](Schedule& s, int v) {
+                      if (v < 1)
+                        throw UsageError("Schedule.microbatches_per_step=" + std::to_string(v) +
+                                         " must be >= 1 (m, the micro-batches of one optimizer step)");
+                      s.microbatches_per_step = v;
+                    }, "m: micro-batches per optimizer step, >= 1")
       .def_readwrite("synchronous", &Schedule::synchronous, "flushes at every optimizer step")
       .def_readwrite("stage_rank", &Schedule::stage_rank, "stage_rank[s]: the rank that owns stage s")
       .def_readwrite("stage_replicas", &Schedule::stage_replicas, "per stage its replicas' ranks (1F1B-RR); [] if none")

@@ -223,6 +223,24 @@ TEST(CliRendezvous, ALoneRankStopsAfterTheRendezvousTimeout) {
   EXPECT_TRUE(r.has("timed out after 2 s")) << r.out;
 }
 
+// A hand-started shm rank 0 whose peer never came, interrupted (Ctrl-C) while it waits: it made its
+// /dev/shm segment as soon as it joined the store, and the signal left it there for good (8 MiB for 2
+// ranks). The segment is made once every rank has joined now, so nothing is left.
+TEST(CliRendezvous, AnInterruptedLoneShmRankLeavesNothingInDevShm) {
+  const std::string prefix = "pipetrain-lone-" + std::to_string(::getpid());
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
+                          " RANK=0 WORLD_SIZE=2 PIPETRAIN_SHM_PREFIX=" + prefix + " ";
+  const CommandResult r = run_command("timeout -s INT 8 env " + env + bin + mlp + " --transport shm --steps 1");
+  EXPECT_EQ(r.code, 124) << "the lone rank did not wait for its peer: " << r.out;
+  int left = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) {
+      ++left;
+      std::filesystem::remove(e.path());
+    }
+  EXPECT_EQ(left, 0) << "segments named " << prefix << "* left in /dev/shm";
+}
+
 // issue 23: without a token, a second run's rank 1 joined another run's store as a duplicate rank 1 and
 // killed that run with a misleading Gloo message. The store refuses a second process claiming a rank
 // that has joined, and the first run trains on undisturbed.

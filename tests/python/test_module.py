@@ -685,6 +685,38 @@ class ReleasesTheGil(unittest.TestCase):
         self.assertGreater(ticks, 20)
 
 
+class CostModelAndCostKeywords(unittest.TestCase):
+    """A CostModel given to simulate() fixes the costs: cost keywords beside it are refused, not dropped (a
+    tester's finding, 2026-11-28: comm=5 beside a CostModel gave the CostModel's makespan)."""
+
+    def test_cost_keywords_beside_a_cost_model_are_refused(self):
+        c = pipetrain.CostModel.uniform(4)
+        base = pipetrain.simulate("1f1b", c, stages=4, microbatches=8).makespan
+        self.assertEqual(base, pipetrain.simulate("1f1b", stages=4, microbatches=8).makespan)
+        for kw in ({"comm": 5}, {"cost": "9:9:9"}, {"skips": ["0:3:4"], "skip_bandwidth": 0.01}, {"balance": "uniform"}):
+            with self.subTest(kw=kw), self.assertRaisesRegex(TypeError, "costs= is a CostModel.*would do nothing"):
+                pipetrain.simulate("1f1b", c, stages=4, microbatches=8, **kw)
+        s = pipetrain.schedule("1f1b", stages=4, microbatches=8)
+        with self.assertRaisesRegex(TypeError, r"comm=5 would do nothing"):
+            pipetrain.simulate(s, c, comm=5)
+
+
+class ScheduleFieldsThatDivide(unittest.TestCase):
+    """ranks and microbatches_per_step below 1 are refused when set (a 0 ended the interpreter with SIGFPE at
+    the next repr or steps)."""
+
+    def test_zero_is_refused_and_the_schedule_stays_usable(self):
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=4)
+        with self.assertRaisesRegex(ValueError, "microbatches_per_step=0 must be >= 1"):
+            s.microbatches_per_step = 0
+        with self.assertRaisesRegex(ValueError, "ranks=-1 must be >= 1"):
+            s.ranks = -1
+        self.assertEqual((s.ranks, s.microbatches_per_step, s.steps, s.virtual_stages), (2, 4, 1, 1))
+        self.assertIn("steps=1", repr(s))
+        s.microbatches_per_step = 2
+        self.assertEqual(s.steps, 2)
+
+
 class ScheduleObjectKeywords(unittest.TestCase):
     """simulate(Schedule, ...) takes the generation keywords that equal the schedule's own (a tester's findings,
     2026-11-28: stages= was compared with the ranks, replication= and exact= always raised)."""
