@@ -699,6 +699,56 @@ void adopt_checkpoint_model(TrainFlags* f, const CLI::App* cmd) {
   if (!given("--optimizer") && saved.contains("optimizer") && saved["optimizer"].is_object() &&
       saved["optimizer"].contains("name") && saved["optimizer"]["name"].is_string())
     f->optimizer = saved["optimizer"]["name"].get<std::string>();
+  // The training's own settings, so that a resume continues the same training (check_checkpoint_flags
+  // refuses given ones that differ): the optimizer's, the mini-batch, and, unless a plan or a schedule is
+  // given, the schedule and its micro-batches (a resume at other --stages keeps them too).
+  const auto take_run = [&](const char* flag, const nlohmann::json& from, const char* key, auto& field) {
+    if (!given(flag) && from.is_object() && from.contains(key) && !from[key].is_null())
+      field = from[key].get<std::decay_t<decltype(field)>>();
+  };
+  const nlohmann::json o = saved.value("optimizer", nlohmann::json::object());
+  take_run("--lr", o, "lr", f->lr);
+  take_run("--lr-schedule", o, "lr_schedule", f->lr_schedule);
+  take_run("--warmup", o, "warmup", f->warmup);
+  take_run("--clip", o, "clip", f->clip);
+  take_run("--weight-decay", o, "weight_decay", f->weight_decay);
+  take_run("--momentum", o, "momentum", f->momentum);
+  if (!given("--plan")) {
+    take_run("--batch-size", saved, "batch_size", f->batch_size);
+    if (!given("--schedule")) {
+      take_run("--schedule", saved, "schedule", f->pipe.schedule);
+      take_run("--microbatches", saved, "microbatches", f->pipe.microbatches);
+      take_run("--virtual", saved, "virtual_stages", f->pipe.virtual_stages);
+    }
+  }
+}
+
+// The flags of a resumed run that would train something else than the checkpoint's run: its optimizer's
+// settings, its mini-batch, and its kind of schedule (synchronous, or which asynchronous one; the
+// pipeline's shape may change). One line per difference, as run_differences writes them.
+std::vector<std::string> training_differences(const nlohmann::json& saved, const TrainFlags& f, int total_steps) {
+  const nlohmann::json now = run_json(f, total_steps);
+  std::vector<std::string> out;
+  nlohmann::json then_opt = saved.value("optimizer", nlohmann::json::object()), now_opt = now["optimizer"];
+  if (!then_opt.is_object()) return out;
+  nlohmann::json a = nlohmann::json::object(), b = nlohmann::json::object();
+  for (const char* key : {"lr", "lr_schedule", "warmup", "clip", "weight_decay", "momentum"})
+    if (then_opt.contains(key)) {
+      a[key] = then_opt[key];
+      b[key] = now_opt[key];
+    }
+  for (const auto& d : run_differences({{"optimizer", a}}, {{"optimizer", b}}, {"optimizer"})) out.push_back(d);
+  if (saved.contains("batch_size"))
+    for (const auto& d : run_differences({{"batch_size", saved["batch_size"]}}, {{"batch_size", f.batch_size}}, {"batch_size"}))
+      out.push_back(d);
+  if (saved.contains("schedule") && saved["schedule"].is_string()) {
+    const std::string was = saved["schedule"].get<std::string>();
+    if ((is_async(was) || is_async(f.pipe.schedule)) && was != f.pipe.schedule)
+      out.push_back("schedule: " + was + " in the checkpoint, " + f.pipe.schedule + " in this run (" +
+                    (is_async(was) ? was + " trains asynchronously" : f.pipe.schedule + " trains asynchronously") +
+                    ": another training, not a continuation; a synchronous schedule may change to another)");
+  }
+  return out;
 }
 
 void check_checkpoint_flags(TrainFlags* f, const CLI::App* cmd) {
@@ -742,6 +792,12 @@ void check_checkpoint_flags(TrainFlags* f, const CLI::App* cmd) {
                                                                           .value("name", std::string())}}}},
                                          {{"optimizer", {{"name", f->optimizer}}}}, {"optimizer"}))
       diffs.push_back(d);
+    {
+      // The run's length first (as below), which the recorded warm-up was resolved with.
+      const bool length_given = cmd->get_option("--steps")->count() > 0 || cmd->get_option("--epochs")->count() > 0;
+      const int total = length_given || saved.value("steps", 0) <= 0 ? std::max(f->steps, 0) : saved.value("steps", 0);
+      for (const auto& d : training_differences(saved, *f, total)) diffs.push_back(d);
+    }
     if (!diffs.empty()) {
       std::string msg = "checkpoint " + f->resume + " does not match this run:";
       for (const auto& d : diffs) msg += "\n  " + d;

@@ -71,6 +71,7 @@ nlohmann::json run_json(const TrainFlags& f, int total_steps) {
           {"batch_size", f.batch_size},
           {"schedule", f.pipe.schedule},
           {"microbatches", f.pipe.microbatches},
+          {"virtual_stages", f.pipe.virtual_stages},
           {"steps", total_steps}};
   if (is_async(f.pipe.schedule))
     j["asynchronous"] = {
@@ -90,7 +91,13 @@ std::string eval_text(const TrainFlags& f, const EvalResult& e) {
 std::pair<std::string, std::string> generate_text(const TrainFlags& f, PipelineRank& rank, Transport& t,
                                                   zoo::Dataset* data) {
   torch::Tensor context;
-  if (data) context = data->eval_batch(0, 1).input;  // [1, T]
+  if (data) {
+    const zoo::Batch b = data->eval_batch(0, 1);
+    context = b.input;  // [1, T]
+    // Variable-length lines are padded to T: the prompt is the line's own characters, not the padding
+    // (which decodes as newlines the text does not have).
+    if (b.mask.defined()) context = context.slice(1, 0, std::max<int64_t>(1, b.mask.sum().item<int64_t>()));
+  }
   const std::vector<int64_t> tokens =
       generate_tokens(rank, t, context, f.sample, f.temperature, static_cast<uint64_t>(f.model.seed) + 7);
   if (!data || t.rank() != rank.schedule().rank_of(0)) return {};

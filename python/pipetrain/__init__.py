@@ -223,6 +223,44 @@ def costs(
     return _checked_costs(schedule, checked=False, skip_bandwidth=skip_bandwidth, **kw)
 
 
+_schedule_costs = costs  # the function, for the wrappers below whose own parameter is named costs
+
+
+def _own_costs(schedule: Schedule, costs: Optional[CostModel]) -> Optional[CostModel]:
+    """costs, or (None) those of the keywords schedule() built the schedule with, as simulate() takes them."""
+    if costs is None and isinstance(schedule, Schedule) and schedule.built_with:
+        return _schedule_costs(schedule)
+    return costs
+
+
+def _keep_built_with(source: Schedule, out: Schedule) -> Schedule:
+    if isinstance(source, Schedule) and source.built_with is not None:
+        out.built_with = dict(source.built_with)
+    return out
+
+
+def lower(schedule: Schedule, costs: Optional[CostModel] = None) -> Schedule:
+    """Inserts the send and receive actions (pipetrain schedule --lower), in an order that cannot deadlock on
+    blocking transports. costs only decide how early transfers are posted: None is the costs the schedule was
+    built with (Schedule.built_with, as simulate() takes them; schedule --lower --cost ... does the same),
+    else F = B = W = 1. The result keeps Schedule.built_with, so simulate(lower(s)) times it at s's costs."""
+    return _keep_built_with(schedule, _pipetrain.lower(schedule, _own_costs(schedule, costs)))
+
+
+def strip_communication(schedule: Schedule) -> Schedule:
+    """The inverse of lower(); the result keeps Schedule.built_with."""
+    return _keep_built_with(schedule, _pipetrain.strip_communication(schedule))
+
+
+def predict_heap(schedule: Schedule, costs: Optional[CostModel] = None, reference: bool = False,
+                 receives_ahead: int = 4, sends_in_flight: int = 4):
+    """Per rank the peak of what a step adds to the heap (activations, weight gradients, transfer buffers).
+    costs: None is the costs the schedule was built with (Schedule.built_with), as simulate() takes them,
+    else micro-batches at F = B = W = 1 (memory in micro-batches). reference=True: the blocking reference
+    executor (train --reference)."""
+    return _pipetrain.predict_heap(schedule, _own_costs(schedule, costs), reference, receives_ahead, sends_in_flight)
+
+
 def _checked_costs(schedule: Schedule, checked: bool = True, **kw) -> CostModel:
     # checked=True: costs() for a schedule simulate() has validated already.
     return _pipetrain._costs(schedule, kw["cost"], kw["comm"], kw["profile"], kw["balance"], kw["balance_solver"],

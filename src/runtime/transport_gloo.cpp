@@ -365,10 +365,16 @@ GlooTransport::GlooTransport(const Rendezvous& rv)
       }
     }
     if (reported && reported->failed_rank() == rank_) reported.reset();
-    const std::string own = "rank " + std::to_string(rank_) + " could not connect to the other ranks over Gloo on " +
-                            device_address + ": " + short_what(e) +
-                            ". Set GLOO_SOCKET_IFNAME to the network interface that reaches the other ranks";
-    if (!reported) abort(own);
+    // The store's host (rank 0, or the launcher) gone is no network problem: no interface advice then, and
+    // no report to a store that is not there.
+    const bool store_lost = std::string(e.what()).find("lost the rendezvous store") != std::string::npos;
+    const std::string own =
+        "rank " + std::to_string(rank_) + " could not connect to the other ranks over Gloo on " + device_address +
+        ": " + short_what(e) +
+        (store_lost ? ": the store's host (rank 0, or the launcher that started the ranks) stopped or died; see its "
+                      "output for why"
+                    : ". Set GLOO_SOCKET_IFNAME to the network interface that reaches the other ranks");
+    if (!reported && !store_lost) abort(own);
     stop_threads();
     if (reported) throw *reported;
     throw std::runtime_error(own);

@@ -140,6 +140,15 @@ class TextLines : public Dataset {
     train_ = static_cast<int64_t>(samples_.size()) - eval_;
     if (train_ < 1)
       throw UsageError("text '" + name_ + "' has no line of 2 or more characters to train on: use another text");
+    // As Text refuses a held-out part shorter than one window: with none held out, evaluation and the
+    // sample did nothing, without a word.
+    if (eval_fraction > 0 && eval_ < 1) {
+      const auto needed = static_cast<int64_t>(std::ceil(1.0 / eval_fraction));
+      throw UsageError("text '" + name_ + "' has " + std::to_string(samples_.size()) + " line pieces of 2 or more "
+                       "characters, and holding out " + fmt::format("{:g}", 100 * eval_fraction) +
+                       "% of them for evaluation leaves none: use a text of at least " + std::to_string(needed) +
+                       " such lines (each line is a sample, cut into pieces of --seq-len + 1 characters)");
+    }
   }
 
   std::string name() const override { return name_; }

@@ -119,6 +119,31 @@ TEST(VariableLengthCli, TiedGptOnVersesTrainsTheSameOverGlooAsInProcess) {
   fs::remove_all(dir);
 }
 
+// A tester's finding (2026-11-28): with --variable-length the sample's prompt was the first held-out line
+// padded to --seq-len, so generation followed (and the output quoted) newlines the text does not have.
+TEST(VariableLengthCli, TheSamplePromptIsTheHeldOutLineWithoutItsPadding) {
+  const fs::path dir = pipetrain::testing::fresh_temp_dir("varlen", "prompt");
+  const std::string text = (dir / "lines.txt").string();
+  {
+    std::ofstream f(text);
+    for (int k = 0; k < 300; ++k) f << std::string(static_cast<std::size_t>(2 + (k * 7) % 9), static_cast<char>('a' + k % 7)) << "\n";
+  }
+  const CommandResult r = run_pipetrain("train --transport local --stages 1 --data text --text " + text +
+                                        " --variable-length --d-model 16 --heads 2 --seq-len 16 --layers 1 "
+                                        "--batch-size 8 -m 2 --steps 1 --eval-every 0 --sample 5 --progress quiet");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::size_t at = r.out.find("held-out prompt \"...");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::size_t begin = at + std::string("held-out prompt \"...").size(), end = r.out.find("\":", begin);
+  ASSERT_NE(end, std::string::npos) << r.out;
+  const std::string prompt = r.out.substr(begin, end - begin);
+  // The input of one line of 2..10 letters (its newline is the last target): letters only, where the
+  // padding (id 0, the newline) followed them.
+  EXPECT_FALSE(prompt.empty());
+  EXPECT_EQ(prompt.find_first_not_of("abcdefg"), std::string::npos) << prompt;
+  fs::remove_all(dir);
+}
+
 // --memory on a model whose layers pass bundles (the unet's skips): the heap model says why it has no
 // prediction, and the run trains (it stopped with exit 2, advising a --balance the run already had).
 TEST(UNetCli, MemoryWithoutAPredictionStillTrains) {

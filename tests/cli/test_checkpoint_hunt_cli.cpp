@@ -165,6 +165,48 @@ TEST(CheckpointHunt, ResumeTakesTheModelAndDataFlagsItWasNotGiven) {
   fs::remove_all(dir);
 }
 
+// A tester's finding (2026-11-28): `train --resume CK` took the checkpoint's model, data and optimizer
+// name but trained on with the default learning rate, schedule, warm-up, clip, weight decay, momentum,
+// batch and pipeline schedule: another training, exit 0. They are the checkpoint's now where not given
+// (the losses continue bitwise), and a given one that differs is refused, naming it.
+TEST(CheckpointHunt, ResumeTakesTheTrainingSettingsItWasNotGiven) {
+  const fs::path dir = fresh_temp_dir("adopt", "settings");
+  const std::string run = " train --model gpt --layers 2 --d-model 16 --heads 2 --seq-len 8 --vocab 16 --data synthetic "
+                          "--transport local --eval-every 0 --sample 0 --progress quiet";
+  // A constant rate without warm-up, so that a 3-step run is the first half of the 6-step one; every
+  // other setting differs from the defaults (lr 3e-3 cosine, 5% warm-up, batch 32, m=4, clip 1, 1f1b).
+  const std::string settings = " --lr 1e-3 --lr-schedule constant --warmup 0 --batch-size 8 -m 2 --clip 0.5 "
+                               "--weight-decay 0.01 --momentum 0.5 --optimizer sgd --schedule gpipe";
+  CommandResult r = run_pipetrain(run + settings + " --steps 6 --log " + (dir / "whole.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain(run + settings + " --steps 3 --save " + (dir / "ck").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  // Only --resume (and other stages): the checkpoint's settings, and the losses go on as in one run.
+  r = run_pipetrain(" train --resume " + (dir / "ck").string() + " --steps 6 --stages 1 --transport local "
+                    "--eval-every 0 --sample 0 --progress quiet --log " + (dir / "rest.jsonl").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("schedule gpipe, m=2, batch 8")) << r.out;
+  EXPECT_TRUE(r.has("optimizer sgd lr 0.001 (constant), clip 0.5")) << r.out;
+  const std::vector<double> whole = log_loss_values(dir / "whole.jsonl"), rest = log_loss_values(dir / "rest.jsonl");
+  ASSERT_EQ(whole.size(), 6u);
+  ASSERT_EQ(rest.size(), 3u);
+  for (std::size_t k = 0; k < 3; ++k) EXPECT_NEAR(rest[k], whole[k + 3], 1e-6 * std::abs(whole[k + 3])) << k;
+  // A given setting that differs is another training: refused, naming it.
+  for (const std::string& flag : {std::string(" --lr 3e-3"), std::string(" --batch-size 16"), std::string(" --clip 1"),
+                                  std::string(" --warmup 2"), std::string(" --lr-schedule cosine"),
+                                  std::string(" --schedule pipedream")}) {
+    r = run_pipetrain(" train --resume " + (dir / "ck").string() + " --steps 6 --transport local --eval-every 0 "
+                      "--sample 0 --progress quiet" + flag);
+    EXPECT_EQ(r.code, 2) << flag << "\n" << r.out;
+    EXPECT_TRUE(r.has("does not match this run")) << flag << "\n" << r.out;
+  }
+  // The pipeline's shape may change: another synchronous schedule and micro-batch count resume.
+  r = run_pipetrain(" train --resume " + (dir / "ck").string() + " --steps 4 --transport local --eval-every 0 "
+                    "--sample 0 --progress quiet --schedule 1f1b -m 4");
+  EXPECT_EQ(r.code, 0) << r.out;
+  fs::remove_all(dir);
+}
+
 // A tester's finding (2026-11-28): a SIGKILL between a save's last marker removal and its rename left the
 // run's newest checkpoint, complete, in DIR.partial; every later --save DIR called it "not made by
 // pipetrain" and advised moving it away, and --resume DIR (on a first save) said only that DIR does not

@@ -784,6 +784,21 @@ class BuiltWithCosts(unittest.TestCase):
         self.assertEqual(pipetrain.simulate(s, cost="2:2:2").per_stage[0].busy, 4 * 6)
         self.assertAlmostEqual(pipetrain.simulate(s, balance="2,4").per_stage[0].busy, 4 * ((1 + 2) + (2 + 4)))
 
+    def test_lower_strip_and_predict_heap_use_them_too(self):
+        # A tester's finding (2026-11-28): lower(s) used unit costs and dropped built_with, so
+        # simulate(lower(s)) timed zb-h1 at 1:1:1 (20.0 where s takes 32.0), and predict_heap(s) counted
+        # micro-batches where simulate(s) gave a profile's bytes.
+        s = pipetrain.schedule("zb-h1", stages=3, microbatches=6, cost="1:2:1", comm=0.5)
+        lowered = pipetrain.lower(s)
+        self.assertEqual(lowered.to_csv(), pipetrain.lower(s, pipetrain.costs(s)).to_csv())
+        self.assertEqual(lowered.built_with["cost"], "1:2:1")
+        self.assertEqual(pipetrain.simulate(lowered).makespan, pipetrain.simulate(s).makespan)
+        self.assertEqual(pipetrain.strip_communication(lowered).built_with["comm"], 0.5)
+        p = pipetrain.schedule("1f1b", stages=2, microbatches=4, profile=small_profile(), balance="3,3")
+        self.assertEqual([h.total for h in pipetrain.predict_heap(p)], [h.total for h in pipetrain.simulate(p).heap])
+        unit = pipetrain.schedule("1f1b", stages=2, microbatches=4)  # no costs recorded: micro-batches
+        self.assertEqual(pipetrain.predict_heap(unit)[0].activations, 2.0)
+
 
 class PipeDreamBatch(unittest.TestCase):
     """pipedream_batch= (--pipedream-batch), and the warning for a PipeDream graph read at batch 1."""

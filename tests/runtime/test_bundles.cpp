@@ -746,6 +746,23 @@ TEST(VariableShapes, TheGptOnLinesOfDifferentLengthMatchesPlainLibTorch) {
   }
 }
 
+// A tester's finding (2026-11-28): a text of fewer than 10 line pieces held none out at the default
+// 10%, and --eval-every and --sample then did nothing without a word. Refused now, as a text too short to
+// hold out one window is; the same 8 pieces train with nothing held out (eval fraction 0).
+TEST(VariableShapes, TextLinesTooFewToHoldOneOutAreRefused) {
+  const std::string text = "ab\nhello world\nx\nthis line is longer than twelve characters\nok\n";
+  try {
+    zoo::make_text_lines(text, "lines", 12, 1);
+    ADD_FAILURE() << "8 pieces at 10% held none out and were accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("has 8 line pieces"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("at least 10 such lines"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(zoo::make_text_lines(text, "lines", 12, 1, 0.0)->eval_size(), 0);
+  const std::string ten = text + "one more\ntwo more\n";
+  EXPECT_EQ(zoo::make_text_lines(ten, "lines", 12, 1)->eval_size(), 1);
+}
+
 TEST(VariableShapes, TextLinesArePaddedWithAMaskAndIgnoredTargets) {
   const std::string text = "ab\nhello world\nx\nthis line is longer than twelve characters\nok\n";
   auto data = zoo::make_text_lines(text, "lines", 12, 1, 0.0);
