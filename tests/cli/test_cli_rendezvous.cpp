@@ -241,6 +241,21 @@ TEST(CliRendezvous, AnInterruptedLoneShmRankLeavesNothingInDevShm) {
   EXPECT_EQ(left, 0) << "segments named " << prefix << "* left in /dev/shm";
 }
 
+// A tester's finding (2026-11-28): a gloo rank whose store host (rank 0) was stopped during the rendezvous
+// was told to set GLOO_SOCKET_IFNAME, on one host where the network was fine. It names the host now.
+TEST(CliRendezvous, ALostStoreHostIsNotBlamedOnTheNetwork) {
+  SKIP_WITHOUT_GLOO();
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) + " WORLD_SIZE=3 ";
+  const std::string train = bin + " train --model mlp --data synthetic --stages 3 --transport gloo --steps 3";
+  const CommandResult r = run_command("sh -c '" + env + "RANK=0 timeout -s INT 8 " + train +
+                                      " > /dev/null 2>&1 & sleep 1; " + env + "RANK=1 timeout 60 " + train +
+                                      "; echo rank1 $?; wait'");
+  EXPECT_TRUE(r.has("lost the rendezvous store")) << r.out;
+  EXPECT_TRUE(r.has("stopped or died")) << r.out;
+  EXPECT_FALSE(r.has("GLOO_SOCKET_IFNAME")) << r.out;
+  EXPECT_FALSE(r.has("rank1 124")) << r.out;
+}
+
 // issue 23: without a token, a second run's rank 1 joined another run's store as a duplicate rank 1 and
 // killed that run with a misleading Gloo message. The store refuses a second process claiming a rank
 // that has joined, and the first run trains on undisturbed.
