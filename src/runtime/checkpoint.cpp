@@ -1031,7 +1031,7 @@ void load_checkpoint(PipelineRank& rank, const std::string& dir) {
     }
     return state;
   };
-  for (int layer : rank.local_layers()) {
+  auto layer_state_of = [&](int layer) {
     std::vector<std::pair<std::string, torch::Tensor>> state = read_state(layer);
     // A tied parameter stored with another layer: its tensors (parameter and optimizer state) under
     // this layer's name for it.
@@ -1045,8 +1045,31 @@ void load_checkpoint(PipelineRank& rank, const std::string& dir) {
         if (key.rfind(optim, 0) == 0) state.emplace_back("optim/" + name + "/" + key.substr(optim.size()), t);
       }
     }
-    rank.load_layer_state(layer, state);
+    return state;
+  };
+  // Two passes, so that a refusal leaves this rank as it was (it loaded the layers before the bad one,
+  // and their step, and trained on with the mixture): every file is read and checked (size, CRC-32,
+  // finite values) and each parameter found with the model's type and shape first; then read again and
+  // loaded. One layer's tensors in memory at a time, as before; the files are read twice.
+  for (int layer : rank.local_layers()) {
+    std::map<std::string, torch::Tensor> saved;
+    for (auto& [name, t] : layer_state_of(layer)) saved.emplace(name, t);
+    for (const auto& [name, now] : rank.layer_state(layer)) {
+      if (name.rfind("param/", 0) != 0) continue;
+      const auto it = saved.find(name);
+      if (it == saved.end())
+        throw UsageError("layer " + std::to_string(layer) + " has no tensor '" + name + "' in the checkpoint");
+      if (it->second.scalar_type() != now.scalar_type())
+        throw UsageError("layer " + std::to_string(layer) + " tensor '" + name + "' is " +
+                         c10::toString(it->second.scalar_type()) + " in the checkpoint but " +
+                         c10::toString(now.scalar_type()) + " in the model: convert it, or build the model with that type");
+      if (it->second.sizes() != now.sizes())
+        throw UsageError("layer " + std::to_string(layer) + " tensor '" + name + "' has shape " +
+                         c10::str(it->second.sizes()) + " in the checkpoint but " + c10::str(now.sizes()) +
+                         " in the model");
+    }
   }
+  for (int layer : rank.local_layers()) rank.load_layer_state(layer, layer_state_of(layer));
   rank.set_step(m.at("step").get<int>());
 }
 

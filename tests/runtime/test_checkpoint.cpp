@@ -254,6 +254,63 @@ TEST(Checkpoint, RefusesCorruptedTruncatedAndMismatched) {
   fs::remove_all(dir);
 }
 
+// A tester's finding (2026-11-28): a rank whose last layer file was damaged (or whose last layer had
+// another shape) loaded its earlier layers and then refused, leaving the earlier layers' checkpoint
+// weights in a model at step 0. A refusal now leaves the rank as it was.
+TEST(Checkpoint, ARefusedLoadLeavesTheRankAsItWas) {
+  const fs::path dir = fresh_dir("refused-load");
+  Ranks saved(make_model(5), 1, options("adam"));
+  saved.train(3);
+  saved.save(dir.string());
+  auto weights_of = [](PipelineRank& r) {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : r.parameters()) out.push_back(p.detach().clone());
+    return out;
+  };
+  auto unchanged = [](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+    if (a.size() != b.size()) return false;
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (!torch::equal(a[i], b[i])) return false;
+    return true;
+  };
+  // The last layer damaged: every earlier layer's file is good.
+  const fs::path last = dir / "layer-00005.pt";
+  std::string bytes;
+  {
+    std::ifstream in(last, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  std::string flipped = bytes;
+  flipped[flipped.size() / 2] ^= 0x5a;
+  std::ofstream(last, std::ios::binary | std::ios::trunc) << flipped;
+  PipelineRank fresh(make_model(9), ce, make_local_transports(1)[0], options("adam", "1f1b", 1));
+  const std::vector<torch::Tensor> before = weights_of(fresh);
+  EXPECT_NE(error_of([&] { load_checkpoint(fresh, dir.string()); }).find("fails its CRC-32 check"), std::string::npos);
+  EXPECT_TRUE(unchanged(before, weights_of(fresh)));
+  EXPECT_EQ(fresh.step(), 0);
+  std::ofstream(last, std::ios::binary | std::ios::trunc) << bytes;
+  // The last layer of another shape: refused before the first layer is loaded.
+  torch::manual_seed(2);
+  torch::nn::Sequential other;
+  other->push_back(nn::Linear(kIn, kHidden));
+  other->push_back(torch::nn::Tanh());
+  other->push_back(torch::nn::Dropout(0.0));
+  other->push_back(nn::Linear(kHidden, kHidden));
+  other->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+  other->push_back(nn::Linear(kHidden, kOut + 1));
+  PipelineRank wider(other, ce, make_local_transports(1)[0], options("adam", "1f1b", 1));
+  const std::vector<torch::Tensor> wider_before = weights_of(wider);
+  const std::string err = error_of([&] { load_checkpoint(wider, dir.string()); });
+  EXPECT_NE(err.find("layer 5 tensor 'param/weight' has shape [4, 8] in the checkpoint but [5, 8]"), std::string::npos)
+      << err;
+  EXPECT_TRUE(unchanged(wider_before, weights_of(wider)));
+  EXPECT_EQ(wider.step(), 0);
+  // And the good checkpoint still loads.
+  EXPECT_NO_THROW(load_checkpoint(fresh, dir.string()));
+  EXPECT_EQ(fresh.step(), 3);
+  fs::remove_all(dir);
+}
+
 TEST(Checkpoint, SaveReplacesThePreviousWholeAndClearsLeftovers) {
   const fs::path dir = fresh_dir("replace");
   Ranks ranks(make_model(5), 2, options("sgd"));

@@ -103,7 +103,10 @@ nlohmann::json read_checkpoint(const std::string& dir);
 
 // Loads the layers this rank holds and the step from a checkpoint: the manifest is checked, and each
 // layer file this rank reads is checked (size, CRC-32) before it is used; the others are not read.
-// Throws UsageError when the layer count or a tensor's name or shape does not match the model.
+// Throws UsageError when the layer count or a tensor's name or shape does not match the model. Every
+// file and parameter of this rank is checked before any is loaded, so a refusal leaves this rank's
+// weights, optimizer state and step as they were. Ranks load on their own: where one rank refuses and
+// others loaded, treat the load as failed on all of them (pipetrain train and Trainer stop the run).
 void load_checkpoint(PipelineRank& rank, const std::string& dir);
 
 // Where two run descriptions differ under the given top-level keys, one line each, e.g.
