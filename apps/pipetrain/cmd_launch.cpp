@@ -1,7 +1,10 @@
 // `pipetrain launch -n P -- COMMAND...`: starts P local ranks of COMMAND with the rendezvous environment
 // set (runtime/launch.h). Torch-free: it only needs launch.h.
+#include <sched.h>
+
 #include <chrono>
 #include <cmath>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,6 +76,13 @@ void add_launch_command(CLI::App& app, int& exit_code) {
       if (flags->timeout_s > 0 && flags->timeout_s < 0.001)
         throw UsageError(fmt::format("--timeout {} is under a millisecond: give at least 0.001 s, or 0 for no limit",
                                      flags->timeout_s));
+      if (flags->bind) {  // it pins one block of CPUs per rank, or nothing: say so rather than nothing
+        cpu_set_t allowed;
+        CPU_ZERO(&allowed);
+        if (::sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) < flags->nprocs)
+          std::cerr << "pipetrain launch: note: --bind pins each rank to its own CPUs, and the " << flags->nprocs
+                    << " ranks share " << CPU_COUNT(&allowed) << " CPUs here: they are not pinned\n";
+      }
       LaunchOptions options;
       options.prefix_output = !flags->no_prefix;
       options.bind_cores = flags->bind;

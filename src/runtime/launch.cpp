@@ -112,6 +112,7 @@ struct Child {
   pid_t pid = -1;
   bool running = false;
   bool killed_by_us = false;
+  int exit_code = -1;  // its own exit code, once it exited by itself
   int fd[2] = {-1, -1};  // read ends of its stdout and stderr pipes (when piped)
   std::string partial[2];
 };
@@ -293,6 +294,7 @@ void Launcher::reap() {
     const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
     if (ok) continue;
     if (!c.killed_by_us) {
+      if (WIFEXITED(status)) c.exit_code = WEXITSTATUS(status);
       if (WIFEXITED(status) && exit_code_ == 0) exit_code_ = WEXITSTATUS(status);
       if (WIFEXITED(status)) {
         report("rank " + std::to_string(c.rank) + " exited with code " + std::to_string(WEXITSTATUS(status)));
@@ -544,6 +546,14 @@ int Launcher::run(const std::vector<std::string>& argv) {
   // The run's code is its first failing rank's: 2 for bad input, 128 + N for a stop by signal N (as a
   // shell reports a signalled command), 1 otherwise; 1 also when the ranks succeeded but their output was lost.
   if (!failed_) return output_lost ? 1 : 0;
+  // The rank that failed first is the one the failure board names (the others stopped because of it and
+  // exit 1): its code wins over the first reaped, which was either (bad input gave 2 or 1 at random).
+  if (store_)
+    if (const auto board = store_->value(kAbortKey)) {
+      const int first = parse_abort(*board).first;
+      if (first >= 0 && first < static_cast<int>(children_.size()) && children_[first].exit_code > 0)
+        exit_code_ = children_[first].exit_code;
+    }
   if (exit_code_ == 2 || exit_code_ > 128) return exit_code_;
   return 1;
 }

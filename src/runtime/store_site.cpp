@@ -1,9 +1,53 @@
 // find_or_host_store (transport_util.h): where the gloo and shm transports meet.
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 
 #include "transport_util.h"
 
 namespace pipetrain::detail {
+
+namespace {
+
+// Whether every address of host:port refuses a TCP connection (nothing listens there for it): a probe of
+// 2 s at most per address. Unresolvable, silent or reached: false (not known to be refused).
+bool connection_refused(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr) return false;
+  bool refused = true;
+  for (addrinfo* a = found; a != nullptr && refused; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) {
+      refused = false;
+      break;
+    }
+    int err = 0;
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      err = errno;
+      if (err == EINPROGRESS) {
+        pollfd p{fd, POLLOUT, 0};
+        err = ETIMEDOUT;
+        if (::poll(&p, 1, 2000) == 1) {
+          socklen_t len = sizeof err;
+          if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = EIO;
+        }
+      }
+    }
+    ::close(fd);
+    if (err != ECONNREFUSED) refused = false;
+  }
+  ::freeaddrinfo(found);
+  return refused;
+}
+
+}  // namespace
 
 StoreSite find_or_host_store(const Rendezvous& rv, int rank, int world_size) {
   StoreSite s;
@@ -39,9 +83,18 @@ StoreSite find_or_host_store(const Rendezvous& rv, int rank, int world_size) {
   }
   const std::string bound = s.server->address();
   const bool loopback = bound.rfind("127.", 0) == 0 || bound == "::1";
-  if (bind && !bind->empty())
+  if (bind && !bind->empty()) {
     std::fprintf(stderr, "pipetrain rank 0: the rendezvous store listens on %s:%d (PIPETRAIN_STORE_BIND=%s)\n",
                  bound.c_str(), s.server->port(), bind->c_str());
+    // Every rank, rank 0 too, joins at MASTER_ADDR: where that refuses, no one ever could (rank 0 waited the
+    // whole rendezvous timeout for its own store, asking whether its first rank was running).
+    if (connection_refused(rv.master_addr, s.server->port()))
+      throw UsageError("rank 0 hosts the rendezvous store on " + bound + ":" + std::to_string(s.server->port()) +
+                       " (PIPETRAIN_STORE_BIND=" + *bind + "), but MASTER_ADDR=" + rv.master_addr +
+                       " does not reach it (connection refused), and every rank joins there: bind an address that "
+                       "MASTER_ADDR leads to (0.0.0.0 for every IPv4 interface; :: is IPv6 only), or set MASTER_ADDR "
+                       "to the store's address");
+  }
   if (s.token.empty() && !loopback)
     std::fprintf(stderr,
                  "pipetrain rank 0: warning: PIPETRAIN_RUN_TOKEN is not set, so the rendezvous store at %s:%d "

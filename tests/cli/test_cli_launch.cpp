@@ -48,6 +48,28 @@ TEST(CliLaunch, AFailingRankFailsTheRunAndIsNamed) {
   EXPECT_TRUE(has(r, "rank 0 did not stop within 1 s after rank 1 failed; killing it")) << r.out;
 }
 
+// A tester's finding (2026-11-28): bad input on one rank ended the run with 2 or 1 at random, the code
+// of whichever rank the launcher reaped first (the other stops because of it, with 1). The rank the
+// failure board names first gives the run's code: 2 every time.
+TEST(CliLaunch, BadInputOnOneRankIsExitCodeTwoEveryTime) {
+  for (int k = 0; k < 3; ++k) {
+    const Result r = pipetrain::testing::run_command(
+        std::string("env PIPETRAIN_SHM_RING_BYTES=100 timeout 120 ") + PIPETRAIN_BIN + " launch -n 2 -- " +
+        PIPETRAIN_BIN + " train --model mlp --data synthetic --steps 2 --eval-every 0 --stages 2 --progress quiet");
+    EXPECT_EQ(r.code, 2) << "run " << k << "\n" << r.out;
+    EXPECT_TRUE(has(r, "PIPETRAIN_SHM_RING_BYTES")) << r.out;
+  }
+}
+
+// --bind with fewer CPUs than ranks pins nothing: it says so (it said nothing).
+TEST(CliLaunch, BindWithFewerCpusThanRanksSaysItPinsNothing) {
+  const Result r = pipetrain::testing::run_command(std::string("taskset -c 0 ") + PIPETRAIN_BIN +
+                                                   " launch -n 2 --bind -- true");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(has(r, "--bind pins each rank to its own CPUs, and the 2 ranks share 1 CPUs here: they are not pinned"))
+      << r.out;
+}
+
 // A full disk under `launch ... > out.txt` lost every line the ranks printed, and the run exited 0.
 TEST(CliLaunch, OutputThatCannotBeWrittenFailsTheRunAndIsCounted) {
   const Result r = pipetrain::testing::run_command(std::string("(") + PIPETRAIN_BIN +

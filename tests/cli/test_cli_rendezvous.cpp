@@ -256,6 +256,17 @@ TEST(CliRendezvous, ALostStoreHostIsNotBlamedOnTheNetwork) {
   EXPECT_FALSE(r.has("rank1 124")) << r.out;
 }
 
+// A tester's finding (2026-11-28): PIPETRAIN_STORE_BIND on an address MASTER_ADDR does not reach made
+// rank 0 wait the whole rendezvous timeout for its own store. It stops at once now, saying why.
+TEST(CliRendezvous, AStoreBoundWhereMasterAddrDoesNotLeadIsRefusedAtOnce) {
+  const std::string env = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(free_port()) +
+                          " PIPETRAIN_STORE_BIND=127.0.0.2 RANK=0 WORLD_SIZE=2 ";
+  const CommandResult r = run_command("timeout 120 env " + env + bin + mlp + " --transport shm --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("MASTER_ADDR=127.0.0.1 does not reach it (connection refused)")) << r.out;
+  EXPECT_LT(r.seconds, 30.0) << r.out;
+}
+
 // issue 23: without a token, a second run's rank 1 joined another run's store as a duplicate rank 1 and
 // killed that run with a misleading Gloo message. The store refuses a second process claiming a rank
 // that has joined, and the first run trains on undisturbed.
