@@ -784,6 +784,12 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
       throw std::runtime_error(what_ + " hosts another pipetrain run (WORLD_SIZE=" + detail + ", this rank has RANK=" +
                                std::to_string(rank) + " of WORLD_SIZE=" + std::to_string(world_size) +
                                "): start every rank with the same WORLD_SIZE, or start this run on a free MASTER_PORT");
+    if (status == kRankTaken && what_.find("PIPETRAIN_LAUNCHER_STORE") != std::string::npos)
+      throw std::runtime_error(what_ + " has seen rank " + std::to_string(rank) + " join from another process: the "
+                               "store pipetrain launch hosts serves one pipetrain program per rank (one rendezvous), "
+                               "and an earlier pipetrain program of this rank (a command run before this one in the "
+                               "same launched shell) joined it: run each pipetrain program under its own pipetrain "
+                               "launch (pipetrain launch -n P -- CMD1; pipetrain launch -n P -- CMD2)");
     if (status == kRankTaken)
       throw std::runtime_error(what_ + " hosts a run whose rank " + std::to_string(rank) + " has already joined from "
                                "another process: another run may use this MASTER_PORT (start this run on a free "

@@ -61,6 +61,19 @@ TEST(CliLaunch, BadInputOnOneRankIsExitCodeTwoEveryTime) {
   }
 }
 
+// Two pipetrain programs in a row in one launched shell: the second cannot meet at the launcher's store
+// (it serves one rendezvous), and says so, where it blamed another run on the port or a RANK given twice.
+TEST(CliLaunch, ASecondPipetrainProgramInOneLaunchIsToldToUseItsOwnLaunch) {
+  const std::string train = std::string(PIPETRAIN_BIN) + " train --model mlp --data synthetic --hidden 16 --layers 2 "
+                            "--steps 1 --eval-every 0 --stages 2 --progress quiet";
+  const Result r = pipetrain::testing::run_command(std::string("timeout 120 ") + PIPETRAIN_BIN + " launch -n 2 -- sh -c '" +
+                                                   train + " && echo FIRST-DONE && " + train + "'");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_TRUE(has(r, "[rank 0] FIRST-DONE")) << r.out;
+  EXPECT_TRUE(has(r, "run each pipetrain program under its own pipetrain launch")) << r.out;
+  EXPECT_FALSE(has(r, "was given to two processes")) << r.out;
+}
+
 // --bind with fewer CPUs than ranks pins nothing: it says so (it said nothing).
 TEST(CliLaunch, BindWithFewerCpusThanRanksSaysItPinsNothing) {
   const Result r = pipetrain::testing::run_command(std::string("taskset -c 0 ") + PIPETRAIN_BIN +
