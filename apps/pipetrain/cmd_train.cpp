@@ -91,7 +91,6 @@ class LogFile {
   // `resumed_at` > 0: a run resumed at that step appends, after dropping the lines of later steps (a run
   // stopped after its last checkpoint logged them; they are trained again now) and a last line cut short.
   LogFile(const std::string& path, int resumed_at) : path_(path) {
-    if (resumed_at > 0) drop_lines_after(resumed_at);
     std::error_code ec;
     if (std::filesystem::is_fifo(path, ec)) {
       // Opening a FIFO that nobody reads blocked the run before its first step, silently.
@@ -105,7 +104,9 @@ class LogFile {
       // Not truncated before it is ours: a second start of the same command emptied the first run's log,
       // which then filled with NUL bytes up to the first run's offset (both exited 0). An exclusive lock
       // on a regular file tells the second run, before it writes anything.
-      fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (resumed_at > 0 ? O_APPEND : 0), 0644);
+      // A resumed run's lines after its step are dropped under that lock too, in the same file (it replaced
+      // the file by a rename before locking, so a run writing it lost its whole log).
+      fd_ = ::open(path.c_str(), (resumed_at > 0 ? O_RDWR | O_APPEND : O_WRONLY) | O_CREAT | O_CLOEXEC, 0644);
       struct stat st {};
       if (fd_ >= 0 && ::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode)) {
         if (::flock(fd_, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
@@ -115,6 +116,7 @@ class LogFile {
                            "twice?): give each run its own --log, or wait for the other to finish");
         }
         if (resumed_at == 0 && ::ftruncate(fd_, 0) != 0) fail("cannot empty it");
+        if (resumed_at > 0) drop_lines_after(resumed_at);
       }
     }
     if (fd_ < 0) fail("cannot open it");
@@ -155,11 +157,18 @@ class LogFile {
     throw std::runtime_error("--log " + path_ + ": " + what + ": " + std::strerror(err) +
                              (err == ENOSPC || err == EDQUOT ? " (the disk is full: free space or log elsewhere)" : ""));
   }
+  // On the open, locked regular file.
   void drop_lines_after(int step) {
-    std::error_code ec;
-    if (!std::filesystem::is_regular_file(path_, ec)) return;  // a FIFO or /dev/stdout: nothing to rewrite
-    std::ifstream in(path_, std::ios::binary);
-    const std::string text((std::istreambuf_iterator<char>(in)), {});
+    std::string text;
+    char buf[65536];
+    for (off_t at = 0;;) {
+      const ssize_t n = ::pread(fd_, buf, sizeof buf, at);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail("cannot read it");
+      if (n == 0) break;
+      text.append(buf, static_cast<std::size_t>(n));
+      at += n;
+    }
     std::string kept;
     std::size_t at = 0;
     while (at < text.size()) {
@@ -178,7 +187,13 @@ class LogFile {
       kept += line + "\n";
     }
     if (kept.size() == text.size()) return;
-    write_file_atomic(path_, kept);
+    // Usually the lines dropped are the last ones: the file is cut there. Otherwise it is written again.
+    if (text.compare(0, kept.size(), kept) == 0) {
+      if (::ftruncate(fd_, static_cast<off_t>(kept.size())) != 0) fail("cannot cut it");
+      return;
+    }
+    if (::ftruncate(fd_, 0) != 0) fail("cannot rewrite it");
+    if (!kept.empty()) write_line(kept.substr(0, kept.size() - 1));  // kept ends with its newline
   }
   std::string path_;
   int fd_ = -1;
@@ -547,6 +562,22 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
                                                   "use --umpipe off or drop --variable-length"
                                             : "--schedule 2bw does not (its stages step at different times): use a "
                                               "synchronous schedule, pipedream or spectrain, or drop --variable-length"));
+  // UMPIPE's passes (umpipe_pass.cpp) run the stages' forwards themselves: without autocast, without the
+  // schedule's re-materialisation choice, split backward or the reference executor. These trained exactly
+  // as without them, under a header that named them.
+  if (f->pipe.umpipe_chosen) {
+    const std::pair<bool, const char*> unused[] = {
+        {f->pipe.precision != "fp32", "--precision bf16"},
+        {cmd->get_option("--checkpoint")->count() > 0 && f->pipe.checkpoint != "never", "--checkpoint"},
+        {cmd->get_option("--backward-split")->count() > 0, "--backward-split"},
+        {f->pipe.reference, "--reference"}};
+    for (const auto& [given, flag] : unused)
+      if (given)
+        throw UsageError(std::string(flag) + " does nothing on UMPIPE's plan (--plan " + f->pipe.plan_file +
+                         "): its passes run the stages' forwards and backwards themselves (every backward chunk "
+                         "re-materialises its forward): drop " + flag + ", or train the plan's straight pipeline "
+                         "with --umpipe off");
+  }
   if (!(f->lr > 0)) throw UsageError("--lr must be > 0, got " + std::to_string(f->lr));
   // Before the model is built below: ranks started by a launcher are one per process; otherwise this
   // command starts them all on this host.

@@ -92,11 +92,24 @@ std::pair<std::string, std::string> generate_text(const TrainFlags& f, PipelineR
                                                   zoo::Dataset* data) {
   torch::Tensor context;
   if (data) {
-    const zoo::Batch b = data->eval_batch(0, 1);
-    context = b.input;  // [1, T]
-    // Variable-length lines are padded to T: the prompt is the line's own characters, not the padding
-    // (which decodes as newlines the text does not have).
-    if (b.mask.defined()) context = context.slice(1, 0, std::max<int64_t>(1, b.mask.sum().item<int64_t>()));
+    const zoo::Batch first = data->eval_batch(0, 1);
+    context = first.input;  // [1, T]
+    if (first.mask.defined()) {
+      // Variable-length lines are padded to T (padding decodes as newlines the text does not have) and may
+      // be short (a one-character prompt generated from a one-token window): the prompt is the held-out
+      // lines as they are in the text, one after another, their last T characters.
+      const int64_t T = first.input.size(1);
+      const zoo::Batch b = data->eval_batch(0, std::min<int64_t>(data->eval_size(), T));
+      std::vector<int64_t> text;
+      for (int64_t r = 0; r < b.input.size(0); ++r) {
+        const int64_t n = b.mask[r].sum().item<int64_t>();
+        for (int64_t j = 0; j < n; ++j) text.push_back(b.input[r][j].item<int64_t>());
+        if (n > 0) text.push_back(b.target[r][n - 1].item<int64_t>());  // the piece's last character
+      }
+      if (text.size() > static_cast<std::size_t>(T)) text.erase(text.begin(), text.end() - T);
+      if (text.empty()) text.push_back(first.input[0][0].item<int64_t>());
+      context = torch::tensor(text, torch::kLong).unsqueeze(0);
+    }
   }
   const std::vector<int64_t> tokens =
       generate_tokens(rank, t, context, f.sample, f.temperature, static_cast<uint64_t>(f.model.seed) + 7);

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
@@ -516,9 +517,21 @@ class AtomicFile : public TextSink {
     }
     // A symbolic link stays one: the file it points to is replaced (a rename over the link itself put a
     // regular file in its place), with its temporary file beside that file.
-    tmp_ = target_ + ".tmp." + std::to_string(static_cast<long>(::getpid()));
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-    if (fd_ < 0) fail("cannot create the temporary file '" + tmp_ + "' beside it (is the folder writable?)", errno);
+    // Its name has a random part and it is made exclusively, never through a link: a name planted ahead
+    // (a symbolic link in a shared folder, guessed from the pid alone) made the write overwrite the file
+    // the link led to.
+    std::random_device entropy;
+    for (int attempt = 0;; ++attempt) {
+      tmp_ = target_ + ".tmp." + std::to_string(static_cast<long>(::getpid())) + "." +
+             fmt::format("{:08x}{:08x}", entropy(), entropy());
+      fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+      if (fd_ >= 0) break;
+      const int err = errno;
+      const std::string tried = tmp_;
+      tmp_.clear();  // not ours: never removed
+      if (err != EEXIST || attempt == 16)
+        fail("cannot create the temporary file '" + tried + "' beside it (is the folder writable?)", err);
+    }
     // A file replaced keeps its permissions (a rename gave it the new file's: 0666 less the umask).
     if (::stat(target_.c_str(), &st) == 0 && S_ISREG(st.st_mode)) (void)::fchmod(fd_, st.st_mode & 07777);
   }

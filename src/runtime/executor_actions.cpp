@@ -189,12 +189,57 @@ torch::Tensor PipelineRank::Impl::scaled_loss(const Bundle& out, int i) {
   return l;
 }
 
+namespace {
+
+// While alive, the BatchNorm layers of a stage do not move their running statistics (momentum 0), and
+// their batch counts are put back at the end: what a re-materialised forward must leave as it found.
+class RecomputeNormScope {
+ public:
+  explicit RecomputeNormScope(const Stage& st) {
+    for (int k = 0; k < st.num_layers(); ++k)
+      for (const auto& m : st.layer(k)->modules(/*include_self=*/true)) {
+        if (auto* b = dynamic_cast<torch::nn::BatchNorm1dImpl*>(m.get())) keep(b->options, b->num_batches_tracked);
+        if (auto* b = dynamic_cast<torch::nn::BatchNorm2dImpl*>(m.get())) keep(b->options, b->num_batches_tracked);
+        if (auto* b = dynamic_cast<torch::nn::BatchNorm3dImpl*>(m.get())) keep(b->options, b->num_batches_tracked);
+      }
+  }
+  ~RecomputeNormScope() {
+    torch::NoGradGuard no_grad;
+    for (auto& k : kept_) {
+      k.options->momentum(k.momentum);
+      if (k.count.defined()) k.count.copy_(k.count_before);
+    }
+  }
+  RecomputeNormScope(const RecomputeNormScope&) = delete;
+  RecomputeNormScope& operator=(const RecomputeNormScope&) = delete;
+
+ private:
+  struct Kept {
+    torch::nn::BatchNormOptions* options;
+    std::decay_t<decltype(std::declval<torch::nn::BatchNormOptions&>().momentum())> momentum;  // c10::optional on 1.13
+    torch::Tensor count, count_before;
+  };
+  void keep(torch::nn::BatchNormOptions& o, const torch::Tensor& count) {
+    if (!o.track_running_stats()) return;
+    kept_.push_back({&o, o.momentum(), count, count.defined() ? count.clone() : torch::Tensor()});
+    o.momentum(0.0);
+  }
+  std::vector<Kept> kept_;
+};
+
+}  // namespace
+
 void PipelineRank::Impl::backward(int s, int i, bool split) {
   Slot& sl = slot(s, i);
   Bundle out = sl.output;
   PassWeightsScope scope;
   const PassWeights* pw = enter_weights(s, i, false, scope);
   if (sl.checkpointed) {  // re-materialise with the forward's RNG seed, so dropout masks match
+    // The forward runs again in training mode: BatchNorm's running statistics would take a second
+    // update per micro-batch, and evaluation then differed from a run without re-materialisation. Its
+    // momentum is 0 for the recompute (the statistics stay; they are inputs of the recomputed graph, so
+    // they cannot be written back after it), and its batch count is put back.
+    RecomputeNormScope keep_statistics(stages.at(s));
     out = run_forward(s, i, sl.input);
   }
   std::vector<torch::Tensor> roots, grads;

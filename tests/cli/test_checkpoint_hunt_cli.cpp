@@ -5,10 +5,13 @@
 // end's checkpoint instead of the run ending "successfully" with exit 1 and no word.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -302,6 +305,34 @@ TEST(CheckpointHunt, AResumeKeepsAnUnterminatedNoteInTheLog) {
   const std::string text = read_text(log);
   EXPECT_NE(text.find("# my notes about this run: lr too high\n"), std::string::npos) << text;
   EXPECT_NE(text.find("\"step\":4"), std::string::npos) << text;
+  fs::remove_all(dir);
+}
+
+// A tester's finding (2026-11-28): a resumed run whose --log another run was writing replaced that file
+// (dropping its later steps by a rename) before it took the log's lock: the other run's whole log was
+// lost and both said "written". The lock comes first now: the resumed run is refused, the file untouched.
+TEST(CheckpointHunt, AResumeDoesNotRewriteALogAnotherRunHolds) {
+  const fs::path dir = fresh_temp_dir("log-held", "cli");
+  const std::string ck = (dir / "ck").string(), log = (dir / "l.jsonl").string();
+  const std::string run = "train" + kMlp + " --transport local";
+  ASSERT_EQ(run_pipetrain(run + " --steps 4 --save " + ck + " --log " + log).code, 0);
+  ASSERT_EQ(run_pipetrain(run + " --steps 2 --save " + ck + " --overwrite").code, 0);  // a checkpoint at step 2
+  const std::string before = read_text(log);  // steps 1..4: a resume at 2 would drop 3 and 4
+  const int fd = ::open(log.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);  // another run writing it
+  const CommandResult r = run_pipetrain(run + " --steps 4 --resume " + ck + " --log " + log);
+  ::close(fd);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("is being written by another run now")) << r.out;
+  EXPECT_EQ(read_text(log), before);
+  // Unheld, the same resume drops steps 3 and 4 and logs them again.
+  const CommandResult again = run_pipetrain(run + " --steps 4 --resume " + ck + " --log " + log);
+  ASSERT_EQ(again.code, 0) << again.out;
+  const std::string after = read_text(log);
+  EXPECT_EQ(std::count(after.begin(), after.end(), '\n'), 4) << after;
+  for (const char* step : {"\"step\":1", "\"step\":2", "\"step\":3", "\"step\":4"})
+    EXPECT_NE(after.find(step), std::string::npos) << step << "\n" << after;
   fs::remove_all(dir);
 }
 

@@ -89,6 +89,10 @@ TEST(UmpipeCli, PlanAndTrainEqualAndDgapSideBySide) {
            {" --umpipe dgap --batch-size 16 --schedule 1f1b", "not --schedule 1f1b"},
            {" --batch-size 16 --umpipe best", "unknown --umpipe 'best'"},
            {" --umpipe dgap --batch-size 16 --balance " + other, "planned for balance " + balance + ", not --balance " + other},
+           // UMPIPE's passes run the forwards themselves: these trained exactly as without them.
+           {" --umpipe dgap --batch-size 16 --precision bf16", "--precision bf16 does nothing on UMPIPE's plan"},
+           {" --umpipe dgap --batch-size 16 --checkpoint always", "--checkpoint does nothing on UMPIPE's plan"},
+           {" --umpipe dgap --batch-size 16 --reference", "--reference does nothing on UMPIPE's plan"},
        }) {
     r = run_pipetrain("train --transport local --plan " + plan + kModel + args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.out;

@@ -55,6 +55,30 @@ TEST(WriteFileAtomicTargets, DevFullFailsWithTheSystemsReason) {
   EXPECT_NE(::access(("/dev/full.tmp." + std::to_string(::getpid())).c_str(), F_OK), 0);
 }
 
+// A tester's finding (2026-11-28): the temporary file was PATH.tmp.PID, opened through links and
+// reused: a symbolic link planted under that name in a shared folder made the write overwrite the file
+// it led to. The name has a random part now, and the file is made exclusively, never through a link.
+TEST(WriteFileAtomicTargets, ALinkPlantedAtTheTemporaryNameIsNotFollowed) {
+  const std::string dir = temp_dir();
+  const std::string victim = dir + "/victim.txt", target = dir + "/run.json";
+  std::ofstream(victim) << "precious data";
+  const std::string planted = target + ".tmp." + std::to_string(::getpid());
+  ASSERT_EQ(::symlink(victim.c_str(), planted.c_str()), 0);
+  write_file_atomic(target, "the trace");
+  std::ifstream v(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(v), {}), "precious data");
+  struct stat st {};
+  ASSERT_EQ(::lstat(target.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode)) << "the target became a link";
+  std::ifstream t(target);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(t), {}), "the trace");
+  // Only the three names: no temporary file left behind.
+  int names = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++names;
+  EXPECT_EQ(names, 3);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(WriteFileAtomicTargets, DevNullIsWrittenInPlace) {
   EXPECT_NO_THROW(write_file_atomic("/dev/null", "x"));
   struct stat st {};

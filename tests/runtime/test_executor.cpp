@@ -137,6 +137,41 @@ TEST(Executor, FastAndReferencePathsAgreeBitwise) {
   }
 }
 
+// A tester's finding (2026-11-28): re-materialisation ran each checkpointed forward twice in training
+// mode, so BatchNorm's running statistics took two updates per micro-batch and the evaluated (and saved)
+// model differed from a run without it. The recompute puts the stage's buffers back.
+TEST(Executor, RematerialisationLeavesRunningStatisticsAsWithout) {
+  const Data d = make_data();
+  auto bn_model = [] {
+    torch::manual_seed(11);
+    torch::nn::Sequential m;
+    m->push_back(torch::nn::Linear(kIn, 8));
+    m->push_back(torch::nn::BatchNorm1d(8));
+    m->push_back(torch::nn::Tanh());
+    m->push_back(torch::nn::Linear(8, 8));
+    m->push_back(torch::nn::BatchNorm1d(8));
+    m->push_back(torch::nn::Linear(8, kOut));
+    return m;
+  };
+  std::vector<std::vector<torch::Tensor>> buffers;
+  for (Checkpoint c : {Checkpoint::Never, Checkpoint::Always, Checkpoint::ExceptLast}) {
+    torch::nn::Sequential m = bn_model();
+    PipelineOptions o;
+    o.schedule = "gpipe";
+    o.microbatches = 3;
+    o.checkpoint = c;
+    LocalPipeline pipe(m, mse, 2, o);
+    for (int k = 0; k < 2; ++k) pipe.train_step(d.x, d.y);
+    std::vector<torch::Tensor> b;
+    for (const auto& t : m->buffers()) b.push_back(t.clone());
+    buffers.push_back(b);
+  }
+  ASSERT_FALSE(buffers[0].empty());
+  for (std::size_t r = 1; r < buffers.size(); ++r)
+    for (std::size_t k = 0; k < buffers[0].size(); ++k)
+      EXPECT_TRUE(torch::equal(buffers[r][k], buffers[0][k])) << "mode " << r << " buffer " << k;
+}
+
 TEST(Executor, CheckpointModesGiveTheSameNumbersWithDropout) {
   // Within one schedule every checkpoint mode gives bitwise the same loss and gradients: the recompute
   // reseeds the forward's RNG, so dropout masks match. Across schedules the masks are the same too
