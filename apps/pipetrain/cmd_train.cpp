@@ -213,7 +213,7 @@ TrainerCallbacks callbacks(const TrainFlags& f, bool leader, RankOutput& out) {
   cb.on_eval = [&f, &out, leader, text](int step, const EvalResult& e) {
     if (leader)
       out.progress->note(fmt::format("eval at step {}: {} ({} held-out {})", step, eval_text(f, e), e.samples,
-                                     text ? "windows" : "samples"));
+                                     !text ? "samples" : f.model.gpt.variable_length ? "lines" : "windows"));
   };
   cb.on_checkpoint = [&out, leader](int step, const std::string& dir) {
     if (leader) out.progress->note(fmt::format("checkpoint at step {} written to {}", step, dir));
@@ -534,6 +534,15 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
         throw UsageError(std::string(flag) + " is for the gpt trained on a text (it generates characters at the end), "
                          "and this run trains --model " + f->model.model + " on --data " + f->model.data +
                          ": drop " + flag);
+  // Flags of an evaluation or a sample the run does not make.
+  if (f->eval_every == 0)
+    for (const char* flag : {"--eval-samples", "--eval-batch"})
+      if (cmd->get_option(flag)->count() > 0)
+        throw UsageError(std::string(flag) + " shapes the held-out evaluation, and --eval-every 0 makes none: drop " +
+                         flag + ", or give --eval-every N");
+  if (f->sample == 0 && cmd->get_option("--temperature")->count() > 0)
+    throw UsageError("--temperature shapes the sample, and --sample 0 generates none: drop --temperature, or give "
+                     "--sample N");
   if (f->model.data == "synthetic")  // random samples have no held-out split: these evaluated nothing
     for (const char* flag : {"--eval-every", "--eval-samples", "--eval-batch"})
       if (cmd->get_option(flag)->count() > 0 && !(std::string(flag) == "--eval-every" && f->eval_every == 0))

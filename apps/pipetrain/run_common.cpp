@@ -71,7 +71,7 @@ void PipelineFlags::add_to(CLI::App& app) {
       "--batch-size and --threads given here win; --stages and replication flags must agree with the file)");
   app.add_option("--profile", profile_file,
                  "a profile from pipetrain profile (JSON) to balance by time or memory; default: measure the model");
-  app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never");
+  app.add_option("--checkpoint", checkpoint, "re-materialisation: always, except_last or never; default never (the last stage, whose forward ends in the loss, is never re-materialised)");
   app.add_option("--backward-split", backward_split,
                  "schedules with W (zb-*, v-*, dualpipev, interleaved-zb): auto (autograd splits B and W for any layer, "
                  "pipetrain::nn::Linear by its own split), autograd (every layer through autograd) or explicit (only "

@@ -101,6 +101,7 @@ const std::vector<Row> kRows = {
     {"train --model cnn --blocks 3", {"--blocks 3", "--model resnet"}},
     {"train --data synthetic --eval-every 5", {"--eval-every", "no held-out split"}},
     {"train --data synthetic --eval-samples 64", {"--eval-samples", "no held-out split"}},
+    {"train --data synthetic --eval-every 0 --eval-batch 4", {"--eval-batch", "--eval-every 0 makes none"}},
     {"profile --model unet", {"--balance uniform, the default, or parameters", "the unet's layers pass its skips"}},
     {"profile --variable-length", {"cannot measure this model", "padding mask"}},
     {"train --data synthetic --sample 50", {"--sample", "generates characters", "--data synthetic"}},
