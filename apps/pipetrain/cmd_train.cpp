@@ -753,6 +753,15 @@ void adopt_checkpoint_model(TrainFlags* f, const CLI::App* cmd) {
   take_run("--clip", o, "clip", f->clip);
   take_run("--weight-decay", o, "weight_decay", f->weight_decay);
   take_run("--momentum", o, "momentum", f->momentum);
+  take_run("--precision", saved, "precision", f->pipe.precision);
+  take_run("--nonfinite", saved, "nonfinite", f->nonfinite);
+  // An asynchronous run's weight policy and call length (where it drains): another is another training.
+  const nlohmann::json a = saved.value("asynchronous", nlohmann::json::object());
+  if (!given("--vertical-sync") && !given("--no-stash")) {  // one weight policy: both, or the one given
+    take_run("--vertical-sync", a, "vertical_sync", f->vertical_sync);
+    take_run("--no-stash", a, "no_stash", f->no_stash);
+  }
+  take_run("--steps-per-call", a, "steps_per_call", f->steps_per_call);
   if (!given("--plan")) {
     take_run("--batch-size", saved, "batch_size", f->batch_size);
     if (!given("--schedule")) {
@@ -780,6 +789,13 @@ std::vector<std::string> training_differences(const nlohmann::json& saved, const
   for (const auto& d : run_differences({{"optimizer", a}}, {{"optimizer", b}}, {"optimizer"})) out.push_back(d);
   if (saved.contains("batch_size"))
     for (const auto& d : run_differences({{"batch_size", saved["batch_size"]}}, {{"batch_size", f.batch_size}}, {"batch_size"}))
+      out.push_back(d);
+  for (const char* key : {"precision", "nonfinite"})
+    if (saved.contains(key))
+      for (const auto& d : run_differences({{key, saved[key]}}, {{key, now[key]}}, {key})) out.push_back(d);
+  if (saved.contains("asynchronous") && now.contains("asynchronous"))
+    for (const auto& d : run_differences({{"asynchronous", saved["asynchronous"]}}, {{"asynchronous", now["asynchronous"]}},
+                                         {"asynchronous"}))
       out.push_back(d);
   if (saved.contains("schedule") && saved["schedule"].is_string()) {
     const std::string was = saved["schedule"].get<std::string>();

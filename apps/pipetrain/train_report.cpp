@@ -72,6 +72,8 @@ nlohmann::json run_json(const TrainFlags& f, int total_steps) {
           {"schedule", f.pipe.schedule},
           {"microbatches", f.pipe.microbatches},
           {"virtual_stages", f.pipe.virtual_stages},
+          {"precision", f.pipe.precision},
+          {"nonfinite", f.nonfinite},
           {"steps", total_steps}};
   if (is_async(f.pipe.schedule))
     j["asynchronous"] = {

@@ -210,6 +210,33 @@ TEST(CheckpointHunt, ResumeTakesTheTrainingSettingsItWasNotGiven) {
   fs::remove_all(dir);
 }
 
+// The same for an asynchronous run's weight policy and call length, and for the precision: a resumed
+// pipedream --no-stash run went on stashing, a bf16 run in fp32.
+TEST(CheckpointHunt, ResumeTakesTheAsynchronousSettingsAndThePrecision) {
+  const fs::path dir = fresh_temp_dir("adopt", "async");
+  const std::string run = " train --model gpt --layers 2 --d-model 16 --heads 2 --seq-len 8 --vocab 16 --data synthetic "
+                          "--transport local --eval-every 0 --sample 0 --progress quiet";
+  const std::string quiet = " --transport local --eval-every 0 --sample 0 --progress quiet";
+  CommandResult r = run_pipetrain(run + " --schedule pipedream -m 1 --batch-size 8 --no-stash --steps 3 --save " +
+                                  (dir / "ns").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain(" train --resume " + (dir / "ns").string() + " --steps 5" + quiet);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("schedule pipedream (weights: current")) << r.out;
+  r = run_pipetrain(" train --resume " + (dir / "ns").string() + " --steps 5 --vertical-sync" + quiet);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("asynchronous")) << r.out;
+  r = run_pipetrain(run + " --precision bf16 --batch-size 8 --steps 2 --save " + (dir / "bf").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_pipetrain(" train --resume " + (dir / "bf").string() + " --steps 3" + quiet);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(r.has("precision bf16")) << r.out;
+  r = run_pipetrain(" train --resume " + (dir / "bf").string() + " --steps 3 --precision fp32" + quiet);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("precision")) << r.out;
+  fs::remove_all(dir);
+}
+
 // A tester's finding (2026-11-28): a SIGKILL between a save's last marker removal and its rename left the
 // run's newest checkpoint, complete, in DIR.partial; every later --save DIR called it "not made by
 // pipetrain" and advised moving it away, and --resume DIR (on a first save) said only that DIR does not
