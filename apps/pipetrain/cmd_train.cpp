@@ -764,7 +764,12 @@ void adopt_checkpoint_model(TrainFlags* f, const CLI::App* cmd) {
   take_run("--steps-per-call", a, "steps_per_call", f->steps_per_call);
   if (!given("--plan")) {
     take_run("--batch-size", saved, "batch_size", f->batch_size);
-    if (!given("--schedule")) {
+    // The schedule with its virtual stages: a manifest from before they were recorded keeps the command
+    // line's schedule (its interleaved would be refused for want of a --virtual the user never gave).
+    const bool shape_recorded = saved.contains("virtual_stages") || !saved.contains("schedule") ||
+                                !saved["schedule"].is_string() ||
+                                !schedule_traits(saved["schedule"].get<std::string>()).virtual_stages;
+    if (!given("--schedule") && shape_recorded) {
       take_run("--schedule", saved, "schedule", f->pipe.schedule);
       take_run("--microbatches", saved, "microbatches", f->pipe.microbatches);
       take_run("--virtual", saved, "virtual_stages", f->pipe.virtual_stages);

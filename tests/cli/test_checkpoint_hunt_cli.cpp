@@ -234,6 +234,18 @@ TEST(CheckpointHunt, ResumeTakesTheAsynchronousSettingsAndThePrecision) {
   r = run_pipetrain(" train --resume " + (dir / "bf").string() + " --steps 3 --precision fp32" + quiet);
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("precision")) << r.out;
+  // An interleaved checkpoint from before the manifest recorded virtual stages: its schedule is not taken
+  // (without its --virtual it was refused), the command line's is, and the run resumes.
+  r = run_pipetrain(run + " --schedule interleaved --virtual 2 --stages 2 --batch-size 8 -m 4 --steps 2 --save " +
+                    (dir / "il").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  {
+    nlohmann::json m = nlohmann::json::parse(read_text(dir / "il" / "manifest.json"));
+    m["run"].erase("virtual_stages");
+    std::ofstream(dir / "il" / "manifest.json") << m.dump(2) << "\n";
+  }
+  r = run_pipetrain(" train --resume " + (dir / "il").string() + " --steps 3" + quiet);
+  EXPECT_EQ(r.code, 0) << r.out;
   fs::remove_all(dir);
 }
 
