@@ -864,12 +864,15 @@ void check_checkpoint_flags(TrainFlags* f, const CLI::App* cmd) {
       for (const auto& d : diffs) msg += "\n  " + d;
       throw UsageError(msg + "\npass the flags it was saved with (see its manifest.json), or start without --resume");
     }
-    // Synthetic data is drawn from the seed: another seed is another data set, not a continuation.
-    if (f->model.data == "synthetic" && saved.contains("seed") && saved["seed"] != nlohmann::json(f->model.seed))
-      throw UsageError("checkpoint " + f->resume + " was trained with --seed " + saved["seed"].dump() +
-                       ", and --data synthetic draws its samples from the seed: resuming with --seed " +
-                       std::to_string(f->model.seed) + " would train on other data. Pass --seed " +
-                       saved["seed"].dump() + ", or start without --resume");
+    // Synthetic data is drawn from the seed, and every data set's order and the dropout masks follow it:
+    // another seed is another training, not a continuation.
+    if (saved.contains("seed") && saved["seed"] != nlohmann::json(f->model.seed))
+      throw UsageError("checkpoint " + f->resume + " was trained with --seed " + saved["seed"].dump() + ", and " +
+                       (f->model.data == "synthetic" ? "--data synthetic draws its samples from the seed"
+                                                     : "the order of the data and the dropout masks follow the seed") +
+                       ": resuming with --seed " + std::to_string(f->model.seed) + " would train on other " +
+                       (f->model.data == "synthetic" ? "data" : "batches") + ". Pass --seed " + saved["seed"].dump() +
+                       ", or start without --resume");
     // Without --steps or --epochs, the run the checkpoint belongs to: its length (and with it the
     // learning-rate schedule's), not the default 600 steps.
     const bool length_given = cmd->get_option("--steps")->count() > 0 || cmd->get_option("--epochs")->count() > 0;

@@ -897,6 +897,9 @@ nlohmann::json read_manifest(const std::string& dir) {
       throw UsageError("checkpoint folder " + dir + " does not exist, but " + partial.string() + " holds a complete "
                        "checkpoint (a save stopped before its last rename): mv " + partial.string() + " " + dir +
                        ", then --resume " + dir);
+    if (fs::is_regular_file(d, ec))  // the manifest or a layer file given for its folder: a common slip
+      throw UsageError("checkpoint " + dir + " is a file; a checkpoint is the folder a save wrote" +
+                       (d.has_parent_path() ? ": pass " + d.parent_path().string() : std::string(": pass its folder")));
     throw UsageError("checkpoint folder " + dir + " does not exist: pass the folder a save wrote");
   }
   if (!fs::exists(fs::symlink_status(manifest_path)))

@@ -223,6 +223,10 @@ TEST(CheckpointHunt, ResumeTakesTheAsynchronousSettingsAndThePrecision) {
   r = run_pipetrain(" train --resume " + (dir / "ns").string() + " --steps 5" + quiet);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(r.has("schedule pipedream (weights: current")) << r.out;
+  // Its manifest given for the folder (a common slip) is named as a file, with the folder to pass.
+  r = run_pipetrain(" train --resume " + (dir / "ns" / "manifest.json").string() + " --steps 5" + quiet);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(r.has("is a file; a checkpoint is the folder a save wrote: pass " + (dir / "ns").string())) << r.out;
   r = run_pipetrain(" train --resume " + (dir / "ns").string() + " --steps 5 --vertical-sync" + quiet);
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(r.has("asynchronous")) << r.out;
