@@ -100,6 +100,17 @@ def _int_list(value, keyword: str) -> List[int]:
     return list(value)
 
 
+def _check_int(key: str, value) -> None:
+    """An integer keyword the extension takes as a C++ int: a bool, a float or a str, or a value past int's
+    range, raises ValueError naming it (pybind11 listed the private function's 19 positional values)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}={value!r} must be a whole number (int), got {type(value).__name__}")
+    if not -2**31 <= value < 2**31:
+        raise ValueError(f"{key}={value!r} is out of range: give a whole number below 2**31")
+
+
 # The keywords that give the stages' costs, with the command line's defaults (--cost, --comm, --profile, ...).
 _COST_DEFAULTS = {"cost": "1:1:1", "comm": 0.0, "profile": None, "balance": "time", "balance_solver": "min-max",
                   "microbatch_size": 0.0, "bandwidth": None, "latency": None, "pipedream_batch": 0}
@@ -175,6 +186,9 @@ def schedule(
     Raises ValueError (pipetrain.ScheduleError for an invalid schedule, with its grid); TypeError for a
     string where a list belongs (skips=['0:3'], not skips='0:3').
     """
+    for key, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual), ("steps", steps),
+                       ("exact_nodes", exact_nodes), ("pipedream_batch", pipedream_batch)):
+        _check_int(key, value)
     replication_list = _int_list(replication, "replication")
     skip_list = _str_list(skips, "skips")
     kw = _cost_keywords(dict(cost=cost, comm=comm, profile=profile, balance=balance, balance_solver=balance_solver,

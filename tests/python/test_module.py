@@ -701,6 +701,21 @@ class CostModelAndCostKeywords(unittest.TestCase):
             pipetrain.simulate(s, c, comm=5)
 
 
+class IntegerKeywords(unittest.TestCase):
+    """A keyword the extension takes as an int: wrong types and values past int's range raise ValueError
+    naming it (pybind11 listed a private function's positional values)."""
+
+    def test_named_in_the_error(self):
+        for kw, text in (({"stages": 2**31}, "stages=2147483648 is out of range"),
+                         ({"stages": 4.5}, "stages=4.5 must be a whole number"),
+                         ({"microbatches": 4.0}, "microbatches=4.0 must be a whole number"),
+                         ({"stages": "4"}, "stages='4' must be a whole number"),
+                         ({"stages": True}, "stages=True must be a whole number"),
+                         ({"virtual": 2**40}, "virtual=1099511627776 is out of range")):
+            with self.subTest(kw=kw), self.assertRaisesRegex(ValueError, text):
+                pipetrain.simulate("1f1b", **dict({"stages": 2, "microbatches": 4}, **kw))
+
+
 class ScheduleFieldsThatDivide(unittest.TestCase):
     """ranks and microbatches_per_step below 1 are refused when set (a 0 ended the interpreter with SIGFPE at
     the next repr or steps)."""
