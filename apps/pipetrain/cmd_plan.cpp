@@ -236,7 +236,7 @@ void note_asynchronous_schedules(const std::vector<std::string>& schedules) {
 }
 
 // The profile, read as the flags say (a PipeDream graph one state per node, at its batch size); a measured
-// transport in it sets the transfers unless --bandwidth or --latency is given.
+// transport in it sets each of the transfers' terms (bandwidth, latency) that --bandwidth/--latency do not.
 Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
   Profile prof = load_profile(f->profile);
   // A PipeDream graph file does not record the batch size it was profiled at: read at 1, its activations
@@ -254,7 +254,7 @@ Profile read_plan_profile(PlanFlags* f, const CLI::App* cmd) {
     po.planner_states = f->pipedream_states;
     prof = load_pipedream_graph(f->profile, po);
   }
-  // A profile with measured runtime costs gives the transfers (unless --bandwidth or --latency is given)
+  // A profile with measured runtime costs gives the transfers (each term --bandwidth/--latency does not)
   // and the per-action overhead (stage_costs reads it) to every candidate's simulation.
   // Each of --bandwidth and --latency not given is the profile's measured one.
   const bool bandwidth_given = cmd->get_option("--bandwidth")->count() > 0;

@@ -534,7 +534,12 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
         throw UsageError(std::string(flag) + " is for the gpt trained on a text (it generates characters at the end), "
                          "and this run trains --model " + f->model.model + " on --data " + f->model.data +
                          ": drop " + flag);
-  // Flags of an evaluation or a sample the run does not make.
+  if (f->model.data == "synthetic")  // random samples have no held-out split: these evaluated nothing
+    for (const char* flag : {"--eval-every", "--eval-samples", "--eval-batch"})
+      if (cmd->get_option(flag)->count() > 0 && !(std::string(flag) == "--eval-every" && f->eval_every == 0))
+        throw UsageError(std::string(flag) + " evaluates on the data's held-out split, and --data synthetic has no "
+                         "held-out split (nothing would be evaluated): drop " + flag + ", or train on kjv, text or fashion-mnist");
+  // Flags of an evaluation or a sample the run does not make (after the data's own refusals above).
   if (f->eval_every == 0)
     for (const char* flag : {"--eval-samples", "--eval-batch"})
       if (cmd->get_option(flag)->count() > 0)
@@ -543,11 +548,6 @@ void check_pipeline_flags(TrainFlags* f, const CLI::App* cmd) {
   if (f->sample == 0 && cmd->get_option("--temperature")->count() > 0)
     throw UsageError("--temperature shapes the sample, and --sample 0 generates none: drop --temperature, or give "
                      "--sample N");
-  if (f->model.data == "synthetic")  // random samples have no held-out split: these evaluated nothing
-    for (const char* flag : {"--eval-every", "--eval-samples", "--eval-batch"})
-      if (cmd->get_option(flag)->count() > 0 && !(std::string(flag) == "--eval-every" && f->eval_every == 0))
-        throw UsageError(std::string(flag) + " evaluates on the data's held-out split, and --data synthetic has no "
-                         "held-out split (nothing would be evaluated): drop " + flag + ", or train on kjv, text or fashion-mnist");
   f->pipe.prepare_umpipe(*cmd, f->batch_size);  // a plan's UMPIPE partitions: schedule gpipe, checked here
   // PipeDream and SpecTrain step after every micro-batch: the mini-batch (--batch-size) is the micro-batch.
   const bool one_per_step = schedule_traits(f->pipe.schedule).one_microbatch_per_step;
@@ -755,25 +755,34 @@ void adopt_checkpoint_model(TrainFlags* f, const CLI::App* cmd) {
   take_run("--momentum", o, "momentum", f->momentum);
   take_run("--precision", saved, "precision", f->pipe.precision);
   take_run("--nonfinite", saved, "nonfinite", f->nonfinite);
-  // An asynchronous run's weight policy and call length (where it drains): another is another training.
-  const nlohmann::json a = saved.value("asynchronous", nlohmann::json::object());
-  if (!given("--vertical-sync") && !given("--no-stash")) {  // one weight policy: both, or the one given
-    take_run("--vertical-sync", a, "vertical_sync", f->vertical_sync);
-    take_run("--no-stash", a, "no_stash", f->no_stash);
-  }
-  take_run("--steps-per-call", a, "steps_per_call", f->steps_per_call);
   if (!given("--plan")) {
     take_run("--batch-size", saved, "batch_size", f->batch_size);
-    // The schedule with its virtual stages: a manifest from before they were recorded keeps the command
-    // line's schedule (its interleaved would be refused for want of a --virtual the user never gave).
-    const bool shape_recorded = saved.contains("virtual_stages") || !saved.contains("schedule") ||
-                                !saved["schedule"].is_string() ||
-                                !schedule_traits(saved["schedule"].get<std::string>()).virtual_stages;
-    if (!given("--schedule") && shape_recorded) {
+    // The schedule, its micro-batches and virtual stages, where the pipeline keeps its shape (no --schedule,
+    // --stages, --replicas or --replication given: at another shape the checkpoint's interleaved or zb-v
+    // counts need not fit, and another synchronous schedule is the same training). An asynchronous
+    // schedule is its own training: it is taken whatever the shape. A manifest from before virtual stages
+    // were recorded keeps the command line's schedule (its interleaved was refused for want of a --virtual
+    // the user never gave).
+    const std::string was = saved.contains("schedule") && saved["schedule"].is_string() ? saved["schedule"].get<std::string>()
+                                                                                        : std::string();
+    const bool shape_recorded = saved.contains("virtual_stages") || was.empty() || !schedule_traits(was).virtual_stages;
+    const bool same_shape = !given("--stages") && !given("--replicas") && !given("--replication");
+    if (!given("--schedule") && !was.empty() && shape_recorded && (same_shape || is_async(was))) {
       take_run("--schedule", saved, "schedule", f->pipe.schedule);
       take_run("--microbatches", saved, "microbatches", f->pipe.microbatches);
-      take_run("--virtual", saved, "virtual_stages", f->pipe.virtual_stages);
+      if (same_shape) take_run("--virtual", saved, "virtual_stages", f->pipe.virtual_stages);
     }
+  }
+  // An asynchronous run's weight policy and call length (where it drains), when it goes on with its
+  // schedule: another is another training. (With another schedule asked for, the change is refused as
+  // such, not as a --no-stash the user never gave.)
+  const nlohmann::json a = saved.value("asynchronous", nlohmann::json::object());
+  if (saved.value("schedule", std::string()) == f->pipe.schedule && is_async(f->pipe.schedule)) {
+    if (!given("--vertical-sync") && !given("--no-stash")) {  // one weight policy: both, or the one given
+      take_run("--vertical-sync", a, "vertical_sync", f->vertical_sync);
+      take_run("--no-stash", a, "no_stash", f->no_stash);
+    }
+    take_run("--steps-per-call", a, "steps_per_call", f->steps_per_call);
   }
 }
 
@@ -853,26 +862,35 @@ void check_checkpoint_flags(TrainFlags* f, const CLI::App* cmd) {
                                                                           .value("name", std::string())}}}},
                                          {{"optimizer", {{"name", f->optimizer}}}}, {"optimizer"}))
       diffs.push_back(d);
-    {
-      // The run's length first (as below), which the recorded warm-up was resolved with.
-      const bool length_given = cmd->get_option("--steps")->count() > 0 || cmd->get_option("--epochs")->count() > 0;
-      const int total = length_given || saved.value("steps", 0) <= 0 ? std::max(f->steps, 0) : saved.value("steps", 0);
-      for (const auto& d : training_differences(saved, *f, total)) diffs.push_back(d);
-    }
     if (!diffs.empty()) {
       std::string msg = "checkpoint " + f->resume + " does not match this run:";
       for (const auto& d : diffs) msg += "\n  " + d;
       throw UsageError(msg + "\npass the flags it was saved with (see its manifest.json), or start without --resume");
     }
-    // Synthetic data is drawn from the seed, and every data set's order and the dropout masks follow it:
-    // another seed is another training, not a continuation.
-    if (saved.contains("seed") && saved["seed"] != nlohmann::json(f->model.seed))
-      throw UsageError("checkpoint " + f->resume + " was trained with --seed " + saved["seed"].dump() + ", and " +
-                       (f->model.data == "synthetic" ? "--data synthetic draws its samples from the seed"
-                                                     : "the order of the data and the dropout masks follow the seed") +
-                       ": resuming with --seed " + std::to_string(f->model.seed) + " would train on other " +
-                       (f->model.data == "synthetic" ? "data" : "batches") + ". Pass --seed " + saved["seed"].dump() +
-                       ", or start without --resume");
+    // Synthetic data is drawn from the seed: another seed is another data set, not a continuation.
+    if (f->model.data == "synthetic" && saved.contains("seed") && saved["seed"] != nlohmann::json(f->model.seed))
+      throw UsageError("checkpoint " + f->resume + " was trained with --seed " + saved["seed"].dump() +
+                       ", and --data synthetic draws its samples from the seed: resuming with --seed " +
+                       std::to_string(f->model.seed) + " would train on other data. Pass --seed " +
+                       saved["seed"].dump() + ", or start without --resume");
+    // The training's settings given otherwise than the checkpoint's (a lower learning rate after a spike,
+    // another seed's data order): the flags given win, and the run says so, once, before it starts (the
+    // settings not given are the checkpoint's, adopt_checkpoint_model).
+    {
+      const bool length_given = cmd->get_option("--steps")->count() > 0 || cmd->get_option("--epochs")->count() > 0;
+      const int total = length_given || saved.value("steps", 0) <= 0 ? std::max(f->steps, 0) : saved.value("steps", 0);
+      std::vector<std::string> changed = training_differences(saved, *f, total);
+      if (saved.contains("seed") && saved["seed"] != nlohmann::json(f->model.seed))
+        changed.push_back("seed: " + saved["seed"].dump() + " in the checkpoint, " + std::to_string(f->model.seed) +
+                          " in this run (the data order and the dropout masks follow it)");
+      const char* rank = std::getenv("RANK");
+      if (!changed.empty() && (!rank || std::string(rank) == "0")) {
+        std::string msg = "pipetrain train: note: resuming " + f->resume + " with other settings than it was trained "
+                          "with (the flags given win; those not given are the checkpoint's):";
+        for (const auto& d : changed) msg += "\n  " + d;
+        std::cerr << msg << "\n";
+      }
+    }
     // Without --steps or --epochs, the run the checkpoint belongs to: its length (and with it the
     // learning-rate schedule's), not the default 600 steps.
     const bool length_given = cmd->get_option("--steps")->count() > 0 || cmd->get_option("--epochs")->count() > 0;

@@ -16,6 +16,7 @@ ValueError) whose message carries the step x rank grid.
 `pipetrain.torch` hands a schedule to PyTorch's own pipelining runtime (torch.distributed.pipelining).
 """
 
+import operator
 import os
 import warnings
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
@@ -105,8 +106,12 @@ def _check_int(key: str, value) -> None:
     range, raises ValueError naming it (pybind11 listed the private function's 19 positional values)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key}={value!r} must be a whole number (int), got {type(value).__name__}")
+    try:  # an int, or what stands for one (numpy's integers): not a bool, float or str
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{key}={value!r} must be a whole number (int), got {type(value).__name__}") from None
     if not -2**31 <= value < 2**31:
         raise ValueError(f"{key}={value!r} is out of range: give a whole number below 2**31")
 

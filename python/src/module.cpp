@@ -675,6 +675,9 @@ Schedule schedule_from_state(const py::tuple& t) {
   s.stages = t[2].cast<int>();
   s.microbatches = t[3].cast<int>();
   s.microbatches_per_step = t[4].cast<int>();
+  if (s.ranks < 1 || s.microbatches_per_step < 1)  // as the setters refuse them (they divide)
+    throw UsageError("Schedule: pickled ranks=" + std::to_string(s.ranks) + " and microbatches_per_step=" +
+                     std::to_string(s.microbatches_per_step) + " must be >= 1");
   s.synchronous = t[5].cast<bool>();
   s.stage_rank = t[6].cast<std::vector<int>>();
   s.stage_replicas = t[7].cast<std::vector<std::vector<int>>>();
@@ -800,8 +803,17 @@ PYBIND11_MODULE(_pipetrain, m) {
       .def_property("actions", copy_of(&Schedule::actions), assign_to(&Schedule::actions),
                      "actions[r]: rank r's actions in order (a copy: assign a whole list to change it)")
       .def_property("skips", copy_of(&Schedule::skips), assign_to(&Schedule::skips), "skip routes (a copy)")
-      .def_property_readonly("steps", &Schedule::steps, "optimizer steps")
-      .def_property_readonly("virtual_stages", &Schedule::virtual_stages_per_rank, "stages per rank")
+      // Checked here too: a pickled state (or a copy) does not pass through the setters above.
+      .def_property_readonly("steps", [](const Schedule& s) {
+             if (s.microbatches_per_step < 1)
+               throw UsageError("Schedule.microbatches_per_step=" + std::to_string(s.microbatches_per_step) +
+                                " must be >= 1");
+             return s.steps();
+           }, "optimizer steps")
+      .def_property_readonly("virtual_stages", [](const Schedule& s) {
+             if (s.ranks < 1) throw UsageError("Schedule.ranks=" + std::to_string(s.ranks) + " must be >= 1");
+             return s.virtual_stages_per_rank();
+           }, "stages per rank")
       .def("rank_of", [](const Schedule& s, int stage) {
              if (stage < 0 || stage >= static_cast<int>(s.stage_rank.size()))
                throw py::index_error("rank_of(stage=" + std::to_string(stage) + "): the schedule's stages are 0.." +
@@ -837,7 +849,8 @@ PYBIND11_MODULE(_pipetrain, m) {
       })
       .def("__repr__", [](const Schedule& s) {
         return "<pipetrain.Schedule " + s.name + " p=" + std::to_string(s.ranks) + " stages=" + std::to_string(s.stages) +
-               " m=" + std::to_string(s.microbatches_per_step) + " steps=" + std::to_string(s.steps()) + ">";
+               " m=" + std::to_string(s.microbatches_per_step) + " steps=" +
+               (s.microbatches_per_step >= 1 ? std::to_string(s.steps()) : std::string("?")) + ">";
       })
       .def(py::self == py::self)
       // Copies and pickles carry the instance's attributes (built_with) along with the schedule.

@@ -1057,19 +1057,52 @@ void load_checkpoint(PipelineRank& rank, const std::string& dir) {
   for (int layer : rank.local_layers()) {
     std::map<std::string, torch::Tensor> saved;
     for (auto& [name, t] : layer_state_of(layer)) saved.emplace(name, t);
+    const std::string at = "layer " + std::to_string(layer);
+    auto same = [&](const std::string& name, const torch::Tensor& got, const torch::Tensor& like) {
+      if (got.scalar_type() != like.scalar_type())
+        throw UsageError(at + " tensor '" + name + "' is " + c10::toString(got.scalar_type()) + " in the checkpoint but " +
+                         c10::toString(like.scalar_type()) + " in the model: convert it, or build the model with that type");
+      if (got.sizes() != like.sizes())
+        throw UsageError(at + " tensor '" + name + "' has shape " + c10::str(got.sizes()) + " in the checkpoint but " +
+                         c10::str(like.sizes()) + " in the model");
+    };
+    // The model's parameters and buffers (a tied member stored elsewhere has the shape of its source).
+    std::map<std::string, torch::Tensor> params;  // parameter key -> the model's tensor (or the source's)
+    std::set<std::string> buffers;
     for (const auto& [name, now] : rank.layer_state(layer)) {
-      if (name.rfind("param/", 0) != 0) continue;
+      const bool param = name.rfind("param/", 0) == 0, buffer = name.rfind("buffer/", 0) == 0;
+      if (!param && !buffer) continue;
       const auto it = saved.find(name);
-      if (it == saved.end())
-        throw UsageError("layer " + std::to_string(layer) + " has no tensor '" + name + "' in the checkpoint");
-      if (it->second.scalar_type() != now.scalar_type())
-        throw UsageError("layer " + std::to_string(layer) + " tensor '" + name + "' is " +
-                         c10::toString(it->second.scalar_type()) + " in the checkpoint but " +
-                         c10::toString(now.scalar_type()) + " in the model: convert it, or build the model with that type");
-      if (it->second.sizes() != now.sizes())
-        throw UsageError("layer " + std::to_string(layer) + " tensor '" + name + "' has shape " +
-                         c10::str(it->second.sizes()) + " in the checkpoint but " + c10::str(now.sizes()) +
-                         " in the model");
+      if (it == saved.end()) throw UsageError(at + " has no tensor '" + name + "' in the checkpoint");
+      same(name, it->second, now);
+      if (param) params[name.substr(6)] = now;
+      if (buffer) buffers.insert(name);
+    }
+    for (const auto& [name, source] : rank.tied_sources(layer)) {
+      const auto it = saved.find("param/" + name);
+      if (it != saved.end()) params[name] = it->second;
+    }
+    // Every other entry is optimizer state of one of those parameters, shaped like it: anything else is
+    // refused here, before a tensor is loaded (load_layer_state refused it after copying the parameters).
+    for (const auto& [name, t] : saved) {
+      if (name.rfind("param/", 0) == 0 || name.rfind("buffer/", 0) == 0) {
+        if (name.rfind("param/", 0) == 0 ? !params.count(name.substr(6)) : !buffers.count(name))
+          throw UsageError(at + " checkpoint holds '" + name + "', which this model does not have: was it saved "
+                           "with another model?");
+        continue;
+      }
+      const std::size_t slash = name.rfind('/');
+      const std::string param = name.rfind("optim/", 0) == 0 && slash > 6 ? name.substr(6, slash - 6) : std::string();
+      const std::string kind = slash == std::string::npos ? std::string() : name.substr(slash + 1);
+      if (param.empty() || !params.count(param) ||
+          (kind != "step" && kind != "exp_avg" && kind != "exp_avg_sq" && kind != "momentum_buffer"))
+        throw UsageError(at + " checkpoint holds '" + name + "', which this model and optimizer do not have: was it "
+                         "saved with another model or optimizer?");
+      if (kind != "step") same(name, t, params[param]);
+      if (kind == "step")
+        for (const char* part : {"exp_avg", "exp_avg_sq"})
+          if (!saved.count("optim/" + param + "/" + part))
+            throw UsageError(at + " has no tensor 'optim/" + param + "/" + part + "' in the checkpoint");
     }
   }
   for (int layer : rank.local_layers()) rank.load_layer_state(layer, layer_state_of(layer));

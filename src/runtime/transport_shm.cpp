@@ -505,7 +505,9 @@ void ShmTransport::create_or_open_segment(milliseconds join_timeout) {
     // The segment is made once every rank has joined the store: a rank 0 interrupted while it waits for
     // the others (Ctrl-C on a hand-started rank whose peers never came) then leaves nothing in /dev/shm,
     // where a segment made at once stayed there, its name held by no one.
-    for (int r = 1; r < world_; ++r) store_->get(phase_key(r));
+    std::vector<std::string> joined;
+    for (int r = 1; r < world_; ++r) joined.push_back(phase_key(r));
+    store_->wait(joined);  // one wait for all, within the rendezvous timeout
     const int64_t ring = choose_ring_bytes(world_);
     layout_ = Layout(world_, ring);
     const std::string prefix = getenv_string("PIPETRAIN_SHM_PREFIX").value_or("pipetrain-shm");

@@ -46,6 +46,11 @@ std::string profile_json(const std::string& forward_ms) {
 void write_fixtures(const fs::path& d) {
   auto put = [&](const std::string& name, const std::string& text) { std::ofstream(d / name, std::ios::binary) << text; };
   put("profile.json", profile_json("1"));
+  {  // a text long enough to hold out one window at the default 10% (--seq-len 16)
+    std::string text;
+    for (int i = 0; i < 40; ++i) text += "the quick brown fox jumps over the lazy dog\n";
+    put("words.txt", text);
+  }
   put("prof_1e309.json", profile_json("1e309"));
   put("prof_negative.json", profile_json("-1"));
   const std::string chain = node(1, "Linear(1)") + node(2, "ReLU()") + node(3, "Linear(2)");
@@ -101,7 +106,8 @@ const std::vector<Row> kRows = {
     {"train --model cnn --blocks 3", {"--blocks 3", "--model resnet"}},
     {"train --data synthetic --eval-every 5", {"--eval-every", "no held-out split"}},
     {"train --data synthetic --eval-samples 64", {"--eval-samples", "no held-out split"}},
-    {"train --data synthetic --eval-every 0 --eval-batch 4", {"--eval-batch", "--eval-every 0 makes none"}},
+    {"train --text {d}/words.txt --seq-len 16 --eval-every 0 --eval-batch 4", {"--eval-batch", "--eval-every 0 makes none"}},
+    {"train --text {d}/words.txt --seq-len 16 --sample 0 --temperature 0.5", {"--temperature", "--sample 0 generates none"}},
     {"profile --model unet", {"--balance uniform, the default, or parameters", "the unet's layers pass its skips"}},
     {"profile --variable-length", {"cannot measure this model", "padding mask"}},
     {"train --data synthetic --sample 50", {"--sample", "generates characters", "--data synthetic"}},

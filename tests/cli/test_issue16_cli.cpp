@@ -40,7 +40,12 @@ TEST(Issue16Cli, EvalEveryZeroMeansNoEvaluation) {
   const auto on = run_pipetrain(base + "--eval-every 2");
   ASSERT_EQ(on.code, 0) << on.out;
   EXPECT_TRUE(on.has("eval at step 2")) << on.out;
-  const auto off = run_pipetrain(base + "--eval-every 0");  // was: the default, ten evaluations
+  // --eval-samples with --eval-every 0 would do nothing: refused (2026-11-28), so the run without it.
+  const auto refused = run_pipetrain(base + "--eval-every 0");
+  EXPECT_EQ(refused.code, 2) << refused.out;
+  EXPECT_TRUE(refused.has("--eval-every 0 makes none")) << refused.out;
+  const auto off = run_pipetrain("train --transport local --model mlp --stages 2 --steps 4 --progress lines "
+                                 "--eval-every 0");  // was: the default, ten evaluations
   ASSERT_EQ(off.code, 0) << off.out;
   EXPECT_FALSE(off.has("eval at step")) << off.out;
   EXPECT_FALSE(off.has("held-out:")) << off.out;

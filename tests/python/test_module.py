@@ -715,6 +715,26 @@ class IntegerKeywords(unittest.TestCase):
             with self.subTest(kw=kw), self.assertRaisesRegex(ValueError, text):
                 pipetrain.simulate("1f1b", **dict({"stages": 2, "microbatches": 4}, **kw))
 
+    def test_what_stands_for_an_int_is_taken(self):
+        class Index:  # as numpy's integers: __index__, not an int
+            def __init__(self, v):
+                self.v = v
+
+            def __index__(self):
+                return self.v
+        self.assertEqual(pipetrain.simulate("1f1b", stages=Index(2), microbatches=Index(4)).makespan,
+                         pipetrain.simulate("1f1b", stages=2, microbatches=4).makespan)
+
+    def test_a_pickled_zero_is_refused(self):
+        s = pipetrain.schedule("1f1b", stages=2, microbatches=4)
+        state, extra = s.__getstate__()
+        state = list(state)
+        state[4] = 0  # microbatches_per_step
+        t = pipetrain.Schedule.__new__(pipetrain.Schedule)
+        with self.assertRaisesRegex(ValueError, "microbatches_per_step=0 must be >= 1"):
+            t.__setstate__((tuple(state), extra))
+
+
 
 class ScheduleFieldsThatDivide(unittest.TestCase):
     """ranks and microbatches_per_step below 1 are refused when set (a 0 ended the interpreter with SIGFPE at
