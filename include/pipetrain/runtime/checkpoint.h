@@ -104,9 +104,11 @@ nlohmann::json read_checkpoint(const std::string& dir);
 // Loads the layers this rank holds and the step from a checkpoint: the manifest is checked, and each
 // layer file this rank reads is checked (size, CRC-32) before it is used; the others are not read.
 // Throws UsageError when the layer count or a tensor's name or shape does not match the model. Every
-// file and parameter of this rank is checked before any is loaded, so a refusal leaves this rank's
-// weights, optimizer state and step as they were. Ranks load on their own: where one rank refuses and
-// others loaded, treat the load as failed on all of them (pipetrain train and Trainer stop the run).
+// file of this rank, and each entry's name, type and shape (parameters, buffers, optimizer state), is
+// checked before any is loaded, so such a refusal leaves this rank as it was; state of another optimizer
+// than the rank's (Adam's in an SGD rank) is found only while loading: compare the manifest's run first,
+// as pipetrain train does. Ranks load on their own: where one rank refuses and others loaded, treat the
+// load as failed on all of them (pipetrain train and Trainer stop the run).
 void load_checkpoint(PipelineRank& rank, const std::string& dir);
 
 // Where two run descriptions differ under the given top-level keys, one line each, e.g.
