@@ -786,9 +786,11 @@ void adopt_checkpoint_model(TrainFlags* f, const CLI::App* cmd) {
   }
 }
 
-// The flags of a resumed run that would train something else than the checkpoint's run: its optimizer's
-// settings, its mini-batch, and its kind of schedule (synchronous, or which asynchronous one; the
-// pipeline's shape may change). One line per difference, as run_differences writes them.
+// Where a resumed run's training settings differ from its checkpoint's (given otherwise: they win, and
+// check_checkpoint_flags names them in a note): the optimizer's settings, the mini-batch, the precision
+// and non-finite policy, an asynchronous run's weight policy, and the kind of schedule (synchronous, or
+// which asynchronous one; a synchronous schedule may change to another). One line per difference, as
+// run_differences writes them.
 std::vector<std::string> training_differences(const nlohmann::json& saved, const TrainFlags& f, int total_steps) {
   const nlohmann::json now = run_json(f, total_steps);
   std::vector<std::string> out;
@@ -816,7 +818,7 @@ std::vector<std::string> training_differences(const nlohmann::json& saved, const
     if ((is_async(was) || is_async(f.pipe.schedule)) && was != f.pipe.schedule)
       out.push_back("schedule: " + was + " in the checkpoint, " + f.pipe.schedule + " in this run (" +
                     (is_async(was) ? was + " trains asynchronously" : f.pipe.schedule + " trains asynchronously") +
-                    ": another training, not a continuation; a synchronous schedule may change to another)");
+                    ": it trains on differently from here)");
   }
   return out;
 }
